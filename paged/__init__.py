@@ -1,0 +1,1 @@
+"""PagedAttention backend: block pool, block tables, copy-on-write, paged kernels."""

@@ -1,0 +1,1 @@
+"""Paged attention kernels: torch gather reference, Triton, flash-attn and FlashInfer adapters."""

@@ -1,0 +1,1 @@
+"""vAttention-style backend: contiguous virtual KV tensors, physical pages mapped on demand."""
