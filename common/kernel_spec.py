@@ -48,14 +48,22 @@ class KernelDecl:
     package: str | None = None       # importable module the kernel needs
     description: str = ""
     check: Callable[[AttentionSpec], list[str]] = lambda spec: []
+    # rules that hold in one phase only (e.g. a decode-only API limit); `phase` is "prefill" or "decode"
+    phase_check: Callable[[AttentionSpec, str], list[str]] = lambda spec, phase: []
+    # how to tell whether `package` is importable; None asks importlib (a study may simulate other machines)
+    installed: Callable[[str], bool] | None = None
 
-    def reasons_against(self, spec: AttentionSpec) -> list[str]:
+    def reasons_against(self, spec: AttentionSpec, phase: str | None = None) -> list[str]:
+        """Why this kernel cannot run `spec` (empty if it can); with `phase`, phase-specific rules too."""
         reasons = []
         if spec.layout != self.layout:
             reasons.append(f"layout {spec.layout} (kernel needs {self.layout})")
-        if self.package and not package_available(self.package):
+        if self.package and not (self.installed or package_available)(self.package):
             reasons.append(f"ImportError: package {self.package!r} is not installed")
-        return reasons + self.check(spec)
+        reasons += self.check(spec)
+        if phase is not None:
+            reasons += self.phase_check(spec, phase)
+        return reasons
 
     def load(self) -> Callable[..., torch.Tensor]:
         module, func = self.impl.split(":")
@@ -80,6 +88,7 @@ class KernelDispatcher:
     spec: AttentionSpec
     candidates: dict[str, list[KernelDecl]]
     refusals: list[Refusal] = field(default_factory=list)
+    displaced: dict[str, list[str]] = field(default_factory=dict)  # per phase: refused kernels ranked higher
     runtime_fallbacks: list[dict[str, str]] = field(default_factory=list)
     calls: dict[str, int] = field(default_factory=dict)
     _impls: dict[str, Callable[..., torch.Tensor]] = field(default_factory=dict)
@@ -90,8 +99,8 @@ class KernelDispatcher:
     def run(self, phase: str, q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
         while True:
             decl = self.candidates[phase][0]
-            fn = self._impls.get(decl.name) or self._impls.setdefault(decl.name, decl.load())
-            try:
+            try:  # an implementation that cannot even be imported (ABI mismatch, no module) falls back too
+                fn = self._impls.get(decl.name) or self._impls.setdefault(decl.name, decl.load())
                 out = fn(q, k_cache, v_cache, meta, scale)
             except Exception as exc:  # noqa: BLE001 - any kernel failure falls back, never silently
                 self._fall_back(phase, decl, exc)
@@ -114,6 +123,7 @@ class KernelDispatcher:
         return {
             "kernels": {phase: self.chosen(phase) for phase in self.candidates},
             "refused": [{"kernel": r.kernel, "phase": r.phase, "reasons": r.reasons} for r in self.refusals],
+            "displaced": {phase: list(names) for phase, names in self.displaced.items()},
             "runtime_fallbacks": list(self.runtime_fallbacks),
             "calls": dict(self.calls),
         }
@@ -129,25 +139,31 @@ def build_dispatcher(spec: AttentionSpec, registry: list[KernelDecl], priority: 
     ordered = [by_name[n] for n in priority if n in by_name]
     candidates: dict[str, list[KernelDecl]] = {}
     refusals: list[Refusal] = []
+    displaced: dict[str, list[str]] = {}
     for phase in PHASES:
         valid = []
+        displaced[phase] = []
         for decl in ordered:
             if phase not in decl.phases:
                 continue
-            reasons = decl.reasons_against(spec)
+            reasons = decl.reasons_against(spec, phase)
             if reasons:
                 refusals.append(Refusal(decl.name, phase, reasons))
+                if not valid:
+                    displaced[phase].append(decl.name)
             else:
                 valid.append(decl)
         if choice != "auto" and phase in by_name[choice].phases:
-            bad = by_name[choice].reasons_against(spec)
+            bad = by_name[choice].reasons_against(spec, phase)
             if bad:
-                raise KernelUnavailable(f"kernel {choice!r} cannot run this configuration: {'; '.join(bad)}")
+                raise KernelUnavailable(f"kernel {choice!r} cannot run {phase} for this configuration: "
+                                        f"{'; '.join(bad)}")
             valid = [by_name[choice]] + [d for d in valid if d.name != choice]
+            displaced[phase] = []  # the user's choice displaces nothing
         if not valid:
             why = "; ".join(f"{r.kernel}: {', '.join(r.reasons)}" for r in refusals if r.phase == phase)
             raise KernelUnavailable(f"no attention kernel can run {phase} for {spec}: {why}")
         candidates[phase] = valid
     for r in refusals:
         log.info("kernel %s refused for %s: %s", r.kernel, r.phase, "; ".join(r.reasons))
-    return KernelDispatcher(spec, candidates, refusals)
+    return KernelDispatcher(spec, candidates, refusals, displaced)

@@ -1,0 +1,395 @@
+"""The kernel registry against the libraries' rules; the auto order, explicit choices, run-time fallback."""
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from common.errors import KernelUnavailable
+from common.kernel_spec import AttentionSpec, KernelDecl, build_dispatcher
+from common.kernels import (
+    CAUSES,
+    PRIORITY,
+    REGISTRY,
+    Environment,
+    decide,
+    kernel_head_dim,
+    make_dispatcher,
+    priority,
+    reason_cause,
+    registry,
+    simulated,
+)
+
+ALL_PACKAGES = frozenset({"flash_attn", "flashinfer", "triton", "torch.nn.attention.flex_attention"})
+EVERYTHING = Environment(ALL_PACKAGES, triton_interpret=True)   # rules only: every package present
+H200 = (9, 0)
+
+
+def spec(layout="paged", device="cuda", dtype="bfloat16", head_dim=128, q_heads=8, kv_heads=2, block=256,
+         cc=H200) -> AttentionSpec:
+    return AttentionSpec(layout, device, dtype, head_dim, q_heads, kv_heads,
+                         block if layout == "paged" else None, cc if device.startswith("cuda") else None)
+
+
+def reasons(kernel: str, s: AttentionSpec, phase: str = "decode", env: Environment = EVERYTHING) -> list[str]:
+    decl = next(d for d in registry(env) if d.name == kernel)
+    return decl.reasons_against(s, phase)
+
+
+# (kernel, spec overrides, phase, expected: None = accepted, else a substring of one reason)
+RULES = [
+    # upstream flash-attn 2, paged (gpu-apis.md §3)
+    ("flash_attn_paged", {}, "decode", None),
+    ("flash_attn_paged", {"block": 512}, "decode", None),
+    ("flash_attn_paged", {"block": 16}, "decode",
+     "block_size 16 not supported: page size must be a multiple of 256"),
+    ("flash_attn_paged", {"block": 128}, "prefill", "block_size 128 not supported"),
+    ("flash_attn_paged", {"head_dim": 80}, "decode", None),                   # padded to the d=96 kernel
+    ("flash_attn_paged", {"head_dim": 80}, "prefill", None),                  # 80 % 8 == 0: varlen takes it
+    ("flash_attn_paged", {"head_dim": 100}, "decode", None),                  # with_kvcache pads
+    ("flash_attn_paged", {"head_dim": 100}, "prefill", "head_size 100 not supported in prefill"),
+    ("flash_attn_paged", {"head_dim": 264}, "decode",
+     "head_size 264 not supported (flash-attn: head_dim <= 256)"),
+    ("flash_attn_paged", {"dtype": "float32"}, "decode", "dtype float32 not supported"),
+    ("flash_attn_paged", {"dtype": "float16"}, "decode", None),
+    ("flash_attn_paged", {"cc": (7, 5)}, "decode", "compute capability 7.5 < 8.0"),
+    ("flash_attn_paged", {"device": "cpu"}, "decode", "device cpu not supported"),
+    ("flash_attn_paged", {"q_heads": 10, "kv_heads": 4}, "decode", "not divisible by num_kv_heads 4"),
+    ("flash_attn_paged", {"q_heads": 14, "kv_heads": 2}, "decode", None),      # any GQA ratio (7)
+    ("flash_attn_paged", {"layout": "contiguous"}, "decode", "layout contiguous (kernel needs paged)"),
+    # flash-attn 2, contiguous with_kvcache (vAttention's path)
+    ("flash_attn_contiguous", {"layout": "contiguous", "head_dim": 80}, "prefill", None),
+    ("flash_attn_contiguous", {"layout": "contiguous", "head_dim": 100}, "prefill", None),
+    ("flash_attn_contiguous", {"layout": "contiguous", "dtype": "float32"}, "decode", "dtype float32"),
+    ("flash_attn_contiguous", {"layout": "contiguous", "device": "cpu"}, "decode", "device cpu"),
+    # FlashInfer (§5)
+    ("flashinfer_paged", {"block": 16}, "decode", None),
+    ("flashinfer_paged", {"block": 1}, "prefill", None),                      # any page size
+    ("flashinfer_paged", {"head_dim": 64}, "decode", None),
+    ("flashinfer_paged", {"head_dim": 256}, "decode", None),
+    ("flashinfer_paged", {"head_dim": 80}, "decode",
+     "head_size 80 not supported (flashinfer: head dims 64, 128, 256)"),
+    ("flashinfer_paged", {"head_dim": 96}, "prefill", "head_size 96 not supported"),
+    ("flashinfer_paged", {"dtype": "float32"}, "decode", "dtype float32 not supported"),
+    # the CUDA-core decode kernel has groups {1, 2, 3, 4, 6, 8} only, but kvlab's adapter decodes groups
+    # 5 and 7 on tensor cores (use_tensor_cores=True), as vLLM does: not a refusal
+    ("flashinfer_paged", {"q_heads": 10, "kv_heads": 2}, "decode", None),
+    ("flashinfer_paged", {"q_heads": 14, "kv_heads": 2}, "decode", None),
+    ("flashinfer_paged", {"q_heads": 6, "kv_heads": 2}, "decode", None),       # group 3 (SmolLM2)
+    ("flashinfer_paged", {"q_heads": 10, "kv_heads": 4}, "prefill", "not divisible by num_kv_heads 4"),
+    ("flashinfer_paged", {"cc": (12, 2)}, "decode", "compute capability 12.2 > 12.1"),
+    ("flashinfer_paged", {"cc": (7, 5)}, "decode", "compute capability 7.5 < 8.0"),
+    ("flashinfer_paged", {"cc": (12, 0)}, "decode", None),
+    # kvlab's Triton kernel
+    ("triton_paged", {"dtype": "float32", "block": 1, "head_dim": 72}, "decode", None),
+    ("triton_paged", {"block": 8, "head_dim": 100}, "prefill", None),
+    ("triton_paged", {"q_heads": 10, "kv_heads": 2}, "decode", None),
+    ("triton_paged", {"cc": (7, 5)}, "decode", "compute capability 7.5 < 8.0"),
+    ("triton_paged", {"device": "cpu", "dtype": "float32"}, "decode", None),   # EVERYTHING interprets
+    # torch FlexAttention paged
+    ("flex_paged", {"block": 128, "dtype": "float32", "head_dim": 100}, "decode", None),
+    ("flex_paged", {"block": 256}, "prefill", None),
+    ("flex_paged", {"block": 16}, "decode", None),     # kvlab's mask_mod maps slots: any block size
+    ("flex_paged", {"block": 1, "cc": (7, 5)}, "decode", "compute capability 7.5 < 8.0"),
+    ("flex_paged", {"device": "cpu", "block": 128}, "decode", "device cpu not supported"),
+    # torch kernels take everything
+    ("torch_paged", {"device": "cpu", "dtype": "float32", "block": 1, "head_dim": 100}, "prefill", None),
+    ("torch_paged", {"dtype": "float16", "block": 7, "head_dim": 20, "cc": (7, 0)}, "decode", None),
+    ("torch_sdpa_contiguous", {"layout": "contiguous", "device": "cpu", "dtype": "float32", "head_dim": 72},
+     "decode", None),
+    ("torch_sdpa_contiguous", {"layout": "contiguous", "q_heads": 10, "kv_heads": 4}, "decode",
+     "GQA: num_q_heads 10 not divisible by num_kv_heads 4"),
+]
+
+
+def rule_id(kernel: str, overrides: dict, phase: str) -> str:
+    return "-".join([kernel, *(f"{a}={b}" for a, b in overrides.items()), phase])
+
+
+@pytest.mark.parametrize("kernel,overrides,phase,expected", RULES, ids=[rule_id(*r[:3]) for r in RULES])
+def test_rule(kernel, overrides, phase, expected):
+    got = reasons(kernel, spec(**overrides), phase)
+    if expected is None:
+        assert got == []
+    else:
+        assert any(expected in r for r in got), got
+
+
+def test_every_reason_belongs_to_a_known_cause():
+    assert reason_cause("ImportError: package 'x' is not installed") == "package"
+    seen = set()
+    for kernel, overrides, phase, _ in RULES:
+        for r in reasons(kernel, spec(**overrides), phase):
+            seen.add(reason_cause(r))
+    assert "other" not in seen and seen <= set(CAUSES)
+    assert {"dtype", "head_dim", "block_size", "compute_capability", "device", "gqa", "layout"} <= seen
+
+
+def test_missing_package_is_a_reason():
+    bare = Environment(packages=frozenset(), triton_interpret=True)
+    assert reasons("flash_attn_paged", spec(), env=bare) == [
+        "ImportError: package 'flash_attn' is not installed"]
+    assert "ImportError: package 'flashinfer' is not installed" in reasons("flashinfer_paged", spec(),
+                                                                           env=bare)
+    assert reasons("torch_paged", spec(), env=bare) == []
+
+
+def test_triton_on_cpu_needs_the_interpreter():
+    off = Environment(ALL_PACKAGES, triton_interpret=False)
+    s = spec(device="cpu", dtype="float32")
+    assert reasons("triton_paged", s, env=off) == [
+        "device cpu needs TRITON_INTERPRET=1 (Triton has no CPU backend; the interpreter is slow)"]
+    assert reasons("triton_paged", s, env=EVERYTHING) == []
+
+
+def test_live_environment_reads_this_process(monkeypatch):
+    here = Environment()
+    assert here.installed("torch") and not here.installed("surely_not_a_kvlab_package")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not here.interpreting_triton()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert here.interpreting_triton()
+    assert simulated("flash_attn").installed("flash_attn")
+
+
+@pytest.mark.parametrize("decl", REGISTRY, ids=[d.name for d in REGISTRY])
+def test_every_implementation_path_resolves(decl):
+    """The adapters import their library lazily, so their modules load even without flash-attn/FlashInfer."""
+    assert callable(decl.load())
+
+
+# -- the auto order ------------------------------------------------------------------------------------------
+def test_priority_per_device():
+    assert priority("cuda", "paged") == ["flash_attn_paged", "flashinfer_paged", "triton_paged", "flex_paged",
+                                         "torch_paged"]
+    assert priority("cuda:1", "contiguous") == ["flash_attn_contiguous", "torch_sdpa_contiguous"]
+    assert priority("cpu", "paged") == ["torch_paged", "triton_paged"]
+    assert priority("cpu", "contiguous") == ["torch_sdpa_contiguous"]
+    names = {d.name for d in REGISTRY}
+    assert all(set(order) <= names for order in PRIORITY.values())
+    with pytest.raises(KernelUnavailable, match="no attention kernels for device 'mps'"):
+        priority("mps", "paged")
+
+
+@pytest.mark.parametrize("overrides,env,kernel,displaced", [
+    ({}, EVERYTHING, "flash_attn_paged", []),
+    ({"block": 16}, EVERYTHING, "flashinfer_paged", ["flash_attn_paged"]),
+    ({"block": 16, "head_dim": 80}, EVERYTHING, "triton_paged", ["flash_attn_paged", "flashinfer_paged"]),
+    ({"dtype": "float32"}, EVERYTHING, "triton_paged", ["flash_attn_paged", "flashinfer_paged"]),
+    ({"cc": (7, 5)}, EVERYTHING, "torch_paged",
+     ["flash_attn_paged", "flashinfer_paged", "triton_paged", "flex_paged"]),
+    ({}, Environment(frozenset({"triton"})), "triton_paged", ["flash_attn_paged", "flashinfer_paged"]),
+    ({"device": "cpu"}, EVERYTHING, "torch_paged", []),
+    ({"device": "cpu", "dtype": "float32", "block": 1}, Environment(frozenset(), False), "torch_paged", []),
+    ({"layout": "contiguous"}, EVERYTHING, "flash_attn_contiguous", []),
+    ({"layout": "contiguous", "dtype": "float32"}, EVERYTHING, "torch_sdpa_contiguous",
+     ["flash_attn_contiguous"]),
+    ({"layout": "contiguous", "device": "cpu"}, EVERYTHING, "torch_sdpa_contiguous", []),
+])
+def test_auto_takes_the_first_valid_kernel(overrides, env, kernel, displaced):
+    d = decide(spec(**overrides), env=env)
+    assert d.phases["decode"].kernel == kernel
+    assert [r.kernel for r in d.phases["decode"].displaced] == displaced
+    assert all(r.reasons for r in d.phases["decode"].displaced)
+
+
+def test_auto_candidates_keep_priority_order_for_runtime_fallback():
+    d = decide(spec(), env=EVERYTHING)
+    assert d.phases["prefill"].candidates == priority("cuda", "paged")
+    cpu = decide(spec(device="cpu", dtype="float32"), env=EVERYTHING)
+    assert cpu.phases["decode"].candidates == ["torch_paged", "triton_paged"]
+    off = decide(spec(device="cpu", dtype="float32"), env=Environment(ALL_PACKAGES, False))
+    assert off.phases["decode"].candidates == ["torch_paged"]
+    assert [(r.kernel, r.phase) for r in off.refusals] == [("triton_paged", "prefill"),
+                                                           ("triton_paged", "decode")]
+
+
+def test_phases_can_differ():
+    d = decide(spec(head_dim=100), env=EVERYTHING)
+    assert d.phases["decode"].kernel == "flash_attn_paged"
+    assert d.phases["prefill"].kernel == "triton_paged"
+
+
+def test_device_index_and_capability_resolved():
+    d = decide(spec(device="cuda:1"), env=EVERYTHING)
+    assert d.spec.device == "cuda" and d.spec.compute_capability == H200
+
+
+def test_decide_imports_no_kernel_implementation():
+    code = ("import sys\n"
+            "from common.kernel_spec import AttentionSpec\n"
+            "from common.kernels import decide, simulated\n"
+            "s = AttentionSpec('paged', 'cuda', 'bfloat16', 128, 8, 2, 16, (9, 0))\n"
+            "print(decide(s, env=simulated('flash_attn', 'flashinfer')).phases['decode'].kernel)\n"
+            "print(decide(AttentionSpec('contiguous', 'cpu', 'float32', 64, 4, 2)).phases['decode'].kernel)\n"
+            "impls = ('paged.kernels.', 'vmm.', 'flash_attn', 'flashinfer')\n"
+            "print([m for m in sys.modules if m.startswith(impls)])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = done.stdout.split("\n")
+    assert out[:3] == ["flashinfer_paged", "torch_sdpa_contiguous", "[]"]
+
+
+# -- explicit choices ----------------------------------------------------------------------------------------
+def test_explicit_kernel_that_cannot_run_lists_the_reasons():
+    with pytest.raises(KernelUnavailable) as e:
+        make_dispatcher(spec(dtype="float32", block=16), "flash_attn_paged", env=EVERYTHING)
+    msg = str(e.value)
+    assert "'flash_attn_paged' cannot run" in msg and "dtype float32 not supported" in msg
+    assert "block_size 16 not supported" in msg and "\n" not in msg
+
+
+def test_explicit_kernel_missing_package():
+    with pytest.raises(KernelUnavailable, match="ImportError: package 'flashinfer' is not installed"):
+        make_dispatcher(spec(), "flashinfer_paged", env=Environment(frozenset()))
+
+
+def test_explicit_phase_rule_error_names_the_phase():
+    with pytest.raises(KernelUnavailable, match="cannot run prefill .*head_size 100 not supported in"):
+        make_dispatcher(spec(head_dim=100), "flash_attn_paged", env=EVERYTHING)
+
+
+def test_unknown_kernel():
+    with pytest.raises(KernelUnavailable, match="unknown kernel 'flash3'; known kernels: .*torch_paged"):
+        make_dispatcher(spec(), "flash3")
+
+
+def test_explicit_kernel_displaces_nothing_and_keeps_fallbacks():
+    d = make_dispatcher(spec(), "torch_paged", env=EVERYTHING)
+    assert d.chosen("decode") == "torch_paged" and d.displaced == {"prefill": [], "decode": []}
+    assert [k.name for k in d.candidates["decode"]][1:] == ["flash_attn_paged", "flashinfer_paged",
+                                                             "triton_paged", "flex_paged"]
+    cpu = make_dispatcher(spec(device="cpu", dtype="float32"), "triton_paged", env=EVERYTHING)
+    assert cpu.chosen("prefill") == "triton_paged"
+
+
+def test_displacement_is_warned_once_with_reasons(caplog):
+    with caplog.at_level(logging.WARNING, logger="kvlab.kernels"):
+        d = make_dispatcher(spec(block=16, head_dim=80), env=EVERYTHING)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2   # one per phase
+    assert all("uses triton_paged instead of flash_attn_paged" in w and "head_size 80 not supported" in w
+               for w in warnings)
+    assert d.report()["displaced"] == {"prefill": ["flash_attn_paged", "flashinfer_paged"],
+                                       "decode": ["flash_attn_paged", "flashinfer_paged"]}
+
+
+# -- run-time fallback and the report ------------------------------------------------------------------------
+def raising_kernel(q, k_cache, v_cache, meta, scale):
+    raise RuntimeError("Paged KV cache block size must be divisible by 256\nsecond line")
+
+
+def paged_case():
+    from experiments.fallback_timing import Shape, build_case
+    s = AttentionSpec("paged", "cpu", "float32", 32, 4, 2, 4)
+    return s, build_case(s, Shape(batch=3, context=10, query=1))
+
+
+def test_runtime_failure_falls_back_logged_once_and_counted(caplog):
+    s, case = paged_case()
+    broken = KernelDecl("broken_paged", "paged", f"{__name__}:raising_kernel")
+    torch_paged = next(d for d in REGISTRY if d.name == "torch_paged")
+    d = build_dispatcher(s, [broken, torch_paged], ["broken_paged", "torch_paged"])
+    assert d.chosen("decode") == "broken_paged"
+    with caplog.at_level(logging.WARNING, logger="kvlab.kernels"):
+        for _ in range(3):
+            out = d.run("decode", case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    torch.testing.assert_close(out, case.expected, atol=1e-5, rtol=1e-5)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "broken_paged failed in decode" in warnings[0]
+    report = d.report()
+    assert report["runtime_fallbacks"] == [{
+        "phase": "decode", "kernel": "broken_paged", "fallback": "torch_paged",
+        "reason": "RuntimeError: Paged KV cache block size must be divisible by 256"}]
+    assert report["calls"] == {"torch_paged": 3}
+    assert report["kernels"] == {"prefill": "broken_paged", "decode": "torch_paged"}
+
+
+def test_an_implementation_that_cannot_be_imported_falls_back():
+    s, case = paged_case()
+    missing = KernelDecl("missing_paged", "paged", "paged.kernels.no_such_module:attention")
+    torch_paged = next(d for d in REGISTRY if d.name == "torch_paged")
+    d = build_dispatcher(s, [missing, torch_paged], ["missing_paged", "torch_paged"])
+    out = d.run("decode", case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    torch.testing.assert_close(out, case.expected, atol=1e-5, rtol=1e-5)
+    [fallback] = d.report()["runtime_fallbacks"]
+    assert fallback["kernel"] == "missing_paged" and fallback["reason"].startswith("ModuleNotFoundError")
+
+
+def test_runtime_failure_with_nothing_left_is_a_clear_error():
+    s, case = paged_case()
+    broken = KernelDecl("broken_paged", "paged", f"{__name__}:raising_kernel")
+    d = build_dispatcher(s, [broken], ["broken_paged"])
+    with pytest.raises(KernelUnavailable, match="broken_paged failed in decode .*no other kernel"):
+        d.run("decode", case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+
+
+def test_report_carries_the_decisions_and_is_json():
+    d = make_dispatcher(spec(dtype="float32"), env=EVERYTHING)
+    report = json.loads(json.dumps(d.report()))
+    assert report["kernels"] == {"prefill": "triton_paged", "decode": "triton_paged"}
+    refused = {(r["kernel"], r["phase"]): r["reasons"] for r in report["refused"]}
+    assert any("dtype float32" in x for x in refused[("flash_attn_paged", "decode")])
+    assert report["displaced"]["decode"] == ["flash_attn_paged", "flashinfer_paged"]
+    assert report["runtime_fallbacks"] == [] and report["calls"] == {}
+
+
+def test_backend_kernel_report_names_kernel_per_phase():
+    """The paged backend builds its dispatcher from this registry; its kernel_report is what metrics carry."""
+    backend = pytest.importorskip("paged.backend")
+    from common.config import EngineConfig
+    from common.kv_cache import KVShape
+    cache = backend.PagedKVCache(EngineConfig(block_size=16, kv_cache_bytes=1 << 20),
+                                 KVShape(num_layers=1, num_kv_heads=2, head_dim=32, num_q_heads=4))
+    report = cache.kernel_report()
+    assert report["kernels"] == {"prefill": "torch_paged", "decode": "torch_paged"}
+    assert report["displaced"] == {"prefill": [], "decode": []}
+    cache.close()
+
+
+@pytest.mark.parametrize("kernel,head_dim,expected", [
+    ("flash_attn_paged", 80, 96), ("flash_attn_paged", 112, 128), ("flash_attn_contiguous", 100, 128),
+    ("flash_attn_paged", 128, 128), ("triton_paged", 80, 128), ("triton_paged", 8, 16),
+    ("triton_paged", 64, 64),
+    ("flex_paged", 72, 128), ("flashinfer_paged", 128, 128), ("torch_paged", 100, 100),
+])
+def test_kernel_head_dim_padding(kernel, head_dim, expected):
+    assert kernel_head_dim(kernel, head_dim) == expected
+
+
+# -- metrics of a real run carry the decisions ---------------------------------------------------------------
+def generate_metrics(backend: str, **overrides):
+    llm_module = pytest.importorskip("common.llm")
+    from common.sampling_params import SamplingParams
+    llm = llm_module.LLM(model="tiny", backend=backend, **overrides)
+    try:
+        llm.generate([[1, 2, 3, 4, 5], [6, 7, 8]], SamplingParams(max_tokens=3))
+        return llm.metrics()
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("backend,kernel", [("paged", "torch_paged"), ("vmm", "torch_sdpa_contiguous")])
+def test_run_metrics_name_the_kernel_per_phase(backend, kernel):
+    m = generate_metrics(backend)
+    assert m.kernels == {"prefill": kernel, "decode": kernel}
+    assert m.kernel_fallbacks == []
+    json.dumps(m.to_dict())
+
+
+def test_run_metrics_count_a_runtime_fallback(monkeypatch, caplog):
+    from common import kernels
+    broken = KernelDecl("broken_paged", "paged", f"{__name__}:raising_kernel")
+    monkeypatch.setattr(kernels, "REGISTRY", [*kernels.REGISTRY, broken])
+    monkeypatch.setitem(kernels.PRIORITY, ("cpu", "paged"), ("broken_paged", "torch_paged"))
+    with caplog.at_level(logging.WARNING, logger="kvlab.kernels"):
+        m = generate_metrics("paged")
+    assert m.kernels == {"prefill": "torch_paged", "decode": "torch_paged"}
+    assert [(f["phase"], f["kernel"], f["fallback"]) for f in m.kernel_fallbacks] == [
+        ("prefill", "broken_paged", "torch_paged"), ("decode", "broken_paged", "torch_paged")]
+    warned = [r for r in caplog.records if "broken_paged failed" in r.getMessage()]
+    assert len(warned) == 2   # once per phase, not once per layer or step
