@@ -1,1 +1,2 @@
-"""Paged attention kernels: torch gather reference, Triton, flash-attn and FlashInfer adapters."""
+"""Paged attention kernels, all `fn(q, k_cache, v_cache, meta, scale) -> out`: the torch gather reference,
+Triton, torch FlexAttention, and the flash-attn and FlashInfer adapters (declared in common/kernels.py)."""

@@ -1,0 +1,328 @@
+"""A recording fake of `cuda.bindings.driver` for the VMM calls (gpu-apis.md §1.2-1.5), for machines without a GPU.
+
+Like the real module every cuXxx returns a tuple `(CUresult, *values)`; structs and enums are the real ones from
+cuda.bindings (they work without a driver). It enforces the documented rules: cuInit first; a current context on
+the calling thread for memory calls; flags 0; sizes/addresses/offsets multiples of the MINIMUM granularity of the
+prop given; cuMemSetAccess takes a list and a fully mapped range; unmap covers whole mappings; cuMemAddressFree
+takes exactly a reservation with nothing mapped in it. Errors the real driver returns come back as CUresults;
+misuse the real driver would NOT catch (cuCtxCreate, unmapping while kernels may still run, i.e. without a
+cuCtxSynchronize since access was granted) raises AssertionError.
+
+`calls` records (name, thread id) in order; `fail(name, ...)` injects a CUresult or an exception; `leaks()` lists
+what was acquired and not given back."""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from cuda.bindings import driver as _real
+
+CUresult = _real.CUresult
+CUdevice = _real.CUdevice
+CUcontext = _real.CUcontext
+CUdeviceptr = _real.CUdeviceptr
+CUmemGenericAllocationHandle = _real.CUmemGenericAllocationHandle
+CUmemAllocationProp = _real.CUmemAllocationProp
+CUmemAccessDesc = _real.CUmemAccessDesc
+CUmemAllocationType = _real.CUmemAllocationType
+CUmemLocationType = _real.CUmemLocationType
+CUmemAllocationHandleType = _real.CUmemAllocationHandleType
+CUmemAllocationGranularity_flags = _real.CUmemAllocationGranularity_flags
+CUmemAccess_flags = _real.CUmemAccess_flags
+CUdevice_attribute = _real.CUdevice_attribute
+
+OK = CUresult.CUDA_SUCCESS
+INVALID_VALUE = CUresult.CUDA_ERROR_INVALID_VALUE
+OUT_OF_MEMORY = CUresult.CUDA_ERROR_OUT_OF_MEMORY
+NOT_INITIALIZED = CUresult.CUDA_ERROR_NOT_INITIALIZED
+INVALID_DEVICE = CUresult.CUDA_ERROR_INVALID_DEVICE
+INVALID_CONTEXT = CUresult.CUDA_ERROR_INVALID_CONTEXT
+MiB = 1024 * 1024
+
+
+@dataclass
+class Failure:
+    name: str
+    after: int                  # let this many matching calls succeed first
+    result: Any = None          # a CUresult to return ...
+    exc: BaseException | None = None   # ... or an exception to raise
+
+
+@dataclass
+class Mapping:
+    size: int
+    handle: int
+    accessible: bool = False
+
+
+class FakeCudaDriver:
+    # the real module's types, so code written against `driver.X` works unchanged
+    CUresult, CUdevice, CUcontext, CUdeviceptr = CUresult, CUdevice, CUcontext, CUdeviceptr
+    CUmemGenericAllocationHandle, CUmemAllocationProp, CUmemAccessDesc = (
+        CUmemGenericAllocationHandle, CUmemAllocationProp, CUmemAccessDesc)
+    CUmemAllocationType, CUmemLocationType, CUmemAllocationHandleType = (
+        CUmemAllocationType, CUmemLocationType, CUmemAllocationHandleType)
+    CUmemAllocationGranularity_flags, CUmemAccess_flags, CUdevice_attribute = (
+        CUmemAllocationGranularity_flags, CUmemAccess_flags, CUdevice_attribute)
+
+    def __init__(self, granularity: int = 2 * MiB, num_devices: int = 1, memory_bytes: int = 1 << 34,
+                 vmm_supported: bool = True) -> None:
+        self.granularity = granularity
+        self.num_devices = num_devices
+        self.memory_bytes = memory_bytes
+        self.vmm_supported = vmm_supported
+        self.calls: list[tuple[str, int]] = []
+        self.failures: list[Failure] = []
+        self.initialized = False
+        self.primary_retains: dict[int, int] = {}
+        self.current: dict[int, int] = {}               # thread id -> context (0 = none)
+        self.reservations: dict[int, int] = {}          # ptr -> size
+        self.handles: dict[int, int] = {}               # live handle -> size
+        self.mappings: dict[int, Mapping] = {}          # mapped ptr -> mapping
+        self.work_pending = False                       # access granted / kernel launched since last sync
+        self._next_ptr = 0x7F00_0000_0000
+        self._next_handle = 1
+        self._lock = threading.Lock()
+
+    # -- test controls ------------------------------------------------------------------------------------
+    def fail(self, name: str, result: Any = INVALID_VALUE, after: int = 0, exc: BaseException | None = None) -> None:
+        """Make the (after+1)-th next call of `name` fail with `result` (or raise `exc`)."""
+        self.failures.append(Failure(name, after, result, exc))
+
+    def names(self) -> list[str]:
+        return [n for n, _ in self.calls]
+
+    def launch(self) -> None:
+        """Pretend a kernel was launched that may read mapped memory."""
+        self.work_pending = True
+
+    def leaks(self) -> dict[str, Any]:
+        out = {"reservations": dict(self.reservations), "handles": dict(self.handles),
+               "mappings": sorted(self.mappings), "primary_retains": {d: n for d, n in self.primary_retains.items()
+                                                                     if n}}
+        return {k: v for k, v in out.items() if v}
+
+    def primary_context(self, dev: int) -> int:
+        return 0x1000 + dev
+
+    # -- plumbing -----------------------------------------------------------------------------------------
+    def _enter(self, name: str) -> Any:
+        self.calls.append((name, threading.get_ident()))
+        for f in self.failures:
+            if f.name == name:
+                if f.after:
+                    f.after -= 1
+                    return None
+                self.failures.remove(f)
+                if f.exc is not None:
+                    raise f.exc
+                return (f.result,)
+        return None
+
+    def _need_context(self) -> CUresult | None:
+        if not self.initialized:
+            return NOT_INITIALIZED
+        if not self.current.get(threading.get_ident()):
+            return INVALID_CONTEXT
+        return None
+
+    def _aligned(self, *values: int) -> bool:
+        return all(int(v) % self.granularity == 0 for v in values)
+
+    def _valid_prop(self, prop: Any) -> bool:
+        return (prop.type == CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+                and prop.location.type == CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+                and 0 <= prop.location.id < self.num_devices)
+
+    def _reservation_of(self, ptr: int, size: int) -> int | None:
+        for base, n in self.reservations.items():
+            if base <= ptr and ptr + size <= base + n:
+                return base
+        return None
+
+    def _mapped_in(self, ptr: int, size: int) -> list[int]:
+        return [p for p, m in self.mappings.items() if p < ptr + size and ptr < p + m.size]
+
+    # -- init, devices, contexts --------------------------------------------------------------------------
+    def cuInit(self, flags: int):
+        if (r := self._enter("cuInit")) is not None:
+            return r
+        if flags != 0:
+            return (INVALID_VALUE,)
+        self.initialized = True
+        return (OK,)
+
+    def cuDeviceGet(self, ordinal: int):
+        if (r := self._enter("cuDeviceGet")) is not None:
+            return r + (None,)
+        if not self.initialized:
+            return (NOT_INITIALIZED, None)
+        if not 0 <= ordinal < self.num_devices:
+            return (INVALID_DEVICE, None)
+        return (OK, CUdevice(ordinal))
+
+    def cuDeviceGetAttribute(self, attrib: Any, dev: Any):
+        if (r := self._enter("cuDeviceGetAttribute")) is not None:
+            return r + (None,)
+        if attrib == CUdevice_attribute.CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED:
+            return (OK, int(self.vmm_supported))
+        return (OK, 0)
+
+    def cuDevicePrimaryCtxRetain(self, dev: Any):
+        if (r := self._enter("cuDevicePrimaryCtxRetain")) is not None:
+            return r + (None,)
+        if not self.initialized:
+            return (NOT_INITIALIZED, None)
+        d = int(dev)
+        self.primary_retains[d] = self.primary_retains.get(d, 0) + 1
+        return (OK, CUcontext(self.primary_context(d)))
+
+    def cuDevicePrimaryCtxRelease(self, dev: Any):
+        if (r := self._enter("cuDevicePrimaryCtxRelease")) is not None:
+            return r
+        d = int(dev)
+        if not self.primary_retains.get(d):
+            return (INVALID_CONTEXT,)
+        self.primary_retains[d] -= 1
+        return (OK,)
+
+    def cuCtxGetCurrent(self):
+        if (r := self._enter("cuCtxGetCurrent")) is not None:
+            return r + (None,)
+        if not self.initialized:
+            return (NOT_INITIALIZED, None)
+        return (OK, CUcontext(self.current.get(threading.get_ident(), 0)))
+
+    def cuCtxSetCurrent(self, ctx: Any):
+        if (r := self._enter("cuCtxSetCurrent")) is not None:
+            return r
+        c = int(ctx)
+        if c and not any(self.primary_context(d) == c and n for d, n in self.primary_retains.items()):
+            return (INVALID_CONTEXT,)
+        self.current[threading.get_ident()] = c
+        return (OK,)
+
+    def cuCtxCreate(self, *args: Any):
+        self._enter("cuCtxCreate")
+        raise AssertionError("cuCtxCreate makes a second context and breaks torch interop; use the primary context")
+
+    def cuCtxSynchronize(self):
+        if (r := self._enter("cuCtxSynchronize")) is not None:
+            return r
+        if (err := self._need_context()) is not None:
+            return (err,)
+        self.work_pending = False
+        return (OK,)
+
+    # -- virtual memory -----------------------------------------------------------------------------------
+    def cuMemGetAllocationGranularity(self, prop: Any, option: Any):
+        if (r := self._enter("cuMemGetAllocationGranularity")) is not None:
+            return r + (None,)
+        if (err := self._need_context()) is not None:
+            return (err, None)
+        if not self._valid_prop(prop):
+            return (INVALID_VALUE, None)
+        return (OK, self.granularity)
+
+    def cuMemAddressReserve(self, size: int, alignment: int, addr: Any, flags: int):
+        if (r := self._enter("cuMemAddressReserve")) is not None:
+            return r + (None,)
+        if (err := self._need_context()) is not None:
+            return (err, None)
+        if flags != 0 or size <= 0 or not self._aligned(size, alignment):
+            return (INVALID_VALUE, None)
+        with self._lock:
+            ptr = self._next_ptr
+            self._next_ptr += size + self.granularity
+            self.reservations[ptr] = size
+        return (OK, CUdeviceptr(ptr))
+
+    def cuMemAddressFree(self, ptr: Any, size: int):
+        if (r := self._enter("cuMemAddressFree")) is not None:
+            return r
+        if (err := self._need_context()) is not None:
+            return (err,)
+        p = int(ptr)
+        if self.reservations.get(p) != size or self._mapped_in(p, size):
+            return (INVALID_VALUE,)
+        del self.reservations[p]
+        return (OK,)
+
+    def cuMemCreate(self, size: int, prop: Any, flags: int):
+        if (r := self._enter("cuMemCreate")) is not None:
+            return r + (None,)
+        if (err := self._need_context()) is not None:
+            return (err, None)
+        if flags != 0 or size <= 0 or not self._aligned(size) or not self._valid_prop(prop):
+            return (INVALID_VALUE, None)
+        if sum(self.handles.values()) + size > self.memory_bytes:
+            return (OUT_OF_MEMORY, None)
+        h, self._next_handle = self._next_handle, self._next_handle + 1
+        self.handles[h] = size
+        return (OK, CUmemGenericAllocationHandle(h))
+
+    def cuMemRelease(self, handle: Any):
+        if (r := self._enter("cuMemRelease")) is not None:
+            return r
+        if (err := self._need_context()) is not None:
+            return (err,)
+        h = int(handle)
+        if h not in self.handles:
+            return (INVALID_VALUE,)
+        if any(m.handle == h for m in self.mappings.values()):
+            assert not self.work_pending, "cuMemRelease of a mapped handle while kernels may run: synchronise first"
+        del self.handles[h]   # a still-mapped handle's memory is freed when it is unmapped
+        return (OK,)
+
+    def cuMemMap(self, ptr: Any, size: int, offset: int, handle: Any, flags: int):
+        if (r := self._enter("cuMemMap")) is not None:
+            return r
+        if (err := self._need_context()) is not None:
+            return (err,)
+        p, h = int(ptr), int(handle)
+        if flags != 0 or not self._aligned(p, size, offset) or size <= 0:
+            return (INVALID_VALUE,)
+        if h not in self.handles or offset + size > self.handles[h]:
+            return (INVALID_VALUE,)
+        if self._reservation_of(p, size) is None or self._mapped_in(p, size):
+            return (INVALID_VALUE,)
+        self.mappings[p] = Mapping(size, h)
+        return (OK,)
+
+    def cuMemSetAccess(self, ptr: Any, size: int, desc: Any, count: int):
+        if (r := self._enter("cuMemSetAccess")) is not None:
+            return r
+        if not isinstance(desc, (list, tuple)):
+            raise TypeError(f"Argument 'desc' is not instance of type (expected <class 'list'>, found "
+                            f"<class '{type(desc).__name__}'>): not iterable")
+        if (err := self._need_context()) is not None:
+            return (err,)
+        p = int(ptr)
+        if count != len(desc) or not self._aligned(p, size) or size <= 0:
+            return (INVALID_VALUE,)
+        for d in desc:
+            if d.location.type != CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE \
+                    or d.flags != CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE:
+                return (INVALID_VALUE,)
+        inside = self._mapped_in(p, size)
+        if sum(self.mappings[q].size for q in inside) != size or any(q < p for q in inside):
+            return (INVALID_VALUE,)   # the range must be fully mapped
+        for q in inside:
+            self.mappings[q].accessible = True
+        self.work_pending = True
+        return (OK,)
+
+    def cuMemUnmap(self, ptr: Any, size: int):
+        if (r := self._enter("cuMemUnmap")) is not None:
+            return r
+        if (err := self._need_context()) is not None:
+            return (err,)
+        p = int(ptr)
+        inside = self._mapped_in(p, size)
+        if not inside or any(q < p or q + self.mappings[q].size > p + size for q in inside):
+            return (INVALID_VALUE,)   # unmap covers whole mappings only
+        assert not self.work_pending, "cuMemUnmap while kernels may still read the pages: cuCtxSynchronize first"
+        for q in inside:
+            del self.mappings[q]
+        return (OK,)
