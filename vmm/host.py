@@ -1,0 +1,151 @@
+"""Real virtual memory on the host (cpu-facts.md §6): the CPU analog of CUDA VMM.
+
+reserve  = mmap(PROT_NONE, MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE)      (cuMemAddressReserve)
+pool     = one memfd named "kvlab-kv", page i at file offset i * page     (cuMemCreate handles)
+map      = mmap(PROT_READ|PROT_WRITE, MAP_SHARED|MAP_FIXED, memfd, i * page)   (cuMemMap + cuMemSetAccess)
+unmap    = the same range remapped PROT_NONE (stays reserved)              (cuMemUnmap)
+discard  = fallocate(PUNCH_HOLE|KEEP_SIZE): the pool gives memory back     (cuMemRelease)
+view     = torch.frombuffer over the address: zero-copy, never reads memory
+Linux counts every VMA against vm.max_map_count; neighbours mapping consecutive memfd offsets merge into one,
+and the driver refuses (DriverError) before its share of that limit is exceeded.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+import sys
+import weakref
+from typing import Any
+
+import torch
+
+from common.errors import DriverError
+from vmm.driver import Region, VirtualMemory
+
+PROT_NONE, PROT_READ, PROT_WRITE = 0x0, 0x1, 0x2
+MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS = 0x1, 0x2, 0x10, 0x20
+MAP_NORESERVE, MAP_POPULATE = 0x4000, 0x8000
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x1, 0x2
+MAP_FAILED = ctypes.c_void_p(-1).value
+POOL_NAME = "kvlab-kv"
+DEFAULT_PAGE_SIZE = 64 * 1024
+MAP_COUNT_HEADROOM = 4096   # VMAs left for the rest of the process (torch, threads, libraries)
+
+
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_long]
+    libc.munmap.restype = ctypes.c_int
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.fallocate.restype = ctypes.c_int
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    return libc
+
+
+def max_map_count() -> int:
+    with open("/proc/sys/vm/max_map_count") as f:
+        return int(f.read())
+
+
+def process_map_count() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
+def default_mapping_limit() -> int:
+    """This process's share of vm.max_map_count: the limit minus what is mapped now minus headroom."""
+    return max_map_count() - process_map_count() - MAP_COUNT_HEADROOM
+
+
+class HostVirtualMemory(VirtualMemory):
+    """`populate`: fault pages in at map time (MAP_POPULATE) so the cost is paid, and measured, in `map`."""
+
+    name = "host"
+    merges = True
+
+    def __init__(self, page_size: int = DEFAULT_PAGE_SIZE, populate: bool = True,
+                 mapping_limit: int | None = None) -> None:
+        if not sys.platform.startswith("linux"):
+            raise DriverError(f"the host VMM driver needs Linux (memfd, MAP_FIXED); this is {sys.platform}")
+        if page_size <= 0 or page_size % mmap.PAGESIZE:
+            raise DriverError(f"page_size {page_size} is not a positive multiple of the OS page ({mmap.PAGESIZE})")
+        super().__init__(page_size, default_mapping_limit() if mapping_limit is None else mapping_limit)
+        self.populate = populate
+        self._libc = _libc()
+        self.fd = os.memfd_create(POOL_NAME, os.MFD_CLOEXEC)
+        self._file_pages = 0
+        self._finalizer = weakref.finalize(self, _release_unclosed, self._libc, self.fd, self.regions)
+
+    def granularity(self) -> int:
+        return mmap.PAGESIZE
+
+    def pool_offset(self, page: int) -> int:
+        """Byte offset of pool page `page` in the memfd (for independent reads of the pool)."""
+        return page * self.page_size
+
+    # -- OS calls -----------------------------------------------------------------------------------------
+    def _mmap(self, what: str, addr: int | None, nbytes: int, prot: int, flags: int, fd: int, offset: int) -> int:
+        got = self._libc.mmap(addr, nbytes, prot, flags, fd, offset)
+        if got == MAP_FAILED or got is None:
+            err = ctypes.get_errno()
+            raise DriverError(f"mmap ({what}) of {nbytes} bytes failed: {os.strerror(err)} (errno {err})")
+        if addr is not None and got != addr:
+            raise DriverError(f"mmap ({what}) returned {got:#x} instead of the fixed address {addr:#x}")
+        return got
+
+    def _os_reserve(self, nbytes: int) -> int:
+        return self._mmap("reserve", None, nbytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
+
+    def _os_release(self, region: Region) -> None:
+        if self._libc.munmap(region.base, region.nbytes) != 0:
+            err = ctypes.get_errno()
+            raise DriverError(f"munmap of the range at {region.base:#x} failed: {os.strerror(err)}")
+
+    def _os_resize_pool(self, old_pages: int, new_pages: int) -> None:
+        if new_pages > self._file_pages:
+            os.ftruncate(self.fd, new_pages * self.page_size)
+            self._file_pages = new_pages
+        elif new_pages < old_pages:
+            self._os_discard(new_pages, old_pages - new_pages)
+
+    def _os_map(self, addr: int, first_page: int, num_pages: int) -> int:
+        flags = MAP_SHARED | MAP_FIXED | (MAP_POPULATE if self.populate else 0)
+        self._mmap("map pool pages", addr, num_pages * self.page_size, PROT_READ | PROT_WRITE, flags, self.fd,
+                   first_page * self.page_size)
+        return 1
+
+    def _os_unmap(self, addr: int, num_pages: int) -> int:
+        self._mmap("unmap to PROT_NONE", addr, num_pages * self.page_size, PROT_NONE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0)
+        return 1
+
+    def _os_discard(self, first_page: int, num_pages: int) -> None:
+        mode = FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+        if self._libc.fallocate(self.fd, mode, first_page * self.page_size, num_pages * self.page_size) != 0:
+            err = ctypes.get_errno()
+            raise DriverError(f"fallocate(PUNCH_HOLE) of pool pages [{first_page}, +{num_pages}) failed: "
+                              f"{os.strerror(err)}")
+
+    def _os_view(self, region: Region, offset: int, nbytes: int) -> tuple[torch.Tensor, Any]:
+        buffer = (ctypes.c_uint8 * nbytes).from_address(region.base + offset)
+        return torch.frombuffer(buffer, dtype=torch.uint8), buffer   # the tensor keeps `buffer` alive
+
+    def _os_close(self) -> None:
+        self._finalizer.detach()
+        os.close(self.fd)
+
+
+def _release_unclosed(libc: ctypes.CDLL, fd: int, regions: list[Region]) -> None:
+    """A driver collected without close(): give back the pool now and each range when its last view goes."""
+    def unmap(region: Region) -> None:
+        libc.munmap(region.base, region.nbytes)
+    for region in regions:
+        if region.live_views:
+            region.orphan_release = unmap
+        else:
+            unmap(region)
+    os.close(fd)   # mappings still in use keep the memfd's pages
