@@ -1,0 +1,153 @@
+"""The engine loop: schedule -> runner.execute -> update, with metrics. Backend- and runner-neutral.
+
+Low-level use (bench, simulator):
+    engine = Engine(config, cache, runner, eos_token_ids=...)      # any runner with execute() and clock()
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=8))
+    while engine.has_unfinished():
+        for output in engine.step(): ...
+    engine.metrics()                                                # RunMetrics since reset_metrics()
+`Engine.from_config(config)` loads the model and builds the real cache and a TorchRunner.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import TYPE_CHECKING, Any, Protocol
+
+from common.errors import RequestError
+from common.kv_cache import CacheStats, create_cache
+from common.metrics import MetricsRecorder, RunMetrics
+from common.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from common.sampling_params import SamplingParams
+from common.scheduler import Request, Scheduler, SchedulerOutput
+
+if TYPE_CHECKING:
+    from common.config import EngineConfig
+    from common.kv_cache import KVCache
+
+
+class Runner(Protocol):
+    def execute(self, out: SchedulerOutput) -> dict[int, Any]: ...
+
+    def clock(self) -> float: ...
+
+
+class Engine:
+    def __init__(self, config: "EngineConfig", cache: "KVCache", runner: Runner, tokenizer: Any = None,
+                 eos_token_ids: tuple[int, ...] = (), vocab_size: int | None = None,
+                 timeline_every: int = 1) -> None:
+        self.config = config
+        self.cache = cache
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.scheduler = Scheduler(config, cache, eos_token_ids)
+        self.recorder = MetricsRecorder(cache, timeline_every)
+        self._ids = itertools.count()
+        self._closed = False
+
+    @classmethod
+    def from_model(cls, config: "EngineConfig", model: Any, tokenizer: Any = None, **kwargs: Any) -> "Engine":
+        """Real cache + TorchRunner around an already built model."""
+        from common.runner import TorchRunner
+        cache = create_cache(config, model.kv_shape(config.dtype, config.device))
+        runner = TorchRunner(model, cache, seed=config.seed, max_model_len=config.max_model_len)
+        c = model.config
+        return cls(config, cache, runner, tokenizer, c.eos_token_ids, c.vocab_size, **kwargs)
+
+    @classmethod
+    def from_config(cls, config: "EngineConfig", **kwargs: Any) -> "Engine":
+        from common.loader import load_model
+        model, tokenizer = load_model(config.model, config.dtype, config.device, config.seed)
+        return cls.from_model(config, model, tokenizer, **kwargs)
+
+    # -- requests -------------------------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+        """Queue one request; raises RequestError if it is invalid. Returns its id."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        text, token_ids = self.tokenize(prompt)
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        arrival = self.runner.clock() if arrival_time is None else arrival_time
+        self.scheduler.add(request_id, token_ids, params, arrival, text)
+        return request_id
+
+    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this model has no tokenizer: pass prompts as lists of token ids")
+            return prompt, list(self.tokenizer.encode(prompt))
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                            for t in prompt):
+            raise RequestError(f"a prompt must be a string or a list of token ids, "
+                               f"got {type(prompt).__name__}")
+        if self.vocab_size is not None and any(not 0 <= t < self.vocab_size for t in prompt):
+            bad = next(t for t in prompt if not 0 <= t < self.vocab_size)
+            raise RequestError(f"token id {bad} is outside the model's vocabulary [0, {self.vocab_size})")
+        return None, list(prompt)
+
+    def abort(self, request_id: str) -> bool:
+        return self.scheduler.abort(str(request_id))
+
+    def has_unfinished(self) -> bool:
+        """Requests still running, or finished ones whose output the next step() returns."""
+        return self.scheduler.has_unfinished() or bool(self.scheduler.finished)
+
+    # -- the loop -------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One iteration; returns the requests that finished (or failed) in it."""
+        clock = self.runner.clock
+        t0, w0 = clock(), time.perf_counter()
+        out = self.scheduler.schedule()
+        running = len(self.scheduler.running)          # the sequences holding KV during this step
+        w1 = time.perf_counter()
+        sampled = self.runner.execute(out) if out.items else {}
+        w2 = time.perf_counter()
+        t1 = clock()
+        self.scheduler.update(out, sampled, now=t1)
+        w3 = time.perf_counter()
+        if self.config.check_invariants:
+            self.scheduler.check_invariants()
+            self.cache.check_invariants()
+        if out.items:
+            self.recorder.on_step(t0, t1, out, running, (w1 - w0) + (w3 - w2))
+        outputs = []
+        for req in self.scheduler.pop_finished():
+            self.recorder.on_finished(req)
+            outputs.append(self.request_output(req))
+        return outputs
+
+    def request_output(self, req: Request) -> RequestOutput:
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        if req.beam is not None and req.error is None:
+            completions = [CompletionOutput(i, h.token_ids, decode(h.token_ids) if decode else None,
+                                            h.finish_reason, h.score)
+                           for i, h in enumerate(req.beam.best(req.params.n))]
+        elif req.beam is not None:
+            completions = [CompletionOutput(0, [], "" if decode else None, "error")]
+        else:
+            completions = [CompletionOutput(i, s.output_token_ids,
+                                            decode(s.output_token_ids) if decode else None,
+                                            s.finish_reason, s.cumulative_logprob)
+                           for i, s in enumerate(req.seqs)]
+        metrics = RequestMetrics(req.arrival_time, req.first_token_time, req.finished_time,
+                                 req.num_preemptions)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, True, metrics,
+                             req.error)
+
+    # -- observability --------------------------------------------------------------------------------------
+    def reset_metrics(self) -> None:
+        self.recorder.start(self.runner.clock(), self.scheduler.stats)
+
+    def metrics(self) -> RunMetrics:
+        return self.recorder.result(self.config.backend, self.scheduler.stats)
+
+    def cache_stats(self) -> CacheStats:
+        return self.cache.stats()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.cache.close()

@@ -1,0 +1,129 @@
+"""The vLLM-shaped entry point: `LLM(model="tiny", backend="vmm", **overrides).generate(prompts, params)`.
+
+Errors: unknown config keys or bad values raise ConfigError at construction; invalid requests (bad
+SamplingParams, empty prompt list, empty prompt, prompt + max_tokens > max_model_len, a string prompt
+without a tokenizer, token ids outside the vocabulary) raise RequestError before anything runs; a request
+the KV cache can never hold comes back alone with finish_reason "error" and `RequestOutput.error` set,
+while the others complete.
+"""
+from __future__ import annotations
+
+from typing import Any
+from typing import Sequence as Seq
+
+import torch
+
+from common.config import make_config
+from common.engine import Engine
+from common.errors import RequestError
+from common.kv_cache import CacheStats
+from common.metrics import RunMetrics
+from common.outputs import RequestOutput
+from common.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, backend: str | None = None, config_file: str | None = None,
+                 **config_overrides: Any) -> None:
+        """None keeps the TOML file's value (config_file), else EngineConfig's default (tiny, paged)."""
+        self.config = make_config(config_file, model=model, backend=backend, **config_overrides)
+        if self.config.threads:
+            torch.set_num_threads(self.config.threads)
+        self.engine = Engine.from_config(self.config)
+        self._metrics: RunMetrics | None = None
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | list[int] | Seq[str | list[int]],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in prompt order."""
+        prompts = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompts))
+        engine = self.engine
+        if engine.has_unfinished():
+            raise RequestError("generate() was called while another generate() is running on this LLM")
+        engine.reset_metrics()
+        index = self._add_all(prompts, params)
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        bar = _progress(len(prompts), use_tqdm)
+        try:
+            while engine.has_unfinished():
+                for output in engine.step():
+                    results[index[output.request_id]] = output
+                    if bar is not None:
+                        bar.update(1)
+        except BaseException:                  # interrupted: leave the engine empty and reusable
+            for request_id in index:
+                engine.abort(request_id)
+            engine.scheduler.pop_finished()
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        self._metrics = engine.metrics()
+        return results
+
+    def _add_all(self, prompts: list, params: list[SamplingParams]) -> dict[str, int]:
+        """Add every request, or none: a RequestError names the prompt and leaves the engine empty."""
+        index: dict[str, int] = {}
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                index[self.engine.add_request(prompt, p)] = i
+        except RequestError as exc:
+            for request_id in index:
+                self.engine.abort(request_id)
+            self.engine.scheduler.pop_finished()
+            raise RequestError(f"prompt {len(index)}: {exc}") from None
+        return index
+
+    def cache_stats(self) -> CacheStats:
+        return self.engine.cache_stats()
+
+    def metrics(self) -> RunMetrics:
+        """Metrics of the last generate() call."""
+        if self._metrics is None:
+            raise RequestError("no metrics yet: call generate() first")
+        return self._metrics
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _as_prompt_list(prompts: Any) -> list:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]            # one prompt given as token ids
+    if not isinstance(prompts, (list, tuple)):
+        raise RequestError(f"prompts must be a string, a list of token ids or a list of those, "
+                           f"got {type(prompts).__name__}")
+    if not prompts:
+        raise RequestError("the prompt list is empty: give at least one prompt")
+    return list(prompts)
+
+
+def _as_params_list(params: Any, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise RequestError(f"got {len(params)} SamplingParams for {n} prompts: give one, or one per prompt")
+    return params
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, desc="generate", unit="req")
