@@ -321,7 +321,7 @@ class PagedKVCache(KVCache):
             allocator_seconds=self.allocator_seconds,
             extra={
                 "block_bytes": self.block_bytes,
-                "shared_blocks": sum(1 for c in self.pool.ref_counts if c > 1),
+                "shared_blocks": self.pool.num_shared,
                 "cow_remaps": self.cow_remaps,
                 "swapped_seqs": len(self.swapped),
                 "prefix_cached_blocks": len(cached) if cached else 0,
@@ -333,11 +333,11 @@ class PagedKVCache(KVCache):
         return self.dispatcher.report() if self.dispatcher is not None else {}
 
     def check_invariants(self) -> None:
-        self.pool.check_invariants()
         refs = Counter(block for entry in self.seqs.values() for block in entry.table)
         for block, count in enumerate(self.pool.ref_counts):
             assert count == refs.get(block, 0), (
                 f"block {block}: reference count {count} but {refs.get(block, 0)} block tables use it")
+        self.pool.check_invariants()
         for seq_id, entry in self.seqs.items():
             assert len(entry.table) >= self._blocks_for(entry.num_tokens), f"sequence {seq_id}: table too short"
             assert len(entry.hashes) <= len(entry.table), f"sequence {seq_id}: more hashes than blocks"

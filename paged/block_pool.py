@@ -24,6 +24,7 @@ class BlockPool:
         self.ref_counts = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.prefix_cache = prefix_cache
+        self.num_shared = 0   # blocks with reference count > 1, kept current so stats() is O(1)
 
     def num_free(self) -> int:
         return len(self._free)
@@ -50,6 +51,8 @@ class BlockPool:
         self._check_id(block)
         if self.ref_counts[block] == 0:
             del self._free[block]
+        elif self.ref_counts[block] == 1:
+            self.num_shared += 1
         self.ref_counts[block] += 1
 
     def release(self, block: int) -> None:
@@ -58,6 +61,8 @@ class BlockPool:
         if count <= 0:
             raise BlockPoolError(f"block {block} released with reference count {count} (double free)")
         self.ref_counts[block] = count - 1
+        if count == 2:
+            self.num_shared -= 1
         if count == 1:
             self._free[block] = None
             if self.prefix_cache is None or not self.prefix_cache.is_cached(block):
@@ -74,5 +79,7 @@ class BlockPool:
         assert used + len(self._free) == self.num_blocks, (
             f"used {used} + free {len(self._free)} != total {self.num_blocks}")
         assert min(self.ref_counts, default=0) >= 0, "negative reference count"
+        shared = sum(1 for c in self.ref_counts if c > 1)
+        assert shared == self.num_shared, f"shared-block count {self.num_shared} != actual {shared}"
         if self.prefix_cache is not None:
             self.prefix_cache.check_invariants()
