@@ -91,12 +91,14 @@ class KernelDispatcher:
     displaced: dict[str, list[str]] = field(default_factory=dict)  # per phase: refused kernels ranked higher
     runtime_fallbacks: list[dict[str, str]] = field(default_factory=list)
     calls: dict[str, int] = field(default_factory=dict)
+    workspace: dict[str, Any] = field(default_factory=dict)   # kernel scratch buffers, per cache
     _impls: dict[str, Callable[..., torch.Tensor]] = field(default_factory=dict)
 
     def chosen(self, phase: str) -> str:
         return self.candidates[phase][0].name
 
     def run(self, phase: str, q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
+        meta.workspace = self.workspace
         while True:
             decl = self.candidates[phase][0]
             try:  # an implementation that cannot even be imported (ABI mismatch, no module) falls back too

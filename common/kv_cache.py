@@ -102,6 +102,8 @@ class AttentionMetadata:
     max_query_len: int
     max_context_len: int
     logits_indices: torch.Tensor       # int64 [num items needing logits]: row of each item's last token
+    workspace: dict | None = None      # kernel scratch that outlives the step (the dispatcher's own dict)
+    plans: dict = field(default_factory=dict)   # per-step kernel plans shared by every layer (masks, wrappers)
 
     @property
     def is_decode(self) -> bool:
@@ -128,6 +130,14 @@ class PagedMetadata(AttentionMetadata):
 class ContiguousMetadata(AttentionMetadata):
     """Contiguous layout (vmm, reserve): caches are [num_slots, max_len, H_kv, D] per layer."""
     slots: torch.Tensor = None             # int64 [B]: the cache row (slot) of each item
+
+
+def kernel_workspace(meta: AttentionMetadata) -> dict:
+    """The scratch dict kernels keep buffers in: the dispatcher's (persistent per cache) or, for a direct
+    kernel call, one that lives as long as `meta`."""
+    if meta.workspace is None:
+        meta.workspace = {}
+    return meta.workspace
 
 
 def base_metadata(items: list[BatchItem], device: str = "cpu") -> dict[str, Any]:

@@ -10,7 +10,7 @@ from common.errors import KernelUnavailable
 from common.kernel_spec import AttentionSpec, KernelDecl, build_dispatcher
 from paged.kernels import flashinfer as flashinfer_adapter
 from paged.kernels.flash_attn import paged_attention_flash_attn
-from paged.kernels.flashinfer import FlashInferPaged, block_tables_to_csr
+from paged.kernels.flashinfer import block_tables_to_csr, paged_attention_flashinfer
 from vmm.flash_attn_adapter import contiguous_attention_flash_attn
 
 HALF = {torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -117,17 +117,16 @@ def test_block_tables_to_csr():
 @pytest.mark.parametrize("heads", [(4, 2), (10, 2)], ids=["group2", "group5"])
 def test_flashinfer_matches_dense(flashinfer, lens, dtype, heads):
     case = paged_case(*lens, block_size=16, num_heads=heads[0], num_kv_heads=heads[1], head_dim=64, dtype=dtype)
-    out = FlashInferPaged()(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    out = paged_attention_flashinfer(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
     assert error_of(out, case) < HALF[dtype]
 
 
 def test_flashinfer_plans_once_per_step(flashinfer):
-    kernel = FlashInferPaged()
     case = paged_case(*FI_DECODE, block_size=16, head_dim=64, dtype=torch.float16)
     for _ in range(3):                                         # three layers of one step
-        kernel(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+        paged_attention_flashinfer(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
     other = paged_case(*FI_PREFILL, block_size=16, head_dim=64, dtype=torch.float16)
-    kernel(other.q, other.k_cache, other.v_cache, other.meta, other.scale)
+    paged_attention_flashinfer(other.q, other.k_cache, other.v_cache, other.meta, other.scale)
     names = [name for name, _ in flashinfer.calls]
     assert names.count("BatchDecodeWithPagedKVCacheWrapper.plan") == 1
     assert names.count("BatchDecodeWithPagedKVCacheWrapper.run") == 3
@@ -141,7 +140,7 @@ def test_flashinfer_plans_once_per_step(flashinfer):
 def test_flashinfer_contract_violations_raise(flashinfer, kwargs, message):
     case = paged_case(*FI_DECODE, block_size=16, **kwargs)
     with pytest.raises(RuntimeError, match=message):
-        FlashInferPaged()(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+        paged_attention_flashinfer(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
 
 
 def test_fake_flashinfer_cuda_core_decode_rejects_group_5(flashinfer):

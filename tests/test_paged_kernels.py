@@ -96,11 +96,15 @@ def test_shared_blocks_across_sequences():
 
 def test_torch_kernel_reuses_its_gather_buffer():
     case = paged_case([1, 1, 1], [5, 8, 13], 4)
+    workspace: dict = {}
+    case.meta.workspace = workspace     # what the dispatcher does: one workspace per cache, across steps
     paged_attention_torch(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
-    buffers = {key: t.data_ptr() for key, t in torch_ref._SCRATCH._flat.items()}
+    scratch = workspace["torch_paged.gather"]
+    buffers = {key: t.data_ptr() for key, t in scratch._flat.items()}
     for _ in range(3):
         paged_attention_torch(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
-    assert {key: t.data_ptr() for key, t in torch_ref._SCRATCH._flat.items()} == buffers
+    assert workspace["torch_paged.gather"] is scratch
+    assert {key: t.data_ptr() for key, t in scratch._flat.items()} == buffers
 
 
 def test_gather_buffer_grows_and_keeps_capacity():

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.kv_cache import PagedMetadata
+from common.kv_cache import PagedMetadata, kernel_workspace
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 CUDA_CORE_DECODE_GROUPS = (1, 2, 3, 4, 6, 8)
@@ -36,46 +36,37 @@ def block_tables_to_csr(block_tables: torch.Tensor, context_lens: torch.Tensor, 
     return PageTableCSR(indptr, block_tables[used].to(torch.int32), last)
 
 
-class FlashInferPaged:
-    """The kernel callable: keeps the workspace and the plan of the current step."""
-
-    def __init__(self) -> None:
-        self._workspace: dict[torch.device, torch.Tensor] = {}
-        self._planned_meta: PagedMetadata | None = None
-        self._wrapper = None
-
-    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 meta: PagedMetadata, scale: float) -> torch.Tensor:
-        import flashinfer
-        if q.shape[0] == 0:
-            return torch.empty_like(q)
-        if self._planned_meta is not meta:
-            self._wrapper = self._plan(flashinfer, q, k_cache, meta, scale)
-            self._planned_meta = meta
-        return self._wrapper.run(q, (k_cache, v_cache))
-
-    def _workspace_for(self, device: torch.device) -> torch.Tensor:
-        if device not in self._workspace:
-            self._workspace[device] = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        return self._workspace[device]
-
-    def _plan(self, flashinfer, q, k_cache, meta: PagedMetadata, scale: float):
-        num_heads, head_dim = q.shape[1], q.shape[2]
-        page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-        csr = block_tables_to_csr(meta.block_tables, meta.context_lens, page_size)
-        workspace = self._workspace_for(q.device)
-        dtypes = {"q_data_type": q.dtype, "kv_data_type": k_cache.dtype, "sm_scale": scale}
-        if meta.is_decode:
-            tensor_cores = num_heads // num_kv_heads not in CUDA_CORE_DECODE_GROUPS
-            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD",
-                                                                    use_tensor_cores=tensor_cores)
-            wrapper.plan(csr.kv_indptr, csr.kv_indices, csr.kv_last_page_len, num_heads, num_kv_heads,
-                         head_dim, page_size, **dtypes)
-        else:
-            wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-            wrapper.plan(meta.cu_query_lens.to(torch.int32).cpu(), csr.kv_indptr, csr.kv_indices,
-                         csr.kv_last_page_len, num_heads, num_kv_heads, head_dim, page_size, causal=True, **dtypes)
-        return wrapper
+def paged_attention_flashinfer(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               meta: PagedMetadata, scale: float) -> torch.Tensor:
+    """Plans once per step (the plan is kept in `meta.plans` for the other layers) and runs per layer."""
+    import flashinfer
+    if q.shape[0] == 0:
+        return torch.empty_like(q)
+    wrapper = meta.plans.get("flashinfer")
+    if wrapper is None:
+        wrapper = meta.plans["flashinfer"] = _plan(flashinfer, q, k_cache, meta, scale)
+    return wrapper.run(q, (k_cache, v_cache))
 
 
-paged_attention_flashinfer = FlashInferPaged()
+def _plan(flashinfer, q, k_cache, meta: PagedMetadata, scale: float):
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    csr = block_tables_to_csr(meta.block_tables, meta.context_lens, page_size)
+    buffers = kernel_workspace(meta)
+    key = ("flashinfer.workspace", q.device)
+    if key not in buffers:   # zeroed once per cache and device, as FlashInfer requires
+        buffers[key] = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=q.device)
+    workspace = buffers[key]
+    dtypes = {"q_data_type": q.dtype, "kv_data_type": k_cache.dtype, "sm_scale": scale}
+    if meta.is_decode:
+        tensor_cores = num_heads // num_kv_heads not in CUDA_CORE_DECODE_GROUPS
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD",
+                                                                use_tensor_cores=tensor_cores)
+        wrapper.plan(csr.kv_indptr, csr.kv_indices, csr.kv_last_page_len, num_heads, num_kv_heads,
+                     head_dim, page_size, **dtypes)
+    else:
+        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        wrapper.plan(meta.cu_query_lens.to(torch.int32).cpu(), csr.kv_indptr, csr.kv_indices,
+                     csr.kv_last_page_len, num_heads, num_kv_heads, head_dim, page_size, causal=True, **dtypes)
+    return wrapper
+

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from common.kv_cache import PagedMetadata
+from common.kv_cache import PagedMetadata, kernel_workspace
 
 MASK_BLOCK = 128
 
@@ -43,33 +43,26 @@ def paged_block_mask(meta: PagedMetadata, num_blocks: int, device: torch.device)
                              BLOCK_SIZE=MASK_BLOCK)
 
 
-class FlexPaged:
-    """The kernel callable: keeps the current step's block mask and, on CUDA, the compiled attention."""
-
-    def __init__(self) -> None:
-        self._planned_meta: PagedMetadata | None = None
-        self._block_mask: BlockMask | None = None
-        self._compiled = None
-
-    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 meta: PagedMetadata, scale: float) -> torch.Tensor:
-        if q.shape[0] == 0:
-            return torch.empty_like(q)
-        if self._planned_meta is not meta:
-            self._block_mask = paged_block_mask(meta, k_cache.shape[0], q.device)
-            self._planned_meta = meta
-        keys = k_cache.view(-1, *k_cache.shape[2:]).transpose(0, 1).unsqueeze(0)
-        values = v_cache.view(-1, *v_cache.shape[2:]).transpose(0, 1).unsqueeze(0)
-        out = self._attention(q.device)(q.transpose(0, 1).unsqueeze(0), keys, values,
-                                        block_mask=self._block_mask, scale=scale, enable_gqa=True)
-        return out[0].transpose(0, 1)
-
-    def _attention(self, device: torch.device):
-        if device.type != "cuda":
-            return flex_attention
-        if self._compiled is None:
-            self._compiled = torch.compile(flex_attention, dynamic=True)
-        return self._compiled
+def paged_attention_flex(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         meta: PagedMetadata, scale: float) -> torch.Tensor:
+    """The block mask is built once per step (kept in `meta.plans`) and reused by every layer."""
+    if q.shape[0] == 0:
+        return torch.empty_like(q)
+    block_mask = meta.plans.get("flex")
+    if block_mask is None:
+        block_mask = meta.plans["flex"] = paged_block_mask(meta, k_cache.shape[0], q.device)
+    keys = k_cache.view(-1, *k_cache.shape[2:]).transpose(0, 1).unsqueeze(0)
+    values = v_cache.view(-1, *v_cache.shape[2:]).transpose(0, 1).unsqueeze(0)
+    out = _attention(meta, q.device)(q.transpose(0, 1).unsqueeze(0), keys, values,
+                                     block_mask=block_mask, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
 
 
-paged_attention_flex = FlexPaged()
+def _attention(meta: PagedMetadata, device: torch.device):
+    """Eager flex on CPU; on CUDA a torch.compile'd flex kept in the cache's kernel workspace."""
+    if device.type != "cuda":
+        return flex_attention
+    workspace = kernel_workspace(meta)
+    if "flex.compiled" not in workspace:
+        workspace["flex.compiled"] = torch.compile(flex_attention, dynamic=True)
+    return workspace["flex.compiled"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from common.kv_cache import PagedMetadata
+from common.kv_cache import PagedMetadata, kernel_workspace
 
 
 class GatherBuffer:
@@ -28,14 +28,12 @@ class GatherBuffer:
         return flat[:numel]
 
 
-_SCRATCH = GatherBuffer()   # the module's only state: scratch memory, never read before it is written
-
-
-def gather_blocks(cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def gather_blocks(cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
+                  scratch: GatherBuffer) -> tuple[torch.Tensor, ...]:
     """K and V of `blocks` [B, n] as [B, n * block_size, H_kv, D] views into the scratch buffer."""
     per_block = cache[0].numel()
     count = blocks.numel()
-    flat = _SCRATCH.take(2 * count * per_block, cache.dtype, cache.device)
+    flat = scratch.take(2 * count * per_block, cache.dtype, cache.device)
     out = []
     for source, part in ((cache, flat[:count * per_block]), (v_cache, flat[count * per_block:])):
         view = part.view(count, *cache.shape[1:])
@@ -45,11 +43,11 @@ def gather_blocks(cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tens
 
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-            context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+            context_lens: torch.Tensor, scale: float, scratch: GatherBuffer) -> torch.Tensor:
     """q [B, H, D], one query per sequence at its last position -> [B, H, D]."""
     block_size = k_cache.shape[1]
     num_blocks = -(-int(context_lens.max()) // block_size)
-    k, v = gather_blocks(k_cache, v_cache, block_tables[:, :num_blocks])
+    k, v = gather_blocks(k_cache, v_cache, block_tables[:, :num_blocks], scratch)
     keys = torch.arange(k.shape[1], device=q.device)
     mask = (keys[None, :] < context_lens[:, None])[:, None, None, :]
     out = F.scaled_dot_product_attention(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
@@ -58,9 +56,9 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
 
 
 def _prefill_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
-                 context_len: int, scale: float) -> torch.Tensor:
+                 context_len: int, scale: float, scratch: GatherBuffer) -> torch.Tensor:
     """q [n, H, D] for positions [context_len - n, context_len) of one sequence -> [n, H, D]."""
-    k, v = gather_blocks(k_cache, v_cache, blocks[None])
+    k, v = gather_blocks(k_cache, v_cache, blocks[None], scratch)
     keys = torch.arange(k.shape[1], device=q.device)
     query_pos = torch.arange(context_len - q.shape[0], context_len, device=q.device)
     mask = keys[None, :] <= query_pos[:, None]
@@ -73,18 +71,20 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           meta: PagedMetadata, scale: float) -> torch.Tensor:
     if q.shape[0] == 0:
         return torch.empty_like(q)
+    scratch = kernel_workspace(meta).setdefault("torch_paged.gather", GatherBuffer())
     if meta.is_decode:
-        return _decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+        return _decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, scratch)
     out = torch.empty_like(q)
     single = meta.query_lens == 1
     if bool(single.any()):
         rows = single.nonzero().squeeze(1)
         out[meta.cu_query_lens[rows].long()] = _decode(q[meta.cu_query_lens[rows].long()], k_cache, v_cache,
-                                                        meta.block_tables[rows], meta.context_lens[rows], scale)
+                                                        meta.block_tables[rows], meta.context_lens[rows], scale, scratch)
     block_size = k_cache.shape[1]
     cu, ctx, qlens = meta.cu_query_lens.tolist(), meta.context_lens.tolist(), meta.query_lens.tolist()
     for b, n in enumerate(qlens):
         if n > 1:
             blocks = meta.block_tables[b, :-(-ctx[b] // block_size)]
-            out[cu[b]:cu[b + 1]] = _prefill_one(q[cu[b]:cu[b + 1]], k_cache, v_cache, blocks, ctx[b], scale)
+            out[cu[b]:cu[b + 1]] = _prefill_one(q[cu[b]:cu[b + 1]], k_cache, v_cache, blocks, ctx[b], scale,
+                                                 scratch)
     return out
