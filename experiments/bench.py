@@ -1,0 +1,338 @@
+"""`kvlab bench`: one workload through several backends in one process, one after another, side by side.
+
+Same model object, same requests, same seeds and thread count for every backend; each backend gets a short
+warm-up first. Greedy decoding with ignore_eos, so every backend produces the same number of tokens (and,
+kernels permitting, the same tokens: the report counts requests whose outputs match the first backend's).
+Results go to results/<timestamp>/ (or --out): results.json, results.csv and PNG plots.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from common.config import EngineConfig
+from common.errors import ConfigError
+from experiments import cli
+from experiments.workload import Request, build_workload, parse_workload, prompt_token_ids, scaled
+
+log = logging.getLogger("kvlab.bench")
+
+DEFAULT_BACKENDS = ["vmm", "paged", "reserve"]
+DEFAULT_SCALE = 1 / 8            # seed lengths / 8: prompts median 73, outputs mean 47, max length 512
+DEFAULT_REQUESTS = 256
+RESERVE_SEQS = 8                 # default KV budget: this many max-length reservations
+DEFAULT_MAX_NUM_SEQS = 256       # high enough that KV memory, not the slot count, limits the batch
+WARMUP_REQUESTS = 4
+DEFAULT_REPEATS = 3              # CPU timings are noisy (cpu-facts.md §10): interleave rounds, report medians
+RUN_KEYS = ("backend", "output_tokens_per_s", "total_tokens_per_s", "mean_batch", "max_batch", "kv_utilization",
+            "preemptions", "recomputed_tokens", "ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p90",
+            "tpot_p99", "allocator_seconds", "allocator_share", "scheduler_seconds", "wall_seconds", "num_steps",
+            "output_tokens", "prompt_tokens", "num_failed", "peak_used_units", "total_units", "unit_name",
+            "tokens_per_unit", "peak_mapped_bytes", "mean_internal_waste_tokens", "mean_reserved_waste_tokens",
+            "kernels", "kernel_fallbacks")
+
+
+@dataclass(slots=True)
+class BenchPlan:
+    backends: list[str]
+    configs: dict[str, EngineConfig]
+    requests: list[Request]
+    prompts: list[list[int]]
+    warmup: int
+    out_dir: Path
+
+
+# -- CLI ------------------------------------------------------------------------------------------------------
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("bench", help="A/B: one workload through several backends, side by side",
+                              description="Run one workload through several backends in one process.")
+    p.add_argument("--backends", type=cli.parse_list, default=DEFAULT_BACKENDS, help="comma list (vmm,paged,reserve)")
+    p.add_argument("--num-requests", type=int, default=DEFAULT_REQUESTS)
+    p.add_argument("--workload", type=cli.arg_type(parse_workload), default=parse_workload("seed"),
+                   help="seed | fixed:P:O | uniform:PLO-PHI:OLO-OHI | trace:FILE.jsonl")
+    p.add_argument("--scale", type=float, default=DEFAULT_SCALE, help="multiply every length (seed: 1/8)")
+    p.add_argument("--max-len", type=int, default=4096, help="max prompt + output before --scale")
+    p.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second (0: all at once)")
+    p.add_argument("--warmup", type=int, default=WARMUP_REQUESTS, help="warm-up requests per backend run")
+    p.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
+                   help="rounds over all backends (interleaved); each backend reports its median-throughput run")
+    p.add_argument("--out", metavar="DIR", help="results directory (default results/<timestamp>)")
+    p.add_argument("--suite", choices=["perf"], help="run the performance suite (python -m benchmarks) instead")
+    p.add_argument("--no-progress", action="store_true")
+    cli.add_engine_flags(p, skip=("backend",))
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.suite == "perf":
+        return run_perf_suite(args)
+    import torch
+    check_args(args)
+    probe = cli.engine_config(args, backend=args.backends[0])
+    torch.set_num_threads(probe.threads or 1)
+    model, tokenizer = load(probe)
+    plan = make_plan(args, model)
+    print(describe(plan, model))
+    runs = run_rounds(plan, model, tokenizer, args.repeats, progress=not args.no_progress)
+    mark_matching_outputs(runs)
+    print()
+    print(side_by_side(runs))
+    write_results(plan, runs)
+    print(f"\nresults in {plan.out_dir}/ (results.json, results.csv, throughput.png, batch.png, kv_memory.png)")
+    return 0
+
+
+def run_perf_suite(args: argparse.Namespace) -> int:
+    import importlib
+    try:
+        entry = importlib.import_module("benchmarks.__main__")
+    except ModuleNotFoundError as e:
+        if e.name not in ("benchmarks", "benchmarks.__main__"):
+            raise
+        raise ConfigError("--suite perf needs the benchmarks package (python -m benchmarks), which is not "
+                          "installed in this checkout") from None
+    if not hasattr(entry, "main"):
+        raise ConfigError("benchmarks/__main__.py has no main(argv); cannot run --suite perf")
+    argv = ["--out", args.out] if args.out else []
+    for flag, value in (("--threads", args.threads), ("--seed", args.seed)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return int(entry.main(argv) or 0)
+
+
+# -- plan -----------------------------------------------------------------------------------------------------
+
+def check_args(args: argparse.Namespace) -> None:
+    from common.config import BACKENDS
+    unknown = [b for b in args.backends if b not in BACKENDS]
+    if unknown:
+        raise ConfigError(f"unknown backend(s) {', '.join(unknown)}; choose from: {', '.join(BACKENDS)}")
+    if args.warmup < 0:
+        raise ConfigError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
+
+
+def make_plan(args: argparse.Namespace, model: Any) -> BenchPlan:
+    spec = dataclasses.replace(args.workload, num_requests=args.num_requests, scale=args.scale, max_len=args.max_len,
+                               rate=args.rate, seed=args.seed if args.seed is not None else 0)
+    requests = build_workload(spec)
+    longest = max(r.total_len for r in requests)
+    probe = cli.engine_config(args, backend=args.backends[0])
+    shape = model.kv_shape(probe.dtype, probe.device)
+    defaults = bench_defaults(args, probe, shape, max(longest, scaled(spec.max_len, spec.scale)))
+    configs = {b: cli.engine_config(args, backend=b, **defaults, **backend_defaults(args, b))
+               for b in args.backends}
+    prompts = prompt_token_ids(requests, model.config.vocab_size, seed=spec.seed)
+    out = Path(args.out) if args.out else Path("results") / datetime.now().strftime("%Y%m%d-%H%M%S")
+    return BenchPlan(list(args.backends), configs, requests, prompts, args.warmup, out)
+
+
+def backend_defaults(args: argparse.Namespace, backend: str) -> dict[str, Any]:
+    """The reserve baseline holds its final (maximum) length from admission, so it never needs growth room:
+    without an explicit --watermark it runs with none (as in the simulator), instead of losing a sequence."""
+    from common.config import load_toml
+    given = args.watermark is not None or (args.config and "watermark" in load_toml(args.config))
+    return {"watermark": 0.0} if backend == "reserve" and not given else {}
+
+
+def bench_defaults(args: argparse.Namespace, probe: EngineConfig, shape: Any, max_len: int) -> dict[str, Any]:
+    """Values the bench picks when neither a flag nor the --config file sets them."""
+    from common.config import load_toml
+    given = set(load_toml(args.config)) if args.config else set()
+    given |= {k for k in cli.ENGINE_FLAGS if getattr(args, k, None) is not None}
+    choices: dict[str, Any] = {
+        "max_model_len": max_len,
+        "max_num_seqs": DEFAULT_MAX_NUM_SEQS,
+        "max_num_batched_tokens": max(2048, max_len, DEFAULT_MAX_NUM_SEQS),
+        "kv_cache_bytes": RESERVE_SEQS * max_len * shape.bytes_per_token,
+        "threads": 1,
+    }
+    if "page_size" not in given:     # same grain as the paged blocks: compare mechanisms, not granularity
+        grain = probe.block_size * shape.bytes_per_token_per_layer
+        choices["page_size"] = -(-grain // 4096) * 4096
+    return {k: v for k, v in choices.items() if k not in given}
+
+
+def load(config: EngineConfig):
+    from common.loader import load_model
+    t0 = time.perf_counter()
+    model, tokenizer = load_model(config.model, config.dtype, config.device, config.seed)
+    log.info("loaded %s in %.1f s", config.model, time.perf_counter() - t0)
+    return model, tokenizer
+
+
+def describe(plan: BenchPlan, model: Any) -> str:
+    c = plan.configs[plan.backends[0]]
+    p = [r.prompt_len for r in plan.requests]
+    o = [r.output_len for r in plan.requests]
+    shape = model.kv_shape(c.dtype, c.device)
+    reserve_seqs = c.kv_cache_bytes // shape.bytes_per_token // c.max_model_len
+    watermarks = ", ".join(f"{b} {plan.configs[b].watermark:g}" for b in plan.backends)
+    lines = [
+        (f"kvlab bench: model {c.model} ({c.dtype}, {c.device}, {c.threads} thread(s)), backends "
+         f"{', '.join(plan.backends)}"),
+        (f"workload: {len(plan.requests)} requests, prompts {min(p)}-{max(p)} (mean {sum(p) / len(p):.0f}), "
+         f"outputs {min(o)}-{max(o)} (mean {sum(o) / len(o):.0f}), greedy, ignore_eos"),
+        (f"KV budget {c.kv_cache_bytes / 2**20:.1f} MiB = {c.kv_cache_bytes // shape.bytes_per_token:,} tokens "
+         f"({shape.bytes_per_token:,} B/token); reserve holds {reserve_seqs} x {c.max_model_len} tokens; "
+         f"block {c.block_size} tokens, page {c.page_size // 1024} KiB "
+         f"({c.page_size // shape.bytes_per_token_per_layer} tokens); watermark {watermarks}; "
+         f"preemption {c.preemption_mode}"),
+    ]
+    return "\n".join(lines)
+
+
+# -- runs -----------------------------------------------------------------------------------------------------
+
+def run_rounds(plan: BenchPlan, model: Any, tokenizer: Any, repeats: int, progress: bool) -> list[dict[str, Any]]:
+    """`repeats` rounds of every backend in turn (a machine-wide slowdown hits all backends alike); per backend
+    the run with the median output throughput is reported, with every run's throughput beside it."""
+    runs: dict[str, list[dict[str, Any]]] = {b: [] for b in plan.backends}
+    for round_ in range(repeats):
+        for name in plan.backends:
+            label = name if repeats == 1 else f"{name} {round_ + 1}/{repeats}"
+            runs[name].append(bench_backend(name, plan, model, tokenizer, label, progress))
+    return [median_run(runs[b]) for b in plan.backends]
+
+
+def median_run(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    ordered = sorted(rows, key=lambda r: r["output_tokens_per_s"])
+    chosen = dict(ordered[(len(ordered) - 1) // 2])
+    chosen["repeats_output_tokens_per_s"] = [r["output_tokens_per_s"] for r in rows]
+    chosen["outputs_stable_across_repeats"] = all(r["output_ids"] == rows[0]["output_ids"] for r in rows)
+    return chosen
+
+
+# -- one backend ----------------------------------------------------------------------------------------------
+
+def bench_backend(name: str, plan: BenchPlan, model: Any, tokenizer: Any, label: str = "",
+                  progress: bool = True) -> dict[str, Any]:
+    from common.engine import Engine
+    config = plan.configs[name]
+    engine = Engine.from_model(config, model, tokenizer)
+    try:
+        warm_up(engine, plan)
+        engine.reset_metrics()
+        t0 = engine.runner.clock()
+        outputs = drive(engine, plan, t0, bar_for(label or name, len(plan.requests), progress))
+        m = engine.metrics()
+        stats = engine.cache_stats()
+    finally:
+        engine.close()
+    row = {k: getattr(m, k) for k in RUN_KEYS}
+    row["cache"] = {k: v for k, v in stats.to_dict().items() if k != "extra"}
+    row["cache_extra"] = stats.extra
+    row["bytes_per_token"] = engine.cache.shape.bytes_per_token
+    row["timeline"] = {**m.timeline, "time": [t - t0 for t in m.timeline["time"]]}
+    row["output_ids"] = [outputs[i] for i in range(len(plan.requests))]
+    return row
+
+
+def warm_up(engine: Any, plan: BenchPlan) -> None:
+    from common.sampling_params import SamplingParams
+    for prompt in plan.prompts[:plan.warmup]:
+        engine.add_request(prompt[:32], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+
+
+def drive(engine: Any, plan: BenchPlan, t0: float, bar: Any) -> dict[int, list[int]]:
+    """Submit each request at t0 + arrival_s (wall clock); returns output token ids by request index."""
+    from common.sampling_params import SamplingParams
+    pending = deque(sorted(range(len(plan.requests)), key=lambda i: plan.requests[i].arrival_s))
+    index: dict[str, int] = {}
+    outputs: dict[int, list[int]] = {}
+    while pending or engine.has_unfinished():
+        now = engine.runner.clock()
+        while pending and t0 + plan.requests[pending[0]].arrival_s <= now:
+            i = pending.popleft()
+            r = plan.requests[i]
+            params = SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+            index[engine.add_request(plan.prompts[i], params, arrival_time=t0 + r.arrival_s)] = i
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, t0 + plan.requests[pending[0]].arrival_s - engine.runner.clock()))
+            continue
+        for out in engine.step():
+            if out.error:
+                log.warning("request %s failed: %s", out.request_id, out.error)
+            outputs[index[out.request_id]] = out.outputs[0].token_ids if out.outputs else []
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+    return outputs
+
+
+def bar_for(name: str, total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, desc=f"{name:>12}", unit="req", leave=True)
+
+
+def mark_matching_outputs(runs: list[dict[str, Any]]) -> None:
+    """Greedy decoding of one model: each backend should reproduce the first backend's tokens."""
+    ref = runs[0]["output_ids"]
+    for r in runs:
+        r["outputs_match_first"] = sum(a == b for a, b in zip(ref, r["output_ids"]))
+        r["num_requests"] = len(ref)
+
+
+# -- report ---------------------------------------------------------------------------------------------------
+
+def side_by_side(runs: list[dict[str, Any]]) -> str:
+    from experiments.report import fmt, pct, table
+    ms = lambda v: "-" if v is None else f"{1000 * v:.1f}"
+    rows = [
+        ("output tok/s (median)", lambda r: fmt(r["output_tokens_per_s"])),
+        ("  every run", lambda r: " ".join(f"{v:,.0f}" for v in r["repeats_output_tokens_per_s"])),
+        ("mean batch (max)", lambda r: f"{r['mean_batch']:.1f} ({r['max_batch']})"),
+        ("KV utilisation", lambda r: pct(r["kv_utilization"])),
+        ("preemptions", lambda r: fmt(r["preemptions"])),
+        ("TTFT p50 / p90 ms", lambda r: f"{ms(r['ttft_p50'])} / {ms(r['ttft_p90'])}"),
+        ("TPOT p50 / p90 ms", lambda r: f"{ms(r['tpot_p50'])} / {ms(r['tpot_p90'])}"),
+        ("allocator s (share)", lambda r: f"{r['allocator_seconds']:.3f} ({pct(r['allocator_share'])})"),
+        ("scheduler s", lambda r: f"{r['scheduler_seconds']:.2f}"),
+        ("wall s / steps", lambda r: f"{r['wall_seconds']:.1f} / {r['num_steps']}"),
+        ("peak units used", lambda r: f"{r['peak_used_units']:,}/{r['total_units']:,} {r['unit_name']}s"),
+        ("kernels (prefill, decode)", lambda r: ", ".join(r["kernels"].get(p, "-") for p in ("prefill", "decode"))),
+        ("kernel fallbacks", lambda r: str(len(r["kernel_fallbacks"]))),
+        ("outputs = first backend", lambda r: f"{r['outputs_match_first']}/{r['num_requests']}"),
+    ]
+    body = [[label, *(f(r) for r in runs)] for label, f in rows]
+    return table(["", *(r["backend"] for r in runs)], body)
+
+
+def write_results(plan: BenchPlan, runs: list[dict[str, Any]]) -> None:
+    from experiments.plots import Series, bar_chart, line_chart
+    from experiments.report import write_csv
+    out = plan.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    settings = {"backends": plan.backends, "configs": {b: c.to_dict() for b, c in plan.configs.items()},
+                "workload": [r.to_json() for r in plan.requests], "warmup_requests": plan.warmup}
+    slim = [{k: v for k, v in r.items() if k != "output_ids"} for r in runs]
+    (out / "results.json").write_text(json.dumps({"settings": settings, "runs": slim}, indent=1, default=str))
+    write_csv(out / "results.csv", [{k: v for k, v in r.items() if k not in ("timeline", "cache_extra", "cache")}
+                                    for r in slim])
+    names = [r["backend"] for r in runs]
+    bar_chart(out / "throughput.png", names, [r["output_tokens_per_s"] for r in runs], "output tokens / s",
+              "Throughput")
+    line_chart(out / "batch.png", [Series(r["backend"], r["timeline"]["time"], r["timeline"]["running"])
+                                   for r in runs], "seconds", "running sequences", "Running batch")
+    mib = lambda r, key: [v * r["bytes_per_token"] / 2**20 for v in r["timeline"][key]]
+    memory = []
+    for i, r in enumerate(runs):
+        t = r["timeline"]["time"]
+        memory.append(Series(f"{r['backend']} allocated", t, mib(r, "allocated_token_slots"), color=f"C{i}"))
+        memory.append(Series(f"{r['backend']} live", t, mib(r, "live_tokens"), color=f"C{i}", linestyle=":"))
+    line_chart(out / "kv_memory.png", memory, "seconds", "KV MiB", "KV memory held by sequences (dotted: live)")

@@ -1,0 +1,142 @@
+"""The `kvlab` command: generate, bench, simulate, fallbacks, sharing.
+
+Each subcommand lives in its own module with `add_parser(subparsers)` and `run(args) -> int`. Any KvlabError,
+and any bad flag value, becomes one line on stderr and exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import re
+import sys
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+from common.config import EngineConfig, make_config
+from common.errors import ConfigError, KvlabError
+
+SUBCOMMANDS = ("generate", "bench", "simulate", "fallbacks", "sharing")
+# CLI flag -> EngineConfig field; each is optional and, when given, overrides the TOML file.
+ENGINE_FLAGS = ("model", "backend", "block_size", "page_size", "kv_cache_bytes", "watermark", "preemption_mode",
+                "max_num_seqs", "max_num_batched_tokens", "max_model_len", "dtype", "device", "kernel", "seed",
+                "threads")
+SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "kb": 1000, "m": 1024**2, "mib": 1024**2, "mb": 1000**2,
+              "g": 1024**3, "gib": 1024**3, "gb": 1000**3}
+
+
+class KvlabParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr and exit code 2 (no usage dump)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def parse_bytes(text: str) -> int:
+    """'64MiB', '1.5GB', '65536' -> bytes (KiB/MiB/GiB are powers of 1024, KB/MB/GB of 1000)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = m and SIZE_UNITS.get(m.group(2).lower())
+    if not m or unit is None:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}; use e.g. 65536, 64KiB, 16MiB, 60GB")
+    return int(float(m.group(1)) * unit)
+
+
+def arg_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse `type=` that keeps a KvlabError's actionable message (argparse would print only
+    "invalid <name> value" for a ValueError)."""
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except KvlabError as e:
+            raise argparse.ArgumentTypeError(first_line(e)) from None
+    convert.__name__ = parse.__name__
+    return convert
+
+
+def parse_list(text: str) -> list[str]:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"empty list {text!r}")
+    return items
+
+
+def add_engine_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """The EngineConfig flags (all default to None = take the TOML file's or the built-in value)."""
+    flags: dict[str, dict[str, Any]] = {
+        "config": {"metavar": "FILE", "help": "TOML engine config ([engine] table or top level)"},
+        "model": {"help": "preset (tiny, smollm2-135m), HF directory or .gguf file"},
+        "backend": {"help": "paged | vmm | reserve"},
+        "block_size": {"type": int, "help": "tokens per block (paged)"},
+        "page_size": {"type": parse_bytes, "help": "bytes per physical page (vmm), e.g. 64KiB"},
+        "kv_cache_bytes": {"type": parse_bytes, "help": "KV budget, e.g. 4MiB"},
+        "watermark": {"type": float, "help": "fraction of KV capacity kept free at admission"},
+        "preemption_mode": {"help": "recompute | swap"},
+        "max_num_seqs": {"type": int}, "max_num_batched_tokens": {"type": int},
+        "max_model_len": {"type": int}, "dtype": {}, "device": {},
+        "kernel": {"help": "attention kernel: auto or a registry name"},
+        "seed": {"type": int}, "threads": {"type": int, "help": "torch threads (0 = torch default)"},
+    }
+    for name, kw in flags.items():
+        if name not in skip:
+            p.add_argument("--" + name.replace("_", "-"), dest=name, default=None, **kw)
+
+
+def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+    """Defaults < --config FILE < explicit flags < `overrides` (the subcommand's fixed choices)."""
+    values = {k: getattr(args, k, None) for k in ENGINE_FLAGS}
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return make_config(getattr(args, "config", None), **values)
+
+
+def missing_subcommand(name: str, reason: str):
+    """Registered in place of a subcommand whose module is not available; fails clearly when used."""
+    def run(args: argparse.Namespace) -> int:
+        raise ConfigError(f"`kvlab {name}` is unavailable: {reason}")
+    return run
+
+
+def register(subparsers: Any, name: str) -> None:
+    module_name = f"experiments.{name}"
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name != module_name:
+            raise
+        logging.getLogger("kvlab").warning("subcommand %s disabled: %s is missing", name, module_name)
+        p = subparsers.add_parser(name, help=f"(unavailable: {module_name} is missing)")
+        p.set_defaults(run=missing_subcommand(name, f"{module_name} is missing"))
+        return
+    module.add_parser(subparsers)
+
+
+def build_parser() -> KvlabParser:
+    parser = KvlabParser(prog="kvlab", description="Compare KV-cache memory managers: vmm, paged, reserve.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in SUBCOMMANDS:
+        register(subparsers, name)
+    return parser
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:                      # -h (0) or a usage error (2, already printed)
+        return int(e.code or 0)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(name)s: %(levelname)s: %(message)s")
+    try:
+        return int(args.run(args) or 0)
+    except (KvlabError, OSError) as e:        # OSError: an unwritable --out/--json path, a missing file
+        print(f"kvlab {args.command}: error: {first_line(e)}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

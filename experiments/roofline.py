@@ -1,0 +1,169 @@
+"""The roofline cost model and the RooflineRunner: no model, a simulated clock.
+
+A decode step reads every weight once and the K/V of every cached token the batch attends to, so it costs
+(weight bytes + KV tokens read x KV bytes per token) / bandwidth. Prefill, when modelled, is compute-bound:
+tokens x 2 x params / (peak FLOP/s x MFU). The seed article ignores prefill (identical across policies), so
+that term is off by default.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from common.errors import ConfigError
+from common.kv_cache import KVShape
+from common.model import ModelConfig
+
+if TYPE_CHECKING:
+    from common.scheduler import SchedulerOutput
+
+
+@dataclass(frozen=True, slots=True)
+class Hardware:
+    name: str
+    bandwidth: float          # HBM bytes/s
+    peak_flops: float         # dense bf16 FLOP/s
+    memory_bytes: float
+
+
+HARDWARE = {
+    "h100": Hardware("h100", 3.35e12, 989e12, 80e9),
+    "h200": Hardware("h200", 4.8e12, 989e12, 141e9),
+    "a100-80g": Hardware("a100-80g", 2.039e12, 312e12, 80e9),
+}
+
+
+def _llama(vocab: int, hidden: int, inter: int, layers: int, heads: int, kv_heads: int, head_dim: int,
+           tied: bool = False) -> ModelConfig:
+    return ModelConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_layers=layers,
+                       num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, tie_word_embeddings=tied,
+                       max_position_embeddings=8192)
+
+
+MODEL_CONFIGS = {
+    "llama3-8b": _llama(128256, 4096, 14336, 32, 32, 8, 128),
+    "llama3-70b": _llama(128256, 8192, 28672, 80, 64, 8, 128),
+    "llama2-7b": _llama(32000, 4096, 11008, 32, 32, 32, 128),
+    "smollm2-135m": _llama(49152, 576, 1536, 30, 9, 3, 64, tied=True),
+}
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """What the cost model needs from an architecture, at the serving dtype."""
+    name: str
+    config: ModelConfig
+    dtype: str = "bfloat16"
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def num_params(self) -> int:
+        return self.config.num_params
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.num_params * self.itemsize
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        c = self.config
+        return 2 * c.num_layers * c.num_kv_heads * c.head_dim * self.itemsize
+
+    @property
+    def flops_per_token(self) -> float:
+        return 2.0 * self.num_params
+
+    def kv_shape(self, device: str = "cuda") -> KVShape:
+        """For accounting-only caches: the device only tells the vmm driver how mappings behave (CUDA
+        mappings never merge, host VMAs do); nothing is allocated."""
+        c = self.config
+        return KVShape(c.num_layers, c.num_kv_heads, c.head_dim, c.num_heads, dtype=self.dtype, device=device)
+
+
+def model_spec(name_or_path: str, dtype: str = "bfloat16") -> ModelSpec:
+    """A preset name (llama3-8b, llama3-70b, llama2-7b, smollm2-135m, tiny) or an HF config.json / model dir."""
+    if dtype not in DTYPE_BYTES:
+        raise ConfigError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPE_BYTES)}")
+    if name_or_path in MODEL_CONFIGS:
+        return ModelSpec(name_or_path, MODEL_CONFIGS[name_or_path], dtype)
+    if name_or_path == "tiny":
+        from common.presets import TINY_CONFIG
+        return ModelSpec("tiny", TINY_CONFIG, dtype)
+    path = Path(name_or_path)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        from common.loader import config_from_hf, read_json
+        return ModelSpec(path.parent.name, config_from_hf(read_json(path), path), dtype)
+    raise ConfigError(f"unknown model {name_or_path!r}; use one of {', '.join([*MODEL_CONFIGS, 'tiny'])} "
+                      f"or a path to an HF config.json")
+
+
+def hardware(name: str) -> Hardware:
+    if name not in HARDWARE:
+        raise ConfigError(f"unknown hardware {name!r}; choose one of: {', '.join(HARDWARE)}")
+    return HARDWARE[name]
+
+
+@dataclass(frozen=True, slots=True)
+class RooflineCost:
+    hardware: Hardware
+    model: ModelSpec
+    model_prefill: bool = False      # off, as in the seed article
+    mfu: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 0 < self.mfu <= 1:
+            raise ConfigError(f"mfu must be in (0, 1], got {self.mfu}")
+
+    def decode_seconds(self, kv_tokens: int) -> float:
+        """One step that reads all weights and `kv_tokens` cached tokens."""
+        return (self.model.weight_bytes + kv_tokens * self.model.kv_bytes_per_token) / self.hardware.bandwidth
+
+    def prefill_seconds(self, tokens: int) -> float:
+        """Compute-bound prefill (or recompute) of `tokens` tokens at `mfu` of peak."""
+        return tokens * self.model.flops_per_token / (self.hardware.peak_flops * self.mfu)
+
+    def step_seconds(self, kv_tokens: int, prefill_tokens: int) -> float:
+        step = self.decode_seconds(kv_tokens)
+        return step + self.prefill_seconds(prefill_tokens) if self.model_prefill else step
+
+
+class RooflineRunner:
+    """Engine runner without a model: every scheduled item gets `token_id`, and the clock advances by the
+    roofline time of the step. Sequences must ignore EOS (the simulator's requests do)."""
+
+    def __init__(self, cost: RooflineCost, token_id: int = 0) -> None:
+        self.cost = cost
+        self.token_id = token_id
+        self.now = 0.0
+        self.steps = 0
+        self.prefill_tokens = 0
+
+    def clock(self) -> float:
+        return self.now
+
+    def advance_to(self, t: float) -> None:
+        """Idle until `t` (the next arrival) when nothing is scheduled."""
+        self.now = max(self.now, t)
+
+    def execute(self, out: SchedulerOutput) -> dict[int, int]:
+        kv_tokens = prefill = 0
+        sampled: dict[int, int] = {}
+        token = self.token_id
+        for item in out.items:
+            kv_tokens += item.start + item.num_tokens
+            if item.num_tokens > 1:
+                prefill += item.num_tokens
+            if item.needs_logits:
+                sampled[item.seq.seq_id] = token
+        if out.items:
+            self.now += self.cost.step_seconds(kv_tokens, prefill)
+            self.steps += 1
+            self.prefill_tokens += prefill
+        return sampled

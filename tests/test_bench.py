@@ -1,0 +1,81 @@
+import csv
+import json
+
+import pytest
+
+from experiments.bench import median_run
+from experiments.cli import main
+
+RUN_KEYS = ("backend", "output_tokens_per_s", "mean_batch", "kv_utilization", "preemptions", "ttft_p50", "tpot_p50",
+            "allocator_seconds", "kernels", "timeline")
+
+
+@pytest.fixture(scope="module")
+def tiny_bench(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    rc = main(["bench", "--model", "tiny", "--backends", "vmm,paged,reserve", "--num-requests", "12",
+               "--scale", "0.05", "--repeats", "1", "--warmup", "1", "--out", str(out), "--no-progress"])
+    return rc, out
+
+
+def test_bench_writes_results_json_csv_and_plots(tiny_bench):
+    rc, out = tiny_bench
+    assert rc == 0
+    data = json.loads((out / "results.json").read_text())
+    runs = data["runs"]
+    assert [r["backend"] for r in runs] == ["vmm", "paged", "reserve"]
+    for r in runs:
+        for key in RUN_KEYS:
+            assert key in r, key
+        assert r["output_tokens_per_s"] > 0 and r["num_failed"] == 0
+        assert 0 < r["kv_utilization"] <= 1
+        assert r["outputs_match_first"] <= r["num_requests"] == 12
+        assert len(r["timeline"]["time"]) == r["num_steps"]
+    assert {r["output_tokens"] for r in runs} == {sum(w["output_len"] for w in data["settings"]["workload"])}
+    with open(out / "results.csv") as f:
+        assert [row["backend"] for row in csv.DictReader(f)] == ["vmm", "paged", "reserve"]
+    for name in ("throughput.png", "batch.png", "kv_memory.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_budget_separates_reservation_from_on_demand(tiny_bench):
+    _, out = tiny_bench
+    runs = {r["backend"]: r for r in json.loads((out / "results.json").read_text())["runs"]}
+    # the default budget holds 8 max-length reservations: on-demand backends run a larger batch
+    assert runs["reserve"]["max_batch"] <= 8
+    assert runs["paged"]["mean_batch"] > runs["reserve"]["mean_batch"]
+    assert runs["vmm"]["mean_batch"] > runs["reserve"]["mean_batch"]
+    assert runs["reserve"]["kv_utilization"] < runs["paged"]["kv_utilization"]
+
+
+def test_median_run_reports_the_middle_throughput():
+    rows = [{"output_tokens_per_s": v, "output_ids": [[1]]} for v in (30.0, 10.0, 20.0)]
+    chosen = median_run(rows)
+    assert chosen["output_tokens_per_s"] == 20.0
+    assert chosen["repeats_output_tokens_per_s"] == [30.0, 10.0, 20.0]
+    assert chosen["outputs_stable_across_repeats"]
+
+
+def test_bench_rejects_bad_repeats(capsys):
+    assert main(["bench", "--repeats", "0"]) == 2
+    assert "--repeats must be >= 1" in capsys.readouterr().err
+
+
+def test_bench_defaults_leave_what_the_user_set(tmp_path):
+    from common.kv_cache import KVShape
+    from experiments import cli
+    from experiments.bench import backend_defaults, bench_defaults
+    path = tmp_path / "e.toml"
+    path.write_text("page_size = 65536\n")
+    args = cli.build_parser().parse_args(["bench", "--config", str(path), "--kv-cache-bytes", "4MiB"])
+    shape = KVShape(4, 2, 64, 4)                         # tiny: 512 B of K per token per layer
+    defaults = bench_defaults(args, cli.engine_config(args), shape, max_len=512)
+    assert "page_size" not in defaults and "kv_cache_bytes" not in defaults
+    assert defaults["max_model_len"] == 512 and defaults["threads"] == 1
+    plain = cli.build_parser().parse_args(["bench"])
+    auto = bench_defaults(plain, cli.engine_config(plain), shape, max_len=512)
+    assert auto["page_size"] == 16 * 512                # one page holds one 16-token block's worth
+    assert auto["kv_cache_bytes"] == 8 * 512 * shape.bytes_per_token
+    assert backend_defaults(plain, "reserve") == {"watermark": 0.0}
+    assert backend_defaults(plain, "paged") == {}
+    assert backend_defaults(cli.build_parser().parse_args(["bench", "--watermark", "0.1"]), "reserve") == {}

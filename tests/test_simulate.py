@@ -1,0 +1,104 @@
+import json
+
+import pytest
+
+from common.config import make_config
+from common.kv_cache import create_cache
+from common.sequence import Sequence
+from experiments.cli import main
+from experiments.roofline import model_spec
+from experiments.simulate import SimCase, SimSettings, held_capacity, run_cases
+from experiments.worked_example import worked_example
+from experiments.workload import WorkloadSpec
+
+# A reduced seed run: 300 requests in a 6 GB budget (reserve holds 11 sequences, paging ~40).
+SMALL = SimSettings(workload=WorkloadSpec(num_requests=300, seed=0))
+
+
+@pytest.fixture(scope="module")
+def small_rows():
+    cases = [SimCase("reserve", 6.0), SimCase("oracle", 6.0), SimCase("paged", 6.0, 16, watermark=0.05),
+             SimCase("paged", 6.0, 128), SimCase("paged", 6.0, 16)]
+    return dict(zip(["reserve", "oracle", "paged", "paged128", "paged16wm0"], run_cases(cases, SMALL, progress=False)))
+
+
+def test_paging_doubles_the_batch_but_not_the_throughput(small_rows):
+    r, o, p = small_rows["reserve"], small_rows["oracle"], small_rows["paged"]
+    assert r.output_tokens == p.output_tokens == o.output_tokens and r.failed_requests == 0
+    assert r.mean_batch < o.mean_batch < p.mean_batch
+    batch_gain = p.mean_batch / r.mean_batch
+    tput_gain = p.output_tokens_per_s / r.output_tokens_per_s
+    assert batch_gain > 1.5
+    assert 1.0 < tput_gain < batch_gain          # the KV term of the step grows with the batch
+    assert r.utilization < 0.5
+    assert p.utilization > 0.95
+    assert r.max_batch <= 11                      # 6e9 / (4096 x 131,072) = 11.2 reservations
+
+
+def test_end_of_sequence_waste_is_about_half_a_block(small_rows):
+    for key, b in (("paged16wm0", 16), ("paged128", 128)):
+        assert small_rows[key].mean_waste_tokens == pytest.approx((b - 1) / 2, rel=0.2)
+    assert small_rows["oracle"].mean_waste_tokens == pytest.approx(1.0)   # the last sampled token is never cached
+    assert small_rows["reserve"].mean_waste_tokens > 2000
+
+
+def test_watermark_trades_preemptions_for_batch(small_rows):
+    none, five = small_rows["paged16wm0"], small_rows["paged"]
+    assert none.preemptions > five.preemptions
+    assert none.recompute_tokens > 0 and none.recompute_seconds > 0
+    assert five.mean_batch <= none.mean_batch
+
+
+def test_worked_example_matches_the_article_exactly():
+    figures = {f.name: f for f in worked_example()}
+    assert all(f.matches for f in figures.values()), [f for f in figures.values() if not f.matches]
+    assert figures["paged b=16: blocks"].ours == 108
+    assert figures["paged b=16: slots"].ours == 1728
+    assert figures["reserve: slots for 3 sequences"].ours == 12288
+    assert figures["reserve: sequences in 60 GB"].ours == 111
+    assert round(figures["paged b=16: utilisation"].ours, 3) == 0.978
+    assert round(figures["reserve: utilisation (1,690 live tokens)"].ours, 3) == 0.138
+
+
+@pytest.mark.parametrize("backend, extra, expect", [
+    ("paged", {"block_size": 16}, 48), ("reserve", {}, 4096), ("vmm", {"page_size": 64 * 1024}, 64)])
+def test_held_capacity_uses_the_backend_accounting(backend, extra, expect):
+    config = make_config(backend=backend, kv_cache_bytes=10**9, max_model_len=4096, dtype="bfloat16", **extra)
+    cache = create_cache(config, model_spec("llama3-8b").kv_shape(), accounting_only=True)
+    seq = Sequence(0, "a", [1] * 40, max_tokens=4)
+    cache.allocate(seq, 40)
+    assert held_capacity(cache, seq, 40, 4096) == expect
+
+
+def test_cli_writes_json_rows_with_the_required_keys(tmp_path, capsys):
+    path = tmp_path / "rows.json"
+    rc = main(["simulate", "--policies", "reserve,paged,vmm", "--num-requests", "60", "--budget-gb", "2",
+               "--jobs", "1", "--no-progress", "--json", str(path)])
+    assert rc == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["policy"] for r in rows] == ["reserve", "paged", "vmm"]
+    for r in rows:
+        for key in ("policy", "budget_gb", "block_size", "page_size", "watermark", "mean_batch", "utilization",
+                    "output_tokens_per_s", "preemptions", "recompute_tokens", "mean_waste_tokens"):
+            assert key in r
+        assert 0 < r["utilization"] <= 1
+    assert rows[1]["block_size"] == 16 and rows[2]["page_size"] == 2 * 2**20
+    assert "paged-16" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_seed_preset_reproduces_the_article_headlines(tmp_path):
+    from experiments import seed_article
+    settings = SimSettings(workload=WorkloadSpec(num_requests=2000, seed=0))
+    cases = seed_article.cases()
+    rows = run_cases(cases, settings, jobs=2, progress=False)
+    by_key = {c.key: r for c, r in zip(cases, rows)}
+    ratios = seed_article.ratios(by_key)
+    assert ratios["batch_60"] == pytest.approx(1.88, rel=0.05)
+    assert ratios["tput_60"] == pytest.approx(1.36, rel=0.05)
+    assert ratios["tput_20"] == pytest.approx(1.81, rel=0.05)
+    assert by_key[("paged", 60.0, 512, None, 0.0)].utilization == pytest.approx(0.87, abs=0.02)
+    for b in seed_article.BLOCK_SIZES:
+        assert by_key[("paged", 60.0, b, None, 0.0)].mean_waste_tokens == pytest.approx((b - 1) / 2, rel=0.1)
+    pre = [by_key[("paged", 60.0, 16, None, w)].preemptions for w in seed_article.WATERMARKS]
+    assert 150 < pre[0] < 350 and 5 < pre[1] < 40 and pre[2] == 0
