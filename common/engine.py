@@ -18,8 +18,9 @@ from common.errors import RequestError
 from common.kv_cache import CacheStats, create_cache
 from common.metrics import MetricsRecorder, RunMetrics
 from common.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from common.request import Request, SchedulerOutput
 from common.sampling_params import SamplingParams
-from common.scheduler import Request, Scheduler, SchedulerOutput
+from common.scheduler import Scheduler
 
 if TYPE_CHECKING:
     from common.config import EngineConfig

@@ -15,7 +15,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from common.kv_cache import KVCache
-    from common.scheduler import Request, SchedulerOutput, SchedulerStats
+    from common.request import Request, SchedulerOutput, SchedulerStats
 
 TIMELINE_FIELDS = ("time", "running", "batch", "tokens", "live_tokens", "allocated_token_slots", "used_units",
                    "mapped_bytes")

@@ -20,12 +20,14 @@ This backend writes the step's K/V itself (one index_copy_ per layer through `wr
 from __future__ import annotations
 
 import bisect
+import itertools
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from common.arena import Arena
 from common.errors import OutOfKVCache
 from common.kv_cache import (
     AttentionMetadata,
@@ -47,70 +49,12 @@ class ReserveMetadata(ContiguousMetadata):
     write_index: torch.Tensor = None       # int64 [T]: arena row of each of this step's tokens
 
 
-class Arena:
-    """First-fit free extents over [0, capacity), kept sorted and merged."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.starts: list[int] = [0] if capacity else []
-        self.lengths: list[int] = [capacity] if capacity else []
-        self.free_total = capacity
-
-    def find(self, size: int) -> int | None:
-        for i, length in enumerate(self.lengths):
-            if length >= size:
-                return i
-        return None
-
-    def take(self, size: int) -> int | None:
-        i = self.find(size)
-        if i is None:
-            return None
-        start = self.starts[i]
-        if self.lengths[i] == size:
-            del self.starts[i], self.lengths[i]
-        else:
-            self.starts[i] += size
-            self.lengths[i] -= size
-        self.free_total -= size
-        return start
-
-    def give(self, start: int, size: int) -> None:
-        i = bisect.bisect_left(self.starts, start)
-        merge_prev = i > 0 and self.starts[i - 1] + self.lengths[i - 1] == start
-        merge_next = i < len(self.starts) and start + size == self.starts[i]
-        if merge_prev and merge_next:
-            self.lengths[i - 1] += size + self.lengths[i]
-            del self.starts[i], self.lengths[i]
-        elif merge_prev:
-            self.lengths[i - 1] += size
-        elif merge_next:
-            self.starts[i] = start
-            self.lengths[i] += size
-        else:
-            self.starts.insert(i, start)
-            self.lengths.insert(i, size)
-        self.free_total += size
-
-    @property
-    def largest(self) -> int:
-        return max(self.lengths, default=0)
-
-    def check(self) -> None:
-        end = -1
-        for start, length in zip(self.starts, self.lengths):
-            assert length > 0 and start > end, "free extents overlap, touch or are empty"
-            end = start + length
-        assert end <= self.capacity
-        assert sum(self.lengths) == self.free_total
-
-
 class ReserveKVCache(KVCache):
     name = "reserve"
     unit_name = "token"
     tokens_per_unit = 1
 
-    def __init__(self, config: "EngineConfig", shape: KVShape, accounting_only: bool = False) -> None:
+    def __init__(self, config: EngineConfig, shape: KVShape, accounting_only: bool = False) -> None:
         super().__init__(config, shape, accounting_only)
         self.mode = config.reserve_mode
         self.max_len = config.max_model_len
@@ -159,10 +103,10 @@ class ReserveKVCache(KVCache):
                              compute_capability=capability)
         self.dispatcher = make_dispatcher(spec, self.config.kernel)
 
-    def _region_size(self, seq: "Sequence", num_tokens: int) -> int:
+    def _region_size(self, seq: Sequence, num_tokens: int) -> int:
         return self.max_len if self.mode == "max" else max(seq.final_len, num_tokens)
 
-    def _claim(self, seq: "Sequence", num_tokens: int, what: str) -> int:
+    def _claim(self, seq: Sequence, num_tokens: int, what: str) -> int:
         size = self._region_size(seq, num_tokens)
         start = self.arena.take(size)
         if start is None:
@@ -198,13 +142,13 @@ class ReserveKVCache(KVCache):
     def num_free_units(self) -> int:
         return self.arena.free_total
 
-    def units_needed(self, seq: "Sequence", num_tokens: int) -> int:
+    def units_needed(self, seq: Sequence, num_tokens: int) -> int:
         region = self.regions.get(seq.seq_id)
         if region is not None:
             return max(0, num_tokens - region[1])      # > 0 means it can never grow there
         return self._region_size(seq, num_tokens)
 
-    def can_allocate(self, seq: "Sequence", num_tokens: int, reserve_units: int = 0) -> bool:
+    def can_allocate(self, seq: Sequence, num_tokens: int, reserve_units: int = 0) -> bool:
         region = self.regions.get(seq.seq_id)
         if region is not None:
             return num_tokens <= region[1]
@@ -217,7 +161,7 @@ class ReserveKVCache(KVCache):
         return self.capacity
 
     # -- lifecycle ------------------------------------------------------------------------------------------
-    def allocate(self, seq: "Sequence", num_tokens: int) -> int:
+    def allocate(self, seq: Sequence, num_tokens: int) -> int:
         t0 = time.perf_counter()
         region = self.regions.get(seq.seq_id)
         if region is None:
@@ -230,14 +174,14 @@ class ReserveKVCache(KVCache):
         self.allocator_seconds += time.perf_counter() - t0
         return 0
 
-    def free(self, seq: "Sequence") -> None:
+    def free(self, seq: Sequence) -> None:
         t0 = time.perf_counter()
         if seq.seq_id in self.regions:
             self._release(seq.seq_id)
         self.swap_store.pop(seq.seq_id, None)
         self.allocator_seconds += time.perf_counter() - t0
 
-    def fork(self, parent: "Sequence", child: "Sequence") -> None:
+    def fork(self, parent: Sequence, child: Sequence) -> None:
         """No sharing in the baseline: the child gets its own region and a copy of the parent's tokens."""
         t0 = time.perf_counter()
         n = self.held[parent.seq_id]
@@ -248,7 +192,7 @@ class ReserveKVCache(KVCache):
         self.fork_copy_tokens += n
         self.allocator_seconds += time.perf_counter() - t0
 
-    def swap_out(self, seq: "Sequence") -> None:
+    def swap_out(self, seq: Sequence) -> None:
         t0 = time.perf_counter()
         start, _ = self.regions[seq.seq_id]
         n = self.held[seq.seq_id]
@@ -265,7 +209,7 @@ class ReserveKVCache(KVCache):
         self.swapped_out_bytes += n * self.bytes_per_token
         self.allocator_seconds += time.perf_counter() - t0
 
-    def swap_in(self, seq: "Sequence") -> None:
+    def swap_in(self, seq: Sequence) -> None:
         t0 = time.perf_counter()
         n, host = self.swap_store[seq.seq_id]
         start = self._claim(seq, n, "swap-in")          # raises before the host copy is dropped
@@ -278,10 +222,10 @@ class ReserveKVCache(KVCache):
         self.swapped_in_bytes += n * self.bytes_per_token
         self.allocator_seconds += time.perf_counter() - t0
 
-    def can_swap_in(self, seq: "Sequence", reserve_units: int = 0) -> bool:
+    def can_swap_in(self, seq: Sequence, reserve_units: int = 0) -> bool:
         return self.can_allocate(seq, self.swap_store[seq.seq_id][0], reserve_units)
 
-    def holds(self, seq: "Sequence") -> bool:
+    def holds(self, seq: Sequence) -> bool:
         return seq.seq_id in self.regions
 
     # -- one step -------------------------------------------------------------------------------------------
@@ -331,7 +275,7 @@ class ReserveKVCache(KVCache):
     def check_invariants(self) -> None:
         self.arena.check()
         spans = sorted(self.regions.values())
-        for (a, sa), (b, _) in zip(spans, spans[1:]):
+        for (a, sa), (b, _) in itertools.pairwise(spans):
             assert a + sa <= b, "regions overlap"
         for start, size in spans:
             i = bisect.bisect_right(self.arena.starts, start) - 1

@@ -19,7 +19,7 @@ from common.sampler import Sample, Sampler
 if TYPE_CHECKING:
     from common.kv_cache import KVCache
     from common.model import LlamaForCausalLM
-    from common.scheduler import SchedulerOutput
+    from common.request import SchedulerOutput
 
 
 class TorchRunner:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from common.scheduler import SampleSpec
+    from common.request import SampleSpec
 
 Sample = tuple[int, float]
 

@@ -13,20 +13,22 @@ search requests fork and free beams each step (common/beam.py). A beam that is n
 fork fell back to recompute) makes its live siblings idle until it catches up; beam groups are preempted
 together. Failure policy: invalid requests raise RequestError at add time; a request the cache can never hold
 (longer than `cache.max_tokens_per_seq()`, or unable to progress alone) fails alone, finish_reason "error".
+`update` (applying the sampled tokens) lives in common/postprocess.py; the data handed out in common/request.py.
 """
 from __future__ import annotations
 
 import itertools
 import logging
 from collections import deque
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from common.beam import BeamState, select_beams
-from common.errors import OutOfKVCache, RequestError
+from common.beam import BeamState
+from common.errors import RequestError
 from common.kv_cache import BatchItem
+from common.postprocess import PostprocessMixin
+from common.request import Request, SampleSpec, SchedulerOutput, SchedulerStats, generator_seed
 from common.sampling_params import SamplingParams
 from common.sequence import Sequence, SequenceStatus
 
@@ -38,80 +40,10 @@ log = logging.getLogger("kvlab.scheduler")
 
 RUNNING, WAITING, SWAPPED, FINISHED = (SequenceStatus.RUNNING, SequenceStatus.WAITING, SequenceStatus.SWAPPED,
                                        SequenceStatus.FINISHED)
-Sample = tuple[int, float]          # (token id, log-probability)
 
 
-@dataclass(slots=True)
-class SampleSpec:
-    """How the runner turns one logits row into samples: `num_samples` draws (n at parallel sampling's first
-    token), or the top `num_samples` candidates by log-probability (`beam`). `generators` holds one CPU
-    torch.Generator per draw for seeded requests (None: the runner's own generator)."""
-    params: SamplingParams
-    num_samples: int = 1
-    generators: list[torch.Generator] | None = None
-    beam: bool = False
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    items: list[BatchItem] = field(default_factory=list)
-    specs: dict[int, SampleSpec] = field(default_factory=dict)   # seq_id -> spec, items needing logits
-    preempted: list[Sequence] = field(default_factory=list)     # by recompute, this step
-    swapped_in: list[Sequence] = field(default_factory=list)
-    swapped_out: list[Sequence] = field(default_factory=list)
-    failed: list[str] = field(default_factory=list)             # request ids that failed this step
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(it.num_tokens for it in self.items)
-
-
-@dataclass(slots=True, eq=False)
-class Request:
-    request_id: str
-    params: SamplingParams
-    prompt_token_ids: list[int]
-    prompt: str | None
-    arrival_time: float
-    stop_ids: frozenset[int]
-    seqs: list[Sequence] = field(default_factory=list)      # parallel sampling: index = sample index
-    pending_forks: int = 0                                  # children still to fork at the first sample
-    beam: BeamState | None = None
-    generators: list[torch.Generator] | None = None         # seeded requests: one per sample
-    num_running: int = 0
-    num_preemptions: int = 0
-    num_stalls: int = 0
-    first_token_time: float | None = None
-    finished_time: float | None = None
-    error: str | None = None
-    finished: bool = False
-
-    @property
-    def width(self) -> int:
-        return self.params.width
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    preemptions: int = 0
-    recompute_preemptions: int = 0
-    swap_preemptions: int = 0
-    recomputed_tokens: int = 0          # tokens computed before a recompute preemption (to be redone)
-    swap_ins: int = 0
-    fork_fallbacks: int = 0             # forks the cache refused: child recomputes its prompt instead
-    stall_preemptions: int = 0
-    failed_requests: int = 0
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    computed_tokens: int = 0
-
-
-def generator_seed(seed: int, index: int) -> int:
-    return (seed * 1_000_003 + index) & 0x7FFF_FFFF_FFFF_FFFF
-
-
-class Scheduler:
-    def __init__(self, config: "EngineConfig", cache: "KVCache", eos_token_ids: tuple[int, ...] = ()) -> None:
+class Scheduler(PostprocessMixin):
+    def __init__(self, config: EngineConfig, cache: KVCache, eos_token_ids: tuple[int, ...] = ()) -> None:
         self.config = config
         self.cache = cache
         self.eos = frozenset(eos_token_ids)
@@ -400,154 +332,6 @@ class Scheduler:
         req = self.req_of[head.seq_id]
         self._fail(req, f"request {req.request_id} does not fit even in an empty {self.cache.name} cache "
                         f"({head.num_tokens} tokens): raise kv_cache_bytes or lower max_tokens", out)
-
-    # -- update ---------------------------------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[int, int | list[Sample]], now: float | None = None
-               ) -> None:
-        """Apply one step's results. `sampled[seq_id]` is a list of (token, logprob) for each item that needs
-        logits, or a bare token id (a runner without logits: every requested sample gets it, logprob 0)."""
-        if now is not None:
-            self.now = now
-        stats = self.stats
-        for item in out.items:
-            seq = item.seq
-            if seq.status is not RUNNING:
-                continue
-            seq.num_computed_tokens = item.context_len
-            stats.computed_tokens += item.num_tokens
-            if not item.needs_logits:
-                continue
-            spec = out.specs[seq.seq_id]
-            samples = self._samples(sampled, seq, spec)
-            req = self.req_of[seq.seq_id]
-            if req.beam is not None:
-                req.beam.stash[seq.seq_id] = samples
-                if req.beam.ready:
-                    self._beam_step(req)
-            elif spec.num_samples > 1:
-                self._fork_samples(req, seq, samples)
-            else:
-                self._append(req, seq, *samples[0])
-        self.running = [s for s in self.running if s.status is RUNNING]
-
-    @staticmethod
-    def _samples(sampled: dict, seq: Sequence, spec: SampleSpec) -> list[Sample]:
-        value = sampled.get(seq.seq_id)
-        if value is None:
-            raise RuntimeError(f"the runner returned no sample for sequence {seq.seq_id} (it needed logits)")
-        if isinstance(value, int):
-            return [(value, 0.0)] * spec.num_samples
-        if not value or (not spec.beam and len(value) != spec.num_samples):
-            raise RuntimeError(f"the runner returned {len(value)} samples for sequence {seq.seq_id}, "
-                               f"{spec.num_samples} were requested")
-        return value
-
-    def _append(self, req: Request, seq: Sequence, token: int, logprob: float,
-                check_stop: bool = True) -> None:
-        seq.append_token(token)
-        seq.cumulative_logprob += logprob
-        self.stats.output_tokens += 1
-        now = self.now
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-            if req.first_token_time is None:
-                req.first_token_time = now
-        seq.last_token_time = now
-        if check_stop:
-            reason = self._stop_reason(req, token, seq.num_output_tokens)
-            if reason is not None:
-                self._finish_seq(req, seq, reason)
-
-    def _fork_samples(self, req: Request, parent: Sequence, samples: list[Sample]) -> None:
-        """Parallel sampling: the parent's prompt KV is shared by n - 1 children forked now."""
-        req.pending_forks = 0
-        for token, logprob in samples[1:]:
-            self._spawn(req, parent, token, logprob)
-        self._append(req, parent, *samples[0])
-
-    def _stop_reason(self, req: Request, token: int, num_output_tokens: int) -> str | None:
-        if token in req.stop_ids:
-            return "stop"
-        return "length" if num_output_tokens >= req.params.max_tokens else None
-
-    def _spawn(self, req: Request, parent: Sequence, token: int, logprob: float) -> Sequence:
-        """A child of `parent` that continues with `token`: it shares the parent's KV (cache.fork), or is
-        queued to recompute it if the cache refuses the fork (the reserve baseline when full)."""
-        child = self._new_seq(req, parent.token_ids[:parent.prompt_len])
-        child.token_ids = list(parent.token_ids)
-        child.parent_id = parent.seq_id
-        child.cumulative_logprob = parent.cumulative_logprob
-        child.first_token_time = parent.first_token_time
-        child.num_computed_tokens = parent.num_computed_tokens
-        reason = self._stop_reason(req, token, child.num_output_tokens + 1)
-        if reason is not None:                       # finished at birth: nothing to hold
-            self._append(req, child, token, logprob, check_stop=False)
-            self._finish_seq(req, child, reason, check_request=False)
-            return child
-        try:
-            self.cache.fork(parent, child)
-        except OutOfKVCache as exc:
-            log.info("fork of sequence %d refused by the %s cache (%s): the child recomputes instead",
-                     parent.seq_id, self.cache.name, exc)
-            self.stats.fork_fallbacks += 1
-            child.num_computed_tokens = 0
-            child.status = WAITING
-            self.waiting.appendleft(child)
-        else:
-            self._enter_running(child, req)
-        self._append(req, child, token, logprob, check_stop=False)
-        return child
-
-    def _beam_step(self, req: Request) -> None:
-        state = req.beam
-        old_live = state.live
-        choices = select_beams(state, req.stop_ids.__contains__, req.params.max_tokens)
-        by_parent: dict[int, list] = {}
-        for c in choices:
-            by_parent.setdefault(c.parent.seq_id, []).append(c)
-        for parent in old_live:                      # free dead beams first: their slots serve the forks
-            if parent.seq_id not in by_parent:
-                self._finish_seq(req, parent, "pruned", check_request=False)
-        continued: dict[int, Sequence] = {}
-        for parent in old_live:                      # fork while parents are unchanged
-            for c in by_parent.get(parent.seq_id, [])[1:]:
-                continued[id(c)] = self._spawn(req, parent, c.token, c.logprob)
-        for parent in old_live:
-            mine = by_parent.get(parent.seq_id)
-            if mine:
-                self._append(req, parent, mine[0].token, mine[0].logprob, check_stop=False)
-                continued[id(mine[0])] = parent
-        state.live = [continued[id(c)] for c in choices]
-        req.num_stalls = 0                           # progress: only consecutive stalls count
-        if req.first_token_time is None:
-            req.first_token_time = self.now
-        self._maybe_finish_request(req)
-
-    def _finish_seq(self, req: Request, seq: Sequence, reason: str, check_request: bool = True) -> None:
-        if seq.status is RUNNING:
-            self.cache.free(seq)
-            self._leave_running(seq, req)
-        seq.status = FINISHED
-        seq.finish_reason = reason
-        self._specs.pop(seq.seq_id, None)
-        if check_request:
-            self._maybe_finish_request(req)
-
-    def _maybe_finish_request(self, req: Request) -> None:
-        if req.pending_forks or (req.beam is not None and req.beam.live):
-            return
-        if all(s.status is FINISHED for s in req.seqs):
-            self._complete(req)
-
-    def _complete(self, req: Request, emit: bool = True) -> None:
-        req.finished = True
-        req.finished_time = self.now
-        del self.requests[req.request_id]
-        for s in req.seqs:
-            self.req_of.pop(s.seq_id, None)
-            self._specs.pop(s.seq_id, None)
-        if emit:
-            self.finished.append(req)
 
     # -- failure and abort ----------------------------------------------------------------------------------
     def _fail(self, req: Request, message: str, out: SchedulerOutput | None = None) -> None:

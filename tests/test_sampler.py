@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from common.errors import RequestError
+from common.request import SampleSpec
 from common.sampler import Sampler, apply_top_k_top_p
 from common.sampling_params import SamplingParams
-from common.scheduler import SampleSpec
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0, 1.5, 0.2]])
 

@@ -1,0 +1,83 @@
+"""What the scheduler tracks and hands out: a request (one sequence group), how to sample its sequences, one
+step's output, and the scheduler's counters."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from common.beam import BeamState
+from common.kv_cache import BatchItem
+from common.sampling_params import SamplingParams
+from common.sequence import Sequence
+
+Sample = tuple[int, float]          # (token id, log-probability)
+
+
+@dataclass(slots=True)
+class SampleSpec:
+    """How the runner turns one logits row into samples: `num_samples` draws (n at parallel sampling's first
+    token), or the top `num_samples` candidates by log-probability (`beam`). `generators` holds one CPU
+    torch.Generator per draw for seeded requests (None: the runner's own generator)."""
+    params: SamplingParams
+    num_samples: int = 1
+    generators: list[torch.Generator] | None = None
+    beam: bool = False
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    items: list[BatchItem] = field(default_factory=list)
+    specs: dict[int, SampleSpec] = field(default_factory=dict)   # seq_id -> spec, items needing logits
+    preempted: list[Sequence] = field(default_factory=list)     # by recompute, this step
+    swapped_in: list[Sequence] = field(default_factory=list)
+    swapped_out: list[Sequence] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)             # request ids that failed this step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(it.num_tokens for it in self.items)
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    prompt: str | None
+    arrival_time: float
+    stop_ids: frozenset[int]
+    seqs: list[Sequence] = field(default_factory=list)      # parallel sampling: index = sample index
+    pending_forks: int = 0                                  # children still to fork at the first sample
+    beam: BeamState | None = None
+    generators: list[torch.Generator] | None = None         # seeded requests: one per sample
+    num_running: int = 0
+    num_preemptions: int = 0
+    num_stalls: int = 0
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    error: str | None = None
+    finished: bool = False
+
+    @property
+    def width(self) -> int:
+        return self.params.width
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    preemptions: int = 0
+    recompute_preemptions: int = 0
+    swap_preemptions: int = 0
+    recomputed_tokens: int = 0          # tokens computed before a recompute preemption (to be redone)
+    swap_ins: int = 0
+    fork_fallbacks: int = 0             # forks the cache refused: child recomputes its prompt instead
+    stall_preemptions: int = 0
+    failed_requests: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    computed_tokens: int = 0
+
+
+def generator_seed(seed: int, index: int) -> int:
+    return (seed * 1_000_003 + index) & 0x7FFF_FFFF_FFFF_FFFF
