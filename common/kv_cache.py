@@ -144,18 +144,25 @@ def base_metadata(items: list[BatchItem], device: str = "cpu") -> dict[str, Any]
     """The common metadata fields as constructor kwargs; backends extend them."""
     query = [it.num_tokens for it in items]
     context = [it.context_len for it in items]
-    positions = [p for it in items for p in range(it.start, it.context_len)]
     cu = [0]
     for n in query:
         cu.append(cu[-1] + n)
     logits_rows = [cu[i + 1] - 1 for i, it in enumerate(items) if it.needs_logits]
+    starts = torch.tensor([it.start for it in items], dtype=torch.int64)
+    max_query = max(query, default=0)
+    if max_query == 1 and cu[-1] == len(items):     # decode: one token per item, at its start
+        positions = starts
+    else:                        # token t of item b sits at start[b] + (t - cu[b]); no per-token Python loop
+        offsets = starts - torch.tensor(cu[:-1], dtype=torch.int64)
+        positions = torch.arange(cu[-1], dtype=torch.int64) + torch.repeat_interleave(
+            offsets, torch.tensor(query, dtype=torch.int64), output_size=cu[-1])
     return dict(
         items=items,
-        input_positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        input_positions=positions.to(device),
         query_lens=torch.tensor(query, dtype=torch.int32, device=device),
         context_lens=torch.tensor(context, dtype=torch.int32, device=device),
         cu_query_lens=torch.tensor(cu, dtype=torch.int32, device=device),
-        max_query_len=max(query, default=0),
+        max_query_len=max_query,
         max_context_len=max(context, default=0),
         logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=device),
     )

@@ -109,8 +109,8 @@ class PagedKVCache(KVCache):
 
     def units_needed(self, seq: Sequence, num_tokens: int) -> int:
         entry = self.seqs.get(seq.seq_id)
-        need = self._blocks_for(num_tokens)
-        if entry is not None:
+        need = -(-num_tokens // self.block_size)
+        if entry is not None:   # the per-step decode path: keep it cheap
             return max(0, need - len(entry.table)) + len(self._cow_targets(seq, entry, num_tokens))
         swapped = self.swapped.get(seq.seq_id)
         if swapped is not None:
@@ -119,30 +119,37 @@ class PagedKVCache(KVCache):
         # a hit on a block nobody holds takes it out of the free queue, so it still costs a free unit
         return need - len(hits) + sum(1 for block, _ in hits if self.pool.ref_counts[block] == 0)
 
+    def can_allocate(self, seq: Sequence, num_tokens: int, reserve_units: int = 0) -> bool:
+        # the base rule, without the base-class call: the scheduler asks this for every sequence every step
+        return self.units_needed(seq, num_tokens) + reserve_units <= self.pool.num_free()
+
     def _cow_targets(self, seq: Sequence, entry: SeqBlocks, num_tokens: int) -> list[int]:
         """Logical indices of shared blocks that this allocation's new tokens would write into."""
+        if not self.pool.num_shared or num_tokens <= seq.num_computed_tokens:
+            return []
         first = seq.num_computed_tokens // self.block_size
         last = min(len(entry.table), self._blocks_for(num_tokens))
-        if num_tokens <= seq.num_computed_tokens:
-            return []
         return [j for j in range(first, last) if self.pool.ref_counts[entry.table[j]] > 1]
 
     # -- lifecycle ------------------------------------------------------------------------------------
     @_timed
     def allocate(self, seq: Sequence, num_tokens: int) -> int:
-        if seq.seq_id in self.swapped:
-            raise BlockPoolError(f"sequence {seq.seq_id} is swapped out; call swap_in before allocate")
         entry = self.seqs.get(seq.seq_id)
-        if entry is None:
+        if entry is None:   # a swapped-out sequence is never in self.seqs
+            if seq.seq_id in self.swapped:
+                raise BlockPoolError(f"sequence {seq.seq_id} is swapped out; call swap_in before allocate")
             return self._allocate_new(seq, num_tokens)
         self._register_computed(seq, entry)
         cow = self._cow_targets(seq, entry, num_tokens)
-        grow = max(0, self._blocks_for(num_tokens) - len(entry.table))
-        self._ensure_free(grow + len(cow), seq, num_tokens)
-        partial = seq.num_computed_tokens % self.block_size != 0
-        for j in cow:
-            self._copy_on_write(entry, j, copy_content=partial and j == seq.num_computed_tokens // self.block_size)
-        entry.table.extend(self.pool.allocate() for _ in range(grow))
+        grow = -(-num_tokens // self.block_size) - len(entry.table)
+        if grow > 0 or cow:   # most decode steps neither cross a block boundary nor touch a shared block
+            grow = max(grow, 0)
+            self._ensure_free(grow + len(cow), seq, num_tokens)
+            partial = seq.num_computed_tokens % self.block_size != 0
+            for j in cow:
+                self._copy_on_write(entry, j,
+                                    copy_content=partial and j == seq.num_computed_tokens // self.block_size)
+            entry.table.extend(self.pool.allocate() for _ in range(grow))
         entry.num_tokens = max(entry.num_tokens, num_tokens)
         return 0
 
@@ -268,6 +275,8 @@ class PagedKVCache(KVCache):
 
     # -- one step -------------------------------------------------------------------------------------
     def prepare(self, items: list[BatchItem]) -> PagedMetadata:
+        if self.config.check_invariants:   # the kernel reads every block the tables name: check them first
+            self.check_invariants()
         base = base_metadata(items, self.shape.device)
         rows = [self._table_row(it) for it in items]
         width = max((len(r) for r in rows), default=0)
@@ -299,6 +308,7 @@ class PagedKVCache(KVCache):
         k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
         if self.config.check_invariants and meta.num_tokens:
             assert int(meta.slot_mapping.max()) < k_cache.shape[0] * self.block_size, "slot outside the pool"
+            assert int(meta.block_tables.max()) < k_cache.shape[0], "block table entry outside the pool"
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v)
         if meta.num_tokens == 0:

@@ -1,0 +1,45 @@
+"""The suite's output: a plain-text table on the console and one JSON file with every sample behind it."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness import Result
+
+
+def format_value(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if abs(value) >= 1000:
+        return f"{value:,.0f}"
+    if abs(value) >= 1 or value == 0:
+        return f"{value:.2f}"
+    return f"{value:.3g}"
+
+
+def verdict(result: Result) -> str:
+    met = result.met
+    return "" if met is None else ("met" if met else "MISSED")
+
+
+def table(results: list[Result]) -> str:
+    headers = ("family", "measurement", "value", "unit", "goal", "", "note")
+    rows = [(r.family, r.name, format_value(r.value), r.unit, str(r.goal) if r.goal else "", verdict(r), r.note)
+            for r in results]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    numeric = {2}
+
+    def line(cells: tuple[str, ...]) -> str:
+        return "  ".join(c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    out = [line(headers), line(tuple("-" * w for w in widths))]
+    out += [line(row) for row in rows]
+    return "\n".join(s.rstrip() for s in out)
+
+
+def write_json(path: Path, machine: dict[str, Any], settings: dict[str, Any], results: list[Result],
+               errors: dict[str, str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"machine": machine, "settings": settings, "results": [r.to_dict() for r in results], "errors": errors}
+    path.write_text(json.dumps(doc, indent=1, default=str))

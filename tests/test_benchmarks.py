@@ -1,0 +1,167 @@
+"""Smoke tests of the performance suite and the GPU check's CPU dry run: every benchmark runs at its smallest
+size and reports well-formed rows; nothing here asserts a speed (speed goals live in the benchmarks)."""
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.__main__ import FAMILIES, main
+from benchmarks.harness import Goal, Result, Settings, Timing, interleaved, measure
+from common.kv_cache import BatchItem, base_metadata
+from common.sequence import Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+QUICK = Settings(threads=1, repeats=1, quick=True)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def check_rows(rows: list[Result], family: str) -> None:
+    assert rows and all(isinstance(r, Result) and r.family == family for r in rows)
+    for r in rows:
+        assert r.name and r.unit
+        if r.value is None:
+            assert "skipped" in r.note, f"{r.name}: no value and no reason"
+        else:
+            assert math.isfinite(r.value) and r.value >= 0, f"{r.name}: {r.value}"
+        json.dumps(r.to_dict(), default=str)
+
+
+# -- the harness -------------------------------------------------------------------------------------------------
+def test_timing_and_goals():
+    t = Timing.of([3.0, 1.0, 2.0, 10.0])
+    assert t.median == 2.5 and t.repeats == 4 and 3.0 < t.p90 <= 10.0
+    assert Goal(">=", 3).met(3.0) and not Goal(">=", 3).met(2.9) and Goal("<", 1).met(0.5)
+    assert Goal("<=", 3).met(None) is None and str(Goal(">=", 1.5)) == ">= 1.5"
+    row = Result("f", "ratio", 0.5, "x", Goal(">=", 1.0))
+    assert row.met is False and row.to_dict()["goal"] == ">= 1" and row.to_dict()["met"] is False
+
+
+def test_measure_and_interleaved_count_calls():
+    calls = []
+    t = measure(lambda: calls.append(1), repeats=3, warmup=2, inner=4)
+    assert len(calls) == 2 + 3 * 4 and t.repeats == 3
+    order = []
+    timings = interleaved({"a": lambda: order.append("a") or 1.0, "b": lambda: order.append("b") or 2.0}, 3)
+    assert order == ["a", "b"] * 3 and timings["a"].median == 1.0 and timings["b"].median == 2.0
+
+
+# -- each family at its smallest size ----------------------------------------------------------------------------
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_runs_and_reports_rows(family):
+    rows = importlib.import_module(FAMILIES[family]).run(QUICK)
+    check_rows(rows, family)
+    goals = [r for r in rows if r.goal is not None]
+    expected_goals = {"throughput": 2, "attention": 4, "end_to_end": 1, "allocator": 2, "simulator": 3}
+    assert len(goals) == expected_goals[family]
+
+
+def test_attention_rows_cover_both_layouts_and_the_triton_kernel():
+    from benchmarks import attention
+    rows = attention.run(QUICK)
+    names = [r.name for r in rows]
+    assert any(n.startswith("vmm (torch_sdpa_contiguous)") for n in names)
+    assert any(n.startswith("paged (torch_paged)") for n in names)
+    triton = next(r for r in rows if r.name.startswith("triton_paged"))
+    assert triton.value is not None and triton.detail["max_abs_diff"] < 1e-4   # conftest: TRITON_INTERPRET=1
+
+
+def test_hf_baseline_holds_the_same_weights_and_counts_waste():
+    from benchmarks.hf_baseline import check_parity, static_batches, to_hf
+    from common.presets import load_tiny
+    model, _ = load_tiny("float32", "cpu", 0)
+    hf = to_hf(model)
+    assert check_parity(model, hf) < 1e-4
+    run = static_batches(hf, [[5, 6, 7], [8, 9]], [2, 5], batch_size=2)
+    assert (run.useful_tokens, run.generated_tokens, run.batches) == (7, 10, 1)
+
+
+def test_main_writes_json_and_reports_a_failing_family(tmp_path, monkeypatch, capsys):
+    from benchmarks import simulator
+    out = tmp_path / "perf.json"
+    assert main(["--quick", "--repeats", "1", "--only", "simulator", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["threads"] == 1 and doc["machine"]["torch_threads"] == 1
+    assert {r["family"] for r in doc["results"]} == {"simulator"} and doc["errors"] == {}
+    assert all(r["goal"] is None for r in doc["results"])        # quick sizes are not held to goals
+
+    def broken(settings):
+        raise RuntimeError("boom")
+    monkeypatch.setattr(simulator, "run", broken)
+    assert main(["--quick", "--only", "simulator", "--out", str(out)]) == 1
+    assert json.loads(out.read_text())["errors"] == {"simulator": "RuntimeError: boom"}
+    assert "simulator" in capsys.readouterr().err
+
+
+def test_main_rejects_unknown_families():
+    with pytest.raises(SystemExit):
+        main(["--only", "nonsense"])
+
+
+# -- the vectorised base_metadata keeps the per-token reference's results ----------------------------------------
+def reference_base_metadata(items: list[BatchItem]) -> dict:
+    query = [it.num_tokens for it in items]
+    cu = [0]
+    for n in query:
+        cu.append(cu[-1] + n)
+    return {"input_positions": [p for it in items for p in range(it.start, it.context_len)], "query_lens": query,
+            "context_lens": [it.context_len for it in items], "cu_query_lens": cu,
+            "max_query_len": max(query, default=0),
+            "max_context_len": max((it.context_len for it in items), default=0),
+            "logits_indices": [cu[i + 1] - 1 for i, it in enumerate(items) if it.needs_logits]}
+
+
+def test_base_metadata_matches_the_per_token_reference():
+    rng = random.Random(0)
+    for case in range(300):
+        items = []
+        for i in range(rng.randint(0, 6)):
+            start, n = rng.randint(0, 40), rng.choice([0, 1, 1, 1, rng.randint(1, 30)])
+            items.append(BatchItem(Sequence(i, str(i), [1] * (start + n + 1), 1), start, n, rng.random() < 0.7))
+        got, want = base_metadata(items), reference_base_metadata(items)
+        for key, value in want.items():
+            if isinstance(got[key], torch.Tensor):
+                expected_dtype = torch.int64 if key in ("input_positions", "logits_indices") else torch.int32
+                assert got[key].dtype == expected_dtype, key
+                assert got[key].tolist() == value, (case, key)
+            else:
+                assert got[key] == value, (case, key)
+
+
+# -- the GPU check, dry run on this CPU --------------------------------------------------------------------------
+def test_gpu_check_dry_run_runs_every_part_on_cpu(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    env = dict(os.environ, PYTHON=sys.executable)
+    proc = subprocess.run(["bash", str(ROOT / "experiments" / "gpu_check.sh"), "--dry-run-cpu", "--out", str(out)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240, check=False)
+    doc = json.loads(out.read_text())
+    parts = doc["parts"]
+    assert proc.returncode == 0, {k: v.get("error") for k, v in parts.items()}
+    assert doc["mode"] == "cpu-dry-run" and set(parts) == {"environment", "cuda_vmm", "triton_vs_sdpa",
+                                                           "vmm_vs_paged", "gpu_tests", "unmapped_access"}
+    vmm = parts["cuda_vmm"]["result"]
+    assert vmm["driver"].startswith("recording fake") and vmm["minimum_granularity"] == 2 * 2**20
+    assert set(vmm["latency"]["us"]) == {"create", "map", "set_access", "unmap", "release"}
+    assert vmm["fake_leaks"] == {} and "view_error" in vmm["round_trip"]      # a CPU torch cannot wrap it
+    assert all(c["ok"] and c["max_abs_err"] < 1e-4 for c in parts["triton_vs_sdpa"]["result"]["configs"])
+    bench = parts["vmm_vs_paged"]["result"]
+    assert bench["backends"]["paged"]["kernels"]["decode"] == "torch_paged"
+    assert bench["identical_outputs"] == bench["workload"]["requests"]
+    tests = parts["gpu_tests"]["result"]
+    assert tests["files"] == ["tests/test_gpu.py"] and tests["counts"].get("skipped", 0) > 0
+    assert tests["counts"].get("failed", 0) == 0 and parts["unmapped_access"]["result"]["ran"] is False
