@@ -178,6 +178,9 @@ def triton_rules(env: Environment) -> Callable[[AttentionSpec], list[str]]:
                            "(Triton has no CPU backend; the interpreter is slow)")
         if device == "cuda":
             reasons += needs_cc(spec, MIN_CC)
+            if env.interpreting_triton():
+                reasons.append("device cuda with TRITON_INTERPRET=1 would run the interpreter, not a compiled "
+                               "kernel (unset it on GPU machines)")
         return reasons + needs_dtype(spec, ALL_DTYPES, "triton") + needs_gqa_divisor(spec)
     return check
 

@@ -53,11 +53,12 @@ def default_scenarios() -> list[Scenario]:
     """This CPU as it is; an H200 (cc 9.0) with this machine's packages (the H200 of gpu-apis.md §0 has the
     same: triton and torch's flex_attention, no flash-attn, no FlashInfer); the H200 with both installed."""
     here = simulated()
+    gpu = simulated(triton_interpret=False)   # a GPU machine compiles Triton kernels
     return [
         Scenario("cpu", "cpu (as installed)", "cpu", None, Environment(here.packages, None)),
-        Scenario("cuda", "cuda cc 9.0 (as installed here)", "cuda", H200_CC, here),
+        Scenario("cuda", "cuda cc 9.0 (as installed here)", "cuda", H200_CC, gpu),
         Scenario("cuda+fa+fi", "cuda cc 9.0 (+flash-attn, flashinfer)", "cuda", H200_CC,
-                 simulated(*EXTRA_PACKAGES)),
+                 simulated(*EXTRA_PACKAGES, triton_interpret=False)),
     ]
 
 

@@ -1,9 +1,11 @@
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede every @triton.jit (cpu-facts.md §3)
+import torch
+
+if not torch.cuda.is_available():   # must precede every @triton.jit (cpu-facts.md §3); GPUs compile instead
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
-import torch
 import torch.nn.functional as F
 
 from common.kv_cache import AttentionMetadata, BatchItem, base_metadata

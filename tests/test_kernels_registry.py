@@ -26,7 +26,8 @@ from common.kernels import (
 )
 
 ALL_PACKAGES = frozenset({"flash_attn", "flashinfer", "triton", "torch.nn.attention.flex_attention"})
-EVERYTHING = Environment(ALL_PACKAGES, triton_interpret=True)   # rules only: every package present
+EVERYTHING = Environment(ALL_PACKAGES, triton_interpret=False)   # rules only: every package, a GPU's Triton
+INTERPRETED = Environment(ALL_PACKAGES, triton_interpret=True)   # the same on a CPU machine running the interpreter
 H200 = (9, 0)
 
 
@@ -36,7 +37,8 @@ def spec(layout="paged", device="cuda", dtype="bfloat16", head_dim=128, q_heads=
                          block if layout == "paged" else None, cc if device.startswith("cuda") else None)
 
 
-def reasons(kernel: str, s: AttentionSpec, phase: str = "decode", env: Environment = EVERYTHING) -> list[str]:
+def reasons(kernel: str, s: AttentionSpec, phase: str = "decode", env: Environment | None = None) -> list[str]:
+    env = env or (INTERPRETED if s.device == "cpu" else EVERYTHING)
     decl = next(d for d in registry(env) if d.name == kernel)
     return decl.reasons_against(s, phase)
 
@@ -90,7 +92,7 @@ RULES = [
     ("triton_paged", {"block": 8, "head_dim": 100}, "prefill", None),
     ("triton_paged", {"q_heads": 10, "kv_heads": 2}, "decode", None),
     ("triton_paged", {"cc": (7, 5)}, "decode", "compute capability 7.5 < 8.0"),
-    ("triton_paged", {"device": "cpu", "dtype": "float32"}, "decode", None),   # EVERYTHING interprets
+    ("triton_paged", {"device": "cpu", "dtype": "float32"}, "decode", None),   # on cpu: INTERPRETED
     # torch FlexAttention paged
     ("flex_paged", {"block": 128, "dtype": "float32", "head_dim": 100}, "decode", None),
     ("flex_paged", {"block": 256}, "prefill", None),
@@ -144,7 +146,14 @@ def test_triton_on_cpu_needs_the_interpreter():
     s = spec(device="cpu", dtype="float32")
     assert reasons("triton_paged", s, env=off) == [
         "device cpu needs TRITON_INTERPRET=1 (Triton has no CPU backend; the interpreter is slow)"]
-    assert reasons("triton_paged", s, env=EVERYTHING) == []
+    assert reasons("triton_paged", s, env=INTERPRETED) == []
+
+
+def test_triton_on_cuda_refuses_the_interpreter():
+    assert reasons("triton_paged", spec(), env=INTERPRETED) == [
+        "device cuda with TRITON_INTERPRET=1 would run the interpreter, not a compiled kernel "
+        "(unset it on GPU machines)"]
+    assert reasons("triton_paged", spec(), env=EVERYTHING) == []
 
 
 def test_live_environment_reads_this_process(monkeypatch):
@@ -183,7 +192,7 @@ def test_priority_per_device():
     ({"dtype": "float32"}, EVERYTHING, "triton_paged", ["flash_attn_paged", "flashinfer_paged"]),
     ({"cc": (7, 5)}, EVERYTHING, "torch_paged",
      ["flash_attn_paged", "flashinfer_paged", "triton_paged", "flex_paged"]),
-    ({}, Environment(frozenset({"triton"})), "triton_paged", ["flash_attn_paged", "flashinfer_paged"]),
+    ({}, Environment(frozenset({"triton"}), False), "triton_paged", ["flash_attn_paged", "flashinfer_paged"]),
     ({"device": "cpu"}, EVERYTHING, "torch_paged", []),
     ({"device": "cpu", "dtype": "float32", "block": 1}, Environment(frozenset(), False), "torch_paged", []),
     ({"layout": "contiguous"}, EVERYTHING, "flash_attn_contiguous", []),
@@ -201,7 +210,7 @@ def test_auto_takes_the_first_valid_kernel(overrides, env, kernel, displaced):
 def test_auto_candidates_keep_priority_order_for_runtime_fallback():
     d = decide(spec(), env=EVERYTHING)
     assert d.phases["prefill"].candidates == priority("cuda", "paged")
-    cpu = decide(spec(device="cpu", dtype="float32"), env=EVERYTHING)
+    cpu = decide(spec(device="cpu", dtype="float32"), env=INTERPRETED)
     assert cpu.phases["decode"].candidates == ["torch_paged", "triton_paged"]
     off = decide(spec(device="cpu", dtype="float32"), env=Environment(ALL_PACKAGES, False))
     assert off.phases["decode"].candidates == ["torch_paged"]
@@ -263,7 +272,7 @@ def test_explicit_kernel_displaces_nothing_and_keeps_fallbacks():
     assert d.chosen("decode") == "torch_paged" and d.displaced == {"prefill": [], "decode": []}
     assert [k.name for k in d.candidates["decode"]][1:] == ["flash_attn_paged", "flashinfer_paged",
                                                              "triton_paged", "flex_paged"]
-    cpu = make_dispatcher(spec(device="cpu", dtype="float32"), "triton_paged", env=EVERYTHING)
+    cpu = make_dispatcher(spec(device="cpu", dtype="float32"), "triton_paged", env=INTERPRETED)
     assert cpu.chosen("prefill") == "triton_paged"
 
 
