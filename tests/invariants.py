@@ -1,0 +1,603 @@
+"""Shared helpers for the reliability tests (issue 8).
+
+`Workload` drives one KV-cache backend the way the scheduler, runner and model do (admit, grow, fork, write,
+free, abort, swap, preempt) and keeps its own reference model of what the cache must hold. `check()` compares
+the backend's books against that model after every operation, independently of the backend's own
+`check_invariants()`: capacity balance, reference counts recounted from the tables or slots, physical pages
+mapped twice only between forks (or, with prefix caching, at the same logical block of an identical prefix),
+every computed token backed, and in real mode the stored K/V read back through a second path (block tables
+into the pool tensor, the memfd pool pages under the vmm mappings, the reserve arena rows).
+
+K/V written for position p is a pseudo-random function of the token prefix [0, p] and the layer, as in a real
+model: two sequences with the same prefix (forks, prefix-cache hits) expect the same K/V, and a write into a
+page or block that another sequence still uses shows up as a mismatch there.
+"""
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import random
+import threading
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common.config import EngineConfig
+from common.errors import OutOfKVCache
+from common.kv_cache import BatchItem, KVCache, KVShape, create_cache
+from common.sequence import Sequence
+
+SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=32, num_q_heads=4)   # 256 B per token per layer
+PAGE = 4096                                                                   # vmm: 16 tokens per page
+MAX_LEN = 64
+VOCAB = 1000
+SCALE = SHAPE.head_dim ** -0.5
+TOKEN_BYTES = SHAPE.bytes_per_token
+
+# What `holds(seq)` answers for a swapped-out sequence: the seam leaves it open and the backends differ.
+HOLDS_SWAPPED = {"paged": True, "vmm": False, "reserve": False}
+
+BASE = {"max_model_len": MAX_LEN, "max_num_seqs": 5, "max_num_batched_tokens": 64, "watermark": 0.0}
+SIZES = {
+    "paged": {"block_size": 4, "kv_cache_bytes": 24 * 4 * TOKEN_BYTES},                # 24 blocks, 96 tokens
+    "vmm": {"page_size": PAGE, "kv_cache_bytes": 8 * 2 * SHAPE.num_layers * PAGE},     # 8 page groups, 128 tokens
+    "reserve": {"reserve_mode": "oracle", "kv_cache_bytes": 160 * TOKEN_BYTES},        # 160 tokens
+}
+
+
+def backend_config(backend: str, **overrides) -> EngineConfig:
+    return EngineConfig(**{"backend": backend, **BASE, **SIZES[backend], **overrides})
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny tensors: a second OpenMP thread only spins on a shared 2-core machine (SDPA 0.1 -> 3 ms)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# -- process-level leak probes --------------------------------------------------------------------------------
+def kvlab_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("kvlab") and t.is_alive()}
+
+
+def memfd_mappings() -> int:
+    """VMAs of the host VMM pool (memfd "kvlab-kv") plus its open descriptors, from /proc/self."""
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if "memfd:kvlab-kv" in line) + memfd_fds()
+
+
+def memfd_fds() -> int:
+    """Open file descriptors of the host VMM pool (memfd "kvlab-kv") in this process."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += "memfd:kvlab-kv" in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:   # the descriptor of the listing itself is gone by now
+            pass
+    return count
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+def settled_rss() -> int:
+    """VmRSS after a full collection and glibc's malloc_trim (freed heap pages go back to the OS)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    return rss_bytes()
+
+
+# -- the reference model ----------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Tracked:
+    seq: Sequence
+    family: int                        # fork family: the id of the sequence it descends from
+    state: str = "live"                # live | swapped | waiting (preempted by recompute, holds nothing)
+
+
+@dataclass
+class ExpectedKV:
+    """K/V of position p in layer l = f(hash of tokens[0..p], l); memoised per prefix hash."""
+    shape: KVShape
+    _values: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+
+    @staticmethod
+    def prefix_hashes(tokens: list[int]) -> list[int]:
+        out, h = [], 0
+        for t in tokens:
+            h = hash((h, t))
+            out.append(h)
+        return out
+
+    def value(self, prefix_hash: int, layer: int) -> torch.Tensor:
+        key = (prefix_hash, layer)
+        if key not in self._values:
+            g = torch.Generator().manual_seed((prefix_hash * 31 + layer) & 0x7FFF_FFFF_FFFF_FFFF)
+            self._values[key] = torch.randn(2, self.shape.num_kv_heads, self.shape.head_dim, generator=g)
+        return self._values[key]
+
+    def of(self, tokens: list[int], start: int, end: int) -> torch.Tensor:
+        """[L, 2, end - start, H_kv, D] for positions [start, end)."""
+        hashes = self.prefix_hashes(tokens[:end])[start:end]
+        if not hashes:
+            return torch.zeros(self.shape.num_layers, 2, 0, self.shape.num_kv_heads, self.shape.head_dim)
+        return torch.stack([torch.stack([self.value(h, layer) for h in hashes], dim=1)
+                            for layer in range(self.shape.num_layers)])
+
+
+# -- second read paths (real mode) ------------------------------------------------------------------------------
+def read_paged(cache, seq: Sequence, n: int) -> torch.Tensor:
+    """Gather straight from the pool tensor [2, L, blocks, block_size, H_kv, D] through the block table."""
+    pos = torch.arange(n)
+    blocks = torch.tensor(cache.block_table(seq), dtype=torch.int64)[pos // cache.block_size]
+    return cache.kv[:, :, blocks, pos % cache.block_size].transpose(0, 1)
+
+
+def read_vmm(cache, seq: Sequence, n: int) -> torch.Tensor:
+    """Read the slot's pool pages from the memfd with pread: no virtual mapping is touched."""
+    s, geo, drv = cache.shape, cache.geo, cache.driver
+    slot = vmm_slot_of(cache, seq)
+    pages = -(-(n * s.bytes_per_token_per_layer) // geo.page_size)
+    per_tensor = []
+    for t in range(geo.num_tensors):
+        raw = b"".join(os.pread(drv.fd, geo.page_size, drv.pool_offset(t * geo.num_groups + g))
+                       for g in slot.groups[:pages])
+        flat = torch.frombuffer(bytearray(raw), dtype=s.torch_dtype) if raw else torch.zeros(0)
+        per_tensor.append(flat[:n * s.num_kv_heads * s.head_dim].view(n, s.num_kv_heads, s.head_dim))
+    k, v = per_tensor[:s.num_layers], per_tensor[s.num_layers:]
+    return torch.stack([torch.stack([k[layer], v[layer]]) for layer in range(s.num_layers)])
+
+
+def read_reserve(cache, seq: Sequence, n: int) -> torch.Tensor:
+    """Read the arena rows [start, start + n) directly (the kernel reads them through the row view)."""
+    start = cache.regions[seq.seq_id][0]
+    return torch.stack([torch.stack([cache.k[layer][start:start + n], cache.v[layer][start:start + n]])
+                        for layer in range(cache.shape.num_layers)])
+
+
+READERS = {"paged": read_paged, "vmm": read_vmm, "reserve": read_reserve}
+
+
+def vmm_slot_of(cache, seq: Sequence):
+    return cache.slots[cache._slot_of[seq.seq_id]]
+
+
+# -- independent structural checks ------------------------------------------------------------------------------
+def check_capacity(cache: KVCache) -> None:
+    st = cache.stats()
+    assert st.free_units + st.used_units == st.total_units == cache.num_total_units(), (
+        f"free {st.free_units} + used {st.used_units} != total {st.total_units}")
+    assert st.free_units == cache.num_free_units() and 0 <= st.used_units <= st.total_units
+
+
+def check_holds(cache: KVCache, tracked: dict[int, Tracked]) -> None:
+    for t in tracked.values():
+        want = {"live": True, "waiting": False, "swapped": HOLDS_SWAPPED[cache.name]}[t.state]
+        assert cache.holds(t.seq) is want, f"holds({t.seq.seq_id}) is {not want} for a {t.state} sequence"
+
+
+def _may_share(a: Tracked, b: Tracked, index: int, unit_tokens: int, prefix_caching: bool) -> bool:
+    if a.family == b.family:
+        return True
+    end = (index + 1) * unit_tokens
+    return prefix_caching and a.seq.token_ids[:end] == b.seq.token_ids[:end] and len(a.seq.token_ids) >= end
+
+
+def check_paged(cache, tracked: dict[int, Tracked]) -> None:
+    live = {sid: t for sid, t in tracked.items() if t.state == "live"}
+    assert set(cache.seqs) == set(live), f"block tables {sorted(cache.seqs)} != live {sorted(live)}"
+    assert set(cache.swapped) == {sid for sid, t in tracked.items() if t.state == "swapped"}
+    users: dict[int, list[tuple[int, int]]] = defaultdict(list)   # block -> (seq_id, logical index)
+    for sid, t in live.items():
+        table = cache.block_table(t.seq)
+        assert len(table) >= -(-t.seq.num_computed_tokens // cache.block_size), f"seq {sid}: computed tokens unbacked"
+        for j, block in enumerate(table):
+            users[block].append((sid, j))
+    counts = cache.pool.ref_counts
+    for block in range(cache.pool.num_blocks):
+        assert counts[block] == len(users.get(block, ())), (
+            f"block {block}: refcount {counts[block]}, referenced by {users.get(block, [])}")
+        assert cache.pool.is_free(block) == (counts[block] == 0), f"block {block}: free flag vs refcount"
+    prefix = cache.prefix_cache is not None
+    for block, refs in users.items():
+        (sid0, j0), rest = refs[0], refs[1:]
+        for sid, j in rest:
+            assert j == j0, f"block {block} sits at logical index {j0} of seq {sid0} but {j} of seq {sid}"
+            assert _may_share(tracked[sid0], tracked[sid], j, cache.block_size, prefix), (
+                f"block {block} shared by unrelated sequences {sid0} and {sid}")
+    assert cache.stats().used_units == sum(1 for c in counts if c > 0)
+
+
+def check_vmm(cache, tracked: dict[int, Tracked]) -> None:
+    with cache._lock:   # the background mapper changes the books under this lock
+        geo, drv = cache.geo, cache.driver
+        live = {sid: t for sid, t in tracked.items() if t.state == "live"}
+        owners = {s.seq_id: s for s in cache.slots if s.seq_id is not None}
+        assert set(owners) == set(live), f"slot owners {sorted(owners)} != live {sorted(live)}"
+        assert set(cache._swapped) == {sid for sid, t in tracked.items() if t.state == "swapped"}
+        slot_refs = Counter(g for s in cache.slots for g in s.groups)
+        assert all(cache._refs[g] == slot_refs.get(g, 0) for g in range(geo.num_groups)), "group refcounts drift"
+        # the driver's own page tables: who maps each pool page, at which (slot, page)
+        mappers: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        total = 0
+        for t, (region, offset) in enumerate(cache._place):
+            for va, pool_page in region.mapped.items():
+                rel = va * geo.page_size - offset
+                if 0 <= rel < geo.tensor_bytes:
+                    mappers[pool_page].append((rel // geo.row_bytes, rel % geo.row_bytes // geo.page_size))
+            total += len(region.mapped)
+        assert drv.stats.mapped_pages == total == sum(drv.pool_maps), "driver mapping counts drift"
+        for pool_page, where in mappers.items():
+            assert drv.pool_maps[pool_page] == len(where)
+            if len(where) > 1:
+                slots = [cache.slots[i] for i, _ in where]
+                assert all(s.seq_id is not None for s in slots), f"pool page {pool_page} shared by a free slot"
+                fams = {tracked[s.seq_id].family for s in slots}
+                assert len(fams) == 1, f"pool page {pool_page} mapped by unrelated slots {where}"
+                assert len({j for _, j in where}) == 1, f"pool page {pool_page} at different pages {where}"
+        for sid, t in live.items():
+            slot = owners[sid]
+            pages = -(-(t.seq.num_computed_tokens * cache.shape.bytes_per_token_per_layer) // geo.page_size)
+            for j in range(pages):
+                for tensor, (region, offset) in enumerate(cache._place):
+                    va = (offset + slot.index * geo.row_bytes + j * geo.page_size) // geo.page_size
+                    assert va in region.mapped, f"seq {sid}: page {j} of tensor {tensor} unmapped"
+        st = cache.stats()
+        stale = sum(len(s.groups) for s in cache.slots if s.seq_id is None)
+        assert st.extra["reclaimable_units"] >= stale
+
+
+def check_reserve(cache, tracked: dict[int, Tracked]) -> None:
+    live = {sid: t for sid, t in tracked.items() if t.state == "live"}
+    assert set(cache.regions) == set(live), f"regions {sorted(cache.regions)} != live {sorted(live)}"
+    assert set(cache.swap_store) == {sid for sid, t in tracked.items() if t.state == "swapped"}
+    spans = sorted(cache.regions.values())
+    end = 0
+    for start, size in spans:
+        assert start >= end and size > 0, f"regions overlap at {start}"
+        end = start + size
+    assert end <= cache.capacity
+    assert cache.num_free_units() + sum(size for _, size in spans) == cache.capacity
+    for sid, t in live.items():
+        assert cache.regions[sid][1] >= t.seq.num_computed_tokens, f"seq {sid}: region shorter than its tokens"
+
+
+STRUCTURE = {"paged": check_paged, "vmm": check_vmm, "reserve": check_reserve}
+
+
+def check_structure(cache: KVCache, tracked: dict[int, Tracked]) -> None:
+    cache.check_invariants()
+    check_capacity(cache)
+    check_holds(cache, tracked)
+    STRUCTURE[cache.name](cache, tracked)
+
+
+def check_drained(cache: KVCache) -> None:
+    """Nothing is held once every sequence is gone: no units, tables, slots, regions or host swap copies."""
+    st = cache.stats()
+    assert st.used_units == 0 and st.live_tokens == 0, f"leak: {st.used_units} units, {st.live_tokens} tokens"
+    assert st.free_units == st.total_units
+    if cache.name == "paged":
+        assert not cache.seqs and not cache.swapped and not any(cache.pool.ref_counts)
+    elif cache.name == "vmm":
+        assert not cache._slot_of and not cache._swapped and not cache._pending
+        stale = sum(len(s.groups) for s in cache.slots)
+        assert st.extra["reclaimable_units"] == stale, "mapped pages beyond the reclaimable stale ones"
+        assert cache.driver.stats.mapped_pages == stale * cache.geo.num_tensors
+    else:
+        assert not cache.regions and not cache.swap_store and cache.num_free_units() == cache.capacity
+
+
+def check_closed(cache: KVCache, threads_before: set[threading.Thread], memfd_before: int) -> None:
+    """After close(): no new background threads or memfd mappings; a vmm driver released every range."""
+    cache.close()
+    cache.close()   # idempotent
+    alive = kvlab_threads() - threads_before
+    assert not alive, f"background threads still alive after close: {sorted(t.name for t in alive)}"
+    assert memfd_mappings() <= memfd_before, "the memfd pool is still mapped or open after close"
+    if cache.name == "vmm":
+        drv = cache.driver
+        assert drv.closed and drv.regions == [] and drv.stats.mapped_pages == 0 and drv.stats.reserved_bytes == 0
+
+
+# -- the workload -----------------------------------------------------------------------------------------------
+class Workload:
+    """One backend plus the reference model. Every op counts itself in `ops` when it reaches the cache;
+    refusals (OutOfKVCache) are counted in `ops["refused"]` and must leave the cache unchanged."""
+
+    def __init__(self, backend: str, accounting_only: bool, seed: int = 0, **overrides) -> None:
+        self._threads_before, self._memfd_before = kvlab_threads(), memfd_mappings()
+        self.config = backend_config(backend, **overrides)
+        self.backend = backend
+        self.accounting_only = accounting_only
+        self.cache = create_cache(self.config, SHAPE, accounting_only=accounting_only)
+        self.tracked: dict[int, Tracked] = {}
+        self.ops: Counter[str] = Counter()
+        self.expected = ExpectedKV(SHAPE)
+        self.gen = torch.Generator().manual_seed(seed)
+        self._next_id = 0
+
+    # -- views of the model
+    def ids(self, state: str) -> list[int]:
+        return sorted(sid for sid, t in self.tracked.items() if t.state == state)
+
+    def seq(self, sid: int) -> Sequence:
+        return self.tracked[sid].seq
+
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    # -- guarded cache calls
+    def _snapshot(self) -> tuple[int, dict[int, bool]]:
+        return self.cache.num_free_units(), {sid: self.cache.holds(t.seq) for sid, t in self.tracked.items()}
+
+    def _refused(self, before: tuple[int, dict[int, bool]], what: str) -> None:
+        self.ops["refused"] += 1
+        after = self._snapshot()
+        assert after[0] == before[0], f"a refused {what} changed the free units {before[0]} -> {after[0]}"
+        assert after[1] == before[1], f"a refused {what} changed which sequences the cache holds"
+
+    def _allocate(self, seq: Sequence, n: int) -> int | None:
+        """allocate(seq, n), checking it agrees with can_allocate/units_needed. None when refused."""
+        can = self.cache.can_allocate(seq, n)
+        need = self.cache.units_needed(seq, n)
+        before = self._snapshot()
+        try:
+            hit = self.cache.allocate(seq, n)
+        except OutOfKVCache:
+            assert not can, f"allocate({seq.seq_id}, {n}) refused although can_allocate said yes"
+            self._refused(before, "allocate")
+            return None
+        assert can, f"allocate({seq.seq_id}, {n}) succeeded although can_allocate said no"
+        used = before[0] - self.cache.num_free_units()
+        assert used == need, f"allocate({seq.seq_id}, {n}) took {used} units, units_needed said {need}"
+        return hit
+
+    # -- operations
+    def admit(self, prompt: list[int], max_tokens: int, chunk: int) -> None:
+        sid = self._new_id()
+        seq = Sequence(sid, str(sid), prompt, max_tokens=max(1, min(max_tokens, MAX_LEN - len(prompt))))
+        self.tracked[sid] = Tracked(seq, family=sid, state="waiting")
+        self.ops["admit"] += 1
+        self._admit(sid, chunk)
+
+    def readmit(self, sid: int, chunk: int) -> None:
+        """A waiting (refused or preempted) sequence is admitted again from position 0."""
+        self.ops["readmit"] += 1
+        self._admit(sid, chunk)
+
+    def _admit(self, sid: int, chunk: int) -> None:
+        t = self.tracked[sid]
+        seq = t.seq
+        target = max(1, min(chunk, seq.num_tokens))
+        hit = self._allocate(seq, target)
+        if hit is None:
+            return
+        t.state = "live"
+        if hit:   # as the scheduler: a prefix hit skips computing those tokens (never the last one)
+            self.ops["prefix_hit_tokens"] += hit
+            seq.num_computed_tokens = max(seq.num_computed_tokens, min(hit, seq.num_tokens - 1))
+        if target > seq.num_computed_tokens:   # the admission step computes its chunk
+            self._write([(sid, target - seq.num_computed_tokens)])
+
+    def grow(self, sid: int, n: int) -> None:
+        """Allocate ahead without computing (a step that is then preempted or aborted)."""
+        seq = self.seq(sid)
+        self._extend(seq)
+        target = min(seq.num_tokens, seq.num_computed_tokens + n)
+        self.ops["grow"] += 1
+        if target > seq.num_computed_tokens:
+            self._allocate(seq, target)
+
+    def _extend(self, seq: Sequence) -> None:
+        """A decode step: the sampled token is appended before the next allocate."""
+        if seq.num_computed_tokens == seq.num_tokens and seq.num_tokens < min(seq.final_len, MAX_LEN):
+            seq.append_token(int(torch.randint(3, VOCAB, (1,), generator=self.gen)))
+
+    def write(self, picks: list[tuple[int, int]]) -> None:
+        """One step over several sequences: allocate each, then (real mode) prepare + attention per layer."""
+        self.ops["write"] += 1
+        self._write(picks)
+
+    def _write(self, picks: list[tuple[int, int]]) -> None:
+        items = []
+        for sid, n in picks:
+            seq = self.seq(sid)
+            self._extend(seq)
+            start = seq.num_computed_tokens
+            n = min(n, seq.num_tokens - start)
+            if n > 0 and self._allocate(seq, start + n) is not None:
+                items.append(BatchItem(seq, start, n, start + n == seq.num_tokens))
+        if not items:
+            return
+        if not self.accounting_only:
+            self._compute(items)
+        for it in items:
+            it.seq.num_computed_tokens = it.context_len
+        self.ops["tokens_written"] += sum(it.num_tokens for it in items)
+
+    def _compute(self, items: list[BatchItem]) -> None:
+        meta = self.cache.prepare(items)
+        s = SHAPE
+        new = [self.expected.of(it.seq.token_ids, it.start, it.context_len) for it in items]
+        for layer in range(s.num_layers):
+            q = torch.randn(meta.num_tokens, s.num_q_heads, s.head_dim, generator=self.gen)
+            k = torch.cat([x[layer, 0] for x in new])
+            v = torch.cat([x[layer, 1] for x in new])
+            out = self.cache.attention(layer, q, k, v, meta, SCALE)
+            torch.testing.assert_close(out, self._reference(items, q, layer), rtol=1e-4, atol=1e-5)
+
+    def _reference(self, items: list[BatchItem], q: torch.Tensor, layer: int) -> torch.Tensor:
+        outs, row = [], 0
+        group = SHAPE.num_q_heads // SHAPE.num_kv_heads
+        for it in items:
+            kv = self.expected.of(it.seq.token_ids, 0, it.context_len)[layer]
+            keys, values = (x.repeat_interleave(group, dim=1).transpose(0, 1) for x in (kv[0], kv[1]))
+            mask = torch.arange(it.context_len)[None, :] <= torch.arange(it.start, it.context_len)[:, None]
+            part = q[row:row + it.num_tokens].transpose(0, 1)
+            outs.append(F.scaled_dot_product_attention(part, keys, values, attn_mask=mask, scale=SCALE)
+                        .transpose(0, 1))
+            row += it.num_tokens
+        return torch.cat(outs)
+
+    def fork(self, sid: int) -> None:
+        parent = self.tracked[sid]
+        cid = self._new_id()
+        p = parent.seq
+        child = Sequence(cid, str(cid), p.token_ids[:p.prompt_len], p.max_tokens)
+        child.token_ids = list(p.token_ids)
+        child.num_computed_tokens = p.num_computed_tokens
+        child.parent_id = sid
+        self.ops["fork"] += 1
+        before = self._snapshot()
+        try:
+            self.cache.fork(p, child)
+        except OutOfKVCache:
+            self._refused(before, "fork")
+            return
+        self.tracked[cid] = Tracked(child, family=parent.family)
+
+    def free(self, sid: int) -> None:
+        self.cache.free(self.seq(sid))
+        del self.tracked[sid]
+        self.ops["free"] += 1
+
+    def abort(self, sid: int) -> None:
+        """Drop a sequence wherever it is: live, swapped (the host copy goes) or waiting (nothing to free)."""
+        t = self.tracked.pop(sid)
+        if t.state != "waiting":
+            self.cache.free(t.seq)
+        self.ops["abort"] += 1
+
+    def swap_out(self, sid: int) -> None:
+        self.cache.swap_out(self.seq(sid))
+        self.tracked[sid].state = "swapped"
+        self.ops["swap_out"] += 1
+
+    def swap_in(self, sid: int) -> None:
+        self.ops["swap_in"] += 1
+        seq = self.seq(sid)
+        can = self.cache.can_swap_in(seq)
+        before = self._snapshot()
+        try:
+            self.cache.swap_in(seq)
+        except OutOfKVCache:
+            assert not can, f"swap_in({sid}) refused although can_swap_in said yes"
+            self._refused(before, "swap_in")
+            return
+        assert can, f"swap_in({sid}) succeeded although can_swap_in said no"
+        self.tracked[sid].state = "live"
+
+    def preempt(self, sid: int) -> None:
+        """Recompute preemption: free the KV, forget the progress, wait for readmission."""
+        seq = self.seq(sid)
+        self.cache.free(seq)
+        seq.num_computed_tokens = 0
+        self.tracked[sid].state = "waiting"
+        self.ops["preempt"] += 1
+
+    # -- checks
+    def check(self) -> None:
+        check_structure(self.cache, self.tracked)
+        self.ops["checks"] += 1
+        if self.accounting_only:
+            return
+        read = READERS[self.backend]
+        for sid in self.ids("live"):
+            seq = self.seq(sid)
+            n = seq.num_computed_tokens
+            stored = read(self.cache, seq, n)
+            want = self.expected.of(seq.token_ids, 0, n)
+            assert torch.equal(stored, want), f"seq {sid}: stored K/V differ from what was written"
+
+    def drain(self) -> None:
+        """Abort everything, check nothing is left, close, check nothing survives the close."""
+        for sid in list(self.tracked):
+            self.abort(sid)
+        self.check()
+        check_drained(self.cache)
+        check_closed(self.cache, self._threads_before, self._memfd_before)
+
+    @property
+    def num_ops(self) -> int:
+        """Operations run against the cache (refused ones included; the checks after each are not counted)."""
+        return sum(self.ops[k] for k in OPS)
+
+
+OPS = ("admit", "readmit", "grow", "write", "fork", "free", "abort", "swap_out", "swap_in", "preempt")
+
+
+def random_workload(backend: str, accounting_only: bool, seed: int, num_ops: int, **overrides) -> Counter:
+    """Seeded random operations (plain `random`, no hypothesis) with the full check after each; drains at the
+    end. Used in subprocesses, where a bad mapping would kill the process by a signal."""
+    rng = random.Random(seed)
+    w = Workload(backend, accounting_only, seed, **overrides)
+    kinds = ["admit", "admit", "write", "write", "write", "grow", "fork", "free", "abort", "swap_out", "swap_in",
+             "preempt", "readmit"]
+    for _ in range(num_ops):
+        live, swapped, waiting = w.ids("live"), w.ids("swapped"), w.ids("waiting")
+        computed = [s for s in live if w.seq(s).num_computed_tokens]
+        op = rng.choice(kinds)
+        if op == "admit":
+            n = rng.randint(1, MAX_LEN - 1)
+            w.admit([rng.randint(3, VOCAB) for _ in range(n)], rng.randint(1, 40), rng.randint(1, n))
+        elif op == "readmit" and waiting:
+            w.readmit(rng.choice(waiting), rng.randint(1, 40))
+        elif op == "write" and live:
+            picks = rng.sample(live, min(len(live), rng.randint(1, 3)))
+            w.write([(sid, rng.randint(1, 20)) for sid in picks])
+        elif op in ("grow", "fork", "free", "preempt") and live:
+            sid = rng.choice(live)
+            w.grow(sid, rng.randint(1, 20)) if op == "grow" else getattr(w, op)(sid)
+        elif op == "abort" and w.tracked:
+            w.abort(rng.choice(sorted(w.tracked)))
+        elif op == "swap_out" and computed:
+            w.swap_out(rng.choice(computed))
+        elif op == "swap_in" and swapped:
+            w.swap_in(swapped[0])
+        w.check()
+    w.drain()
+    return w.ops
+
+
+# -- the engine without a model ---------------------------------------------------------------------------------
+EOS = 2
+
+
+class CheapRunner:
+    """A runner without a model: random distinct tokens (EOS now and then) for every item that needs logits,
+    as many as the spec asks for, with descending log-probabilities; a step counter is the clock."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.now = 0.0
+
+    def clock(self) -> float:
+        return self.now
+
+    def execute(self, out) -> dict[int, list[tuple[int, float]]]:
+        self.now += 1.0
+        sampled = {}
+        for it in out.items:
+            if it.needs_logits:
+                k = out.specs[it.seq.seq_id].num_samples
+                tokens = self.rng.sample(range(EOS, EOS + 60), k)
+                logprobs = sorted((-5 * self.rng.random() for _ in range(k)), reverse=True)
+                sampled[it.seq.seq_id] = list(zip(tokens, logprobs))
+        return sampled

@@ -1,0 +1,368 @@
+"""Property-based tests (hypothesis, rule-based state machines): random admit / grow / fork / write / free /
+abort / swap / preempt sequences on every backend, in accounting and real mode, and random add / abort / step
+sequences through the real Scheduler and Engine. After every step the books are checked against an independent
+model (tests/invariants.py); after every run nothing may be left: units, tables, slots, mappings, host swap
+copies, background threads.
+
+Runs are derandomized (the same examples on every machine) and count the operations they execute; the totals
+are printed per backend. `-m slow` runs ten times the budget.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import ClassVar
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+from invariants import (
+    EOS,
+    MAX_LEN,
+    SHAPE,
+    VOCAB,
+    CheapRunner,
+    Tracked,
+    Workload,
+    check_closed,
+    check_drained,
+    check_structure,
+    kvlab_threads,
+    memfd_mappings,
+    one_torch_thread,  # noqa: F401 - the fixture applies to this module
+)
+
+from common.config import EngineConfig
+from common.engine import Engine
+from common.kv_cache import create_cache
+from common.sampling_params import SamplingParams
+from common.sequence import SequenceStatus
+
+STEPS = 50   # rule applications per example
+
+
+def run_machine(machine: type, examples: int) -> float:
+    start = time.perf_counter()
+    run_state_machine_as_test(machine, settings=settings(
+        max_examples=examples, stateful_step_count=STEPS, deadline=None, derandomize=True, database=None,
+        suppress_health_check=list(HealthCheck), print_blob=False))
+    return time.perf_counter() - start
+
+
+def report(capsys, name: str, ops: Counter, seconds: float, keys: tuple[str, ...]) -> int:
+    total = sum(ops[k] for k in keys)
+    detail = ", ".join(f"{k} {ops[k]}" for k in keys + ("refused",) if ops[k])
+    with capsys.disabled():
+        print(f"\n[properties] {name}: {total} random operations in {seconds:.1f} s ({detail})")
+    return total
+
+
+# -- one backend ------------------------------------------------------------------------------------------------
+SHARED_PREFIXES = [list(range(10, 18)), list(range(40, 53)), list(range(100, 120))]   # prefix-cache hits
+
+
+class CacheMachine(RuleBasedStateMachine):
+    backend = "paged"
+    accounting_only = True
+    overrides: ClassVar[dict] = {}
+    totals: ClassVar[Counter] = Counter()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = Workload(self.backend, self.accounting_only, **self.overrides)
+
+    def _pick(self, data, state: str) -> int:
+        return data.draw(st.sampled_from(self.w.ids(state)))
+
+    def _has(state: str):
+        return precondition(lambda self: bool(self.w.ids(state)))
+
+    prompts = st.lists(st.integers(3, VOCAB), min_size=1, max_size=MAX_LEN - 1)
+
+    @rule(prompt=prompts, max_tokens=st.integers(1, 48), chunk=st.integers(1, MAX_LEN))
+    def admit(self, prompt, max_tokens, chunk):
+        self.w.admit(prompt, max_tokens, chunk)
+
+    @_has("waiting")
+    @rule(data=st.data(), chunk=st.integers(1, MAX_LEN))
+    def readmit(self, data, chunk):
+        self.w.readmit(self._pick(data, "waiting"), chunk)
+
+    @_has("live")
+    @rule(data=st.data(), sizes=st.lists(st.integers(1, 24), min_size=1, max_size=3))
+    def write(self, data, sizes):
+        live = self.w.ids("live")
+        picks = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=len(sizes), unique=True))
+        self.w.write(list(zip(picks, sizes)))
+
+    @_has("live")
+    @rule(data=st.data())
+    def decode(self, data):
+        """Every picked sequence appends one token (or computes its next uncomputed one)."""
+        live = self.w.ids("live")
+        picks = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=4, unique=True))
+        self.w.write([(sid, 1) for sid in picks])
+
+    @_has("live")
+    @rule(data=st.data(), n=st.integers(1, 24))
+    def grow(self, data, n):
+        self.w.grow(self._pick(data, "live"), n)
+
+    @_has("live")
+    @rule(data=st.data())
+    def fork(self, data):
+        self.w.fork(self._pick(data, "live"))
+
+    @_has("live")
+    @rule(data=st.data())
+    def free(self, data):
+        self.w.free(self._pick(data, "live"))
+
+    @precondition(lambda self: bool(self.w.tracked))
+    @rule(data=st.data())
+    def abort(self, data):
+        self.w.abort(data.draw(st.sampled_from(sorted(self.w.tracked))))
+
+    @precondition(lambda self: any(self.w.seq(s).num_computed_tokens for s in self.w.ids("live")))
+    @rule(data=st.data())
+    def swap_out(self, data):
+        ready = [s for s in self.w.ids("live") if self.w.seq(s).num_computed_tokens]
+        self.w.swap_out(data.draw(st.sampled_from(ready)))
+
+    @_has("swapped")
+    @rule(data=st.data())
+    def swap_in(self, data):
+        self.w.swap_in(self._pick(data, "swapped"))
+
+    @_has("live")
+    @rule(data=st.data())
+    def preempt(self, data):
+        self.w.preempt(self._pick(data, "live"))
+
+    @invariant()
+    def books_match_the_model(self):
+        self.w.check()
+
+    def teardown(self):
+        self.w.drain()
+        type(self).totals.update(self.w.ops)
+
+
+class PrefixCacheMachine(CacheMachine):
+    """Paged with prefix caching: prompts start with one of a few shared prefixes, so admissions hit."""
+    prompts = st.tuples(st.sampled_from(SHARED_PREFIXES), st.lists(st.integers(3, VOCAB), max_size=30)).map(
+        lambda parts: (parts[0] + parts[1])[:MAX_LEN - 1])
+
+    @rule(prompt=prompts, max_tokens=st.integers(1, 24), chunk=st.integers(1, MAX_LEN))
+    def admit_shared(self, prompt, max_tokens, chunk):
+        self.w.admit(prompt, max_tokens, chunk)
+
+
+def machine(backend: str, accounting_only: bool, base: type = CacheMachine, **overrides) -> type:
+    name = f"{backend.title()}{'Accounting' if accounting_only else 'Real'}Machine"
+    return type(name, (base,), {"backend": backend, "accounting_only": accounting_only, "overrides": overrides,
+                                "totals": Counter()})
+
+
+# (label, machine, examples in the default suite): accounting runs are cheap, real runs check every byte
+VARIANTS = {
+    "paged": [("accounting", machine("paged", True), 50),
+              ("real", machine("paged", False), 30),
+              ("real+prefix-caching", machine("paged", False, PrefixCacheMachine, enable_prefix_caching=True), 20)],
+    "vmm": [("accounting", machine("vmm", True), 50),
+            ("real", machine("vmm", False, check_invariants=True), 30),
+            ("real+background-mapping", machine("vmm", False, background_mapping=True), 20)],
+    "reserve": [("accounting oracle", machine("reserve", True), 40),
+                ("accounting max", machine("reserve", True, reserve_mode="max"), 20),
+                ("real oracle", machine("reserve", False), 30)],
+}
+OPS = ("admit", "readmit", "grow", "write", "fork", "free", "abort", "swap_out", "swap_in", "preempt")
+
+
+def run_backend(backend: str, scale: int, capsys) -> int:
+    total = 0
+    for label, cls, examples in VARIANTS[backend]:
+        cls.totals = Counter()
+        seconds = run_machine(cls, examples * scale)
+        total += report(capsys, f"{backend} {label}", cls.totals, seconds, OPS)
+    with capsys.disabled():
+        print(f"[properties] {backend}: {total} random operations in all")
+    return total
+
+
+@pytest.mark.parametrize("backend", ["paged", "vmm", "reserve"])
+def test_random_operations_keep_the_books(backend, capsys):
+    total = run_backend(backend, 1, capsys)
+    assert total >= 2000, f"only {total} operations ran on {backend}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["paged", "vmm", "reserve"])
+def test_random_operations_keep_the_books_long(backend, capsys):
+    total = run_backend(backend, 10, capsys)
+    assert total >= 20000
+
+
+# -- the scheduler and engine -----------------------------------------------------------------------------------
+# Beam-search requests livelock the scheduler today (see test_beam_groups_finish_when_they_cannot_share below):
+# they join the random mix once that is fixed.
+BEAM_LIVELOCK_FIXED = False
+WIDTHS = ["n1", "n1", "n1", "n2", "n3"] + (["beam2", "beam3"] if BEAM_LIVELOCK_FIXED else [])
+
+SCHED_BASE = {"max_model_len": 128, "max_num_seqs": 4, "max_num_batched_tokens": 32, "watermark": 0.01}
+SCHED_SIZES = {"paged": {"block_size": 4, "kv_cache_bytes": 24 * 4 * SHAPE.bytes_per_token},
+               "vmm": {"page_size": 4096, "kv_cache_bytes": 6 * 4 * 4096},
+               "reserve": {"kv_cache_bytes": 192 * SHAPE.bytes_per_token}}
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    backend = "paged"
+    overrides: ClassVar[dict] = {}
+    totals: ClassVar[Counter] = Counter()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads_before, self.memfd_before = kvlab_threads(), memfd_mappings()
+        config = EngineConfig(**{"backend": self.backend, **SCHED_BASE, **SCHED_SIZES[self.backend],
+                                 **self.overrides})
+        cache = create_cache(config, SHAPE, accounting_only=True)
+        self.engine = Engine(config, cache, CheapRunner(0), eos_token_ids=(EOS,))
+        self.added: set[str] = set()
+        self.aborted: set[str] = set()
+        self.outputs: Counter[str] = Counter()
+        self.seen: dict[int, object] = {}      # every sequence ever created
+        self.ops: Counter[str] = Counter()
+        self._ids = 0
+
+    @rule(prompt_len=st.integers(1, 100), max_tokens=st.integers(1, 40),
+          width=st.sampled_from(WIDTHS), ignore_eos=st.booleans())
+    def add(self, prompt_len, max_tokens, width, ignore_eos):
+        max_tokens = max(1, min(max_tokens, SCHED_BASE["max_model_len"] - prompt_len))
+        n = int(width[-1])
+        beam = width.startswith("beam")
+        params = SamplingParams(n=1 if beam else n, beam_width=n if beam else 1, max_tokens=max_tokens,
+                                temperature=1.0 if beam else 0.8, ignore_eos=ignore_eos)
+        self._ids += 1
+        rid = f"r{self._ids}"
+        prompt = [3 + (7 * i + self._ids) % 500 for i in range(prompt_len)]
+        self.engine.add_request(prompt, params, request_id=rid)
+        self.added.add(rid)
+        self.ops["add"] += 1
+
+    @precondition(lambda self: self.engine.scheduler.has_unfinished())
+    @rule(data=st.data())
+    def abort(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.engine.scheduler.requests)))
+        assert self.engine.abort(rid)
+        self.aborted.add(rid)
+        self.ops["abort"] += 1
+
+    @rule(count=st.integers(1, 4))
+    def step(self, count):
+        for _ in range(count):
+            self._step()
+
+    def _step(self) -> None:
+        for req in self.engine.scheduler.requests.values():
+            for s in req.seqs:
+                self.seen[s.seq_id] = s
+        for out in self.engine.step():
+            self.outputs[out.request_id] += 1
+            assert out.request_id not in self.aborted, f"aborted request {out.request_id} produced output"
+            if out.error is None:
+                assert all(c.finish_reason in ("stop", "length") for c in out.outputs), out
+        self.ops["step"] += 1
+
+    @invariant()
+    def scheduler_and_cache_agree(self):
+        sched, cache = self.engine.scheduler, self.engine.cache
+        sched.check_invariants()
+        tracked: dict[int, Tracked] = {}
+        families: dict[str, int] = {}
+        for state, seqs in (("live", sched.running), ("swapped", sched.swapped), ("waiting", sched.waiting)):
+            for s in seqs:
+                family = families.setdefault(s.request_id, len(families))
+                tracked[s.seq_id] = Tracked(s, family, state)
+        check_structure(cache, tracked)
+        for s in self.seen.values():
+            if s.status is SequenceStatus.FINISHED:
+                assert not cache.holds(s), f"finished sequence {s.seq_id} still holds KV"
+        assert len(sched.running) <= self.engine.config.max_num_seqs
+
+    def teardown(self):
+        for _ in range(5000):
+            if not self.engine.has_unfinished():
+                break
+            self._step()
+            self.ops["step"] -= 1
+            self.ops["drain_step"] += 1
+        assert not self.engine.has_unfinished(), "the engine did not finish its requests (livelock)"
+        self.scheduler_and_cache_agree()
+        done = self.added - self.aborted
+        assert set(self.outputs) == done and all(v == 1 for v in self.outputs.values()), "lost or duplicated outputs"
+        cache = self.engine.cache
+        check_drained(cache)
+        self.engine.close()
+        check_closed(cache, self.threads_before, self.memfd_before)
+        type(self).totals.update(self.ops)
+        type(self).totals["requests"] += len(self.added)
+
+
+def scheduler_machine(backend: str, **overrides) -> type:
+    return type(f"{backend.title()}SchedulerMachine", (SchedulerMachine,),
+                {"backend": backend, "overrides": overrides, "totals": Counter()})
+
+
+SCHEDULER_VARIANTS = [
+    ("paged recompute", scheduler_machine("paged"), 30),
+    ("paged swap+prefix-caching", scheduler_machine("paged", preemption_mode="swap", enable_prefix_caching=True), 20),
+    ("vmm recompute", scheduler_machine("vmm"), 25),
+    ("vmm swap", scheduler_machine("vmm", preemption_mode="swap"), 20),
+    ("reserve oracle", scheduler_machine("reserve", reserve_mode="oracle"), 20),
+    ("reserve max swap", scheduler_machine("reserve", reserve_mode="max", preemption_mode="swap"), 15),
+]
+
+
+def run_scheduler(scale: int, capsys) -> int:
+    total = 0
+    for label, cls, examples in SCHEDULER_VARIANTS:
+        cls.totals = Counter()
+        seconds = run_machine(cls, examples * scale)
+        total += report(capsys, f"scheduler {label}", cls.totals, seconds, ("add", "abort", "step", "drain_step"))
+    return total
+
+
+def test_scheduler_random_add_abort_step(capsys):
+    total = run_scheduler(1, capsys)
+    assert total >= 2000, f"only {total} scheduler operations ran"
+
+
+@pytest.mark.slow
+def test_scheduler_random_add_abort_step_long(capsys):
+    assert run_scheduler(10, capsys) >= 20000
+
+
+@pytest.mark.xfail(strict=True, reason="scheduler livelock: an idle beam holds KV while its sibling waits behind a "
+                                       "sequence that preempts itself and is readmitted first, forever")
+@pytest.mark.parametrize("backend", ["paged", "vmm"])
+def test_beam_groups_finish_when_they_cannot_share(backend):
+    """Minimal case found by SchedulerMachine: two beam-search requests in a 24-block / 6-page-group cache."""
+    config = EngineConfig(**{"backend": backend, **SCHED_BASE, **SCHED_SIZES[backend]})
+    engine = Engine(config, create_cache(config, SHAPE, accounting_only=True), CheapRunner(0), eos_token_ids=(EOS,))
+    engine.add_request([3], SamplingParams(max_tokens=1, temperature=0.8))
+    engine.add_request([4], SamplingParams(beam_width=2, max_tokens=25))
+    engine.add_request([5 + i % 50 for i in range(39)], SamplingParams(beam_width=2, max_tokens=31))
+    for _ in range(3000):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    stats = engine.scheduler.stats
+    assert not engine.has_unfinished(), (f"unfinished after 3000 steps: {sorted(engine.scheduler.requests)}, "
+                                         f"{stats.preemptions} preemptions, {stats.recomputed_tokens} tokens recomputed")
