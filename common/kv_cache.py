@@ -226,7 +226,9 @@ class KVCache(ABC):
 
     @abstractmethod
     def holds(self, seq: "Sequence") -> bool:
-        """Whether the cache currently holds state for `seq`."""
+        """Whether the cache holds KV for `seq` resident in the cache: True from its first `allocate` (or
+        `fork`, or `swap_in`) until `free` or `swap_out`. A swapped-out sequence is not held (its host copy
+        is the swap's business: `free` drops it, `swap_in` restores it)."""
 
     # -- one step -------------------------------------------------------------------------------------
     @abstractmethod

@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)     # buffers some old checkpoints saved
+MODEL_FILE_SUFFIXES = (".gguf", ".safetensors")  # a missing path with one of these was meant as a model file
 
 
 def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
@@ -38,8 +39,22 @@ def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "float32", d
         return load_hf_dir(path, dtype, device)
     if path.is_file():
         return load_gguf(path, dtype, device)
+    kind = missing_path_kind(name)
+    if kind is not None and not path.exists():
+        raise ModelLoadError(f"model {kind} {name!r} does not exist; give an existing .gguf file, an HF "
+                             f"directory or a preset ({', '.join(PRESETS)})")
     raise ModelLoadError(f"model {name!r} is neither a preset ({', '.join(PRESETS)}), an HF directory "
                          "nor a .gguf file")
+
+
+def missing_path_kind(name: str) -> str | None:
+    """What a name not found on disk was meant to be: a model "file" (by its suffix), a "directory" (it has a
+    path separator or starts like a path), or None (a bare name: an unknown preset, answered with the list)."""
+    if name.lower().endswith(MODEL_FILE_SUFFIXES):
+        return "file"
+    if "/" in name or "\\" in name or name.startswith(("~", ".")):
+        return "directory"
+    return None
 
 
 # -- weights --------------------------------------------------------------------------------------------------

@@ -3,7 +3,9 @@
 Per item that needed logits: append the token (and stop on a stop token or max_tokens); at parallel sampling's
 first token fork the n - 1 children, which share the prompt's KV (cache.fork) or recompute it if the cache
 refuses; for beam search, once every live beam has proposed, select the next beams (common/beam.py), free
-the pruned ones and fork parents that continue more than once. A request finishes when all its sequences do.
+the pruned ones and fork parents that continue more than once. A parent may be parked (its KV released
+after it proposed): it is pruned from the queue, or continues from there, and its children recompute.
+A request finishes when all its sequences do.
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvlab.scheduler")
 
-RUNNING, WAITING, FINISHED = SequenceStatus.RUNNING, SequenceStatus.WAITING, SequenceStatus.FINISHED
+RUNNING, WAITING, SWAPPED, FINISHED = (SequenceStatus.RUNNING, SequenceStatus.WAITING, SequenceStatus.SWAPPED,
+                                       SequenceStatus.FINISHED)
 
 
 class PostprocessMixin:
@@ -30,6 +33,7 @@ class PostprocessMixin:
     stats: SchedulerStats
     running: list[Sequence]
     waiting: deque[Sequence]
+    swapped: deque[Sequence]
     requests: dict[str, Request]
     req_of: dict[int, Request]
     finished: list[Request]
@@ -106,7 +110,8 @@ class PostprocessMixin:
 
     def _spawn(self, req: Request, parent: Sequence, token: int, logprob: float) -> Sequence:
         """A child of `parent` that continues with `token`: it shares the parent's KV (cache.fork), or is
-        queued to recompute it if the cache refuses the fork (the reserve baseline when full)."""
+        queued to recompute it if the cache refuses the fork (the reserve baseline when full) or the parent
+        holds no resident KV (a parked beam)."""
         child = self._new_seq(req, parent.token_ids[:parent.prompt_len])
         child.token_ids = list(parent.token_ids)
         child.parent_id = parent.seq_id
@@ -118,19 +123,24 @@ class PostprocessMixin:
             self._append(req, child, token, logprob, check_stop=False)
             self._finish_seq(req, child, reason, check_request=False)
             return child
-        try:
-            self.cache.fork(parent, child)
-        except OutOfKVCache as exc:
-            log.info("fork of sequence %d refused by the %s cache (%s): the child recomputes instead",
-                     parent.seq_id, self.cache.name, exc)
-            self.stats.fork_fallbacks += 1
-            child.num_computed_tokens = 0
-            child.status = WAITING
-            self.waiting.appendleft(child)
+        if parent.status is not RUNNING:
+            self._recompute_child(parent, child, "its KV is not resident (a parked beam)")
         else:
-            self._enter_running(child, req)
+            try:
+                self.cache.fork(parent, child)
+            except OutOfKVCache as exc:
+                self._recompute_child(parent, child, f"the {self.cache.name} cache refused it ({exc})")
+            else:
+                self._enter_running(child, req)
         self._append(req, child, token, logprob, check_stop=False)
         return child
+
+    def _recompute_child(self, parent: Sequence, child: Sequence, why: str) -> None:
+        log.info("fork of sequence %d not shared: %s; the child recomputes instead", parent.seq_id, why)
+        self.stats.fork_fallbacks += 1
+        child.num_computed_tokens = 0
+        child.status = WAITING
+        self.waiting.appendleft(child)
 
     def _beam_step(self, req: Request) -> None:
         state = req.beam
@@ -152,20 +162,29 @@ class PostprocessMixin:
                 self._append(req, parent, mine[0].token, mine[0].logprob, check_stop=False)
                 continued[id(mine[0])] = parent
         state.live = [continued[id(c)] for c in choices]
-        req.num_stalls = 0                           # progress: only consecutive stalls count
         if req.first_token_time is None:
             req.first_token_time = self.now
         self._maybe_finish_request(req)
 
     def _finish_seq(self, req: Request, seq: Sequence, reason: str, check_request: bool = True) -> None:
-        if seq.status is RUNNING:
-            self.cache.free(seq)
-            self._leave_running(seq, req)
+        self._release(seq, req)
         seq.status = FINISHED
         seq.finish_reason = reason
         self._specs.pop(seq.seq_id, None)
         if check_request:
             self._maybe_finish_request(req)
+
+    def _release(self, seq: Sequence, req: Request) -> None:
+        """Free whatever `seq` holds wherever it is (running, swapped, waiting); the caller sets its status
+        (a running one stays in `running` until the caller rebuilds that list)."""
+        if seq.status is RUNNING:
+            self.cache.free(seq)
+            self._leave_running(seq, req)
+        elif seq.status is SWAPPED:
+            self.cache.free(seq)                     # drops the host copy
+            self.swapped.remove(seq)
+        elif seq.status is WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
 
     def _maybe_finish_request(self, req: Request) -> None:
         if req.pending_forks or (req.beam is not None and req.beam.live):

@@ -53,7 +53,6 @@ class Request:
     generators: list[torch.Generator] | None = None         # seeded requests: one per sample
     num_running: int = 0
     num_preemptions: int = 0
-    num_stalls: int = 0
     first_token_time: float | None = None
     finished_time: float | None = None
     error: str | None = None
@@ -71,8 +70,10 @@ class SchedulerStats:
     swap_preemptions: int = 0
     recomputed_tokens: int = 0          # tokens computed before a recompute preemption (to be redone)
     swap_ins: int = 0
-    fork_fallbacks: int = 0             # forks the cache refused: child recomputes its prompt instead
-    stall_preemptions: int = 0
+    fork_fallbacks: int = 0             # forks that share no KV (refused by the cache, or a parked parent):
+                                        # the child recomputes instead
+    stall_preemptions: int = 0          # stalls broken by releasing a group's idle beams
+    idle_beam_releases: int = 0         # idle beams whose KV was released (they keep their candidates)
     failed_requests: int = 0
     prompt_tokens: int = 0
     output_tokens: int = 0

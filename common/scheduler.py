@@ -9,10 +9,17 @@ Each step (vLLM v1 style, `num_computed_tokens` chases `num_tokens`):
    nothing running while something else runs: a lone request is never blocked by it, and a recomputing
    sibling of running work is growth, not admission).
 Requests with n > 1 prefill the prompt once and fork n - 1 children (cache.fork) at the first sample; beam
-search requests fork and free beams each step (common/beam.py). A beam that is not ready (preempted, or its
-fork fell back to recompute) makes its live siblings idle until it catches up; beam groups are preempted
-together. Failure policy: invalid requests raise RequestError at add time; a request the cache can never hold
-(longer than `cache.max_tokens_per_seq()`, or unable to progress alone) fails alone, finish_reason "error".
+search requests fork and free beams each step (common/beam.py). A beam that has proposed its candidates is
+idle until every live sibling has (a sibling preempted, or whose fork fell back to recompute, catches up
+first); its candidates depend only on its tokens, so they survive preemption. Progress guarantee: idle
+beams' KV is released (newest first) before any working sequence is preempted, and at a stall; a released
+idle beam is parked: admission passes it over until its group's next step. Working sequences are preempted
+one at a time, newest admitted first (vLLM's rule; a beam's surviving siblings keep their shared KV). So
+idle beams never block the work their group waits for, a group needs only one beam resident at a time, and
+the oldest working sequence computes every step: it is the victim only alone, and then it fails.
+Failure policy: invalid requests raise RequestError at add time; a request the cache can never hold
+(longer than `cache.max_tokens_per_seq()`, or a sequence unable to grow alone) fails alone, finish_reason
+"error", logged at INFO only: the caller reports it through the request's output.
 `update` (applying the sampled tokens) lives in common/postprocess.py; the data handed out in common/request.py.
 """
 from __future__ import annotations
@@ -165,19 +172,23 @@ class Scheduler(PostprocessMixin):
         return budget
 
     def _make_room(self, seq: Sequence, target: int, i: int, out: SchedulerOutput) -> int:
-        """Preempt newest-first until `seq` can grow to `target` or is itself preempted. Returns how many
-        removed sequences sat before index i (already handled this step)."""
+        """Release idle beams (newest first), then preempt the newest running sequence until `seq` can grow to
+        `target` or is itself preempted; alone, it fails. Returns how many removed sequences sat before index
+        i (already handled this step)."""
         removed_before = 0
-        req = self.req_of[seq.seq_id]
         while not self.cache.can_allocate(seq, target):
-            group = self._group(self.running[-1])
-            if seq in group and len(group) == len(self.running):
-                removed_before += sum(1 for s in group if self.running.index(s) < i)
+            idle = self._newest_idle_beam()
+            victim = idle if idle is not None else self.running[-1]
+            if victim is seq and len(self.running) == 1:
+                req = self.req_of[seq.seq_id]
                 self._fail(req, f"request {req.request_id} cannot grow to {target} tokens even alone in the "
                                 f"{self.cache.name} cache: raise kv_cache_bytes or lower max_tokens", out)
                 return removed_before
-            removed_before += sum(1 for s in group if self.running.index(s) < i)
-            self._preempt_group(group, out)
+            removed_before += self.running.index(victim) < i
+            if idle is not None:
+                self._release_idle([idle], out)
+            else:
+                self._preempt_all([victim], out)
             if seq.status is not RUNNING:
                 break
         return removed_before
@@ -205,8 +216,10 @@ class Scheduler(PostprocessMixin):
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         cache = self.cache
-        while self.waiting and budget > 0:
-            seq = self.waiting[0]
+        while budget > 0:
+            seq = self._next_waiting()
+            if seq is None:
+                break
             req = self.req_of[seq.seq_id]
             if not self._has_slots(req):
                 break
@@ -214,7 +227,7 @@ class Scheduler(PostprocessMixin):
             if not cache.can_allocate(seq, target, self._watermark(req)):
                 break
             hit = cache.allocate(seq, target)
-            self.waiting.popleft()
+            self.waiting.remove(seq)                 # the head, unless parked beams precede it
             self._enter_running(seq, req)
             if hit:
                 seq.num_computed_tokens = max(seq.num_computed_tokens, min(hit, seq.num_tokens - 1))
@@ -226,6 +239,18 @@ class Scheduler(PostprocessMixin):
                 cache.allocate(seq, target)
             self._add_item(out, seq, start, target - start)
             budget -= target - start
+
+    def _next_waiting(self) -> Sequence | None:
+        """The first waiting sequence that needs KV now: parked beams wait for their group's next step."""
+        for seq in self.waiting:
+            if not self._has_proposed(seq):
+                return seq
+        return None
+
+    def _has_proposed(self, seq: Sequence) -> bool:
+        """A beam whose candidates for its group's next step are in: it computes nothing until that step."""
+        beam = self.req_of[seq.seq_id].beam
+        return beam is not None and seq.seq_id in beam.stash
 
     def _add_item(self, out: SchedulerOutput, seq: Sequence, start: int, n: int) -> None:
         logits = start + n == seq.num_tokens
@@ -271,16 +296,25 @@ class Scheduler(PostprocessMixin):
             self.slots_used -= req.width
 
     # -- preemption -----------------------------------------------------------------------------------------
-    def _group(self, seq: Sequence) -> list[Sequence]:
-        """What must be preempted together: a beam search's running beams; otherwise the sequence alone."""
+    def _newest_idle_beam(self) -> Sequence | None:
+        for seq in reversed(self.running):
+            if self._has_proposed(seq):
+                return seq
+        return None
+
+    def _release_idle(self, beams: list[Sequence], out: SchedulerOutput) -> None:
+        """Free the KV of idle beams (running, candidates in): they keep their candidates and stay parked in
+        the waiting queue until their group's next step, when a continuing beam recomputes its tokens."""
+        self.stats.idle_beam_releases += len(beams)
+        self._preempt_all(beams, out, force_recompute=True)
+
+    def _running_of_request(self, seq: Sequence) -> list[Sequence]:
         req = self.req_of[seq.seq_id]
-        if req.beam is None:
-            return [seq]
         return [s for s in self.running if self.req_of[s.seq_id] is req]
 
-    def _preempt_group(self, group: list[Sequence], out: SchedulerOutput,
-                       force_recompute: bool = False) -> None:
-        for seq in reversed(group):              # newest first, so the oldest ends up at the queue front
+    def _preempt_all(self, seqs: list[Sequence], out: SchedulerOutput, force_recompute: bool = False) -> None:
+        """Preempt `seqs` (in running order)."""
+        for seq in reversed(seqs):               # newest first, so the oldest ends up at the queue front
             if seq is self.running[-1]:
                 self.running.pop()
             else:
@@ -304,38 +338,33 @@ class Scheduler(PostprocessMixin):
         self.stats.recompute_preemptions += 1
         self.stats.recomputed_tokens += seq.num_computed_tokens
         seq.num_computed_tokens = 0
-        seq.status = WAITING
-        if req.beam is not None:
-            req.beam.stash.pop(seq.seq_id, None)
+        seq.status = WAITING                     # a beam's candidates stay: they depend only on its tokens
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
 
     def _break_stall(self, out: SchedulerOutput) -> None:
-        """Nothing could be scheduled although requests remain: running beams wait for a sibling that does
-        not fit, or the queue head cannot fit even in an empty cache."""
+        """Nothing could be scheduled although requests remain. Either every running sequence is an idle beam
+        whose siblings do not fit: release the newest group's idle beams (parked, they do not come back
+        before their group's next step, so each stall frees KV for other work); or nothing runs and the
+        queue head cannot fit even in an empty cache: it fails alone."""
         if self.running:
-            group = self._group(self.running[-1])
-            req = self.req_of[group[0].seq_id]
-            if len(group) == len(self.running):
-                req.num_stalls += 1
-                if req.num_stalls > 1:
-                    self._fail(req, f"request {req.request_id} cannot make progress alone in the "
-                                    f"{self.cache.name} cache: raise kv_cache_bytes or lower beam_width/n",
-                               out)
-                    return
-            log.info("stall: preempting request %s (%d sequences) so waiting work can run",
-                     req.request_id, len(group))
+            beams = self._running_of_request(self.running[-1])
+            log.info("stall: releasing the KV of request %s's %d idle beams so waiting work can run",
+                     beams[0].request_id, len(beams))
             self.stats.stall_preemptions += 1
-            self._preempt_group(group, out, force_recompute=True)
+            self._release_idle(beams, out)
             return
-        head = self.swapped[0] if self.swapped else self.waiting[0]
+        head = self.swapped[0] if self.swapped else self._next_waiting()
+        if head is None:
+            raise RuntimeError("scheduler stall with nothing running, swapped or admissible: every waiting "
+                               "sequence is a parked beam (a group stepped without its last proposal?)")
         req = self.req_of[head.seq_id]
         self._fail(req, f"request {req.request_id} does not fit even in an empty {self.cache.name} cache "
                         f"({head.num_tokens} tokens): raise kv_cache_bytes or lower max_tokens", out)
 
     # -- failure and abort ----------------------------------------------------------------------------------
     def _fail(self, req: Request, message: str, out: SchedulerOutput | None = None) -> None:
-        log.error("%s", message)
+        log.info("request failed: %s", message)     # reported through the request's output, not twice
         req.error = message
         self.stats.failed_requests += 1
         if out is not None:
@@ -345,14 +374,7 @@ class Scheduler(PostprocessMixin):
     def _drop(self, req: Request, reason: str, emit: bool = True) -> None:
         """Release every sequence of `req` wherever it is (running, swapped, waiting)."""
         for seq in req.seqs:
-            if seq.status is RUNNING:
-                self.cache.free(seq)
-                self._leave_running(seq, req)
-            elif seq.status is SWAPPED:
-                self.cache.free(seq)             # drops the host copy
-                self.swapped.remove(seq)
-            elif seq.status is WAITING and seq in self.waiting:
-                self.waiting.remove(seq)
+            self._release(seq, req)
             if seq.status is not FINISHED:
                 seq.status = FINISHED
                 seq.finish_reason = reason
@@ -378,3 +400,5 @@ class Scheduler(PostprocessMixin):
             assert s.num_computed_tokens <= s.num_tokens
         for s in self.waiting:
             assert not self.cache.holds(s), f"waiting sequence {s.seq_id} still holds KV"
+        for s in self.swapped:
+            assert not self.cache.holds(s), f"swapped-out sequence {s.seq_id} still holds resident KV"

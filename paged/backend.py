@@ -230,7 +230,7 @@ class PagedKVCache(KVCache):
         entry = self.seqs.get(parent.seq_id)
         if entry is None:
             raise BlockPoolError(f"cannot fork sequence {parent.seq_id}: it holds no KV blocks")
-        if self.holds(child):
+        if self.holds(child) or child.seq_id in self.swapped:
             raise BlockPoolError(f"cannot fork into sequence {child.seq_id}: it already holds KV state")
         self._register_computed(parent, entry)
         for block in entry.table:
@@ -267,8 +267,8 @@ class PagedKVCache(KVCache):
         self.seqs[seq.seq_id] = entry
 
     def holds(self, seq: Sequence) -> bool:
-        """True while the sequence has blocks or a swapped-out copy (`free` drops either)."""
-        return seq.seq_id in self.seqs or seq.seq_id in self.swapped
+        """True while the sequence has blocks in the pool; a swapped-out copy is not held (the seam's rule)."""
+        return seq.seq_id in self.seqs
 
     def block_table(self, seq: Sequence) -> list[int]:
         return list(self.seqs[seq.seq_id].table)

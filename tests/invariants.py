@@ -38,8 +38,8 @@ VOCAB = 1000
 SCALE = SHAPE.head_dim ** -0.5
 TOKEN_BYTES = SHAPE.bytes_per_token
 
-# What `holds(seq)` answers for a swapped-out sequence: the seam leaves it open and the backends differ.
-HOLDS_SWAPPED = {"paged": True, "vmm": False, "reserve": False}
+# What `holds(seq)` answers for a swapped-out sequence: False on every backend (the seam: KV resident in the cache).
+HOLDS_SWAPPED = {"paged": False, "vmm": False, "reserve": False}
 
 BASE = {"max_model_len": MAX_LEN, "max_num_seqs": 5, "max_num_batched_tokens": 64, "watermark": 0.0}
 SIZES = {

@@ -216,8 +216,8 @@ def test_wide_beam_finds_the_global_optimum(small_vocab_model, backend):
 @pytest.mark.parametrize("backend, tokens", [("paged", 80), ("vmm", 256)])   # vmm: 64-token pages
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_beam_search_under_preemption(small_vocab_model, backend, tokens, mode):
-    """A budget too small for the beams and another request at once: beams are preempted as a group and the
-    search still gives the same result."""
+    """A budget too small for the beams and another request at once: beams are preempted (one at a time, newest
+    first: the others keep sharing their KV) and the search still gives the same result."""
     prompt = [1, 6, 3, 7, 5, 4, 4, 3]
     params = SamplingParams(beam_width=4, n=4, max_tokens=10, ignore_eos=True)
     roomy = small_engine(small_vocab_model, backend)
@@ -228,20 +228,27 @@ def test_beam_search_under_preemption(small_vocab_model, backend, tokens, mode):
     tight.add_request([1, 3, 5, 7] * 5, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     out = run(tight)
     assert [c.token_ids for c in out["0"].outputs] == [c.token_ids for c in want]
-    assert tight.scheduler.stats.preemptions >= 4
+    assert out["0"].metrics.num_preemptions >= 1                    # the beams themselves were preempted
     assert tight.cache_stats().used_units == 0
 
 
 @pytest.mark.parametrize("backend", ["paged", "vmm"])
-def test_beams_that_cannot_fit_fail_alone(small_vocab_model, backend):
+def test_beams_that_cannot_fit_at_once_take_turns(small_vocab_model, backend):
     """Four beams need four private pages once they diverge; one 64-token vmm page (or 16 blocks of 4 that
-    lose their sharing when preempted) cannot hold them: the beam request fails, the other completes."""
+    lose their sharing when preempted) cannot hold them at once. A beam that has proposed its candidates keeps
+    them and releases its KV, so the beams take turns: the search completes with the result of a roomy cache,
+    and the other request completes too."""
+    prompt, params = [1, 6, 3, 7, 5, 4, 4, 3], SamplingParams(beam_width=4, max_tokens=10, ignore_eos=True)
+    roomy = small_engine(small_vocab_model, backend)
+    roomy.add_request(prompt, params)
+    want = run(roomy)["0"].outputs
     tight = small_engine(small_vocab_model, backend, kv_cache_bytes=64 * 256)
-    tight.add_request([1, 6, 3, 7, 5, 4, 4, 3], SamplingParams(beam_width=4, max_tokens=10, ignore_eos=True))
+    tight.add_request(prompt, params)
     tight.add_request([1, 3, 5, 7] * 5, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     out = run(tight)
-    assert out["0"].error and out["0"].outputs[0].finish_reason == "error"
+    assert out["0"].error is None and [c.token_ids for c in out["0"].outputs] == [c.token_ids for c in want]
     assert out["1"].error is None and len(out["1"].outputs[0].token_ids) == 12
+    assert tight.scheduler.stats.idle_beam_releases > 0
     assert tight.cache_stats().used_units == 0
 
 

@@ -78,6 +78,19 @@ def test_missing_directory_and_unknown_preset(tmp_path):
         load_model(tmp_path)
 
 
+@pytest.mark.parametrize("name,kind", [("missing.gguf", "file"), ("weights/model.safetensors", "file"),
+                                       ("MODEL.GGUF", "file"), ("checkpoints/llama", "directory"),
+                                       ("./llama", "directory")])
+def test_a_missing_model_path_is_named_as_missing(tmp_path, monkeypatch, name, kind):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelLoadError, match=rf"model {kind} '{name}' does not exist") as err:
+        load_model(name)
+    assert "neither a preset" not in str(err.value) and "tiny" in str(err.value)
+    absolute = tmp_path / name
+    with pytest.raises(ModelLoadError, match=rf"model {kind} '{absolute}' does not exist"):
+        load_model(absolute)
+
+
 def test_bad_config_json(checkpoint):
     (checkpoint / "config.json").write_text("{not json")
     with pytest.raises(ModelLoadError, match=r"config\.json: not valid JSON"):

@@ -211,9 +211,9 @@ def test_random_operations_keep_the_books_long(backend, capsys):
 
 
 # -- the scheduler and engine -----------------------------------------------------------------------------------
-# Beam-search requests livelock the scheduler today (see test_beam_groups_finish_when_they_cannot_share below):
-# they join the random mix once that is fixed.
-BEAM_LIVELOCK_FIXED = False
+# Beam-search requests once livelocked the scheduler (test_beam_groups_finish_when_they_cannot_share below); they
+# are in the random mix since idle beams are released and parked.
+BEAM_LIVELOCK_FIXED = True
 WIDTHS = ["n1", "n1", "n1", "n2", "n3"] + (["beam2", "beam3"] if BEAM_LIVELOCK_FIXED else [])
 
 SCHED_BASE = {"max_model_len": 128, "max_num_seqs": 4, "max_num_batched_tokens": 32, "watermark": 0.01}
@@ -349,8 +349,6 @@ def test_scheduler_random_add_abort_step_long(capsys):
     assert run_scheduler(10, capsys) >= 20000
 
 
-@pytest.mark.xfail(strict=True, reason="scheduler livelock: an idle beam holds KV while its sibling waits behind a "
-                                       "sequence that preempts itself and is readmitted first, forever")
 @pytest.mark.parametrize("backend", ["paged", "vmm"])
 def test_beam_groups_finish_when_they_cannot_share(backend):
     """Minimal case found by SchedulerMachine: two beam-search requests in a 24-block / 6-page-group cache."""
