@@ -42,6 +42,7 @@ class EngineConfig:
     threads: int = 0                     # torch threads; 0 = leave torch's default
     enable_prefix_caching: bool = False
     background_mapping: bool = False     # vmm: map ahead of need on a worker thread
+    vmm_single_range: bool = False       # vmm: one reserved range for all 2L tensors instead of one each
     check_invariants: bool = False       # debug: verify mapped coverage before every kernel call
 
     def __post_init__(self) -> None:
@@ -82,6 +83,8 @@ def validate(cfg: EngineConfig) -> None:
         raise ConfigError(f"watermark must be a fraction in [0, 1), got {cfg.watermark!r}")
     if not cfg.device.startswith(("cpu", "cuda")):
         raise ConfigError(f"unknown device {cfg.device!r}; use cpu or cuda[:N]")
+    if not isinstance(cfg.vmm_single_range, bool):
+        raise ConfigError(f"vmm_single_range must be true or false, got {cfg.vmm_single_range!r}")
     if not isinstance(cfg.threads, int) or cfg.threads < 0:
         raise ConfigError(f"threads must be >= 0 (0 keeps torch's default), got {cfg.threads!r}")
     if cfg.max_num_batched_tokens < cfg.max_num_seqs:

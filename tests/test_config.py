@@ -23,6 +23,7 @@ def test_defaults_validate():
     ({"device": "tpu"}, "unknown device"),
     ({"max_num_seqs": 64, "max_num_batched_tokens": 8}, "max_num_batched_tokens (8) must be >="),
     ({"colour": "red"}, "unknown config key(s): colour"),
+    ({"vmm_single_range": "yes"}, "vmm_single_range must be true or false"),
 ])
 def test_bad_values_give_actionable_messages(overrides, message):
     with pytest.raises(ConfigError) as err:
@@ -36,6 +37,9 @@ def test_toml_then_overrides(tmp_path):
     path.write_text('[engine]\nbackend = "vmm"\npage_size = 8192\nmax_num_seqs = 8\n')
     cfg = make_config(path, max_num_seqs=4, block_size=None)
     assert (cfg.backend, cfg.page_size, cfg.max_num_seqs, cfg.block_size) == ("vmm", 8192, 4, 16)
+    assert cfg.vmm_single_range is False
+    path.write_text('[engine]\nvmm_single_range = true\n')
+    assert make_config(path).vmm_single_range is True
 
 
 def test_toml_errors(tmp_path):

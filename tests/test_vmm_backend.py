@@ -353,9 +353,11 @@ def test_a_background_mapping_error_reaches_the_caller(make_cache):
     cache.allocate(s, TPP + 1)                                       # the caller maps it itself
 
 
-def test_accounting_mode_keeps_the_same_books(make_cache):
+@pytest.mark.parametrize("single_range", [False, True])
+def test_accounting_mode_keeps_the_same_books(make_cache, single_range):
     """Same calls, same decisions: the simulator's cache agrees with the real one on every count."""
-    real, acct = make_cache(groups=8), make_cache(groups=8, accounting_only=True)
+    real = make_cache(groups=8, single_range=single_range)
+    acct = make_cache(groups=8, accounting_only=True, single_range=single_range)
     script = [("alloc", 0, 50), ("alloc", 1, 90), ("alloc", 0, 70), ("free", 1, 0), ("alloc", 2, 30),
               ("fork", 0, 3), ("alloc", 3, 75), ("swap_out", 2, 0), ("alloc", 4, 120), ("free", 0, 0)]
     for cache in (real, acct):
@@ -375,9 +377,62 @@ def test_accounting_mode_keeps_the_same_books(make_cache):
             cache.check_invariants()
     r, a = real.stats(), acct.stats()
     for name in ("used_units", "free_units", "mapped_bytes", "num_mappings", "map_calls", "unmap_calls",
-                 "cow_copies", "swapped_out_bytes"):
+                 "cow_copies", "swapped_out_bytes", "live_tokens"):
         assert getattr(r, name) == getattr(a, name), name
+    assert r.extra["pages_mapped"] == a.extra["pages_mapped"] and r.extra["stale_slots"] == a.extra["stale_slots"]
     assert r.cow_copies == 1 and r.unmap_calls > 0
+
+
+def test_accounting_mode_books_a_page_group_once_not_per_tensor(make_cache):
+    """The simulator's driver keeps one table for all 2L tensors; the per-tensor tables are written only when
+    someone reads them (here: never, until the end)."""
+    cache = make_cache(groups=8, accounting_only=True, check_invariants=False)
+    for i in range(3):
+        cache.allocate(seq(i, 50), 50)
+    cache.free(seq(0, 50))
+    cache.allocate(seq(3, 120), 120)                                  # reclaims the stale slot's pages
+    regions = [region for region, _ in cache.tensors.place]
+    assert cache.tensors.mirror.ledger is not None and all(not r.pages for r in regions)
+    assert cache.stats().mapped_bytes == 8 * TENSORS * PAGE              # every count is kept all the same
+    assert sum(len(r.mapped) for r in regions) == 8 * TENSORS            # read: written out now
+    cache.check_invariants()
+
+
+def test_best_fit_claim_is_the_scan_rule():
+    """Free slots bucketed by parked pages give the same choice as scanning every free slot."""
+    import random
+
+    from vmm.geometry import Geometry
+    from vmm.slots import SlotTable
+    rng = random.Random(3)
+    table = SlotTable(Geometry(PAGE, TPP, pages_per_slot=8, num_slots=40, num_tensors=2, num_groups=400))
+    next_group = 0
+    for step in range(600):
+        free = [s for s in table.slots if s.seq_id is None]
+        live = [s for s in table.slots if s.seq_id is not None]
+        if free and (not live or rng.random() < 0.5):
+            tokens = rng.randint(0, 8 * TPP)
+            need, fewest = -(-tokens // TPP), rng.random() < 0.2
+            expect = min(free, key=lambda s: (len(s.groups), s.index)) if fewest else \
+                min(free, key=lambda s: (len(s.groups) < need, abs(len(s.groups) - need), s.index))
+            slot = table.claim(step, tokens, fewest_pages=fewest)
+            assert slot is expect, step
+            with table.accounting(slot):                               # the owner grows to its pages
+                grow = rng.randint(0, 8 - len(slot.groups))
+                slot.groups.extend(range(next_group, next_group + grow))
+                next_group += grow
+            table.hold(slot, rng.randint(0, len(slot.groups) * TPP))
+        else:
+            slot = rng.choice(live)
+            table.vacate(slot)
+            with table.accounting(slot):                               # reclaimed down to some pages
+                del slot.groups[rng.randint(0, len(slot.groups)):]
+        table.check(lambda g: False)
+
+
+def test_single_range_comes_from_the_config(make_cache):
+    assert len(make_cache(vmm_single_range=True).driver.regions) == 1
+    assert len(make_cache(vmm_single_range=True, single_range=False).driver.regions) == TENSORS
 
 
 def test_single_range_layout(make_cache):

@@ -26,7 +26,7 @@ from vmm.geometry import make_driver, make_geometry
 from vmm.mapper import BackgroundMapper
 from vmm.page_pool import PagePool
 from vmm.slot_pages import SlotPages
-from vmm.slots import SlotTable
+from vmm.slots import Slot, SlotTable
 from vmm.tensors import VirtualTensors
 
 if TYPE_CHECKING:
@@ -48,12 +48,12 @@ class VMMKVCache(KVCache):
     unit_name = "page"
 
     def __init__(self, config: EngineConfig, shape: KVShape, accounting_only: bool = False, *,
-                 single_range: bool = False, driver: VirtualMemory | None = None) -> None:
+                 single_range: bool | None = None, driver: VirtualMemory | None = None) -> None:
         super().__init__(config, shape, accounting_only)
         self._lock = threading.RLock()
         self.driver = driver or make_driver(shape.device, config.page_size, accounting_only)
         try:
-            self._build(single_range)
+            self._build(config.vmm_single_range if single_range is None else single_range)
         except BaseException:
             self._close_driver_quietly()
             raise
@@ -63,6 +63,7 @@ class VMMKVCache(KVCache):
     def _build(self, single_range: bool) -> None:
         geo = self.geo = make_geometry(self.config, self.shape, self.driver.page_size)
         self.tokens_per_unit = geo.tokens_per_page
+        self._max_len = geo.max_len   # read on every per-step call (a property of the geometry)
         self.tensors = VirtualTensors(self.driver, geo, self.shape, single_range)
         self.driver.create_pool(geo.num_tensors * geo.num_groups)
         self.pool = PagePool(geo.num_groups)
@@ -108,16 +109,27 @@ class VMMKVCache(KVCache):
             slot = self.table.of(seq.seq_id)
             if slot is None:
                 return self.geo.pages_for(num_tokens)
-            grow = max(0, self.geo.pages_for(num_tokens) - self.geo.pages_for(slot.held))
-            return grow + len(self.pages.shared_pages(slot, seq.num_computed_tokens, num_tokens))
+            return self._units_to_grow(slot, seq, num_tokens)
+
+    def _units_to_grow(self, slot: Slot, seq: Sequence, num_tokens: int) -> int:
+        tpp = self.tokens_per_unit
+        grow = -(-num_tokens // tpp) + slot.held // -tpp   # pages for num_tokens - pages for the held tokens
+        if self.pool.num_shared:
+            return max(0, grow) + len(self.pages.shared_pages(slot, seq.num_computed_tokens, num_tokens))
+        return max(0, grow)
 
     def can_allocate(self, seq: Sequence, num_tokens: int, reserve_units: int = 0) -> bool:
-        with self._lock:
-            if num_tokens > self.geo.max_len:
+        with self._lock:   # asked for every running sequence every step: no scans
+            if num_tokens > self._max_len:
                 return False
-            if seq.seq_id not in self.table.slot_of and not self.table.has_free():
-                return False
-            return self.units_needed(seq, num_tokens) + reserve_units <= self.num_free_units()
+            index = self.table.slot_of.get(seq.seq_id)
+            if index is None:
+                if not self.table.has_free():
+                    return False
+                need = self.geo.pages_for(num_tokens)
+            else:
+                need = self._units_to_grow(self.table.slots[index], seq, num_tokens)
+            return need + reserve_units <= self.pool.num_free + self.table.excess
 
     def _check_room(self, seq: Sequence, units: int) -> None:
         if seq.seq_id not in self.table.slot_of and not self.table.has_free():
@@ -131,27 +143,44 @@ class VMMKVCache(KVCache):
         return seq.seq_id in self.table.slot_of
 
     def allocate(self, seq: Sequence, num_tokens: int) -> int:
-        self._fence(seq)
-        with self._lock, self._timed():
-            if num_tokens > self.geo.max_len:
-                raise OutOfKVCache(f"sequence {seq.seq_id} needs {num_tokens} tokens but a vmm slot holds at most "
-                                   f"{self.geo.max_len} (max_model_len rounded up to whole pages)")
-            if seq.seq_id in self._swapped:
-                raise RequestError(f"sequence {seq.seq_id} is swapped out; swap_in before allocate")
-            self._check_room(seq, self.units_needed(seq, num_tokens))
-            slot = self.table.of(seq.seq_id)
-            claimed = slot is None
-            if claimed:
-                slot = self.table.claim(seq.seq_id, num_tokens)
+        if self.mapper.pending:
+            self._fence(seq)
+        with self._lock:
+            t0 = time.perf_counter()
             try:
-                self.pages.copy_on_write(slot, seq.num_computed_tokens, num_tokens)
-                self.pages.grow(slot, self.geo.pages_for(num_tokens))
-            except BaseException:
-                if claimed:   # a failed first allocation leaves the sequence holding nothing
-                    self.pages.release(slot)
-                raise
-            self.table.hold(slot, max(slot.held, num_tokens))
-            self.mapper.request(slot, num_tokens)
+                index = self.table.slot_of.get(seq.seq_id)
+                if index is not None and not self.pool.num_shared and num_tokens <= self._max_len:
+                    slot = self.table.slots[index]   # the per-step path: are the pages already mapped?
+                    if -(-num_tokens // self.tokens_per_unit) <= len(slot.groups) and seq.seq_id not in self._swapped:
+                        if num_tokens > slot.held:
+                            self.table.hold(slot, num_tokens)
+                        if self.mapper.enabled:
+                            self.mapper.request(slot, num_tokens)
+                        return 0
+                return self._allocate(seq, num_tokens)
+            finally:
+                self._alloc_seconds += time.perf_counter() - t0
+
+    def _allocate(self, seq: Sequence, num_tokens: int) -> int:
+        if num_tokens > self._max_len:
+            raise OutOfKVCache(f"sequence {seq.seq_id} needs {num_tokens} tokens but a vmm slot holds at most "
+                               f"{self.geo.max_len} (max_model_len rounded up to whole pages)")
+        if seq.seq_id in self._swapped:
+            raise RequestError(f"sequence {seq.seq_id} is swapped out; swap_in before allocate")
+        self._check_room(seq, self.units_needed(seq, num_tokens))
+        slot = self.table.of(seq.seq_id)
+        claimed = slot is None
+        if claimed:
+            slot = self.table.claim(seq.seq_id, num_tokens)
+        try:
+            self.pages.copy_on_write(slot, seq.num_computed_tokens, num_tokens)
+            self.pages.grow(slot, self.geo.pages_for(num_tokens))
+        except BaseException:
+            if claimed:   # a failed first allocation leaves the sequence holding nothing
+                self.pages.release(slot)
+            raise
+        self.table.hold(slot, max(slot.held, num_tokens))
+        self.mapper.request(slot, num_tokens)
         return 0
 
     def free(self, seq: Sequence) -> None:
@@ -266,14 +295,13 @@ class VMMKVCache(KVCache):
 
     def stats(self) -> CacheStats:
         with self._lock:
-            geo, d = self.geo, self.driver.stats
-            live = self.table.live()
+            geo, d, table = self.geo, self.driver.stats, self.table
             used = geo.num_groups - self.num_free_units()
             mapped_groups = geo.num_groups - self.pool.num_free
             return CacheStats(
                 backend=self.name, unit_name=self.unit_name, tokens_per_unit=geo.tokens_per_page,
                 total_units=geo.num_groups, used_units=used, free_units=self.num_free_units(),
-                live_tokens=sum(s.held for s in live), allocated_token_slots=used * geo.tokens_per_page,
+                live_tokens=table.live_tokens, allocated_token_slots=used * geo.tokens_per_page,
                 reserved_bytes=d.reserved_bytes, mapped_bytes=mapped_groups * geo.num_tensors * geo.page_size,
                 num_mappings=d.num_mappings, map_calls=d.map_calls, unmap_calls=d.unmap_calls,
                 map_seconds=d.map_seconds, unmap_seconds=d.unmap_seconds,
@@ -284,9 +312,10 @@ class VMMKVCache(KVCache):
                        "pages": mapped_groups * geo.num_tensors, "pool_pages": geo.num_groups * geo.num_tensors,
                        "mapped_va_pages": d.mapped_pages, "pages_mapped": d.pages_mapped,
                        "pages_unmapped": d.pages_unmapped, "mapping_limit": self.driver.mapping_limit,
-                       "reclaimable_units": self.table.excess, "live_slots": len(live),
-                       "stale_slots": sum(1 for s in self.table.slots if s.seq_id is None and s.groups),
+                       "reclaimable_units": table.excess, "live_slots": len(table.slot_of),
+                       "stale_slots": len(table.stale),
                        "background_seconds": self.mapper.seconds,
+                       "per_place_fallbacks": getattr(self.driver, "per_place_fallbacks", 0),
                        "prefix_caching": "unsupported" if self.config.enable_prefix_caching else "off",
                        **{k: v for k, v in self._counters.items() if k not in CacheStats.__slots__}})
 

@@ -3,34 +3,67 @@
 `VirtualMemory` keeps every piece of bookkeeping (what is mapped where, mapping counts, limits, timings) and
 validates each request before the OS/driver sees it; subclasses only make the real calls:
 vmm/host.py (mmap + memfd), vmm/cuda.py (CUDA VMM driver API) and `AccountingVirtualMemory` below (no memory,
-the simulator's mode). Not thread-safe: the cache serialises every call under its lock.
+the simulator's mode). A `Mirror` names places that are always mapped in lockstep (the cache's 2L tensors): one
+`map_mirrored` call maps a run of pages in all of them (one OS call per place; the accounting driver books it
+once for all). Not thread-safe: the cache serialises every call under its lock.
 """
 from __future__ import annotations
 
 import gc
+import logging
 import time
 import weakref
 from abc import ABC, abstractmethod
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 import torch
 
 from common.errors import DriverError
+from vmm.ledger import MirrorLedger
+from vmm.vmas import map_delta, unmap_delta
+
+log = logging.getLogger("kvlab.vmm")
 
 
 @dataclass(slots=True)
 class Region:
-    """A reserved virtual range. `mapped` holds the pool page mapped at each mapped VA page index."""
+    """A reserved virtual range: `mapped` holds the pool page mapped at each mapped VA page index, `segments`
+    its OS mappings (host: VMAs incl. PROT_NONE gaps; cuda: mapped pages). Read them through these names: an
+    accounting driver may bring them up to date only when they are read (`pending`, vmm/ledger.py)."""
     base: int
     nbytes: int
-    mapped: dict[int, int] = field(default_factory=dict)
-    segments: int = 1            # OS mappings of this range (host: VMAs incl. PROT_NONE gaps; cuda: mapped pages)
+    pages: dict[int, int] = field(default_factory=dict)
+    vmas: int = 1
     live_views: int = 0          # tensor views still alive (weakref.finalize on what each view keeps alive)
     released: bool = False
     orphan_release: Callable[[Region], None] | None = None   # set when its driver died first
+    pending: Callable[[], None] | None = None                # brings `pages` and `vmas` up to date
+
+    @property
+    def mapped(self) -> dict[int, int]:
+        if self.pending is not None:
+            self.pending()
+        return self.pages
+
+    @property
+    def segments(self) -> int:
+        if self.pending is not None:
+            self.pending()
+        return self.vmas
+
+
+@dataclass(slots=True, eq=False)
+class Mirror:
+    """Places mapped in lockstep (the vmm cache's 2L tensors): every map or unmap applies at the same offset in
+    each place, and place i maps pool page `page + i * pool_stride` where place 0 maps `page`."""
+    places: tuple[tuple[Region, int], ...]   # (range, byte offset of the place in it)
+    span: int                                # bytes per place
+    pool_stride: int
+    ledger: MirrorLedger | None = None       # accounting drivers: the books kept once for all places
 
 
 @dataclass(slots=True)
@@ -106,10 +139,10 @@ class VirtualMemory(ABC):
         self._check_open()
         nbytes = self.round_up(max(nbytes, 1))
         self._check_mapping_limit(1, "reserve")
-        region = Region(self._os_reserve(nbytes), nbytes, segments=1 if self.merges else 0)
+        region = Region(self._os_reserve(nbytes), nbytes, vmas=1 if self.merges else 0)
         self.regions.append(region)
         self.stats.reserved_bytes += nbytes
-        self.stats.num_mappings += region.segments
+        self.stats.num_mappings += region.vmas
         return region
 
     def create_pool(self, num_pages: int) -> None:
@@ -134,45 +167,82 @@ class VirtualMemory(ABC):
         """Map pool pages [page, page + num_pages) at region offset `offset` (read-write)."""
         self._check_open()
         first = self._va_page(region, offset, num_pages)
-        if page < 0 or page + num_pages > len(self.pool_maps):
-            raise DriverError(f"pool pages [{page}, {page + num_pages}) are outside the pool of "
-                              f"{len(self.pool_maps)} pages")
-        clash = [i for i in range(first, first + num_pages) if i in region.mapped]
-        if clash:
-            raise DriverError(f"VA page {clash[0]} of the range at {region.base:#x} is already mapped; unmap it first")
-        change = {first + i: page + i for i in range(num_pages)}
-        delta = self._segment_delta(region, change)
+        pool_maps = self.pool_maps
+        self._check_pool(page, num_pages, len(pool_maps))
+        pages = region.pages
+        for i in range(first, first + num_pages):
+            if i in pages:
+                raise DriverError(f"VA page {i} of the range at {region.base:#x} is already mapped; unmap it first")
+        delta = map_delta(pages, first, num_pages, page, region.nbytes // self.page_size) if self.merges \
+            else num_pages
         self._check_mapping_limit(delta, "map")
         t0 = time.perf_counter()
         calls = self._os_map(region.base + offset, page, num_pages)
         self.stats.map_seconds += time.perf_counter() - t0
         self.stats.map_calls += calls
         self.stats.pages_mapped += num_pages
-        region.mapped.update(change)
-        for p in change.values():
-            self.pool_maps[p] += 1
-        self._add_segments(region, delta)
+        pages.update(zip(range(first, first + num_pages), range(page, page + num_pages)))
+        for p in range(page, page + num_pages):
+            pool_maps[p] += 1
+        region.vmas += delta
+        self.stats.num_mappings += delta
         self.stats.mapped_pages += num_pages
 
     def unmap(self, region: Region, offset: int, num_pages: int = 1) -> None:
         """Unmap [offset, + num_pages pages): the range stays reserved, the pool pages stay allocated."""
         self._check_open()
         first = self._va_page(region, offset, num_pages)
-        missing = [i for i in range(first, first + num_pages) if i not in region.mapped]
-        if missing:
-            raise DriverError(f"VA page {missing[0]} of the range at {region.base:#x} is not mapped")
-        change = {first + i: None for i in range(num_pages)}
-        delta = self._segment_delta(region, change)
+        pages = region.pages
+        for i in range(first, first + num_pages):
+            if i not in pages:
+                raise DriverError(f"VA page {i} of the range at {region.base:#x} is not mapped")
+        delta = unmap_delta(pages, first, num_pages, region.nbytes // self.page_size) if self.merges \
+            else -num_pages
         self._check_mapping_limit(delta, "unmap")   # splitting a merged mapping adds VMAs
         t0 = time.perf_counter()
         calls = self._os_unmap(region.base + offset, num_pages)
         self.stats.unmap_seconds += time.perf_counter() - t0
         self.stats.unmap_calls += calls
         self.stats.pages_unmapped += num_pages
-        for i in change:
-            self.pool_maps[region.mapped.pop(i)] -= 1
-        self._add_segments(region, delta)
+        pool_maps = self.pool_maps
+        for i in range(first, first + num_pages):
+            pool_maps[pages.pop(i)] -= 1
+        region.vmas += delta
+        self.stats.num_mappings += delta
         self.stats.mapped_pages -= num_pages
+
+    # -- places mapped in lockstep ------------------------------------------------------------------------
+    def mirror(self, places: list[tuple[Region, int]], span: int, pool_stride: int) -> Mirror:
+        """Declare places (range, offset) of `span` bytes each that are always mapped in lockstep."""
+        self._check_open()
+        if span <= 0 or span % self.page_size or pool_stride < 0:
+            raise DriverError(f"a mirror needs a whole number of pages per place, not {span} bytes")
+        for region, offset in places:
+            self._va_page(region, offset, span // self.page_size)
+        spans = sorted((id(r), off) for r, off in places)
+        if any(a == c and d < b + span for (a, b), (c, d) in pairwise(spans)):
+            raise DriverError("mirrored places overlap; give each its own span")
+        return Mirror(tuple(places), span, pool_stride)
+
+    def map_mirrored(self, mirror: Mirror, offset: int, page: int, num_pages: int = 1) -> None:
+        """Map pool pages [page + i * stride, +num_pages) at `offset` of every place i; all or nothing."""
+        self._check_mirror_offset(mirror, offset, num_pages)
+        self._check_pool(page, num_pages + (len(mirror.places) - 1) * mirror.pool_stride, len(self.pool_maps))
+        done: list[tuple[Region, int]] = []
+        try:
+            for i, (region, base) in enumerate(mirror.places):
+                self.map(region, base + offset, page + i * mirror.pool_stride, num_pages)
+                done.append((region, base))
+        except BaseException:
+            for region, base in done:
+                self.unmap(region, base + offset, num_pages)
+            raise
+
+    def unmap_mirrored(self, mirror: Mirror, offset: int, num_pages: int = 1) -> None:
+        """Unmap [offset, + num_pages pages) of every place."""
+        self._check_mirror_offset(mirror, offset, num_pages)
+        for region, base in mirror.places:
+            self.unmap(region, base + offset, num_pages)
 
     def discard(self, page: int, num_pages: int = 1) -> None:
         """Give the memory of unmapped pool pages back to the OS/driver; they read as zeros when mapped again."""
@@ -196,7 +266,7 @@ class VirtualMemory(ABC):
         region.released = True
         self.regions.remove(region)
         self.stats.reserved_bytes -= region.nbytes
-        self.stats.num_mappings -= region.segments
+        self.stats.num_mappings -= region.vmas
 
     def tensor_view(self, region: Region, dtype: torch.dtype, shape: tuple[int, ...],
                     strides: tuple[int, ...] | None = None, offset: int = 0) -> torch.Tensor:
@@ -256,26 +326,15 @@ class VirtualMemory(ABC):
                               f"inside the {region.nbytes}-byte range at {region.base:#x}")
         return offset // self.page_size
 
-    def _segment_delta(self, region: Region, change: dict[int, int | None]) -> int:
-        """How many OS mappings `change` (VA page -> pool page or None) adds to the region."""
-        if not self.merges:
-            return sum(1 if p is not None else -1 for p in change.values())
-        last = region.nbytes // self.page_size - 1
-        edges = {e for i in change for e in (i, i + 1) if 1 <= e <= last}
+    def _check_pool(self, page: int, num_pages: int, pool_pages: int) -> None:
+        if page < 0 or page + num_pages > pool_pages:
+            raise DriverError(f"pool pages [{page}, {page + num_pages}) are outside the pool of {pool_pages} pages")
 
-        def state(i: int, after: bool) -> int | None:
-            return change[i] if after and i in change else region.mapped.get(i)
-
-        def boundary(e: int, after: bool) -> bool:
-            a, b = state(e - 1, after), state(e, after)
-            if a is None or b is None:
-                return a is not b
-            return b != a + 1
-        return sum(boundary(e, True) - boundary(e, False) for e in edges)
-
-    def _add_segments(self, region: Region, delta: int) -> None:
-        region.segments += delta
-        self.stats.num_mappings += delta
+    def _check_mirror_offset(self, mirror: Mirror, offset: int, num_pages: int) -> None:
+        self._check_open()
+        if offset % self.page_size or num_pages < 1 or offset < 0 or offset + num_pages * self.page_size > mirror.span:
+            raise DriverError(f"offset {offset} (+{num_pages} pages of {self.page_size} B) is not page-aligned "
+                              f"inside a {mirror.span}-byte mirrored place")
 
     def _check_mapping_limit(self, delta: int, call: str) -> None:
         if self.mapping_limit is not None and delta > 0 and self.stats.num_mappings + delta > self.mapping_limit:
@@ -285,14 +344,113 @@ class VirtualMemory(ABC):
 
 
 class AccountingVirtualMemory(VirtualMemory):
-    """Same bookkeeping, no memory: addresses are invented, maps cost nothing, views are refused."""
+    """Same bookkeeping, no memory: addresses are invented, maps cost nothing, views are refused.
+
+    A mirror is booked once for all its places (vmm/ledger.py): its ranges' tables, mapping counts and the pool
+    page counts are brought up to date when read. A direct map or unmap on one of its ranges ends that (logged,
+    counted in `per_place_fallbacks`): from then on the mirror is booked place by place."""
 
     name = "accounting"
 
     def __init__(self, page_size: int, merges: bool = True, mapping_limit: int | None = None) -> None:
+        self._ledgers: list[MirrorLedger] = []
         super().__init__(page_size, mapping_limit)
         self.merges = merges
         self._next_base = 1 << 40
+        self.per_place_fallbacks = 0
+
+    @property
+    def pool_maps(self) -> array:
+        for ledger in self._ledgers:
+            ledger.sync()
+        return self._pool_maps
+
+    @pool_maps.setter
+    def pool_maps(self, value: array) -> None:
+        self._pool_maps = value
+
+    def mirror(self, places: list[tuple[Region, int]], span: int, pool_stride: int) -> Mirror:
+        mirror = super().mirror(places, span, pool_stride)
+        regions = {id(r): r for r, _ in mirror.places}.values()
+        if any(r.pages or r.pending is not None for r in regions):   # booked elsewhere already: per place
+            return mirror
+        ledger = mirror.ledger = MirrorLedger(mirror, self.page_size, self.merges, self._pool_maps)
+        self._ledgers.append(ledger)
+        for region in regions:
+            region.pending = ledger.sync
+        return mirror
+
+    def map_mirrored(self, mirror: Mirror, offset: int, page: int, num_pages: int = 1) -> None:
+        ledger = mirror.ledger
+        if ledger is None:
+            return super().map_mirrored(mirror, offset, page, num_pages)
+        self._check_mirror_offset(mirror, offset, num_pages)
+        self._check_pool(page, num_pages + (ledger.width - 1) * mirror.pool_stride, len(self._pool_maps))
+        first = offset // self.page_size
+        ledger.check_unmapped(first, num_pages)
+        delta = ledger.map_delta(first, num_pages, page)
+        self._check_mapping_limit(delta, "map")
+        ledger.map(first, num_pages, page, delta)
+        st, pages = self.stats, ledger.width * num_pages
+        st.map_calls += ledger.width
+        st.pages_mapped += pages
+        st.mapped_pages += pages
+        st.num_mappings += delta
+
+    def unmap_mirrored(self, mirror: Mirror, offset: int, num_pages: int = 1) -> None:
+        ledger = mirror.ledger
+        if ledger is None:
+            return super().unmap_mirrored(mirror, offset, num_pages)
+        self._check_mirror_offset(mirror, offset, num_pages)
+        first = offset // self.page_size
+        ledger.check_mapped(first, num_pages)
+        delta = ledger.unmap_delta(first, num_pages)
+        self._check_mapping_limit(delta, "unmap")
+        ledger.unmap(first, num_pages, delta)
+        st, pages = self.stats, ledger.width * num_pages
+        st.unmap_calls += ledger.width
+        st.pages_unmapped += pages
+        st.mapped_pages -= pages
+        st.num_mappings += delta
+
+    def map(self, region: Region, offset: int, page: int, num_pages: int = 1) -> None:
+        self._book_per_place(region, "map")
+        super().map(region, offset, page, num_pages)
+
+    def unmap(self, region: Region, offset: int, num_pages: int = 1) -> None:
+        self._book_per_place(region, "unmap")
+        super().unmap(region, offset, num_pages)
+
+    def release(self, region: Region) -> None:
+        self._book_per_place(region, None)
+        super().release(region)
+
+    def close(self) -> None:
+        """As the base class, but a mirror's pages are unmapped in its books at once, not range by range."""
+        if not self.closed and not self.live_views():
+            for ledger in self._ledgers:
+                calls, pages, delta = ledger.unmap_all()
+                st = self.stats
+                st.unmap_calls += calls
+                st.pages_unmapped += pages
+                st.mapped_pages -= pages
+                st.num_mappings += delta
+        super().close()
+
+    def _book_per_place(self, region: Region, call: str | None) -> None:
+        """Before a call on one range of a mirror booked once: write the books out and keep them per place."""
+        if region.pending is None:
+            return
+        ledger = next(ledger for ledger in self._ledgers if any(r is region for r, _ in ledger.mirror.places))
+        ledger.sync()
+        for r, _ in ledger.mirror.places:
+            r.pending = None
+        ledger.mirror.ledger = None
+        self._ledgers.remove(ledger)
+        if call is not None:
+            self.per_place_fallbacks += 1
+            log.info("accounting driver: a direct %s on a mirrored range; booking that mirror per place from now "
+                     "on (slower)", call)
 
     def granularity(self) -> int:
         return self.page_size

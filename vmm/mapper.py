@@ -28,6 +28,7 @@ class BackgroundMapper:
         self.pending: dict[int, Future] = {}    # slot index -> its in-flight job
         self._map_ahead = map_ahead
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvlab-vmm-mapper") if enabled else None
+        self.enabled = enabled
 
     def request(self, slot: Slot, tokens: int) -> None:
         """Map ahead of a slot that now holds `tokens` tokens, if it is near its next page."""
@@ -46,6 +47,8 @@ class BackgroundMapper:
 
     def fence(self, indices: list[int | None]) -> None:
         """Wait for in-flight mapping of these slots; re-raise any background error here, in the caller."""
+        if not self.pending:
+            return
         for index in indices:
             future = self.pending.pop(index, None) if index is not None else None
             if future is not None:

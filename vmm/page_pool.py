@@ -19,6 +19,7 @@ class PagePool:
         self.free = bytearray(b"\x01") * num_groups   # 1 = group in the pool, unmapped
         self.num_free = num_groups
         self.refs = array("i", [0]) * num_groups      # slots mapping each group
+        self.num_shared = 0                           # groups more than one slot maps (0: no copy-on-write)
 
     def take(self, count: int, prefer: int | None) -> list[int]:
         """Prefer the groups right after `prefer`, then the first run of `count` free groups, then any."""
@@ -46,23 +47,29 @@ class PagePool:
             self.refs[g] = 1
 
     def share(self, groups: Iterable[int]) -> None:
+        refs = self.refs
         for g in groups:
-            self.refs[g] += 1
+            refs[g] += 1
+            self.num_shared += refs[g] == 2
 
     def unshare(self, g: int) -> None:
         """A slot stops mapping a shared group; the other slots still map it."""
         self.refs[g] -= 1
+        self.num_shared -= self.refs[g] == 1
 
     def is_shared(self, g: int) -> bool:
         return self.refs[g] > 1
 
     def put_back(self, groups: Iterable[int]) -> None:
         """One slot fewer maps each group; a group no slot maps returns to the pool."""
+        refs = self.refs
         for g in groups:
-            self.refs[g] -= 1
-            if self.refs[g] == 0:
+            refs[g] -= 1
+            if refs[g] == 0:
                 self.free[g] = 1
                 self.num_free += 1
+            elif refs[g] == 1:
+                self.num_shared -= 1
 
     def return_untaken(self, groups: Iterable[int]) -> None:
         """After a failed mapping: groups taken but never owned go back to the pool."""
@@ -81,3 +88,4 @@ class PagePool:
         for g in range(self.num_groups):
             assert bool(self.free[g]) == (refs[g] == 0), f"group {g}: free flag and mappings disagree"
         assert self.num_free == sum(self.free), "free-page count drifted"
+        assert self.num_shared == sum(1 for r in refs if r > 1), "shared-page count drifted"

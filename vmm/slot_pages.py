@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from common.errors import OutOfKVCache
 
 if TYPE_CHECKING:
-    from vmm.driver import Region, VirtualMemory
+    from vmm.driver import VirtualMemory
     from vmm.geometry import Geometry
     from vmm.page_pool import PagePool
     from vmm.slots import Slot, SlotTable
@@ -31,6 +31,8 @@ class SlotPages:
 
     def shared_pages(self, slot: Slot, start: int, end: int) -> list[int]:
         """Pages of `slot` that writes to positions [start, end) touch and another slot also maps."""
+        if not self.pool.num_shared:   # no fork shares a page: the per-step path stops here
+            return []
         last = min(self.geo.pages_for(end), len(slot.groups))
         return [j for j in range(start // self.geo.tokens_per_page, last) if self.pool.is_shared(slot.groups[j])]
 
@@ -71,7 +73,7 @@ class SlotPages:
             prefer = slot.groups[j - 1] + 1 if j else None
             new = self._obtain(1, slot, keep=self.geo.pages_for(end), prefer=prefer)[0]
             saved = self.tensors.save_page(slot.index, j)
-            self._unmap(slot, j, 1)
+            self.tensors.unmap(slot.index, j, 1)
             try:
                 self._map(slot, j, [new])
             except BaseException:
@@ -85,17 +87,18 @@ class SlotPages:
 
     def release(self, slot: Slot) -> None:
         """Free the slot but keep its exclusive pages mapped (deferred reclamation); drop shared pages."""
-        with self.table.accounting(slot):
-            shared = [j for j, g in enumerate(slot.groups) if self.pool.is_shared(g)]
-            if shared:   # keep the exclusive prefix only, so a free slot never holds a shared page
-                self.drop_tail(slot, len(slot.groups) - shared[0])
+        if self.pool.num_shared:
+            shared = next((j for j, g in enumerate(slot.groups) if self.pool.is_shared(g)), None)
+            if shared is not None:   # keep the exclusive prefix only, so a free slot never holds a shared page
+                with self.table.accounting(slot):
+                    self.drop_tail(slot, len(slot.groups) - shared)
         self.table.vacate(slot)
 
     def drop_tail(self, slot: Slot, count: int) -> None:
         if count <= 0:
             return
         first = len(slot.groups) - count
-        self._unmap(slot, first, count)
+        self.tensors.unmap(slot.index, first, count)
         self.pool.put_back(slot.groups[first:])
         del slot.groups[first:]
 
@@ -115,38 +118,40 @@ class SlotPages:
         return self.pool.take(count, prefer)
 
     def _reclaim(self, count: int, requester: Slot, keep: int) -> None:
-        """Unmap tail pages: oldest free (stale) slots first, then pages mapped ahead in live slots."""
-        live = [s for s in self.table.live() if s is not requester]
-        for slot in self.table.stale() + live + [requester]:
+        """Unmap tail pages: oldest free (stale) slots first, then pages mapped ahead in live slots (by index),
+        then the requester's own beyond `keep`."""
+        table = self.table
+        while count > 0 and table.stale:
+            slot = table.slots[next(iter(table.stale))]
+            count -= self._reclaim_tail(slot, min(count, len(slot.groups)))
+        for index in sorted(table.ahead - {requester.index}) if count > 0 else ():
+            slot = table.slots[index]
+            count -= self._reclaim_tail(slot, min(count, len(slot.groups) - self.geo.pages_for(slot.held)))
             if count <= 0:
                 return
-            floor = keep if slot is requester else (0 if slot.seq_id is None else self.geo.pages_for(slot.held))
-            n = min(count, len(slot.groups) - floor)
-            if n > 0:
-                with self.table.accounting(slot):
-                    self.drop_tail(slot, n)
-                count -= n
-                self.counters["reclaimed_units"] += n
+        if count > 0:
+            self._reclaim_tail(requester, min(count, len(requester.groups) - keep))
+
+    def _reclaim_tail(self, slot: Slot, n: int) -> int:
+        if n > 0:
+            with self.table.accounting(slot):
+                self.drop_tail(slot, n)
+            self.counters["reclaimed_units"] += n
+        return max(n, 0)
 
     # -- driver calls -------------------------------------------------------------------------------------
     def _map(self, slot: Slot, first_page: int, groups: list[int]) -> None:
-        """Map `groups` at pages first_page.. of the slot in every tensor; all or nothing."""
-        done: list[tuple[Region, int, int]] = []
+        """Map `groups` at pages first_page.. of the slot in every tensor, one call per run; all or nothing."""
+        done: list[tuple[int, int]] = []
         try:
             for start, n in group_runs(groups):
-                for t, (region, _) in enumerate(self.tensors.place):
-                    offset = self.tensors.page_offset(t, slot.index, first_page + start)
-                    self.driver.map(region, offset, t * self.geo.num_groups + groups[start], n)
-                    done.append((region, offset, n))
+                self.tensors.map(slot.index, first_page + start, groups[start], n)
+                done.append((first_page + start, n))
         except BaseException:
-            for region, offset, n in done:
-                self.driver.unmap(region, offset, n)
+            for page, n in done:
+                self.tensors.unmap(slot.index, page, n)
             self.pool.return_untaken(groups)   # groups fresh from the pool go back to it
             raise
-
-    def _unmap(self, slot: Slot, first_page: int, count: int) -> None:
-        for t, (region, _) in enumerate(self.tensors.place):
-            self.driver.unmap(region, self.tensors.page_offset(t, slot.index, first_page), count)
 
 
 def _after_last(slot: Slot) -> int | None:

@@ -2,9 +2,12 @@
 
 A freed slot keeps its exclusive pages mapped (parked) so a later owner can reuse them without new maps; pages
 that no live token needs (parked ones, and pages mapped ahead in live slots) are counted as reclaimable.
+Every change to a slot goes through `hold` or `accounting`, which keep running totals and indexes (reclaimable
+pages, live tokens, stale slots oldest first, free slots by parked pages) so that no call scans all slots.
 """
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -24,12 +27,51 @@ class Slot:
     freed_at: int = 0             # when it became free (oldest stale slots are reclaimed first)
 
 
+class FreeSlots:
+    """Free slots bucketed by how many pages they still map: best-fit choice without a scan."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.by_pages: dict[int, list[int]] = {0: list(range(num_slots))} if num_slots else {}   # sorted indices
+        self.sizes: list[int] = sorted(self.by_pages)                                            # sorted keys
+
+    def add(self, index: int, pages: int) -> None:
+        bucket = self.by_pages.get(pages)
+        if bucket is None:
+            self.by_pages[pages] = [index]
+            insort(self.sizes, pages)
+        else:
+            insort(bucket, index)
+
+    def remove(self, index: int, pages: int) -> None:
+        bucket = self.by_pages[pages]
+        del bucket[bisect_left(bucket, index)]
+        if not bucket:
+            del self.by_pages[pages]
+            del self.sizes[bisect_left(self.sizes, pages)]
+
+    def covering(self, need: int) -> int:
+        """The slot with the fewest pages >= need, else the one with the most; lowest index on ties."""
+        i = bisect_left(self.sizes, need)
+        return self.by_pages[self.sizes[i] if i < len(self.sizes) else self.sizes[-1]][0]
+
+    def fewest(self) -> int:
+        return self.by_pages[self.sizes[0]][0]
+
+    def items(self) -> Iterator[tuple[int, int]]:
+        """(index, pages) of every free slot."""
+        return ((i, pages) for pages, bucket in self.by_pages.items() for i in bucket)
+
+
 class SlotTable:
     def __init__(self, geo: Geometry) -> None:
         self.geo = geo
         self.slots = [Slot(i) for i in range(geo.num_slots)]
         self.slot_of: dict[int, int] = {}   # seq_id -> slot index
         self.excess = 0                     # mapped groups no live token needs (reclaimable)
+        self.live_tokens = 0                # tokens the owners hold, all slots together
+        self.stale: dict[int, None] = {}    # free slots still mapping pages, oldest freed first
+        self.ahead: set[int] = set()        # live slots mapping pages beyond their held tokens
+        self.free = FreeSlots(geo.num_slots)
         self._clock = 0
 
     def of(self, seq_id: int) -> Slot | None:
@@ -42,12 +84,8 @@ class SlotTable:
     def claim(self, seq_id: int, tokens: int, fewest_pages: bool = False) -> Slot:
         """A free slot: the one whose stale pages best cover `tokens` (fewest pages for a fork child, whose
         pages are replaced by the parent's)."""
-        need = self.geo.pages_for(tokens)
-        free = [s for s in self.slots if s.seq_id is None]
-        if fewest_pages:
-            slot = min(free, key=lambda s: (len(s.groups), s.index))
-        else:  # smallest covering slot, else the largest one (fewest new maps)
-            slot = min(free, key=lambda s: (len(s.groups) < need, abs(len(s.groups) - need), s.index))
+        index = self.free.fewest() if fewest_pages else self.free.covering(self.geo.pages_for(tokens))
+        slot = self.slots[index]
         with self.accounting(slot):
             slot.seq_id, slot.held = seq_id, 0
         self.slot_of[seq_id] = slot.index
@@ -62,15 +100,24 @@ class SlotTable:
             slot.freed_at = self._clock
 
     def hold(self, slot: Slot, tokens: int) -> None:
-        with self.accounting(slot):
-            slot.held = tokens
-
-    def stale(self) -> list[Slot]:
-        """Free slots that still map pages, oldest first."""
-        return sorted((s for s in self.slots if s.seq_id is None and s.groups), key=lambda s: s.freed_at)
+        """A live slot's owner may now write `tokens` tokens (the per-step path: no context manager)."""
+        if slot.seq_id is None:
+            with self.accounting(slot):
+                slot.held = tokens
+            return
+        tpp, pages = self.geo.tokens_per_page, len(slot.groups)
+        before = max(0, pages + (slot.held // -tpp))
+        after = max(0, pages + (tokens // -tpp))
+        self.excess += after - before
+        self.live_tokens += tokens - slot.held
+        slot.held = tokens
+        if after:
+            self.ahead.add(slot.index)
+        elif before:
+            self.ahead.discard(slot.index)
 
     def live(self) -> list[Slot]:
-        return [s for s in self.slots if s.seq_id is not None]
+        return [self.slots[i] for i in sorted(self.slot_of.values())]
 
     def excess_of(self, slot: Slot) -> int:
         if slot.seq_id is None:
@@ -79,12 +126,31 @@ class SlotTable:
 
     @contextmanager
     def accounting(self, slot: Slot) -> Iterator[None]:
-        """Keep the reclaimable-unit total in step with every change to a slot (never nest for one slot)."""
-        before = self.excess_of(slot)
+        """Keep the totals and indexes in step with any change to a slot (never nest for one slot)."""
+        was_free, pages, excess, held = slot.seq_id is None, len(slot.groups), self.excess_of(slot), slot.held
         try:
             yield
         finally:
-            self.excess += self.excess_of(slot) - before
+            self._settle(slot, was_free, pages, excess, held)
+
+    def _settle(self, slot: Slot, was_free: bool, pages: int, excess: int, held: int) -> None:
+        is_free, now, i = slot.seq_id is None, len(slot.groups), slot.index
+        after = self.excess_of(slot)
+        self.excess += after - excess
+        self.live_tokens += (0 if is_free else slot.held) - (0 if was_free else held)
+        if was_free != is_free or pages != now:
+            if was_free:
+                self.free.remove(i, pages)
+            if is_free:
+                self.free.add(i, now)
+        if (was_free and pages) and not (is_free and now):
+            del self.stale[i]
+        elif (is_free and now) and not (was_free and pages):
+            self.stale[i] = None   # newly stale: it was just freed, so it is the youngest
+        if after and not is_free:
+            self.ahead.add(i)
+        else:
+            self.ahead.discard(i)
 
     def check(self, is_shared: Callable[[int], bool]) -> None:
         assert self.excess == sum(self.excess_of(s) for s in self.slots), "reclaimable count drifted"
@@ -96,3 +162,12 @@ class SlotTable:
             for j, g in enumerate(s.groups):
                 if is_shared(g):   # shared pages belong to live owners that need them
                     assert j < need, f"slot {s.index} page {j}: shared group {g} outside the live range"
+        assert self.live_tokens == sum(s.held for s in self.slots if s.seq_id is not None), "live tokens drifted"
+        stale = sorted((s for s in self.slots if s.seq_id is None and s.groups), key=lambda s: s.freed_at)
+        assert list(self.stale) == [s.index for s in stale], "stale slots are out of order"
+        assert sorted(self.free.items()) == [(s.index, len(s.groups)) for s in self.slots if s.seq_id is None], \
+            "free-slot index drifted"
+        assert all(b == sorted(b) and b for b in self.free.by_pages.values()), "free-slot buckets unsorted"
+        assert self.free.sizes == sorted(self.free.by_pages), "free-slot sizes drifted"
+        assert self.ahead == {s.index for s in self.slots if s.seq_id is not None and self.excess_of(s)}, \
+            "mapped-ahead slot set drifted"

@@ -26,6 +26,7 @@ class VirtualTensors:
             self.place: list[tuple[Region, int]] = [(whole, t * geo.tensor_bytes) for t in range(geo.num_tensors)]
         else:
             self.place = [(driver.reserve(geo.tensor_bytes), 0) for _ in range(geo.num_tensors)]
+        self.mirror = driver.mirror(self.place, geo.tensor_bytes, geo.num_groups)   # a page group: one map call
         self.k_caches: list[torch.Tensor] = []
         self.v_caches: list[torch.Tensor] = []
         self.page_bytes: list[torch.Tensor] = []   # each tensor as raw bytes (copy-on-write copies pages)
@@ -45,7 +46,19 @@ class VirtualTensors:
         self.k_caches, self.v_caches, self.page_bytes = [], [], []
 
     def page_offset(self, tensor: int, slot: int, page: int) -> int:
-        return self.place[tensor][1] + slot * self.geo.row_bytes + page * self.geo.page_size
+        return self.place[tensor][1] + self.slot_offset(slot, page)
+
+    def slot_offset(self, slot: int, page: int) -> int:
+        """Where page `page` of slot `slot` sits inside each tensor."""
+        return slot * self.geo.row_bytes + page * self.geo.page_size
+
+    # -- mapping page groups (one call maps or unmaps a run of pages in all 2L tensors) ----------------------
+    def map(self, slot: int, page: int, group: int, count: int) -> None:
+        """Map groups [group, +count) at pages [page, +count) of the slot in every tensor; all or nothing."""
+        self.driver.map_mirrored(self.mirror, self.slot_offset(slot, page), group, count)
+
+    def unmap(self, slot: int, page: int, count: int) -> None:
+        self.driver.unmap_mirrored(self.mirror, self.slot_offset(slot, page), count)
 
     def _page_span(self, slot: int, page: int) -> slice:
         start = slot * self.geo.row_bytes + page * self.geo.page_size
