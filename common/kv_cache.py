@@ -130,6 +130,10 @@ class PagedMetadata(AttentionMetadata):
 class ContiguousMetadata(AttentionMetadata):
     """Contiguous layout (vmm, reserve): caches are [num_slots, max_len, H_kv, D] per layer."""
     slots: torch.Tensor = None             # int64 [B]: the cache row (slot) of each item
+    # int64 [B]: tokens of each item's row backed by memory until the step ends (>= its context; the vmm
+    # cache's pages up to the last one its held tokens need, the reserve region); kernels may read K[slot, :n]
+    # for n up to this and never further. None: only the context is readable.
+    readable_lens: torch.Tensor | None = None
 
 
 def kernel_workspace(meta: AttentionMetadata) -> dict:

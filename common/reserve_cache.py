@@ -238,7 +238,10 @@ class ReserveKVCache(KVCache):
                 assert it.context_len <= self.held[it.seq.seq_id], f"sequence {it.seq.seq_id} not allocated"
         start_t = torch.tensor(starts, dtype=torch.int64, device=device)
         write_index = kw["input_positions"] + start_t.repeat_interleave(kw["query_lens"].long())
-        return ReserveMetadata(**kw, slots=start_t // self.row_stride, write_index=write_index)
+        readable = torch.tensor([min(self.regions[it.seq.seq_id][1], self.max_len) for it in items],
+                                dtype=torch.int64, device=device)   # a row is readable to its region's end
+        return ReserveMetadata(**kw, slots=start_t // self.row_stride, readable_lens=readable,
+                               write_index=write_index)
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:

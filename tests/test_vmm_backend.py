@@ -465,9 +465,25 @@ def test_close_refuses_while_a_caller_holds_a_view(make_cache):
     cache.close()
 
 
-def test_the_kernel_never_reads_past_a_context_and_unmapped_pages_fault():
+def test_prepare_promises_reads_up_to_the_last_page_the_held_tokens_need(make_cache):
+    cache = make_cache()
+    a = seq(0, 3 * TPP)
+    step(cache, [BatchItem(a, 0, 3 * TPP)])
+    cache.free(a)                                                    # slot 0 keeps 3 parked pages
+    b, c, d = seq(1, 5), seq(2, TPP + 1), seq(3, 10)
+    cache.allocate(b, 5)                                             # b takes the stale slot
+    cache.allocate(d, 2 * TPP + 1)                                   # held past this step's context
+    meta, *_ = step(cache, [BatchItem(b, 0, 5), BatchItem(c, 0, TPP + 1), BatchItem(d, 0, 10)])
+    assert int(meta.slots[0]) == 0 and len(cache.slots[0].groups) == 3
+    # b's parked pages are reclaimable by any allocate, so they are not promised; d's held pages are
+    assert meta.readable_lens.tolist() == [TPP, 2 * TPP, 3 * TPP]
+    assert meta.readable_lens.dtype == torch.int64
+
+
+def test_the_kernel_never_reads_past_a_readable_length_and_unmapped_pages_fault():
     """In a subprocess: a decode batch mixing a long and a short sequence whose later pages are unmapped runs
-    fine; then a deliberate read of the short one's unmapped page is SIGSEGV."""
+    fine (the short ones are read up to their readable length, one page); then a deliberate read of the short
+    one's unmapped page is SIGSEGV. tests/test_vmm_kernels.py runs many such batches."""
     script = textwrap.dedent(f"""
         import torch
         from common.config import EngineConfig

@@ -253,8 +253,14 @@ class VMMKVCache(KVCache):
             if self.config.check_invariants:
                 self.check_invariants()
             slots = [self._covering_slot(it) for it in items]
-        meta = ContiguousMetadata(**base_metadata(items, self.shape.device),
-                                  slots=torch.tensor(slots, dtype=torch.int64, device=self.shape.device))
+            # readable: up to the last page the held tokens need. Pages past it (mapped ahead, parked) are
+            # reclaimable by any allocate, so they are not promised to the kernel.
+            tpp, rows = self.geo.tokens_per_page, self.table.slots
+            readable = [min(len(rows[i].groups), -(-rows[i].held // tpp)) * tpp for i in slots]
+        device = self.shape.device
+        meta = ContiguousMetadata(**base_metadata(items, device),
+                                  slots=torch.tensor(slots, dtype=torch.int64, device=device),
+                                  readable_lens=torch.tensor(readable, dtype=torch.int64, device=device))
         self._step = (meta, meta.slots.repeat_interleave(meta.query_lens.to(torch.int64)))
         return meta
 
