@@ -239,6 +239,79 @@ def test_unmap_failure_names_the_call(vm, fake):
     assert region.mapped == {0: 0} and len(fake.mappings) == 1   # the fixture's close still unmaps it
 
 
+def test_an_unmap_failing_partway_through_a_run_books_the_pages_it_unmapped(vm, fake):
+    """Reported: page 0 of a 2-page run was unmapped on the device but still booked, so close() leaked."""
+    region = vm.reserve(2 * GRAN)
+    vm.create_pool(2)
+    vm.map(region, 0, 0, 2)
+    fake.fail("cuMemUnmap", INVALID_VALUE, after=1)
+    with pytest.raises(DriverError, match=r"cuMemUnmap failed .* \(after unmapping 1 of 2 pages\)"):
+        vm.unmap(region, 0, 2)
+    assert region.mapped == {1: 1} and set(fake.mappings) == {region.base + GRAN}
+    assert vm.stats.mapped_pages == 1 and vm.stats.num_mappings == 1 and list(vm.pool_maps) == [0, 1]
+    # the fixture's close unmaps page 1 and frees everything
+
+
+def test_a_map_whose_undo_fails_books_what_stays_mapped(vm, fake):
+    region = vm.reserve(4 * GRAN)
+    vm.create_pool(4)
+    fake.fail("cuMemSetAccess", INVALID_VALUE)
+    fake.fail("cuMemUnmap", INVALID_VALUE, after=1)              # the undo unmaps page 2, then page 1 fails
+    with pytest.raises(DriverError, match="cuMemSetAccess failed .* left 2 mapped"):
+        vm.map(region, 0, 0, 3)
+    assert region.mapped == {0: 0, 1: 1} and set(fake.mappings) == {region.base, region.base + GRAN}
+    assert vm.stats.mapped_pages == 2 and vm.stats.num_mappings == 2
+
+
+def test_a_mirrored_unmap_failing_in_the_second_tensor_maps_the_first_back(vm, fake):
+    places = [(vm.reserve(2 * GRAN), 0), (vm.reserve(2 * GRAN), 0)]
+    vm.create_pool(4)
+    mirror = vm.mirror(places, 2 * GRAN, 2)
+    vm.map_mirrored(mirror, 0, 0, 2)
+    fake.launch()
+    fake.fail("cuMemUnmap", INVALID_VALUE, after=2)              # tensor 0 unmaps both pages, tensor 1 refuses
+    calls = len(fake.calls)
+    with pytest.raises(DriverError, match="cuMemUnmap"):
+        vm.unmap_mirrored(mirror, 0, 2)
+    assert fake.names()[calls:] == ["cuCtxSynchronize", "cuMemUnmap", "cuMemUnmap", "cuCtxSynchronize",
+                                    "cuMemUnmap", "cuMemMap", "cuMemMap", "cuMemSetAccess"]
+    assert [r.mapped for r, _ in places] == [{0: 0, 1: 1}, {0: 2, 1: 3}] and len(fake.mappings) == 4
+    assert all(m.accessible for m in fake.mappings.values())
+    vm.unmap_mirrored(mirror, 0, 2)
+    assert fake.mappings == {} and vm.stats.mapped_pages == 0
+
+
+def test_a_page_that_never_unmaps_keeps_only_itself_and_its_range(fake):
+    vm = CudaVirtualMemory(0, driver=fake)
+    a, b = vm.reserve(2 * GRAN), vm.reserve(GRAN)
+    vm.create_pool(3)
+    vm.map(a, 0, 0, 2)
+    vm.map(b, 0, 2)
+    fake.fail("cuMemUnmap", INVALID_VALUE)                       # a's run, then the retry of its page 0
+    fake.fail("cuMemUnmap", INVALID_VALUE)
+    with pytest.raises(DriverError, match=r"3 driver call\(s\) failed .*cuMemAddressFree of the range at .* "
+                                          r"skipped.*still held: 1 range\(s\) with 1 mapped page\(s\)"):
+        vm.close()
+    assert vm.closed and vm.stats.release_retries == 1 and a.mapped == {0: 0} and b.released
+    leaks = fake.leaks()
+    assert leaks == {"reservations": {a.base: 2 * GRAN}, "mappings": [a.base]}   # every handle was released
+
+
+def test_close_releases_no_mapped_handle_without_a_synchronise(fake):
+    """gpu-apis.md §1.7: a handle still mapped (its unmap failed twice) is released only after a successful
+    cuCtxSynchronize; when that fails too it stays, and the error says so."""
+    vm = CudaVirtualMemory(0, driver=fake)
+    region = vm.reserve(2 * GRAN)
+    vm.create_pool(2)
+    vm.map(region, 0, 0, 2)
+    fake.fail("cuMemUnmap", INVALID_VALUE)
+    fake.fail("cuMemUnmap", INVALID_VALUE)
+    fake.fail("cuCtxSynchronize", INVALID_VALUE, after=3)         # run, page 0, page 1, then close's own
+    with pytest.raises(DriverError, match=r"1 handle\(s\) still mapped are not released: cuCtxSynchronize"):
+        vm.close()
+    assert {k: len(v) for k, v in fake.leaks().items()} == {"reservations": 1, "handles": 1, "mappings": 1}
+
+
 def test_close_releases_everything_even_after_a_failure(fake):
     vm = CudaVirtualMemory(0, driver=fake)
     region = vm.reserve(2 * GRAN)

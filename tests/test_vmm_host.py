@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from common.errors import DriverError
-from vmm.driver import AccountingVirtualMemory
+from vmm.driver import AccountingVirtualMemory, TornMirror
 from vmm.host import POOL_NAME, HostVirtualMemory, max_map_count
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
@@ -294,3 +294,196 @@ def test_a_driver_dropped_without_close_frees_its_memory_but_never_under_a_live_
     del kept
     gc.collect()
     assert kvlab_mappings() == before
+
+
+# -- failed OS calls: the books keep saying what the kernel maps ------------------------------------------------
+class FlakyHost(HostVirtualMemory):
+    """The host driver with injected failures: `fail_next("unmap", 1)` makes the second _os_unmap call from now
+    raise instead of reaching the kernel."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.calls = {"map": 0, "unmap": 0}
+        self.failing: dict[str, set[int]] = {"map": set(), "unmap": set()}
+
+    def fail_next(self, call: str, *nth: int) -> None:
+        self.failing[call].update(self.calls[call] + n for n in nth)
+
+    def _injected(self, call: str) -> None:
+        n, self.calls[call] = self.calls[call], self.calls[call] + 1
+        if n in self.failing[call]:
+            raise DriverError(f"injected {call} failure")
+
+    def _os_map(self, addr: int, first_page: int, num_pages: int) -> int:
+        self._injected("map")
+        return super()._os_map(addr, first_page, num_pages)
+
+    def _os_unmap(self, addr: int, num_pages: int) -> int:
+        self._injected("unmap")
+        return super()._os_unmap(addr, num_pages)
+
+
+def kernel_pages(region, page_size: int) -> dict[int, int]:
+    """VA page -> pool page as the kernel maps the range (memfd mappings in /proc/self/maps)."""
+    pages = {}
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        if POOL_NAME not in line or hi <= region.base or lo >= region.base + region.nbytes:
+            continue
+        for addr in range(max(lo, region.base), min(hi, region.base + region.nbytes), page_size):
+            pages[(addr - region.base) // page_size] = (int(fields[2], 16) + addr - lo) // page_size
+    return pages
+
+
+def three_places(vm: HostVirtualMemory, pages: int = 4):
+    spots = [(vm.reserve(pages * vm.page_size), 0) for _ in range(3)]
+    vm.create_pool(3 * pages)
+    return spots, vm.mirror(spots, pages * vm.page_size, pages)
+
+
+def assert_books_are_the_kernels(vm, spots) -> None:
+    for region, _ in spots:
+        assert region.mapped == kernel_pages(region, vm.page_size)
+        assert region.segments == vmas_in(region.base, region.nbytes)
+    assert vm.stats.mapped_pages == sum(len(r.mapped) for r, _ in spots) == sum(vm.pool_maps)
+
+
+def test_a_mirrored_unmap_failing_in_a_later_place_maps_the_earlier_ones_back():
+    vm = FlakyHost(page_size=64 * KiB)
+    spots, mirror = three_places(vm)
+    vm.map_mirrored(mirror, 0, 1, 2)
+    views = [vm.tensor_view(region, torch.int32, (2, vm.page_size // 4)) for region, _ in spots]
+    for t, view in enumerate(views):
+        view.fill_(t + 1)
+    before = [dict(region.mapped) for region, _ in spots]
+    vm.fail_next("unmap", 2)                                  # the third place refuses
+    with pytest.raises(DriverError, match="injected unmap failure"):
+        vm.unmap_mirrored(mirror, 0, 2)
+    assert [region.mapped for region, _ in spots] == before
+    assert_books_are_the_kernels(vm, spots)
+    assert [int(v.sum()) for v in views] == [(t + 1) * vm.page_size // 2 for t in range(3)]   # data kept
+    del views, view
+    vm.unmap_mirrored(mirror, 0, 2)
+    assert_books_are_the_kernels(vm, spots)
+    vm.close()
+
+
+def test_a_mirrored_map_failing_in_a_later_place_unmaps_the_earlier_ones():
+    vm = FlakyHost(page_size=64 * KiB)
+    spots, mirror = three_places(vm)
+    vm.fail_next("map", 1)
+    with pytest.raises(DriverError, match="injected map failure"):
+        vm.map_mirrored(mirror, vm.page_size, 0, 3)
+    assert all(region.mapped == {} for region, _ in spots)
+    assert_books_are_the_kernels(vm, spots)
+    vm.map_mirrored(mirror, vm.page_size, 0, 3)
+    assert_books_are_the_kernels(vm, spots)
+    vm.close()
+
+
+def test_when_the_undo_fails_too_the_places_are_torn_and_the_books_exact():
+    vm = FlakyHost(page_size=64 * KiB)
+    spots, mirror = three_places(vm)
+    vm.map_mirrored(mirror, 0, 0, 2)
+    vm.fail_next("unmap", 1)                                  # place 1 refuses ...
+    vm.fail_next("map", 0)                                    # ... and mapping place 0 back fails
+    with pytest.raises(TornMirror, match="undoing it failed too"):
+        vm.unmap_mirrored(mirror, 0, 2)
+    assert [len(region.mapped) for region, _ in spots] == [0, 2, 2]
+    assert_books_are_the_kernels(vm, spots)
+    with pytest.raises(DriverError, match="not mapped"):      # the strict call refuses a torn range ...
+        vm.unmap_mirrored(mirror, 0, 2)
+    vm.clear_mirrored(mirror, 0, 2)                           # ... clearing unmaps what is left
+    assert_books_are_the_kernels(vm, spots)
+    assert vm.stats.mapped_pages == 0
+    vm.close()
+
+
+def test_release_and_close_go_on_past_failed_unmaps():
+    vm = FlakyHost(page_size=64 * KiB)
+    a, b = vm.reserve(4 * vm.page_size), vm.reserve(2 * vm.page_size)
+    vm.create_pool(8)
+    vm.map(a, 0, 0)
+    vm.map(a, 2 * vm.page_size, 5, 2)
+    vm.map(b, 0, 1, 2)
+    vm.fail_next("unmap", 0)                                  # once: the retry, page by page, succeeds
+    with pytest.raises(DriverError, match=r"closing .* 1 driver call\(s\) failed \(injected unmap failure\); every "
+                                          "range was released in the end"):
+        vm.close()
+    assert vm.stats.release_retries == 1 and vm.stats.mapped_pages == 0 and vm.stats.reserved_bytes == 0
+    assert kernel_pages(a, vm.page_size) == {} and kernel_pages(b, vm.page_size) == {}
+
+    vm = FlakyHost(page_size=64 * KiB)                        # every unmap fails: munmap frees the range anyway
+    region = vm.reserve(4 * vm.page_size)
+    vm.create_pool(4)
+    vm.map(region, 0, 0, 2)
+    vm.map(region, 3 * vm.page_size, 3)
+    vm.fail_next("unmap", *range(10))
+    with pytest.raises(DriverError, match=r"5 driver call\(s\) failed .* the range was released in the end"):
+        vm.release(region)
+    assert region.released and region.mapped == {} and kernel_pages(region, vm.page_size) == {}
+    assert vm.stats.mapped_pages == 0 == sum(vm.pool_maps) and vm.stats.num_mappings == 0
+    vm.close()
+
+
+def cow_cache(driver: HostVirtualMemory):
+    """A real-mode vmm cache (host memory) with a 20-token parent forked into a child: page 1 is shared."""
+    from common.config import EngineConfig
+    from common.kv_cache import KVShape
+    from common.sequence import Sequence
+    from vmm.backend import VMMKVCache
+    shape = KVShape(num_layers=2, num_kv_heads=2, head_dim=32, num_q_heads=4)      # 16 tokens per 4 KiB page
+    cache = VMMKVCache(EngineConfig(backend="vmm", page_size=4096, kv_cache_bytes=8 * 4 * 4096, max_model_len=64,
+                                    max_num_seqs=4), shape, driver=driver)
+    parent = Sequence(0, "a", list(range(20)), 8)
+    cache.allocate(parent, 20)
+    parent.num_computed_tokens = 20
+    for t, kv in enumerate(cache.k_caches + cache.v_caches):
+        kv[cache.table.of(0).index, :20] = t + 1.0
+    child = Sequence(1, "c", list(range(20)), 8)
+    child.num_computed_tokens = 20
+    cache.fork(parent, child)
+    child.append_token(7)
+    return cache, child
+
+
+def child_kv(cache) -> list[float]:
+    slot = cache.table.of(1).index
+    return [float(kv[slot, :20].mean()) for kv in cache.k_caches + cache.v_caches]
+
+
+def test_a_failed_copy_on_write_keeps_the_shared_page_its_data_and_the_pool():
+    """Reported: an unmap failing in tensor 1 during copy-on-write lost the group taken from the pool and left
+    tensor 0 unmapped while the slot still listed the page."""
+    driver = FlakyHost(page_size=4096)
+    cache, child = cow_cache(driver)
+    free = cache.num_free_units()
+    driver.fail_next("unmap", 1)
+    with pytest.raises(DriverError, match="injected unmap failure"):
+        cache.allocate(child, 21)                             # writes into the shared page 1: copy-on-write
+    assert cache.num_free_units() == free and cache.stats().cow_copies == 0
+    cache.check_invariants()                                  # the pool, the slots and every tensor agree
+    assert child_kv(cache) == [1.0, 2.0, 3.0, 4.0]            # still reads the parent's page
+    cache.allocate(child, 21)                                 # and the copy works once the OS does
+    assert cache.stats().cow_copies == 1 and child_kv(cache) == [1.0, 2.0, 3.0, 4.0]
+    cache.check_invariants()
+    cache.close()
+
+
+def test_a_copy_on_write_whose_undo_fails_is_reported_torn_and_freeing_clears_it():
+    driver = FlakyHost(page_size=4096)
+    cache, child = cow_cache(driver)
+    driver.fail_next("unmap", 1)
+    driver.fail_next("map", 0)                                # mapping tensor 0 back fails as well
+    with pytest.raises(TornMirror, match="close the cache"):
+        cache.allocate(child, 21)
+    with pytest.raises(AssertionError, match="tensor 0 is not mapped"):
+        cache.check_invariants()                              # a kernel never runs on it
+    assert cache.stats().extra["torn_pages"] == 1
+    for region, _ in cache.tensors.place:
+        assert region.mapped == kernel_pages(region, 4096)
+    cache.free(child)                                         # its torn page is cleared, not parked
+    cache.check_invariants()
+    assert cache.stats().extra["torn_pages"] == 0
+    cache.close()

@@ -3,6 +3,9 @@
 reserve = cuMemAddressReserve; pool = one cuMemCreate handle (pinned device memory) per page, created up front;
 map = cuMemMap per page + one cuMemSetAccess per mapped run; unmap = cuCtxSynchronize, then cuMemUnmap per page;
 discard = cuMemRelease (the page is created again when next mapped); release = cuMemAddressFree.
+A map that fails undoes its pages (last first); an unmap that fails partway, or an undo that does, reports the
+pages that did change (`PartialCall`) so the books stay exact. A range is freed only once nothing is mapped in it,
+and close() releases a still-mapped handle only after a successful cuCtxSynchronize (gpu-apis.md §1.4, §1.7).
 Every driver call goes through `call`, which turns a raised exception and a non-zero CUresult alike into a
 DriverError naming the call. Driver calls use the calling thread's current context, so each thread is given the
 device's primary context (torch's) on first use; cuCtxCreate is never used (it would break torch interop).
@@ -16,7 +19,7 @@ from typing import Any
 import torch
 
 from common.errors import DriverError
-from vmm.driver import Region, VirtualMemory
+from vmm.driver import PartialCall, Region, VirtualMemory
 
 log = logging.getLogger("kvlab.vmm")
 
@@ -146,6 +149,9 @@ class CudaVirtualMemory(VirtualMemory):
         return as_int(self.call("cuMemAddressReserve", nbytes, 0, 0, 0))
 
     def _os_release(self, region: Region) -> None:
+        if region.pages:   # their unmap failed; cuMemAddressFree takes a bare reservation only (gpu-apis.md §1.4)
+            raise DriverError(f"cuMemAddressFree of the range at {region.base:#x} skipped: {len(region.pages)} of its "
+                              "pages could not be unmapped")
         self._ensure_context()
         self.call("cuMemAddressFree", region.base, region.nbytes)
 
@@ -169,15 +175,16 @@ class CudaVirtualMemory(VirtualMemory):
         return as_int(self.call("cuMemCreate", self.page_size, self._prop, 0))
 
     def _release_handles(self, handles: list[int]) -> None:
-        """Release every handle; report the first failure after trying them all."""
-        first: DriverError | None = None
+        """Release every handle; then report the failures, if any, in one DriverError."""
+        failed: list[DriverError] = []
         for h in handles:
             try:
                 self.call("cuMemRelease", h)
             except DriverError as exc:
-                first = first or exc
-        if first:
-            raise first
+                failed.append(exc)
+        if failed:
+            raise DriverError(f"{len(failed)} of {len(handles)} cuMemRelease calls failed (first: {failed[0]})"
+                              ) from failed[0]
 
     def _handle(self, page: int) -> int:
         if self._handles[page] is None:   # discarded earlier: create it again
@@ -192,24 +199,36 @@ class CudaVirtualMemory(VirtualMemory):
                 self.call("cuMemMap", addr + i * ps, ps, 0, self._handle(first_page + i), 0)
                 done += 1
             self.call("cuMemSetAccess", addr, num_pages * ps, self._access, 1)
-        except BaseException:
-            self._undo_maps(addr, done)
+        except BaseException as exc:
+            left = self._undo_maps(addr, done)
+            if left:
+                raise PartialCall(f"{exc}; undoing the {done} page(s) mapped before it left {left} mapped", left
+                                  ) from exc
             raise
         return num_pages + 1
 
-    def _undo_maps(self, addr: int, done: int) -> None:
+    def _undo_maps(self, addr: int, done: int) -> int:
+        """Unmap the first `done` pages at addr, last first; returns how many stay mapped (a prefix)."""
         try:
-            self.call("cuCtxSynchronize")
-            for i in range(done):
+            if done:
+                self.call("cuCtxSynchronize")
+            for i in reversed(range(done)):
                 self.call("cuMemUnmap", addr + i * self.page_size, self.page_size)
+                done = i
         except DriverError as exc:
             log.error("could not undo a failed mapping at %#x: %s", addr, exc)
+        return done
 
     def _os_unmap(self, addr: int, num_pages: int) -> int:
         self._ensure_context()
         self.call("cuCtxSynchronize")   # kernels may still read these pages; unmap does not wait for them
         for i in range(num_pages):
-            self.call("cuMemUnmap", addr + i * self.page_size, self.page_size)
+            try:
+                self.call("cuMemUnmap", addr + i * self.page_size, self.page_size)
+            except DriverError as exc:
+                if i == 0:
+                    raise
+                raise PartialCall(f"{exc} (after unmapping {i} of {num_pages} pages)", i) from exc
         return num_pages
 
     def _os_discard(self, first_page: int, num_pages: int) -> None:
@@ -228,10 +247,25 @@ class CudaVirtualMemory(VirtualMemory):
         return tensor, span
 
     def _os_close(self) -> None:
+        """Release every handle (a handle still mapped after a failed unmap is freed when that unmap happens, gpu-apis.md
+        §1.4, but only after a successful synchronise: §1.7)."""
         try:
             self._ensure_context()
-            handles, self._handles = [h for h in self._handles if h is not None], []
-            self._release_handles(handles)
+            handles, self._handles = self._handles, []
+            mapped = {h for p, h in enumerate(handles) if h is not None and self.pool_maps[p]}
+            failed: list[DriverError] = []
+            if mapped:
+                try:
+                    self.call("cuCtxSynchronize")
+                except DriverError as exc:
+                    failed.append(DriverError(f"{len(mapped)} handle(s) still mapped are not released: {exc}"))
+                    handles = [h for h in handles if h not in mapped]
+            try:
+                self._release_handles([h for h in handles if h is not None])
+            except DriverError as exc:
+                failed.append(exc)
+            if failed:
+                raise DriverError("; ".join(str(e) for e in failed)) from failed[0]
         finally:
             self._release_primary(log_errors=False)
 

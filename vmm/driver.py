@@ -6,6 +6,11 @@ vmm/host.py (mmap + memfd), vmm/cuda.py (CUDA VMM driver API) and `AccountingVir
 the simulator's mode). A `Mirror` names places that are always mapped in lockstep (the cache's 2L tensors): one
 `map_mirrored` call maps a run of pages in all of them (one OS call per place; the accounting driver books it
 once for all). Not thread-safe: the cache serialises every call under its lock.
+
+When a call fails the books still say exactly what is mapped: `map`/`unmap` book the pages an OS call got through
+before failing (`PartialCall`), the mirrored calls undo the places already done (all or nothing), and `release`/
+`close` try every unmap and free every range even when some fail, then raise one `DriverError` that sums up.
+Only when an undo fails too are a mirror's places left apart, and `TornMirror` says so.
 """
 from __future__ import annotations
 
@@ -27,6 +32,19 @@ from vmm.ledger import MirrorLedger
 from vmm.vmas import map_delta, unmap_delta
 
 log = logging.getLogger("kvlab.vmm")
+
+
+class PartialCall(DriverError):
+    """Raised by `_os_map`/`_os_unmap` when a call failed after its first `pages_done` pages took effect (and could
+    not be undone); any other exception from them means no page changed."""
+
+    def __init__(self, message: str, pages_done: int) -> None:
+        super().__init__(message)
+        self.pages_done = pages_done
+
+
+class TornMirror(DriverError):
+    """A mirrored call failed and so did its undo: its places no longer match (the books say what each maps)."""
 
 
 @dataclass(slots=True)
@@ -79,6 +97,7 @@ class DriverStats:
     pages_mapped: int = 0        # cumulative pages mapped / unmapped (per-page cost = seconds / pages)
     pages_unmapped: int = 0
     discarded_pages: int = 0     # pool pages whose memory was given back
+    release_retries: int = 0     # unmaps tried again, page by page, after failing while releasing a range
 
 
 class VirtualMemory(ABC):
@@ -114,11 +133,13 @@ class VirtualMemory(ABC):
 
     @abstractmethod
     def _os_map(self, addr: int, first_page: int, num_pages: int) -> int:
-        """Map pool pages [first_page, +num_pages) at addr; returns the number of OS calls made."""
+        """Map pool pages [first_page, +num_pages) at addr; returns the number of OS calls made. On failure undo
+        what it can: raise `PartialCall` if the first pages stay mapped, any other error if none does."""
 
     @abstractmethod
     def _os_unmap(self, addr: int, num_pages: int) -> int:
-        """Unmap num_pages pages at addr, leaving the range reserved; returns the number of OS calls made."""
+        """Unmap num_pages pages at addr, leaving the range reserved; returns the number of OS calls made. Raise
+        `PartialCall` if the first pages were unmapped before the failure, any other error if none was."""
 
     @abstractmethod
     def _os_discard(self, first_page: int, num_pages: int) -> None: ...
@@ -167,49 +188,83 @@ class VirtualMemory(ABC):
         """Map pool pages [page, page + num_pages) at region offset `offset` (read-write)."""
         self._check_open()
         first = self._va_page(region, offset, num_pages)
-        pool_maps = self.pool_maps
-        self._check_pool(page, num_pages, len(pool_maps))
-        pages = region.pages
-        for i in range(first, first + num_pages):
-            if i in pages:
-                raise DriverError(f"VA page {i} of the range at {region.base:#x} is already mapped; unmap it first")
-        delta = map_delta(pages, first, num_pages, page, region.nbytes // self.page_size) if self.merges \
-            else num_pages
+        self._check_pool(page, num_pages, len(self.pool_maps))
+        self._check_unmapped(region, first, num_pages)
+        delta = self._map_delta(region, first, num_pages, page)
         self._check_mapping_limit(delta, "map")
         t0 = time.perf_counter()
-        calls = self._os_map(region.base + offset, page, num_pages)
-        self.stats.map_seconds += time.perf_counter() - t0
+        try:
+            calls = self._os_map(region.base + offset, page, num_pages)
+        except PartialCall as exc:   # the first pages stayed mapped: book exactly those
+            self._book_map(region, first, page, exc.pages_done, self._map_delta(region, first, exc.pages_done, page))
+            raise
+        finally:
+            self.stats.map_seconds += time.perf_counter() - t0
         self.stats.map_calls += calls
-        self.stats.pages_mapped += num_pages
-        pages.update(zip(range(first, first + num_pages), range(page, page + num_pages)))
-        for p in range(page, page + num_pages):
-            pool_maps[p] += 1
-        region.vmas += delta
-        self.stats.num_mappings += delta
-        self.stats.mapped_pages += num_pages
+        self._book_map(region, first, page, num_pages, delta)
 
     def unmap(self, region: Region, offset: int, num_pages: int = 1) -> None:
         """Unmap [offset, + num_pages pages): the range stays reserved, the pool pages stay allocated."""
         self._check_open()
         first = self._va_page(region, offset, num_pages)
-        pages = region.pages
-        for i in range(first, first + num_pages):
-            if i not in pages:
-                raise DriverError(f"VA page {i} of the range at {region.base:#x} is not mapped")
-        delta = unmap_delta(pages, first, num_pages, region.nbytes // self.page_size) if self.merges \
-            else -num_pages
+        self._check_mapped(region, first, num_pages)
+        delta = self._unmap_delta(region, first, num_pages)
         self._check_mapping_limit(delta, "unmap")   # splitting a merged mapping adds VMAs
         t0 = time.perf_counter()
-        calls = self._os_unmap(region.base + offset, num_pages)
-        self.stats.unmap_seconds += time.perf_counter() - t0
+        try:
+            calls = self._os_unmap(region.base + offset, num_pages)
+        except PartialCall as exc:   # the first pages are gone: book exactly those
+            self._book_unmap(region, first, exc.pages_done, self._unmap_delta(region, first, exc.pages_done))
+            raise
+        finally:
+            self.stats.unmap_seconds += time.perf_counter() - t0
         self.stats.unmap_calls += calls
-        self.stats.pages_unmapped += num_pages
+        self._book_unmap(region, first, num_pages, delta)
+
+    def _map_delta(self, region: Region, first: int, num_pages: int, page: int) -> int:
+        if not num_pages:
+            return 0
+        return map_delta(region.pages, first, num_pages, page, region.nbytes // self.page_size) if self.merges \
+            else num_pages
+
+    def _unmap_delta(self, region: Region, first: int, num_pages: int) -> int:
+        if not num_pages:
+            return 0
+        return unmap_delta(region.pages, first, num_pages, region.nbytes // self.page_size) if self.merges \
+            else -num_pages
+
+    def _book_map(self, region: Region, first: int, page: int, num_pages: int, delta: int) -> None:
+        region.pages.update(zip(range(first, first + num_pages), range(page, page + num_pages)))
         pool_maps = self.pool_maps
+        for p in range(page, page + num_pages):
+            pool_maps[p] += 1
+        region.vmas += delta
+        st = self.stats
+        st.num_mappings += delta
+        st.mapped_pages += num_pages
+        st.pages_mapped += num_pages
+
+    def _book_unmap(self, region: Region, first: int, num_pages: int, delta: int) -> None:
+        pages, pool_maps = region.pages, self.pool_maps
         for i in range(first, first + num_pages):
             pool_maps[pages.pop(i)] -= 1
         region.vmas += delta
-        self.stats.num_mappings += delta
-        self.stats.mapped_pages -= num_pages
+        st = self.stats
+        st.num_mappings += delta
+        st.mapped_pages -= num_pages
+        st.pages_unmapped += num_pages
+
+    def _check_unmapped(self, region: Region, first: int, num_pages: int) -> None:
+        pages = region.mapped
+        for i in range(first, first + num_pages):
+            if i in pages:
+                raise DriverError(f"VA page {i} of the range at {region.base:#x} is already mapped; unmap it first")
+
+    def _check_mapped(self, region: Region, first: int, num_pages: int) -> None:
+        pages = region.mapped
+        for i in range(first, first + num_pages):
+            if i not in pages:
+                raise DriverError(f"VA page {i} of the range at {region.base:#x} is not mapped")
 
     # -- places mapped in lockstep ------------------------------------------------------------------------
     def mirror(self, places: list[tuple[Region, int]], span: int, pool_stride: int) -> Mirror:
@@ -225,24 +280,82 @@ class VirtualMemory(ABC):
         return Mirror(tuple(places), span, pool_stride)
 
     def map_mirrored(self, mirror: Mirror, offset: int, page: int, num_pages: int = 1) -> None:
-        """Map pool pages [page + i * stride, +num_pages) at `offset` of every place i; all or nothing."""
+        """Map pool pages [page + i * stride, +num_pages) at `offset` of every place i; all or nothing (a failure
+        unmaps the places already mapped)."""
         self._check_mirror_offset(mirror, offset, num_pages)
         self._check_pool(page, num_pages + (len(mirror.places) - 1) * mirror.pool_stride, len(self.pool_maps))
-        done: list[tuple[Region, int]] = []
+        before = []
+        for region, base in mirror.places:   # refuse before any place changes
+            va = self._va_page(region, base + offset, num_pages)
+            self._check_unmapped(region, va, num_pages)
+            before.append((region, va, {}))
         try:
             for i, (region, base) in enumerate(mirror.places):
                 self.map(region, base + offset, page + i * mirror.pool_stride, num_pages)
-                done.append((region, base))
-        except BaseException:
-            for region, base in done:
-                self.unmap(region, base + offset, num_pages)
+        except BaseException as exc:
+            self._undo_mirrored(exc, "map", offset, num_pages, before)
             raise
 
     def unmap_mirrored(self, mirror: Mirror, offset: int, num_pages: int = 1) -> None:
-        """Unmap [offset, + num_pages pages) of every place."""
+        """Unmap [offset, + num_pages pages) of every place; all or nothing (a failure maps the places already
+        unmapped again: the pool pages kept their data)."""
         self._check_mirror_offset(mirror, offset, num_pages)
+        before = []
+        for region, base in mirror.places:   # refuse before any place changes
+            va = self._va_page(region, base + offset, num_pages)
+            self._check_mapped(region, va, num_pages)
+            pages = region.mapped
+            before.append((region, va, {i: pages[i] for i in range(va, va + num_pages)}))
+        try:
+            for region, base in mirror.places:
+                self.unmap(region, base + offset, num_pages)
+        except BaseException as exc:
+            self._undo_mirrored(exc, "unmap", offset, num_pages, before)
+            raise
+
+    def clear_mirrored(self, mirror: Mirror, offset: int, num_pages: int = 1) -> None:
+        """Unmap whatever is mapped at [offset, + num_pages pages) of each place: the way out of a TornMirror.
+        Tries every place; raises TornMirror if some unmap still fails."""
+        self._check_mirror_offset(mirror, offset, num_pages)
+        errors = []
         for region, base in mirror.places:
-            self.unmap(region, base + offset, num_pages)
+            errors += self._restore(region, self._va_page(region, base + offset, num_pages), num_pages, {})
+        if errors:
+            raise TornMirror(f"clearing {num_pages} page(s) at offset {offset} of {len(mirror.places)} mirrored "
+                             f"places failed ({errors[0]}); close the cache") from errors[0]
+
+    def _undo_mirrored(self, exc: BaseException, call: str, offset: int, num_pages: int,
+                       before: list[tuple[Region, int, dict[int, int]]]) -> None:
+        """Put every place's pages [va, +num_pages) back as `before` says (VA page -> pool page; absent: unmapped).
+        Returns if that worked (the caller re-raises `exc`); raises TornMirror naming both failures if not."""
+        errors = []
+        for region, va, want in before:
+            errors += self._restore(region, va, num_pages, want)
+        if not errors:
+            return
+        log.error("%s of mirrored pages at offset %d failed (%s) and undoing it failed too (%s); the places no "
+                  "longer match", call, offset, exc, errors[0])
+        raise TornMirror(f"{call} of {num_pages} page(s) at offset {offset} of {len(before)} mirrored places failed "
+                         f"({exc}) and undoing it failed too ({errors[0]}): the places are torn (the driver's books "
+                         "say what is mapped); close the cache") from exc
+
+    def _restore(self, region: Region, va: int, num_pages: int, want: dict[int, int]) -> list[DriverError]:
+        """Unmap what should not be mapped in [va, +num_pages), then map what is missing; try all, return failures."""
+        errors: list[DriverError] = []
+        have = region.mapped
+        extra = [i for i in range(va, va + num_pages) if i in have and have[i] != want.get(i)]
+        for start, count in runs(extra):
+            try:
+                self.unmap(region, start * self.page_size, count)
+            except DriverError as err:
+                errors.append(err)
+        missing = [i for i in range(va, va + num_pages) if i in want and i not in have]
+        for start, count in runs(missing, want):
+            try:
+                self.map(region, start * self.page_size, want[start], count)
+            except DriverError as err:
+                errors.append(err)
+        return errors
 
     def discard(self, page: int, num_pages: int = 1) -> None:
         """Give the memory of unmapped pool pages back to the OS/driver; they read as zeros when mapped again."""
@@ -253,20 +366,64 @@ class VirtualMemory(ABC):
         self.stats.discarded_pages += num_pages
 
     def release(self, region: Region) -> None:
-        """Unmap what is still mapped and free the reservation. Refused while a tensor view of it is alive."""
+        """Unmap what is still mapped and free the reservation. Refused while a tensor view of it is alive.
+        Every unmap is tried (those that fail once again page by page) and the range is freed even when some
+        fail; then one DriverError sums up what failed and what is still held."""
         if region.released:
             return
         live = self.live_views(region)
         if live:
             raise DriverError(f"{live} tensor view(s) of the range at {region.base:#x} are still alive; "
                               "drop every view before releasing it")
-        for start, count in runs(sorted(region.mapped)):
-            self.unmap(region, start * self.page_size, count)
-        self._os_release(region)
+        errors = self._release(region)
+        if errors:
+            held = ("the range was released in the end" if region.released else
+                    f"the range is still reserved with {len(region.pages)} page(s) mapped")
+            raise self._summary(f"releasing the range at {region.base:#x}", errors, held)
+
+    def _release(self, region: Region) -> list[DriverError]:
+        errors = self._unmap_all(region)
+        try:
+            self._os_release(region)
+        except DriverError as exc:
+            return errors + [exc]
+        for start, count in runs(sorted(region.pages)):   # still mapped after failed unmaps: gone with the range
+            self._book_unmap(region, start, count, 0)
         region.released = True
         self.regions.remove(region)
         self.stats.reserved_bytes -= region.nbytes
         self.stats.num_mappings -= region.vmas
+        return errors
+
+    def _unmap_all(self, region: Region) -> list[DriverError]:
+        """Unmap every mapped run; then try what is left once more, page by page, so one page that keeps failing
+        leaves only itself mapped. Returns the failures."""
+        errors: list[DriverError] = []
+        for start, count in runs(sorted(region.mapped)):
+            try:
+                self.unmap(region, start * self.page_size, count)
+            except DriverError as exc:
+                errors.append(exc)
+        left = sorted(region.pages)
+        if left:
+            self.stats.release_retries += 1
+            log.warning("releasing the range at %#x: %d page(s) failed to unmap (%s); trying them once more, page "
+                        "by page", region.base, len(left), errors[0])
+        for i in left:
+            try:
+                self.unmap(region, i * self.page_size)
+            except DriverError as exc:
+                errors.append(exc)
+        return errors
+
+    @staticmethod
+    def _summary(what: str, errors: list[DriverError], held: str) -> DriverError:
+        """One line for several failures: how many, the distinct messages, and what is still held."""
+        messages = list(dict.fromkeys(str(e) for e in errors))
+        shown = "; ".join(messages[:3]) + (f"; and {len(messages) - 3} more" if len(messages) > 3 else "")
+        exc = DriverError(f"{what}: {len(errors)} driver call(s) failed ({shown}); {held}")
+        exc.__cause__ = errors[0]
+        return exc
 
     def tensor_view(self, region: Region, dtype: torch.dtype, shape: tuple[int, ...],
                     strides: tuple[int, ...] | None = None, offset: int = 0) -> torch.Tensor:
@@ -292,25 +449,26 @@ class VirtualMemory(ABC):
         return count()
 
     def close(self) -> None:
-        """Release every range and the pool. Idempotent; refused (nothing released) while views are alive."""
+        """Release every range and the pool. Idempotent; refused (nothing released) while views are alive. Goes
+        on past failures (see `release`) and then raises one DriverError that sums them up."""
         if self.closed:
             return
         live = self.live_views()
         if live:
             raise DriverError(f"{live} tensor view(s) are still alive; drop them before closing the driver")
         errors = []
-        for region in list(self.regions):
-            try:
-                self.release(region)
-            except DriverError as exc:  # keep releasing the rest, then report the first failure
-                errors.append(exc)
+        for region in list(self.regions):   # keep releasing the rest, then report every failure at once
+            errors += self._release(region)
         try:
             self._os_close()
         except DriverError as exc:
             errors.append(exc)
         self.closed = True
         if errors:
-            raise errors[0]
+            ranges, pages = len(self.regions), self.stats.mapped_pages
+            held = (f"still held: {ranges} range(s) with {pages} mapped page(s)" if ranges or pages
+                    else "every range was released in the end")
+            raise self._summary(f"closing the {self.name} virtual-memory driver", errors, held)
 
     # -- helpers ------------------------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -496,11 +654,12 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def runs(indices: list[int]) -> list[tuple[int, int]]:
-    """Sorted indices -> (start, length) runs of consecutive values."""
+def runs(indices: list[int], pages: dict[int, int] | None = None) -> list[tuple[int, int]]:
+    """Sorted indices -> (start, length) runs of consecutive values (that, given `pages`, map consecutive pool
+    pages)."""
     out: list[tuple[int, int]] = []
     for i in indices:
-        if out and out[-1][0] + out[-1][1] == i:
+        if out and out[-1][0] + out[-1][1] == i and (pages is None or pages[i] == pages[i - 1] + 1):
             out[-1] = (out[-1][0], out[-1][1] + 1)
         else:
             out.append((i, 1))

@@ -8,6 +8,8 @@ discard  = fallocate(PUNCH_HOLE|KEEP_SIZE): the pool gives memory back     (cuMe
 view     = torch.frombuffer over the address: zero-copy, never reads memory
 Linux counts every VMA against vm.max_map_count; neighbours mapping consecutive memfd offsets merge into one,
 and the driver refuses (DriverError) before its share of that limit is exceeded.
+A map or unmap is one mmap call, so a failure means no page changed; release is one munmap of the whole range,
+which also drops whatever an earlier failed unmap left mapped.
 """
 from __future__ import annotations
 

@@ -4,13 +4,19 @@ A slot grows by taking groups from the pool (contiguous after its last page when
 its parent's groups (shared, copy-on-write); a write to a shared page first gives the writer its own copy.
 When the pool runs short, pages no live token needs are reclaimed: parked pages of the oldest freed slots
 first, then pages mapped ahead in live slots.
+
+Every change is all or nothing: the driver's mirrored calls undo their own partial work, and a failed step here
+undoes the steps before it (groups taken from the pool go back), so a DriverError leaves slots, pool and
+mappings as they were. Only if an undo fails too (`TornMirror`) does a slot list a page that is not mapped in
+every tensor; check_invariants reports it, and the cache must be closed.
 """
 from __future__ import annotations
 
 import logging
 from typing import TYPE_CHECKING
 
-from common.errors import OutOfKVCache
+from common.errors import DriverError, OutOfKVCache
+from vmm.driver import TornMirror
 
 if TYPE_CHECKING:
     from vmm.driver import VirtualMemory
@@ -28,6 +34,8 @@ class SlotPages:
         self.geo, self.driver, self.tensors = geo, driver, tensors
         self.pool, self.table = pool, table
         self.counters = counters
+        self.torn: set[tuple[int, int]] = set()   # (slot, page) maybe not mapped alike in every tensor (TornMirror)
+        counters.setdefault("torn_pages", 0)       # len(torn): pages waiting to be cleared
 
     def shared_pages(self, slot: Slot, start: int, end: int) -> list[int]:
         """Pages of `slot` that writes to positions [start, end) touch and another slot also maps."""
@@ -62,52 +70,93 @@ class SlotPages:
         shared = source.groups[:self.geo.pages_for(source.held)]
         with self.table.accounting(target):
             self.drop_tail(target, len(target.groups))
-            self._map(target, 0, shared)
-            target.groups.extend(shared)
-            self.pool.share(shared)
+            self._append(target, shared, shared=True)
             target.held = source.held
 
     def copy_on_write(self, slot: Slot, start: int, end: int) -> None:
+        """Give the slot its own copy of each shared page the writes touch; each copy all or nothing."""
         for j in self.shared_pages(slot, start, end):
             old = slot.groups[j]
             prefer = slot.groups[j - 1] + 1 if j else None
             new = self._obtain(1, slot, keep=self.geo.pages_for(end), prefer=prefer)[0]
-            saved = self.tensors.save_page(slot.index, j)
-            self.tensors.unmap(slot.index, j, 1)
             try:
-                self._map(slot, j, [new])
-            except BaseException:
-                self._map(slot, j, [old])   # put the shared page back; the slot stays consistent
+                saved = self.tensors.save_page(slot.index, j)
+                self.tensors.unmap(slot.index, j, 1)
+            except BaseException as exc:
+                self.pool.return_untaken([new])   # the slot still lists `old`
+                if isinstance(exc, TornMirror):
+                    self._mark_torn(slot, j, 1)
                 raise
-            self.pool.unshare(old)
-            slot.groups[j] = new
-            self.pool.own([new])
+            try:
+                self.tensors.map(slot.index, j, new, 1)
+            except TornMirror:
+                self._take_copy(slot, j, old, new)   # partly mapped: the slot lists the copy
+                self._mark_torn(slot, j, 1)
+                raise
+            except BaseException as exc:
+                self.pool.return_untaken([new])
+                self._map_back(slot, j, old, exc)
+                raise
+            self._take_copy(slot, j, old, new)
             self.tensors.restore_page(slot.index, j, saved)
             self.counters["cow_copies"] += 1
 
+    def _take_copy(self, slot: Slot, j: int, old: int, new: int) -> None:
+        self.pool.unshare(old)
+        slot.groups[j] = new
+        self.pool.own([new])
+
+    def _map_back(self, slot: Slot, j: int, old: int, exc: BaseException) -> None:
+        """Map the shared page `old` back at page j after its copy failed to map."""
+        try:
+            self.tensors.map(slot.index, j, old, 1)
+        except DriverError as undo:
+            self._mark_torn(slot, j, 1)
+            raise TornMirror(f"copy-on-write of slot {slot.index} page {j} failed ({exc}) and mapping the shared page "
+                             f"back failed too ({undo}): the slot lists a page that is not mapped; close the cache"
+                             ) from exc
+
     def release(self, slot: Slot) -> None:
-        """Free the slot but keep its exclusive pages mapped (deferred reclamation); drop shared pages."""
+        """Free the slot but keep its exclusive pages mapped (deferred reclamation); drop shared pages (and torn
+        ones: a later owner must not inherit them)."""
+        drop = None
         if self.pool.num_shared:
-            shared = next((j for j, g in enumerate(slot.groups) if self.pool.is_shared(g)), None)
-            if shared is not None:   # keep the exclusive prefix only, so a free slot never holds a shared page
-                with self.table.accounting(slot):
-                    self.drop_tail(slot, len(slot.groups) - shared)
+            drop = next((j for j, g in enumerate(slot.groups) if self.pool.is_shared(g)), None)
+        if self.torn:
+            drop = min([j for s, j in self.torn if s == slot.index] + ([] if drop is None else [drop]), default=None)
+        if drop is not None:   # keep the prefix before it only: a free slot never holds a shared or torn page
+            with self.table.accounting(slot):
+                self.drop_tail(slot, len(slot.groups) - drop)
         self.table.vacate(slot)
 
     def drop_tail(self, slot: Slot, count: int) -> None:
+        """Unmap the slot's last `count` pages (all or nothing) and put their groups back."""
         if count <= 0:
             return
-        first = len(slot.groups) - count
-        self.tensors.unmap(slot.index, first, count)
+        first, end = len(slot.groups) - count, len(slot.groups)
+        torn = [(slot.index, j) for j in range(first, end) if (slot.index, j) in self.torn] if self.torn else []
+        try:
+            if torn:
+                self.tensors.clear(slot.index, first, count)
+            else:
+                self.tensors.unmap(slot.index, first, count)
+        except TornMirror:
+            self._mark_torn(slot, first, count)
+            raise
+        if torn:
+            self.torn.difference_update(torn)
+            self.counters["torn_pages"] = len(self.torn)
         self.pool.put_back(slot.groups[first:])
         del slot.groups[first:]
+
+    def _mark_torn(self, slot: Slot, first: int, count: int) -> None:
+        self.torn.update((slot.index, j) for j in range(first, first + count))
+        self.counters["torn_pages"] = len(self.torn)
 
     # -- taking from the pool -----------------------------------------------------------------------------
     def _extend(self, slot: Slot, new: list[int]) -> None:
         with self.table.accounting(slot):
-            self._map(slot, len(slot.groups), new)
-            slot.groups.extend(new)
-            self.pool.own(new)
+            self._append(slot, new, shared=False)
 
     def _obtain(self, count: int, requester: Slot, keep: int, prefer: int | None) -> list[int]:
         """`count` groups from the pool, reclaiming pages no live token needs when the pool runs short."""
@@ -140,18 +189,44 @@ class SlotPages:
         return max(n, 0)
 
     # -- driver calls -------------------------------------------------------------------------------------
-    def _map(self, slot: Slot, first_page: int, groups: list[int]) -> None:
-        """Map `groups` at pages first_page.. of the slot in every tensor, one call per run; all or nothing."""
-        done: list[tuple[int, int]] = []
+    def _append(self, slot: Slot, groups: list[int], shared: bool) -> None:
+        """Map `groups` after the slot's last page in every tensor (one call per run) and list them: owned (fresh
+        from the pool) or shared (a fork). All or nothing: a failure unmaps the runs mapped so far and gives fresh
+        groups back to the pool. Should an undo fail too, what is still (partly) mapped stays listed."""
+        first, mapped = len(slot.groups), 0
         try:
             for start, n in group_runs(groups):
-                self.tensors.map(slot.index, first_page + start, groups[start], n)
-                done.append((first_page + start, n))
-        except BaseException:
-            for page, n in done:
-                self.tensors.unmap(slot.index, page, n)
-            self.pool.return_untaken(groups)   # groups fresh from the pool go back to it
+                mapped = start + n
+                self.tensors.map(slot.index, first + start, groups[start], n)
+        except TornMirror:
+            self._mark_torn(slot, first + start, n)
             raise
+        except BaseException:
+            mapped = start   # the failed run left nothing mapped
+            mapped = self._unmap_back(slot, first, groups, mapped)
+            raise
+        finally:
+            kept = groups[:mapped]
+            slot.groups.extend(kept)
+            if shared:
+                self.pool.share(kept)
+            else:
+                self.pool.own(kept)
+                self.pool.return_untaken(groups[mapped:])
+
+    def _unmap_back(self, slot: Slot, first: int, groups: list[int], mapped: int) -> int:
+        """Unmap the runs of groups[:mapped] (mapped at pages first..), last first; returns how many groups stay
+        mapped (all up to the run whose unmap failed)."""
+        for start, n in reversed(group_runs(groups[:mapped])):
+            try:
+                self.tensors.unmap(slot.index, first + start, n)
+            except DriverError as exc:
+                if isinstance(exc, TornMirror):
+                    self._mark_torn(slot, first + start, n)
+                log.error("vmm: undoing a failed map of slot %d failed too (%s); pages %d..%d stay mapped and listed",
+                          slot.index, exc, first, first + start + n - 1)
+                return start + n
+        return 0
 
 
 def _after_last(slot: Slot) -> int | None:

@@ -58,7 +58,12 @@ class VirtualTensors:
         self.driver.map_mirrored(self.mirror, self.slot_offset(slot, page), group, count)
 
     def unmap(self, slot: int, page: int, count: int) -> None:
+        """Unmap pages [page, +count) of the slot in every tensor; all or nothing."""
         self.driver.unmap_mirrored(self.mirror, self.slot_offset(slot, page), count)
+
+    def clear(self, slot: int, page: int, count: int) -> None:
+        """Unmap whatever is still mapped at pages [page, +count) of the slot in any tensor (torn pages)."""
+        self.driver.clear_mirrored(self.mirror, self.slot_offset(slot, page), count)
 
     def _page_span(self, slot: int, page: int) -> slice:
         start = slot * self.geo.row_bytes + page * self.geo.page_size
