@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig"]
+__all__ = ["LLM", "EngineConfig", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:  # lazy: `import common` stays light for the CLI and tests

@@ -12,8 +12,8 @@ The scheduler applies the result to the cache: parents with several children for
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from common.outputs import BeamHypothesis
 from common.sequence import Sequence

@@ -48,7 +48,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         validate(self)
 
-    def replace(self, **overrides: Any) -> "EngineConfig":
+    def replace(self, **overrides: Any) -> EngineConfig:
         unknown = set(overrides) - {f.name for f in fields(self)}
         if unknown:
             raise ConfigError(f"unknown config key(s): {', '.join(sorted(unknown))}")
@@ -119,4 +119,4 @@ def config_fields() -> list[dataclasses.Field]:
     return list(fields(EngineConfig))
 
 
-__all__ = ["EngineConfig", "make_config", "load_toml", "validate", "config_fields", "BACKENDS", "HOST_PAGE"]
+__all__ = ["BACKENDS", "HOST_PAGE", "EngineConfig", "config_fields", "load_toml", "make_config", "validate"]

@@ -34,7 +34,7 @@ class Runner(Protocol):
 
 
 class Engine:
-    def __init__(self, config: "EngineConfig", cache: "KVCache", runner: Runner, tokenizer: Any = None,
+    def __init__(self, config: EngineConfig, cache: KVCache, runner: Runner, tokenizer: Any = None,
                  eos_token_ids: tuple[int, ...] = (), vocab_size: int | None = None,
                  timeline_every: int = 1) -> None:
         self.config = config
@@ -48,7 +48,7 @@ class Engine:
         self._closed = False
 
     @classmethod
-    def from_model(cls, config: "EngineConfig", model: Any, tokenizer: Any = None, **kwargs: Any) -> "Engine":
+    def from_model(cls, config: EngineConfig, model: Any, tokenizer: Any = None, **kwargs: Any) -> Engine:
         """Real cache + TorchRunner around an already built model."""
         from common.runner import TorchRunner
         cache = create_cache(config, model.kv_shape(config.dtype, config.device))
@@ -57,7 +57,7 @@ class Engine:
         return cls(config, cache, runner, tokenizer, c.eos_token_ids, c.vocab_size, **kwargs)
 
     @classmethod
-    def from_config(cls, config: "EngineConfig", **kwargs: Any) -> "Engine":
+    def from_config(cls, config: EngineConfig, **kwargs: Any) -> Engine:
         from common.loader import load_model
         model, tokenizer = load_model(config.model, config.dtype, config.device, config.seed)
         return cls.from_model(config, model, tokenizer, **kwargs)

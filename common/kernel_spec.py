@@ -8,8 +8,9 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

@@ -81,7 +81,7 @@ class CacheStats:
 @dataclass(slots=True)
 class BatchItem:
     """One sequence's share of a step: compute positions [start, start + num_tokens)."""
-    seq: "Sequence"
+    seq: Sequence
     start: int
     num_tokens: int
     needs_logits: bool = True          # False for a prefill chunk that does not reach the last prompt token
@@ -179,7 +179,7 @@ class KVCache(ABC):
     unit_name: str = "unit"
     tokens_per_unit: int = 1
 
-    def __init__(self, config: "EngineConfig", shape: KVShape, accounting_only: bool = False) -> None:
+    def __init__(self, config: EngineConfig, shape: KVShape, accounting_only: bool = False) -> None:
         self.config = config
         self.shape = shape
         self.accounting_only = accounting_only
@@ -192,10 +192,10 @@ class KVCache(ABC):
     def num_free_units(self) -> int: ...
 
     @abstractmethod
-    def units_needed(self, seq: "Sequence", num_tokens: int) -> int:
+    def units_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Extra units `seq` needs to hold `num_tokens` tokens (0 if it already can)."""
 
-    def can_allocate(self, seq: "Sequence", num_tokens: int, reserve_units: int = 0) -> bool:
+    def can_allocate(self, seq: Sequence, num_tokens: int, reserve_units: int = 0) -> bool:
         """True if `seq` can grow to `num_tokens` and still leave `reserve_units` free (the watermark).
         Backends with slots (vmm, reserve) also refuse when no slot is available."""
         return self.units_needed(seq, num_tokens) + reserve_units <= self.num_free_units()
@@ -206,30 +206,30 @@ class KVCache(ABC):
 
     # -- lifecycle ------------------------------------------------------------------------------------
     @abstractmethod
-    def allocate(self, seq: "Sequence", num_tokens: int) -> int:
+    def allocate(self, seq: Sequence, num_tokens: int) -> int:
         """Make `seq` hold `num_tokens` tokens; raises OutOfKVCache. Returns how many leading tokens are
         already present from a prefix-cache hit (0 without prefix caching) on the first allocation."""
 
     @abstractmethod
-    def free(self, seq: "Sequence") -> None: ...
+    def free(self, seq: Sequence) -> None: ...
 
     @abstractmethod
-    def fork(self, parent: "Sequence", child: "Sequence") -> None:
+    def fork(self, parent: Sequence, child: Sequence) -> None:
         """Child shares every unit of the parent; a shared partial unit is copied on the child's write."""
 
     @abstractmethod
-    def swap_out(self, seq: "Sequence") -> None:
+    def swap_out(self, seq: Sequence) -> None:
         """Copy seq's KV to host memory and release its units."""
 
     @abstractmethod
-    def swap_in(self, seq: "Sequence") -> None:
+    def swap_in(self, seq: Sequence) -> None:
         """Allocate units again and restore seq's KV from host memory; raises OutOfKVCache."""
 
-    def can_swap_in(self, seq: "Sequence", reserve_units: int = 0) -> bool:
+    def can_swap_in(self, seq: Sequence, reserve_units: int = 0) -> bool:
         return self.can_allocate(seq, seq.num_computed_tokens, reserve_units)
 
     @abstractmethod
-    def holds(self, seq: "Sequence") -> bool:
+    def holds(self, seq: Sequence) -> bool:
         """Whether the cache holds KV for `seq` resident in the cache: True from its first `allocate` (or
         `fork`, or `swap_in`) until `free` or `swap_out`. A swapped-out sequence is not held (its host copy
         is the swap's business: `free` drops it, `swap_in` restores it)."""
@@ -260,7 +260,7 @@ class KVCache(ABC):
         """Release memory and mappings. Idempotent."""
 
 
-def create_cache(config: "EngineConfig", shape: KVShape, accounting_only: bool = False) -> KVCache:
+def create_cache(config: EngineConfig, shape: KVShape, accounting_only: bool = False) -> KVCache:
     """Build the backend named by `config.backend` (imports lazily: each backend lives in its package)."""
     if config.backend == "paged":
         from paged.backend import PagedKVCache as cls

@@ -8,8 +8,8 @@ while the others complete.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from typing import Any
-from typing import Sequence as Seq
 
 import torch
 
@@ -91,7 +91,7 @@ class LLM:
     def close(self) -> None:
         self.engine.close()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc: object) -> None:

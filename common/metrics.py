@@ -78,12 +78,12 @@ class MetricsRecorder:
     """Accumulates one run: call start(), on_step() after every engine step, on_finished() per request,
     then result()."""
 
-    def __init__(self, cache: "KVCache", timeline_every: int = 1) -> None:
+    def __init__(self, cache: KVCache, timeline_every: int = 1) -> None:
         self.cache = cache
         self.timeline_every = max(1, timeline_every)
         self.start(0.0, None)
 
-    def start(self, now: float, sched: "SchedulerStats | None") -> None:
+    def start(self, now: float, sched: SchedulerStats | None) -> None:
         self.t0 = self.t_last = now
         self.sched0 = dataclasses.replace(sched) if sched is not None else None
         s = self.cache.stats()
@@ -99,7 +99,7 @@ class MetricsRecorder:
         self.num_requests = self.num_failed = 0
         self.timeline: dict[str, list] = {k: [] for k in TIMELINE_FIELDS}
 
-    def on_step(self, t_start: float, t_end: float, out: "SchedulerOutput", running: int,
+    def on_step(self, t_start: float, t_end: float, out: SchedulerOutput, running: int,
                 scheduler_seconds: float) -> None:
         s = self.cache.stats()
         self.steps += 1
@@ -122,7 +122,7 @@ class MetricsRecorder:
             for key, value in zip(TIMELINE_FIELDS, row):
                 self.timeline[key].append(value)
 
-    def on_finished(self, req: "Request") -> None:
+    def on_finished(self, req: Request) -> None:
         self.num_requests += 1
         if req.error is not None:
             self.num_failed += 1
@@ -134,7 +134,7 @@ class MetricsRecorder:
             if n > 1 and seq.first_token_time is not None and seq.last_token_time is not None:
                 self.tpot.append((seq.last_token_time - seq.first_token_time) / (n - 1))
 
-    def result(self, backend: str, sched: "SchedulerStats") -> RunMetrics:
+    def result(self, backend: str, sched: SchedulerStats) -> RunMetrics:
         s, s0 = self.cache.stats(), self.stats0
         d = _delta(sched, self.sched0)
         wall = self.t_last - self.t0
@@ -171,7 +171,7 @@ class MetricsRecorder:
         return m
 
 
-def _delta(now: "SchedulerStats", then: "SchedulerStats | None") -> dict[str, int]:
+def _delta(now: SchedulerStats, then: SchedulerStats | None) -> dict[str, int]:
     a = dataclasses.asdict(now)
     if then is None:
         return a

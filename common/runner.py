@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 
 class TorchRunner:
-    def __init__(self, model: "LlamaForCausalLM", cache: "KVCache", seed: int = 0,
+    def __init__(self, model: LlamaForCausalLM, cache: KVCache, seed: int = 0,
                  max_model_len: int | None = None) -> None:
         self.model = model
         self.cache = cache
@@ -35,7 +35,7 @@ class TorchRunner:
     def clock(self) -> float:
         return time.perf_counter()
 
-    def execute(self, out: "SchedulerOutput") -> dict[int, list[Sample]]:
+    def execute(self, out: SchedulerOutput) -> dict[int, list[Sample]]:
         items = out.items
         if not items:
             return {}

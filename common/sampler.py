@@ -37,7 +37,7 @@ class Sampler:
     def __init__(self, seed: int = 0, device: str | torch.device = "cpu") -> None:
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, specs: list["SampleSpec"]) -> list[list[Sample]]:
+    def __call__(self, logits: torch.Tensor, specs: list[SampleSpec]) -> list[list[Sample]]:
         """logits [R, V] (one row per spec) -> per row the requested samples as (token, logprob)."""
         logits = logits.float()
         logprobs = torch.log_softmax(logits, dim=-1)

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from common.config import EngineConfig, HOST_PAGE, make_config
+from common.config import HOST_PAGE, EngineConfig, make_config
 from common.errors import ConfigError
 
 

@@ -22,8 +22,9 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (torch.cuda is "
                                                                        "not available)")]
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-needs_compiled_triton = pytest.mark.skipif(INTERPRETING and torch.cuda.is_available(), reason="TRITON_INTERPRET=1 would test the interpreter; "
-                                                                "run with TRITON_INTERPRET=0")
+needs_compiled_triton = pytest.mark.skipif(INTERPRETING and torch.cuda.is_available(),
+                                           reason="TRITON_INTERPRET=1 would test the interpreter; "
+                                                  "run with TRITON_INTERPRET=0")
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 MiB = 2**20
 

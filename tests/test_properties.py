@@ -362,5 +362,6 @@ def test_beam_groups_finish_when_they_cannot_share(backend):
             break
         engine.step()
     stats = engine.scheduler.stats
-    assert not engine.has_unfinished(), (f"unfinished after 3000 steps: {sorted(engine.scheduler.requests)}, "
-                                         f"{stats.preemptions} preemptions, {stats.recomputed_tokens} tokens recomputed")
+    assert not engine.has_unfinished(), (
+        f"unfinished after 3000 steps: {sorted(engine.scheduler.requests)}, "
+        f"{stats.preemptions} preemptions, {stats.recomputed_tokens} tokens recomputed")

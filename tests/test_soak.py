@@ -130,7 +130,8 @@ def soak(make, backend: str, num_requests: int, warmup: int, margin: int, capsys
     with capsys.disabled():
         print(f"\n[soak] {backend}: {result.line()}; RSS with the engine open: {start / MiB:.1f} MiB after warm-up, "
               f"peak {max(result.peak_rss, end) / MiB:.1f}, {end / MiB:.1f} at the end ({(end - start) / MiB:+.1f}); "
-              f"after close {after / MiB:.1f} MiB vs {base / MiB:.1f} before it was built ({(after - base) / MiB:+.1f})")
+              f"after close {after / MiB:.1f} MiB vs {base / MiB:.1f} before it was built "
+              f"({(after - base) / MiB:+.1f})")
     assert result.finished > num_requests // 2 and result.aborted > 0, result
     assert result.preemptions > 0 or backend == "reserve", result   # reserve admits fewer instead of preempting
     assert end - start < margin, f"resident memory grew by {(end - start) / MiB:.1f} MiB during the run"

@@ -78,8 +78,9 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     single = meta.query_lens == 1
     if bool(single.any()):
         rows = single.nonzero().squeeze(1)
-        out[meta.cu_query_lens[rows].long()] = _decode(q[meta.cu_query_lens[rows].long()], k_cache, v_cache,
-                                                        meta.block_tables[rows], meta.context_lens[rows], scale, scratch)
+        first = meta.cu_query_lens[rows].long()
+        out[first] = _decode(q[first], k_cache, v_cache, meta.block_tables[rows], meta.context_lens[rows], scale,
+                             scratch)
     block_size = k_cache.shape[1]
     cu, ctx, qlens = meta.cu_query_lens.tolist(), meta.context_lens.tolist(), meta.query_lens.tolist()
     for b, n in enumerate(qlens):
