@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from common.errors import DriverError
-from vmm.driver import AccountingVirtualMemory, TornMirror
+from vmm.accounting import AccountingVirtualMemory
 from vmm.host import POOL_NAME, HostVirtualMemory, max_map_count
+from vmm.mirror import TornMirror
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
 ROOT = Path(__file__).resolve().parents[1]

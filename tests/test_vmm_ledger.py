@@ -8,7 +8,8 @@ import random
 import pytest
 
 from common.errors import DriverError
-from vmm.driver import AccountingVirtualMemory, VirtualMemory
+from vmm.accounting import AccountingVirtualMemory
+from vmm.driver import VirtualMemory
 from vmm.host import HostVirtualMemory
 
 PAGE = 4096

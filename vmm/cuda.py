@@ -247,8 +247,8 @@ class CudaVirtualMemory(VirtualMemory):
         return tensor, span
 
     def _os_close(self) -> None:
-        """Release every handle (a handle still mapped after a failed unmap is freed when that unmap happens, gpu-apis.md
-        §1.4, but only after a successful synchronise: §1.7)."""
+        """Release every handle (a handle still mapped after a failed unmap is freed when that unmap happens,
+        gpu-apis.md §1.4, but only after a successful synchronise: §1.7)."""
         try:
             self._ensure_context()
             handles, self._handles = self._handles, []

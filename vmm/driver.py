@@ -2,36 +2,31 @@
 
 `VirtualMemory` keeps every piece of bookkeeping (what is mapped where, mapping counts, limits, timings) and
 validates each request before the OS/driver sees it; subclasses only make the real calls:
-vmm/host.py (mmap + memfd), vmm/cuda.py (CUDA VMM driver API) and `AccountingVirtualMemory` below (no memory,
-the simulator's mode). A `Mirror` names places that are always mapped in lockstep (the cache's 2L tensors): one
-`map_mirrored` call maps a run of pages in all of them (one OS call per place; the accounting driver books it
-once for all). Not thread-safe: the cache serialises every call under its lock.
+vmm/host.py (mmap + memfd), vmm/cuda.py (CUDA VMM driver API) and vmm/accounting.py (no memory, the
+simulator's mode). Places always mapped in lockstep (the cache's 2L tensors) are mapped through vmm/mirror.py;
+`release`/`close` come from vmm/teardown.py. Not thread-safe: the cache serialises every call under its lock.
 
 When a call fails the books still say exactly what is mapped: `map`/`unmap` book the pages an OS call got through
 before failing (`PartialCall`), the mirrored calls undo the places already done (all or nothing), and `release`/
 `close` try every unmap and free every range even when some fail, then raise one `DriverError` that sums up.
-Only when an undo fails too are a mirror's places left apart, and `TornMirror` says so.
 """
 from __future__ import annotations
 
 import gc
-import logging
 import time
 import weakref
 from abc import ABC, abstractmethod
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import pairwise
 from typing import Any
 
 import torch
 
 from common.errors import DriverError
-from vmm.ledger import MirrorLedger
+from vmm.mirror import MirroredMaps
+from vmm.teardown import Teardown
 from vmm.vmas import map_delta, unmap_delta
-
-log = logging.getLogger("kvlab.vmm")
 
 
 class PartialCall(DriverError):
@@ -41,10 +36,6 @@ class PartialCall(DriverError):
     def __init__(self, message: str, pages_done: int) -> None:
         super().__init__(message)
         self.pages_done = pages_done
-
-
-class TornMirror(DriverError):
-    """A mirrored call failed and so did its undo: its places no longer match (the books say what each maps)."""
 
 
 @dataclass(slots=True)
@@ -74,16 +65,6 @@ class Region:
         return self.vmas
 
 
-@dataclass(slots=True, eq=False)
-class Mirror:
-    """Places mapped in lockstep (the vmm cache's 2L tensors): every map or unmap applies at the same offset in
-    each place, and place i maps pool page `page + i * pool_stride` where place 0 maps `page`."""
-    places: tuple[tuple[Region, int], ...]   # (range, byte offset of the place in it)
-    span: int                                # bytes per place
-    pool_stride: int
-    ledger: MirrorLedger | None = None       # accounting drivers: the books kept once for all places
-
-
 @dataclass(slots=True)
 class DriverStats:
     reserved_bytes: int = 0
@@ -100,7 +81,7 @@ class DriverStats:
     release_retries: int = 0     # unmaps tried again, page by page, after failing while releasing a range
 
 
-class VirtualMemory(ABC):
+class VirtualMemory(MirroredMaps, Teardown, ABC):
     """Reserve -> create pool -> map/unmap pool pages at page-aligned offsets -> tensor views -> release/close.
 
     `merges`: whether neighbouring mappings of consecutive pool pages coalesce into one OS mapping (Linux VMAs
@@ -266,97 +247,7 @@ class VirtualMemory(ABC):
             if i not in pages:
                 raise DriverError(f"VA page {i} of the range at {region.base:#x} is not mapped")
 
-    # -- places mapped in lockstep ------------------------------------------------------------------------
-    def mirror(self, places: list[tuple[Region, int]], span: int, pool_stride: int) -> Mirror:
-        """Declare places (range, offset) of `span` bytes each that are always mapped in lockstep."""
-        self._check_open()
-        if span <= 0 or span % self.page_size or pool_stride < 0:
-            raise DriverError(f"a mirror needs a whole number of pages per place, not {span} bytes")
-        for region, offset in places:
-            self._va_page(region, offset, span // self.page_size)
-        spans = sorted((id(r), off) for r, off in places)
-        if any(a == c and d < b + span for (a, b), (c, d) in pairwise(spans)):
-            raise DriverError("mirrored places overlap; give each its own span")
-        return Mirror(tuple(places), span, pool_stride)
-
-    def map_mirrored(self, mirror: Mirror, offset: int, page: int, num_pages: int = 1) -> None:
-        """Map pool pages [page + i * stride, +num_pages) at `offset` of every place i; all or nothing (a failure
-        unmaps the places already mapped)."""
-        self._check_mirror_offset(mirror, offset, num_pages)
-        self._check_pool(page, num_pages + (len(mirror.places) - 1) * mirror.pool_stride, len(self.pool_maps))
-        before = []
-        for region, base in mirror.places:   # refuse before any place changes
-            va = self._va_page(region, base + offset, num_pages)
-            self._check_unmapped(region, va, num_pages)
-            before.append((region, va, {}))
-        try:
-            for i, (region, base) in enumerate(mirror.places):
-                self.map(region, base + offset, page + i * mirror.pool_stride, num_pages)
-        except BaseException as exc:
-            self._undo_mirrored(exc, "map", offset, num_pages, before)
-            raise
-
-    def unmap_mirrored(self, mirror: Mirror, offset: int, num_pages: int = 1) -> None:
-        """Unmap [offset, + num_pages pages) of every place; all or nothing (a failure maps the places already
-        unmapped again: the pool pages kept their data)."""
-        self._check_mirror_offset(mirror, offset, num_pages)
-        before = []
-        for region, base in mirror.places:   # refuse before any place changes
-            va = self._va_page(region, base + offset, num_pages)
-            self._check_mapped(region, va, num_pages)
-            pages = region.mapped
-            before.append((region, va, {i: pages[i] for i in range(va, va + num_pages)}))
-        try:
-            for region, base in mirror.places:
-                self.unmap(region, base + offset, num_pages)
-        except BaseException as exc:
-            self._undo_mirrored(exc, "unmap", offset, num_pages, before)
-            raise
-
-    def clear_mirrored(self, mirror: Mirror, offset: int, num_pages: int = 1) -> None:
-        """Unmap whatever is mapped at [offset, + num_pages pages) of each place: the way out of a TornMirror.
-        Tries every place; raises TornMirror if some unmap still fails."""
-        self._check_mirror_offset(mirror, offset, num_pages)
-        errors = []
-        for region, base in mirror.places:
-            errors += self._restore(region, self._va_page(region, base + offset, num_pages), num_pages, {})
-        if errors:
-            raise TornMirror(f"clearing {num_pages} page(s) at offset {offset} of {len(mirror.places)} mirrored "
-                             f"places failed ({errors[0]}); close the cache") from errors[0]
-
-    def _undo_mirrored(self, exc: BaseException, call: str, offset: int, num_pages: int,
-                       before: list[tuple[Region, int, dict[int, int]]]) -> None:
-        """Put every place's pages [va, +num_pages) back as `before` says (VA page -> pool page; absent: unmapped).
-        Returns if that worked (the caller re-raises `exc`); raises TornMirror naming both failures if not."""
-        errors = []
-        for region, va, want in before:
-            errors += self._restore(region, va, num_pages, want)
-        if not errors:
-            return
-        log.error("%s of mirrored pages at offset %d failed (%s) and undoing it failed too (%s); the places no "
-                  "longer match", call, offset, exc, errors[0])
-        raise TornMirror(f"{call} of {num_pages} page(s) at offset {offset} of {len(before)} mirrored places failed "
-                         f"({exc}) and undoing it failed too ({errors[0]}): the places are torn (the driver's books "
-                         "say what is mapped); close the cache") from exc
-
-    def _restore(self, region: Region, va: int, num_pages: int, want: dict[int, int]) -> list[DriverError]:
-        """Unmap what should not be mapped in [va, +num_pages), then map what is missing; try all, return failures."""
-        errors: list[DriverError] = []
-        have = region.mapped
-        extra = [i for i in range(va, va + num_pages) if i in have and have[i] != want.get(i)]
-        for start, count in runs(extra):
-            try:
-                self.unmap(region, start * self.page_size, count)
-            except DriverError as err:
-                errors.append(err)
-        missing = [i for i in range(va, va + num_pages) if i in want and i not in have]
-        for start, count in runs(missing, want):
-            try:
-                self.map(region, start * self.page_size, want[start], count)
-            except DriverError as err:
-                errors.append(err)
-        return errors
-
+    # -- pool memory and views ----------------------------------------------------------------------------
     def discard(self, page: int, num_pages: int = 1) -> None:
         """Give the memory of unmapped pool pages back to the OS/driver; they read as zeros when mapped again."""
         self._check_open()
@@ -364,66 +255,6 @@ class VirtualMemory(ABC):
             raise DriverError(f"cannot discard pool pages [{page}, {page + num_pages}): some are mapped")
         self._os_discard(page, num_pages)
         self.stats.discarded_pages += num_pages
-
-    def release(self, region: Region) -> None:
-        """Unmap what is still mapped and free the reservation. Refused while a tensor view of it is alive.
-        Every unmap is tried (those that fail once again page by page) and the range is freed even when some
-        fail; then one DriverError sums up what failed and what is still held."""
-        if region.released:
-            return
-        live = self.live_views(region)
-        if live:
-            raise DriverError(f"{live} tensor view(s) of the range at {region.base:#x} are still alive; "
-                              "drop every view before releasing it")
-        errors = self._release(region)
-        if errors:
-            held = ("the range was released in the end" if region.released else
-                    f"the range is still reserved with {len(region.pages)} page(s) mapped")
-            raise self._summary(f"releasing the range at {region.base:#x}", errors, held)
-
-    def _release(self, region: Region) -> list[DriverError]:
-        errors = self._unmap_all(region)
-        try:
-            self._os_release(region)
-        except DriverError as exc:
-            return errors + [exc]
-        for start, count in runs(sorted(region.pages)):   # still mapped after failed unmaps: gone with the range
-            self._book_unmap(region, start, count, 0)
-        region.released = True
-        self.regions.remove(region)
-        self.stats.reserved_bytes -= region.nbytes
-        self.stats.num_mappings -= region.vmas
-        return errors
-
-    def _unmap_all(self, region: Region) -> list[DriverError]:
-        """Unmap every mapped run; then try what is left once more, page by page, so one page that keeps failing
-        leaves only itself mapped. Returns the failures."""
-        errors: list[DriverError] = []
-        for start, count in runs(sorted(region.mapped)):
-            try:
-                self.unmap(region, start * self.page_size, count)
-            except DriverError as exc:
-                errors.append(exc)
-        left = sorted(region.pages)
-        if left:
-            self.stats.release_retries += 1
-            log.warning("releasing the range at %#x: %d page(s) failed to unmap (%s); trying them once more, page "
-                        "by page", region.base, len(left), errors[0])
-        for i in left:
-            try:
-                self.unmap(region, i * self.page_size)
-            except DriverError as exc:
-                errors.append(exc)
-        return errors
-
-    @staticmethod
-    def _summary(what: str, errors: list[DriverError], held: str) -> DriverError:
-        """One line for several failures: how many, the distinct messages, and what is still held."""
-        messages = list(dict.fromkeys(str(e) for e in errors))
-        shown = "; ".join(messages[:3]) + (f"; and {len(messages) - 3} more" if len(messages) > 3 else "")
-        exc = DriverError(f"{what}: {len(errors)} driver call(s) failed ({shown}); {held}")
-        exc.__cause__ = errors[0]
-        return exc
 
     def tensor_view(self, region: Region, dtype: torch.dtype, shape: tuple[int, ...],
                     strides: tuple[int, ...] | None = None, offset: int = 0) -> torch.Tensor:
@@ -448,28 +279,6 @@ class VirtualMemory(ABC):
             gc.collect()   # views kept only by reference cycles must not block a release
         return count()
 
-    def close(self) -> None:
-        """Release every range and the pool. Idempotent; refused (nothing released) while views are alive. Goes
-        on past failures (see `release`) and then raises one DriverError that sums them up."""
-        if self.closed:
-            return
-        live = self.live_views()
-        if live:
-            raise DriverError(f"{live} tensor view(s) are still alive; drop them before closing the driver")
-        errors = []
-        for region in list(self.regions):   # keep releasing the rest, then report every failure at once
-            errors += self._release(region)
-        try:
-            self._os_close()
-        except DriverError as exc:
-            errors.append(exc)
-        self.closed = True
-        if errors:
-            ranges, pages = len(self.regions), self.stats.mapped_pages
-            held = (f"still held: {ranges} range(s) with {pages} mapped page(s)" if ranges or pages
-                    else "every range was released in the end")
-            raise self._summary(f"closing the {self.name} virtual-memory driver", errors, held)
-
     # -- helpers ------------------------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self.closed:
@@ -488,155 +297,11 @@ class VirtualMemory(ABC):
         if page < 0 or page + num_pages > pool_pages:
             raise DriverError(f"pool pages [{page}, {page + num_pages}) are outside the pool of {pool_pages} pages")
 
-    def _check_mirror_offset(self, mirror: Mirror, offset: int, num_pages: int) -> None:
-        self._check_open()
-        if offset % self.page_size or num_pages < 1 or offset < 0 or offset + num_pages * self.page_size > mirror.span:
-            raise DriverError(f"offset {offset} (+{num_pages} pages of {self.page_size} B) is not page-aligned "
-                              f"inside a {mirror.span}-byte mirrored place")
-
     def _check_mapping_limit(self, delta: int, call: str) -> None:
         if self.mapping_limit is not None and delta > 0 and self.stats.num_mappings + delta > self.mapping_limit:
             raise DriverError(f"{call} would need {self.stats.num_mappings + delta} mappings, above this process's "
                               f"budget of {self.mapping_limit} (vm.max_map_count); use a larger page_size or fewer "
                               "scattered pages")
-
-
-class AccountingVirtualMemory(VirtualMemory):
-    """Same bookkeeping, no memory: addresses are invented, maps cost nothing, views are refused.
-
-    A mirror is booked once for all its places (vmm/ledger.py): its ranges' tables, mapping counts and the pool
-    page counts are brought up to date when read. A direct map or unmap on one of its ranges ends that (logged,
-    counted in `per_place_fallbacks`): from then on the mirror is booked place by place."""
-
-    name = "accounting"
-
-    def __init__(self, page_size: int, merges: bool = True, mapping_limit: int | None = None) -> None:
-        self._ledgers: list[MirrorLedger] = []
-        super().__init__(page_size, mapping_limit)
-        self.merges = merges
-        self._next_base = 1 << 40
-        self.per_place_fallbacks = 0
-
-    @property
-    def pool_maps(self) -> array:
-        for ledger in self._ledgers:
-            ledger.sync()
-        return self._pool_maps
-
-    @pool_maps.setter
-    def pool_maps(self, value: array) -> None:
-        self._pool_maps = value
-
-    def mirror(self, places: list[tuple[Region, int]], span: int, pool_stride: int) -> Mirror:
-        mirror = super().mirror(places, span, pool_stride)
-        regions = {id(r): r for r, _ in mirror.places}.values()
-        if any(r.pages or r.pending is not None for r in regions):   # booked elsewhere already: per place
-            return mirror
-        ledger = mirror.ledger = MirrorLedger(mirror, self.page_size, self.merges, self._pool_maps)
-        self._ledgers.append(ledger)
-        for region in regions:
-            region.pending = ledger.sync
-        return mirror
-
-    def map_mirrored(self, mirror: Mirror, offset: int, page: int, num_pages: int = 1) -> None:
-        ledger = mirror.ledger
-        if ledger is None:
-            return super().map_mirrored(mirror, offset, page, num_pages)
-        self._check_mirror_offset(mirror, offset, num_pages)
-        self._check_pool(page, num_pages + (ledger.width - 1) * mirror.pool_stride, len(self._pool_maps))
-        first = offset // self.page_size
-        ledger.check_unmapped(first, num_pages)
-        delta = ledger.map_delta(first, num_pages, page)
-        self._check_mapping_limit(delta, "map")
-        ledger.map(first, num_pages, page, delta)
-        st, pages = self.stats, ledger.width * num_pages
-        st.map_calls += ledger.width
-        st.pages_mapped += pages
-        st.mapped_pages += pages
-        st.num_mappings += delta
-
-    def unmap_mirrored(self, mirror: Mirror, offset: int, num_pages: int = 1) -> None:
-        ledger = mirror.ledger
-        if ledger is None:
-            return super().unmap_mirrored(mirror, offset, num_pages)
-        self._check_mirror_offset(mirror, offset, num_pages)
-        first = offset // self.page_size
-        ledger.check_mapped(first, num_pages)
-        delta = ledger.unmap_delta(first, num_pages)
-        self._check_mapping_limit(delta, "unmap")
-        ledger.unmap(first, num_pages, delta)
-        st, pages = self.stats, ledger.width * num_pages
-        st.unmap_calls += ledger.width
-        st.pages_unmapped += pages
-        st.mapped_pages -= pages
-        st.num_mappings += delta
-
-    def map(self, region: Region, offset: int, page: int, num_pages: int = 1) -> None:
-        self._book_per_place(region, "map")
-        super().map(region, offset, page, num_pages)
-
-    def unmap(self, region: Region, offset: int, num_pages: int = 1) -> None:
-        self._book_per_place(region, "unmap")
-        super().unmap(region, offset, num_pages)
-
-    def release(self, region: Region) -> None:
-        self._book_per_place(region, None)
-        super().release(region)
-
-    def close(self) -> None:
-        """As the base class, but a mirror's pages are unmapped in its books at once, not range by range."""
-        if not self.closed and not self.live_views():
-            for ledger in self._ledgers:
-                calls, pages, delta = ledger.unmap_all()
-                st = self.stats
-                st.unmap_calls += calls
-                st.pages_unmapped += pages
-                st.mapped_pages -= pages
-                st.num_mappings += delta
-        super().close()
-
-    def _book_per_place(self, region: Region, call: str | None) -> None:
-        """Before a call on one range of a mirror booked once: write the books out and keep them per place."""
-        if region.pending is None:
-            return
-        ledger = next(ledger for ledger in self._ledgers if any(r is region for r, _ in ledger.mirror.places))
-        ledger.sync()
-        for r, _ in ledger.mirror.places:
-            r.pending = None
-        ledger.mirror.ledger = None
-        self._ledgers.remove(ledger)
-        if call is not None:
-            self.per_place_fallbacks += 1
-            log.info("accounting driver: a direct %s on a mirrored range; booking that mirror per place from now "
-                     "on (slower)", call)
-
-    def granularity(self) -> int:
-        return self.page_size
-
-    def _os_reserve(self, nbytes: int) -> int:
-        base, self._next_base = self._next_base, self._next_base + nbytes + self.page_size
-        return base
-
-    def _os_release(self, region: Region) -> None:
-        pass
-
-    def _os_resize_pool(self, old_pages: int, new_pages: int) -> None:
-        pass
-
-    def _os_map(self, addr: int, first_page: int, num_pages: int) -> int:
-        return 1
-
-    def _os_unmap(self, addr: int, num_pages: int) -> int:
-        return 1
-
-    def _os_discard(self, first_page: int, num_pages: int) -> None:
-        pass
-
-    def _os_view(self, region: Region, offset: int, nbytes: int) -> tuple[torch.Tensor, Any]:
-        raise DriverError("the accounting-only driver has no memory to view; use a real device driver")
-
-    def _os_close(self) -> None:
-        pass
 
 
 def _view_dropped(region: Region) -> None:
@@ -652,15 +317,3 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
         strides.append(step)
         step *= max(n, 1)
     return tuple(reversed(strides))
-
-
-def runs(indices: list[int], pages: dict[int, int] | None = None) -> list[tuple[int, int]]:
-    """Sorted indices -> (start, length) runs of consecutive values (that, given `pages`, map consecutive pool
-    pages)."""
-    out: list[tuple[int, int]] = []
-    for i in indices:
-        if out and out[-1][0] + out[-1][1] == i and (pages is None or pages[i] == pages[i - 1] + 1):
-            out[-1] = (out[-1][0], out[-1][1] + 1)
-        else:
-            out.append((i, 1))
-    return out

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from common.errors import ConfigError
-from vmm.driver import AccountingVirtualMemory, VirtualMemory
+from vmm.accounting import AccountingVirtualMemory
+from vmm.driver import VirtualMemory
 
 if TYPE_CHECKING:
     from common.config import EngineConfig

@@ -1,4 +1,4 @@
-"""The accounting driver's books for a mirror (places mapped in lockstep, vmm/driver.py): one page table for all
+"""The accounting driver's books for a mirror (places mapped in lockstep, vmm/mirror.py): one page table for all
 places instead of one per place, so a map or unmap of a run costs the same for 2 tensors or 64.
 
 Every place holds the same pages, so the OS mappings inside each place change alike (times the number of
@@ -15,7 +15,7 @@ from common.errors import DriverError
 from vmm.vmas import boundary, count_vmas, map_delta, unmap_delta
 
 if TYPE_CHECKING:
-    from vmm.driver import Mirror
+    from vmm.mirror import Mirror
 
 
 class MirrorLedger:

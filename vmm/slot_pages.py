@@ -16,7 +16,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from common.errors import DriverError, OutOfKVCache
-from vmm.driver import TornMirror
+from vmm.mirror import TornMirror
 
 if TYPE_CHECKING:
     from vmm.driver import VirtualMemory

@@ -1,0 +1,101 @@
+"""Releasing a range and closing a driver past failures: every unmap is tried (those that fail once more page
+by page), every range is freed, and then one `DriverError` sums up what failed and what is still held.
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from common.errors import DriverError
+from vmm.vmas import runs
+
+if TYPE_CHECKING:
+    from vmm.driver import Region
+
+log = logging.getLogger("kvlab.vmm")
+
+
+class Teardown:
+    """`release` and `close` of `VirtualMemory` (vmm/driver.py), built on its `unmap`, `_os_release`, `_os_close`."""
+
+    def release(self, region: Region) -> None:
+        """Unmap what is still mapped and free the reservation. Refused while a tensor view of it is alive.
+        Every unmap is tried (those that fail once again page by page) and the range is freed even when some
+        fail; then one DriverError sums up what failed and what is still held."""
+        if region.released:
+            return
+        live = self.live_views(region)
+        if live:
+            raise DriverError(f"{live} tensor view(s) of the range at {region.base:#x} are still alive; "
+                              "drop every view before releasing it")
+        errors = self._release(region)
+        if errors:
+            held = ("the range was released in the end" if region.released else
+                    f"the range is still reserved with {len(region.pages)} page(s) mapped")
+            raise self._summary(f"releasing the range at {region.base:#x}", errors, held)
+
+    def _release(self, region: Region) -> list[DriverError]:
+        errors = self._unmap_all(region)
+        try:
+            self._os_release(region)
+        except DriverError as exc:
+            return errors + [exc]
+        for start, count in runs(sorted(region.pages)):   # still mapped after failed unmaps: gone with the range
+            self._book_unmap(region, start, count, 0)
+        region.released = True
+        self.regions.remove(region)
+        self.stats.reserved_bytes -= region.nbytes
+        self.stats.num_mappings -= region.vmas
+        return errors
+
+    def _unmap_all(self, region: Region) -> list[DriverError]:
+        """Unmap every mapped run; then try what is left once more, page by page, so one page that keeps failing
+        leaves only itself mapped. Returns the failures."""
+        errors: list[DriverError] = []
+        for start, count in runs(sorted(region.mapped)):
+            try:
+                self.unmap(region, start * self.page_size, count)
+            except DriverError as exc:
+                errors.append(exc)
+        left = sorted(region.pages)
+        if left:
+            self.stats.release_retries += 1
+            log.warning("releasing the range at %#x: %d page(s) failed to unmap (%s); trying them once more, page "
+                        "by page", region.base, len(left), errors[0])
+        for i in left:
+            try:
+                self.unmap(region, i * self.page_size)
+            except DriverError as exc:
+                errors.append(exc)
+        return errors
+
+    @staticmethod
+    def _summary(what: str, errors: list[DriverError], held: str) -> DriverError:
+        """One line for several failures: how many, the distinct messages, and what is still held."""
+        messages = list(dict.fromkeys(str(e) for e in errors))
+        shown = "; ".join(messages[:3]) + (f"; and {len(messages) - 3} more" if len(messages) > 3 else "")
+        exc = DriverError(f"{what}: {len(errors)} driver call(s) failed ({shown}); {held}")
+        exc.__cause__ = errors[0]
+        return exc
+
+    def close(self) -> None:
+        """Release every range and the pool. Idempotent; refused (nothing released) while views are alive. Goes
+        on past failures (see `release`) and then raises one DriverError that sums them up."""
+        if self.closed:
+            return
+        live = self.live_views()
+        if live:
+            raise DriverError(f"{live} tensor view(s) are still alive; drop them before closing the driver")
+        errors = []
+        for region in list(self.regions):   # keep releasing the rest, then report every failure at once
+            errors += self._release(region)
+        try:
+            self._os_close()
+        except DriverError as exc:
+            errors.append(exc)
+        self.closed = True
+        if errors:
+            ranges, pages = len(self.regions), self.stats.mapped_pages
+            held = (f"still held: {ranges} range(s) with {pages} mapped page(s)" if ranges or pages
+                    else "every range was released in the end")
+            raise self._summary(f"closing the {self.name} virtual-memory driver", errors, held)
