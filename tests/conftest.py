@@ -86,3 +86,12 @@ def step():
 def greedy_cached():
     """greedy_cached(model, prompts, num_tokens) -> generated ids per prompt, via forward + a dense cache."""
     return cached_greedy
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread: steadier timings and no oversubscription on the shared 2-core machines."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -23,12 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 QUICK = Settings(threads=1, repeats=1, quick=True)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")   # see conftest.py
 
 
 def check_rows(rows: list[Result], family: str) -> None:

@@ -19,12 +19,7 @@ gguf = pytest.importorskip("gguf")
 VOCAB = 320
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")   # see conftest.py
 
 
 @pytest.fixture
