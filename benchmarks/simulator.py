@@ -3,11 +3,9 @@ seed` runs 15 of them), and the scheduler's overhead per scheduled sequence per 
 
 Each case is experiments.simulate.run_case (the real scheduler, accounting-only caches, roofline clock) on the
 seed article's workload. Scheduler overhead is Engine's wall time in schedule() + update()
-(RunMetrics.scheduler_seconds) over the batch items it scheduled, counted by a runner wrapper.
+(RunMetrics.scheduler_seconds) over the sequence-steps it scheduled (mean batch x steps).
 """
 from __future__ import annotations
-
-import time
 
 from benchmarks.harness import Goal, Result, Settings, Timing, timing_detail
 
@@ -22,43 +20,12 @@ def cases():
             SimCase("reserve", 60.0)]
 
 
-class CountingRunner:
-    """Wraps the roofline runner; counts the batch items (scheduled sequences) of every step."""
-
-    def __init__(self, runner) -> None:
-        self.runner = runner
-        self.items = 0
-
-    def clock(self) -> float:
-        return self.runner.clock()
-
-    def execute(self, out):
-        self.items += len(out.items)
-        return self.runner.execute(out)
-
-
 def simulate(case, settings, requests) -> tuple[float, float, int]:
-    """One case exactly as experiments.simulate.run_case runs it, plus an item counter
-    -> (host seconds, scheduler seconds, scheduled items)."""
-    from common.engine import Engine
-    from common.kv_cache import create_cache
-    from experiments.roofline import RooflineCost, RooflineRunner, hardware, model_spec
-    from experiments.simulate import SAMPLED_TOKEN, WasteProbe, case_config, drive
-    spec = model_spec(settings.model, settings.dtype)
-    cost = RooflineCost(hardware(settings.hardware), spec, settings.model_prefill, settings.mfu)
-    config = case_config(case, settings, requests)
-    start = time.perf_counter()
-    cache = create_cache(config, spec.kv_shape(), accounting_only=True)
-    roofline = RooflineRunner(cost, SAMPLED_TOKEN)
-    counter = CountingRunner(WasteProbe(roofline, cache, config.max_model_len))
-    engine = Engine(config, cache, counter, timeline_every=10**9)
-    try:
-        engine.reset_metrics()
-        drive(engine, roofline, requests)
-        metrics = engine.metrics()
-    finally:
-        engine.close()
-    return time.perf_counter() - start, metrics.scheduler_seconds, counter.items
+    """One case through experiments.simulate.run_case -> (host seconds, scheduler seconds, sequence-steps).
+    The simulator has no token budget, so every running sequence is scheduled every step."""
+    from experiments.simulate import run_case
+    row = run_case(case, settings, requests)
+    return row.wall_seconds, row.scheduler_seconds, round(row.mean_batch * row.steps)
 
 
 def run(settings: Settings) -> list[Result]:

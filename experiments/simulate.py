@@ -90,6 +90,7 @@ class SimRow:
     sim_seconds: float = 0.0
     recompute_seconds: float = 0.0       # the recompute tokens as prefill at the mfu (article: 50%)
     wall_seconds: float = 0.0            # host time of this simulation
+    scheduler_seconds: float = 0.0       # host time in schedule() + update()
     timeline: dict[str, list] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -190,7 +191,8 @@ def run_case(case: SimCase, settings: SimSettings, requests: list[Request] | Non
         mean_waste_tokens=sum(probe.waste) / len(probe.waste) if probe.waste else 0.0, label=case.label,
         max_batch=m.max_batch, steps=m.num_steps, output_tokens=m.output_tokens, failed_requests=m.num_failed,
         sim_seconds=m.wall_seconds, recompute_seconds=cost.prefill_seconds(m.recomputed_tokens),
-        wall_seconds=time.perf_counter() - start, timeline=m.timeline if settings.timeline_every else {})
+        wall_seconds=time.perf_counter() - start, scheduler_seconds=m.scheduler_seconds,
+        timeline=m.timeline if settings.timeline_every else {})
 
 
 def _run_case_job(args: tuple[SimCase, SimSettings]) -> SimRow:
