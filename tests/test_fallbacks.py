@@ -205,7 +205,7 @@ def test_fallback_cost_times_chosen_against_displaced(monkeypatch):
 
 
 def test_kvlab_cli_runs_the_study(tmp_path, capsys):
-    cli = pytest.importorskip("experiments.cli")
+    from experiments import cli
     small = ["--head-dims", "80", "--gqa-ratios", "4"]
     assert cli.main(["fallbacks", "--no-plot", "--out", str(tmp_path), *small]) == 0
     assert (tmp_path / "fallbacks.json").exists()

@@ -349,9 +349,9 @@ def test_report_carries_the_decisions_and_is_json():
 
 def test_backend_kernel_report_names_kernel_per_phase():
     """The paged backend builds its dispatcher from this registry; its kernel_report is what metrics carry."""
-    backend = pytest.importorskip("paged.backend")
     from common.config import EngineConfig
     from common.kv_cache import KVShape
+    from paged import backend
     cache = backend.PagedKVCache(EngineConfig(block_size=16, kv_cache_bytes=1 << 20),
                                  KVShape(num_layers=1, num_kv_heads=2, head_dim=32, num_q_heads=4))
     report = cache.kernel_report()
@@ -372,7 +372,7 @@ def test_kernel_head_dim_padding(kernel, head_dim, expected):
 
 # -- metrics of a real run carry the decisions ---------------------------------------------------------------
 def generate_metrics(backend: str, **overrides):
-    llm_module = pytest.importorskip("common.llm")
+    from common import llm as llm_module
     from common.sampling_params import SamplingParams
     llm = llm_module.LLM(model="tiny", backend=backend, **overrides)
     try:
