@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 import time
 
-from benchmarks.harness import Goal, Result, Settings, Timing, measure, timing_detail
+from kvlab.benchmarks.harness import Goal, Result, Settings, Timing, measure, timing_detail
 
 FAMILY = "allocator"
 SHARE_GOAL = Goal("<", 1.0)      # percent of step time
@@ -28,7 +28,7 @@ def label(nbytes: int) -> str:
 
 
 def host_map_unmap(page_size: int, rounds: int, quick: bool) -> dict[str, Timing | float]:
-    from vmm.host import HostVirtualMemory
+    from kvlab.vmm.host import HostVirtualMemory
     pages = 8 if quick else max(8, min(256, MAPPED_BYTES // page_size))
     driver = HostVirtualMemory(page_size)
     try:
@@ -69,7 +69,7 @@ def map_rows(settings: Settings) -> list[Result]:
 
 
 def block_pool_rows(settings: Settings) -> list[Result]:
-    from paged.block_pool import BlockPool
+    from kvlab.paged.block_pool import BlockPool
     n = 1000 if settings.quick else 100_000
     pool = BlockPool(n)
     taken: list[int] = []
@@ -101,9 +101,9 @@ def measure_pair(first, second, repeats: int, timed_first: bool = True) -> Timin
 
 def growth_rows(settings: Settings) -> list[Result]:
     """can_allocate + allocate one token further, 16 sequences growing from 128 tokens to 128 + steps."""
-    from common.config import EngineConfig
-    from common.kv_cache import KVShape, create_cache
-    from common.sequence import Sequence
+    from kvlab.common.config import EngineConfig
+    from kvlab.common.kv_cache import KVShape, create_cache
+    from kvlab.common.sequence import Sequence
     shape = KVShape(num_layers=4, num_kv_heads=2, head_dim=64, num_q_heads=4)
     steps = 64 if settings.quick else 1024
     rows = []
@@ -129,7 +129,7 @@ def growth_rows(settings: Settings) -> list[Result]:
 
 
 def share_rows(settings: Settings) -> list[Result]:
-    from benchmarks.throughput import engine_runner, make_requests, workload_for
+    from kvlab.benchmarks.throughput import engine_runner, make_requests, workload_for
     w = workload_for(settings)
     prompts, lens = make_requests(w, 1024, settings.seed)
     rows = []

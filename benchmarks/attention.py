@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks.harness import Goal, Result, Settings, Timing, interleaved, ratio, timing_detail
-from common.config import EngineConfig
-from common.kv_cache import AttentionMetadata, BatchItem, KVCache, KVShape, create_cache
-from common.sequence import Sequence
+from kvlab.benchmarks.harness import Goal, Result, Settings, Timing, interleaved, ratio, timing_detail
+from kvlab.common.config import EngineConfig
+from kvlab.common.kv_cache import AttentionMetadata, BatchItem, KVCache, KVShape, create_cache
+from kvlab.common.sequence import Sequence
 
 FAMILY = "attention"
 GOAL = Goal(">=", 1.5)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from benchmarks.harness import (
+from kvlab.benchmarks.harness import (
     Goal,
     Result,
     Settings,
@@ -49,7 +49,7 @@ def workload_for(settings: Settings) -> LongContext:
 
 
 def make_llm(backend: str, w: LongContext, settings: Settings):
-    from common import LLM
+    from kvlab import LLM
     per_token = tiny_kv_bytes_per_token()
     return LLM("tiny", backend=backend, max_num_seqs=w.num_requests, max_model_len=w.max_len,
                max_num_batched_tokens=max(2048, w.prompt_high), threads=settings.threads, seed=settings.seed,
@@ -57,7 +57,7 @@ def make_llm(backend: str, w: LongContext, settings: Settings):
 
 
 def runner(llm, w: LongContext, prompts: list[list[int]], runs: list):
-    from common import SamplingParams
+    from kvlab import SamplingParams
     params = SamplingParams(max_tokens=w.output_len, ignore_eos=True, temperature=0.0)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0))   # warm-up
 

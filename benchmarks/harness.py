@@ -106,7 +106,7 @@ def ratio(numerator: float, denominator: float) -> float | None:
 
 def tiny_kv_bytes_per_token() -> int:
     """KV bytes per token of the `tiny` preset in fp32 (K and V, every layer)."""
-    from common.presets import TINY_CONFIG as c
+    from kvlab.common.presets import TINY_CONFIG as c
     return 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
 
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common.errors import ModelLoadError
-from common.model import LlamaForCausalLM
+from kvlab.common.errors import ModelLoadError
+from kvlab.common.model import LlamaForCausalLM
 
 PAD_ID = 0
 PARITY_ATOL = 1e-3   # fp32 logits of the same weights, different kernels

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from common.kv_cache import BatchItem, PagedMetadata, base_metadata
-from common.sequence import Sequence
+from kvlab.common.kv_cache import BatchItem, PagedMetadata, base_metadata
+from kvlab.common.sequence import Sequence
 
 
 @dataclass(slots=True)

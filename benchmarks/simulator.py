@@ -7,7 +7,7 @@ seed article's workload. Scheduler overhead is Engine's wall time in schedule() 
 """
 from __future__ import annotations
 
-from benchmarks.harness import Goal, Result, Settings, Timing, timing_detail
+from kvlab.benchmarks.harness import Goal, Result, Settings, Timing, timing_detail
 
 FAMILY = "simulator"
 GOAL = Goal("<=", 3.0)
@@ -15,7 +15,7 @@ MAX_REPEATS = 3
 
 
 def cases():
-    from experiments.simulate import SimCase
+    from kvlab.experiments.simulate import SimCase
     return [SimCase("paged", 60.0, 16, watermark=0.05), SimCase("vmm", 60.0, page_size=2 * 2**20, watermark=0.05),
             SimCase("reserve", 60.0)]
 
@@ -23,14 +23,14 @@ def cases():
 def simulate(case, settings, requests) -> tuple[float, float, int]:
     """One case through experiments.simulate.run_case -> (host seconds, scheduler seconds, sequence-steps).
     The simulator has no token budget, so every running sequence is scheduled every step."""
-    from experiments.simulate import run_case
+    from kvlab.experiments.simulate import run_case
     row = run_case(case, settings, requests)
     return row.wall_seconds, row.scheduler_seconds, round(row.mean_batch * row.steps)
 
 
 def run(settings: Settings) -> list[Result]:
-    from experiments.simulate import SimSettings
-    from experiments.workload import WorkloadSpec, build_workload
+    from kvlab.experiments.simulate import SimSettings
+    from kvlab.experiments.workload import WorkloadSpec, build_workload
     n = 100 if settings.quick else 2000
     sim = SimSettings(workload=WorkloadSpec(kind="seed", num_requests=n, seed=settings.seed))
     requests = build_workload(sim.workload)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from benchmarks.harness import (
+from kvlab.benchmarks.harness import (
     Goal,
     Result,
     Settings,
@@ -41,7 +41,7 @@ def workload_for(settings: Settings) -> Workload:
 
 
 def make_requests(w: Workload, vocab_size: int, seed: int) -> tuple[list[list[int]], list[int]]:
-    from experiments.workload import WorkloadSpec, build_workload, prompt_token_ids
+    from kvlab.experiments.workload import WorkloadSpec, build_workload, prompt_token_ids
     spec = WorkloadSpec(kind="seed", num_requests=w.num_requests, seed=seed, scale=w.scale)
     requests = build_workload(spec)
     return prompt_token_ids(requests, vocab_size, seed), [r.output_len for r in requests]
@@ -49,7 +49,7 @@ def make_requests(w: Workload, vocab_size: int, seed: int) -> tuple[list[list[in
 
 def engine_runner(backend: str, w: Workload, settings: Settings, prompts: list[list[int]], lens: list[int]):
     """An LLM with room for the whole batch (no preemption) and a function timing one full generate()."""
-    from common import LLM, SamplingParams
+    from kvlab import LLM, SamplingParams
     per_token = tiny_kv_bytes_per_token()
     kv_bytes = max(16 * 2**20, 4 * w.batch_size * w.max_len * per_token)
     llm = LLM("tiny", backend=backend, max_num_seqs=w.batch_size, max_model_len=w.max_len,
@@ -71,7 +71,7 @@ def engine_runner(backend: str, w: Workload, settings: Settings, prompts: list[l
 
 
 def hf_runner(model, w: Workload, prompts: list[list[int]], lens: list[int]):
-    from benchmarks.hf_baseline import static_batches, to_hf
+    from kvlab.benchmarks.hf_baseline import static_batches, to_hf
     hf = to_hf(model)
     static_batches(hf, prompts[:2], [2, 2], 2)    # warm-up
     info: dict[str, int] = {}
@@ -84,7 +84,7 @@ def hf_runner(model, w: Workload, prompts: list[list[int]], lens: list[int]):
 
 
 def run(settings: Settings) -> list[Result]:
-    from common.presets import load_tiny
+    from kvlab.common.presets import load_tiny
     w = workload_for(settings)
     model, _ = load_tiny("float32", "cpu", settings.seed)
     prompts, lens = make_requests(w, model.config.vocab_size, settings.seed)

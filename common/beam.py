@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from common.outputs import BeamHypothesis
-from common.sequence import Sequence
+from kvlab.common.outputs import BeamHypothesis
+from kvlab.common.sequence import Sequence
 
 
 @dataclass(slots=True)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from common.errors import ConfigError
+from kvlab.common.errors import ConfigError
 
 try:
     import tomllib

@@ -14,17 +14,17 @@ import itertools
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
-from common.errors import RequestError
-from common.kv_cache import CacheStats, create_cache
-from common.metrics import MetricsRecorder, RunMetrics
-from common.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from common.request import Request, SchedulerOutput
-from common.sampling_params import SamplingParams
-from common.scheduler import Scheduler
+from kvlab.common.errors import RequestError
+from kvlab.common.kv_cache import CacheStats, create_cache
+from kvlab.common.metrics import MetricsRecorder, RunMetrics
+from kvlab.common.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvlab.common.request import Request, SchedulerOutput
+from kvlab.common.sampling_params import SamplingParams
+from kvlab.common.scheduler import Scheduler
 
 if TYPE_CHECKING:
-    from common.config import EngineConfig
-    from common.kv_cache import KVCache
+    from kvlab.common.config import EngineConfig
+    from kvlab.common.kv_cache import KVCache
 
 
 class Runner(Protocol):
@@ -50,7 +50,7 @@ class Engine:
     @classmethod
     def from_model(cls, config: EngineConfig, model: Any, tokenizer: Any = None, **kwargs: Any) -> Engine:
         """Real cache + TorchRunner around an already built model."""
-        from common.runner import TorchRunner
+        from kvlab.common.runner import TorchRunner
         cache = create_cache(config, model.kv_shape(config.dtype, config.device))
         runner = TorchRunner(model, cache, seed=config.seed, max_model_len=config.max_model_len)
         c = model.config
@@ -58,7 +58,7 @@ class Engine:
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs: Any) -> Engine:
-        from common.loader import load_model
+        from kvlab.common.loader import load_model
         model, tokenizer = load_model(config.model, config.dtype, config.device, config.seed)
         return cls.from_model(config, model, tokenizer, **kwargs)
 

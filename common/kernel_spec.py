@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from common.errors import KernelUnavailable
+from kvlab.common.errors import KernelUnavailable
 
 log = logging.getLogger("kvlab.kernels")
 

@@ -39,8 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common.errors import KernelUnavailable
-from common.kernel_spec import (
+from kvlab.common.errors import KernelUnavailable
+from kvlab.common.kernel_spec import (
     PHASES,
     AttentionSpec,
     KernelDecl,
@@ -195,25 +195,25 @@ def registry(env: Environment = HERE) -> list[KernelDecl]:
     """One declaration per kernel; `env` says which packages count as installed (None: this process)."""
     installed = env.installed
     return [
-        KernelDecl("torch_sdpa_contiguous", "contiguous", "vmm.kernels:contiguous_attention_sdpa",
+        KernelDecl("torch_sdpa_contiguous", "contiguous", "kvlab.vmm.kernels:contiguous_attention_sdpa",
                    description="torch SDPA over per-slot views of the contiguous cache", check=torch_rules),
         KernelDecl("flash_attn_contiguous", "contiguous",
-                   "vmm.flash_attn_adapter:contiguous_attention_flash_attn",
+                   "kvlab.vmm.flash_attn_adapter:contiguous_attention_flash_attn",
                    package="flash_attn", installed=installed, check=flash_attn_rules,
                    description="flash_attn_with_kvcache(cache_batch_idx=..., block_table=None)"),
-        KernelDecl("torch_paged", "paged", "paged.kernels.torch_ref:paged_attention_torch",
+        KernelDecl("torch_paged", "paged", "kvlab.paged.kernels.torch_ref:paged_attention_torch",
                    description="gather by block table into a buffer, then SDPA", check=torch_rules),
-        KernelDecl("triton_paged", "paged", "paged.kernels.triton_paged:paged_attention_triton",
+        KernelDecl("triton_paged", "paged", "kvlab.paged.kernels.triton_paged:paged_attention_triton",
                    package="triton", installed=installed, check=triton_rules(env),
                    description="kvlab's Triton paged attention (decode and prefill with past context)"),
-        KernelDecl("flash_attn_paged", "paged", "paged.kernels.flash_attn:paged_attention_flash_attn",
+        KernelDecl("flash_attn_paged", "paged", "kvlab.paged.kernels.flash_attn:paged_attention_flash_attn",
                    package="flash_attn", installed=installed, check=flash_attn_paged_rules,
                    phase_check=flash_attn_paged_phase_rules,
                    description="flash_attn_with_kvcache / flash_attn_varlen_func with block_table"),
-        KernelDecl("flashinfer_paged", "paged", "paged.kernels.flashinfer:paged_attention_flashinfer",
+        KernelDecl("flashinfer_paged", "paged", "kvlab.paged.kernels.flashinfer:paged_attention_flashinfer",
                    package="flashinfer", installed=installed, check=flashinfer_rules,
                    description="FlashInfer BatchPrefill/BatchDecodeWithPagedKVCacheWrapper"),
-        KernelDecl("flex_paged", "paged", "paged.kernels.flex:paged_attention_flex",
+        KernelDecl("flex_paged", "paged", "kvlab.paged.kernels.flex:paged_attention_flex",
                    package="torch.nn.attention.flex_attention", installed=installed, check=flex_rules,
                    description="torch FlexAttention with a paged BlockMask"),
     ]

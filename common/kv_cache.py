@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from common.config import EngineConfig
-    from common.sequence import Sequence
+    from kvlab.common.config import EngineConfig
+    from kvlab.common.sequence import Sequence
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -263,12 +263,12 @@ class KVCache(ABC):
 def create_cache(config: EngineConfig, shape: KVShape, accounting_only: bool = False) -> KVCache:
     """Build the backend named by `config.backend` (imports lazily: each backend lives in its package)."""
     if config.backend == "paged":
-        from paged.backend import PagedKVCache as cls
+        from kvlab.paged.backend import PagedKVCache as cls
     elif config.backend == "vmm":
-        from vmm.backend import VMMKVCache as cls
+        from kvlab.vmm.backend import VMMKVCache as cls
     elif config.backend == "reserve":
-        from common.reserve_cache import ReserveKVCache as cls
+        from kvlab.common.reserve_cache import ReserveKVCache as cls
     else:  # config validation makes this unreachable for EngineConfig instances
-        from common.errors import ConfigError
+        from kvlab.common.errors import ConfigError
         raise ConfigError(f"unknown backend {config.backend!r}; choose one of: paged, vmm, reserve")
     return cls(config, shape, accounting_only=accounting_only)

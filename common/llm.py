@@ -13,13 +13,13 @@ from typing import Any
 
 import torch
 
-from common.config import make_config
-from common.engine import Engine
-from common.errors import RequestError
-from common.kv_cache import CacheStats
-from common.metrics import RunMetrics
-from common.outputs import RequestOutput
-from common.sampling_params import SamplingParams
+from kvlab.common.config import make_config
+from kvlab.common.engine import Engine
+from kvlab.common.errors import RequestError
+from kvlab.common.kv_cache import CacheStats
+from kvlab.common.metrics import RunMetrics
+from kvlab.common.outputs import RequestOutput
+from kvlab.common.sampling_params import SamplingParams
 
 
 class LLM:

@@ -11,11 +11,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.errors import ConfigError, ModelLoadError
-from common.kv_cache import TORCH_DTYPES
-from common.model import LLAMA3_ROPE_KEYS, LlamaForCausalLM, ModelConfig
-from common.presets import PRESETS, load_preset
-from common.tokenizer import BPETokenizer
+from kvlab.common.errors import ConfigError, ModelLoadError
+from kvlab.common.kv_cache import TORCH_DTYPES
+from kvlab.common.model import LLAMA3_ROPE_KEYS, LlamaForCausalLM, ModelConfig
+from kvlab.common.presets import PRESETS, load_preset
+from kvlab.common.tokenizer import BPETokenizer
 
 log = logging.getLogger(__name__)
 

@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.errors import ModelLoadError
-from common.kv_cache import TORCH_DTYPES, KVShape
+from kvlab.common.errors import ModelLoadError
+from kvlab.common.kv_cache import TORCH_DTYPES, KVShape
 
 if TYPE_CHECKING:
-    from common.kv_cache import AttentionMetadata, KVCache
+    from kvlab.common.kv_cache import AttentionMetadata, KVCache
 
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 

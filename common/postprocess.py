@@ -13,13 +13,13 @@ import logging
 from collections import deque
 from typing import TYPE_CHECKING
 
-from common.beam import select_beams
-from common.errors import OutOfKVCache
-from common.request import Request, Sample, SampleSpec, SchedulerOutput, SchedulerStats
-from common.sequence import Sequence, SequenceStatus
+from kvlab.common.beam import select_beams
+from kvlab.common.errors import OutOfKVCache
+from kvlab.common.request import Request, Sample, SampleSpec, SchedulerOutput, SchedulerStats
+from kvlab.common.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
-    from common.kv_cache import KVCache
+    from kvlab.common.kv_cache import KVCache
 
 log = logging.getLogger("kvlab.scheduler")
 

@@ -6,9 +6,9 @@ import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 
-from common.errors import ModelLoadError
-from common.model import LlamaForCausalLM, ModelConfig
-from common.tokenizer import ByteTokenizer
+from kvlab.common.errors import ModelLoadError
+from kvlab.common.model import LlamaForCausalLM, ModelConfig
+from kvlab.common.tokenizer import ByteTokenizer
 
 TINY_CONFIG = ModelConfig(
     vocab_size=1024, hidden_size=256, intermediate_size=688, num_layers=4, num_heads=4, num_kv_heads=2,
@@ -37,7 +37,7 @@ def smollm2_gguf_path() -> Path:
 
 
 def load_smollm2(dtype: str, device: str, seed: int):
-    from common.loader import load_gguf  # the loader imports this module
+    from kvlab.common.loader import load_gguf  # the loader imports this module
     return load_gguf(smollm2_gguf_path(), dtype=dtype, device=device)
 
 

@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.beam import BeamState
-from common.kv_cache import BatchItem
-from common.sampling_params import SamplingParams
-from common.sequence import Sequence
+from kvlab.common.beam import BeamState
+from kvlab.common.kv_cache import BatchItem
+from kvlab.common.sampling_params import SamplingParams
+from kvlab.common.sequence import Sequence
 
 Sample = tuple[int, float]          # (token id, log-probability)
 

@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from common.arena import Arena
-from common.errors import OutOfKVCache
-from common.kv_cache import (
+from kvlab.common.arena import Arena
+from kvlab.common.errors import OutOfKVCache
+from kvlab.common.kv_cache import (
     AttentionMetadata,
     BatchItem,
     CacheStats,
@@ -40,8 +40,8 @@ from common.kv_cache import (
 )
 
 if TYPE_CHECKING:
-    from common.config import EngineConfig
-    from common.sequence import Sequence
+    from kvlab.common.config import EngineConfig
+    from kvlab.common.sequence import Sequence
 
 
 @dataclass(slots=True)
@@ -79,8 +79,8 @@ class ReserveKVCache(KVCache):
 
     # -- memory ---------------------------------------------------------------------------------------------
     def _allocate_tensors(self) -> None:
-        from common.kernel_spec import AttentionSpec
-        from common.kernels import make_dispatcher
+        from kvlab.common.kernel_spec import AttentionSpec
+        from kvlab.common.kernels import make_dispatcher
         s = self.shape
         rows = self.capacity + self.padding_tokens
         num_rows = self.capacity // self.row_stride

@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.sampler import Sample, Sampler
+from kvlab.common.sampler import Sample, Sampler
 
 if TYPE_CHECKING:
-    from common.kv_cache import KVCache
-    from common.model import LlamaForCausalLM
-    from common.request import SchedulerOutput
+    from kvlab.common.kv_cache import KVCache
+    from kvlab.common.model import LlamaForCausalLM
+    from kvlab.common.request import SchedulerOutput
 
 
 class TorchRunner:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from common.request import SampleSpec
+    from kvlab.common.request import SampleSpec
 
 Sample = tuple[int, float]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from common.errors import RequestError
+from kvlab.common.errors import RequestError
 
 GREEDY_EPS = 1e-5   # temperatures below this decode greedily (as vLLM's _SAMPLING_EPS)
 

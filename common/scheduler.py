@@ -31,17 +31,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.beam import BeamState
-from common.errors import RequestError
-from common.kv_cache import BatchItem
-from common.postprocess import PostprocessMixin
-from common.request import Request, SampleSpec, SchedulerOutput, SchedulerStats, generator_seed
-from common.sampling_params import SamplingParams
-from common.sequence import Sequence, SequenceStatus
+from kvlab.common.beam import BeamState
+from kvlab.common.errors import RequestError
+from kvlab.common.kv_cache import BatchItem
+from kvlab.common.postprocess import PostprocessMixin
+from kvlab.common.request import Request, SampleSpec, SchedulerOutput, SchedulerStats, generator_seed
+from kvlab.common.sampling_params import SamplingParams
+from kvlab.common.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
-    from common.config import EngineConfig
-    from common.kv_cache import KVCache
+    from kvlab.common.config import EngineConfig
+    from kvlab.common.kv_cache import KVCache
 
 log = logging.getLogger("kvlab.scheduler")
 

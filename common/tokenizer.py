@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
-from common.errors import ModelLoadError
+from kvlab.common.errors import ModelLoadError
 
 GGUF_CONTROL_TOKEN = 3    # llama.cpp token type of special tokens such as <|im_start|>
 

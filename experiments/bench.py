@@ -18,10 +18,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from common.config import EngineConfig
-from common.errors import ConfigError
-from experiments import cli
-from experiments.workload import Request, build_workload, parse_workload, prompt_token_ids, scaled
+from kvlab.common.config import EngineConfig
+from kvlab.common.errors import ConfigError
+from kvlab.experiments import cli
+from kvlab.experiments.workload import Request, build_workload, parse_workload, prompt_token_ids, scaled
 
 log = logging.getLogger("kvlab.bench")
 
@@ -66,7 +66,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
                    help="rounds over all backends (interleaved); each backend reports its median-throughput run")
     p.add_argument("--out", metavar="DIR", help="results directory (default results/<timestamp>)")
-    p.add_argument("--suite", choices=["perf"], help="run the performance suite (python -m benchmarks) instead")
+    p.add_argument("--suite", choices=["perf"], help="run the performance suite (python -m kvlab.benchmarks) instead")
     p.add_argument("--no-progress", action="store_true")
     cli.add_engine_flags(p, skip=("backend",))
     p.set_defaults(run=run)
@@ -94,11 +94,11 @@ def run(args: argparse.Namespace) -> int:
 def run_perf_suite(args: argparse.Namespace) -> int:
     import importlib
     try:
-        entry = importlib.import_module("benchmarks.__main__")
+        entry = importlib.import_module("kvlab.benchmarks.__main__")
     except ModuleNotFoundError as e:
-        if e.name not in ("benchmarks", "benchmarks.__main__"):
+        if e.name not in ("kvlab.benchmarks", "kvlab.benchmarks.__main__"):
             raise
-        raise ConfigError("--suite perf needs the benchmarks package (python -m benchmarks), which is not "
+        raise ConfigError("--suite perf needs the benchmarks package (python -m kvlab.benchmarks), which is not "
                           "installed in this checkout") from None
     if not hasattr(entry, "main"):
         raise ConfigError("benchmarks/__main__.py has no main(argv); cannot run --suite perf")
@@ -112,7 +112,7 @@ def run_perf_suite(args: argparse.Namespace) -> int:
 # -- plan -----------------------------------------------------------------------------------------------------
 
 def check_args(args: argparse.Namespace) -> None:
-    from common.config import BACKENDS
+    from kvlab.common.config import BACKENDS
     unknown = [b for b in args.backends if b not in BACKENDS]
     if unknown:
         raise ConfigError(f"unknown backend(s) {', '.join(unknown)}; choose from: {', '.join(BACKENDS)}")
@@ -140,14 +140,14 @@ def make_plan(args: argparse.Namespace, model: Any) -> BenchPlan:
 def backend_defaults(args: argparse.Namespace, backend: str) -> dict[str, Any]:
     """The reserve baseline holds its final (maximum) length from admission, so it never needs growth room:
     without an explicit --watermark it runs with none (as in the simulator), instead of losing a sequence."""
-    from common.config import load_toml
+    from kvlab.common.config import load_toml
     given = args.watermark is not None or (args.config and "watermark" in load_toml(args.config))
     return {"watermark": 0.0} if backend == "reserve" and not given else {}
 
 
 def bench_defaults(args: argparse.Namespace, probe: EngineConfig, shape: Any, max_len: int) -> dict[str, Any]:
     """Values the bench picks when neither a flag nor the --config file sets them."""
-    from common.config import load_toml
+    from kvlab.common.config import load_toml
     given = set(load_toml(args.config)) if args.config else set()
     given |= {k for k in cli.ENGINE_FLAGS if getattr(args, k, None) is not None}
     choices: dict[str, Any] = {
@@ -164,7 +164,7 @@ def bench_defaults(args: argparse.Namespace, probe: EngineConfig, shape: Any, ma
 
 
 def load(config: EngineConfig):
-    from common.loader import load_model
+    from kvlab.common.loader import load_model
     t0 = time.perf_counter()
     model, tokenizer = load_model(config.model, config.dtype, config.device, config.seed)
     log.info("loaded %s in %.1f s", config.model, time.perf_counter() - t0)
@@ -217,7 +217,7 @@ def median_run(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def bench_backend(name: str, plan: BenchPlan, model: Any, tokenizer: Any, label: str = "",
                   progress: bool = True) -> dict[str, Any]:
-    from common.engine import Engine
+    from kvlab.common.engine import Engine
     config = plan.configs[name]
     engine = Engine.from_model(config, model, tokenizer)
     try:
@@ -239,7 +239,7 @@ def bench_backend(name: str, plan: BenchPlan, model: Any, tokenizer: Any, label:
 
 
 def warm_up(engine: Any, plan: BenchPlan) -> None:
-    from common.sampling_params import SamplingParams
+    from kvlab.common.sampling_params import SamplingParams
     for prompt in plan.prompts[:plan.warmup]:
         engine.add_request(prompt[:32], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     while engine.has_unfinished():
@@ -248,7 +248,7 @@ def warm_up(engine: Any, plan: BenchPlan) -> None:
 
 def drive(engine: Any, plan: BenchPlan, t0: float, bar: Any) -> dict[int, list[int]]:
     """Submit each request at t0 + arrival_s (wall clock); returns output token ids by request index."""
-    from common.sampling_params import SamplingParams
+    from kvlab.common.sampling_params import SamplingParams
     pending = deque(sorted(range(len(plan.requests)), key=lambda i: plan.requests[i].arrival_s))
     index: dict[str, int] = {}
     outputs: dict[int, list[int]] = {}
@@ -291,7 +291,7 @@ def mark_matching_outputs(runs: list[dict[str, Any]]) -> None:
 # -- report ---------------------------------------------------------------------------------------------------
 
 def side_by_side(runs: list[dict[str, Any]]) -> str:
-    from experiments.report import fmt, pct, table
+    from kvlab.experiments.report import fmt, pct, table
     ms = lambda v: "-" if v is None else f"{1000 * v:.1f}"
     rows = [
         ("output tok/s (median)", lambda r: fmt(r["output_tokens_per_s"])),
@@ -314,8 +314,8 @@ def side_by_side(runs: list[dict[str, Any]]) -> str:
 
 
 def write_results(plan: BenchPlan, runs: list[dict[str, Any]]) -> None:
-    from experiments.plots import Series, bar_chart, line_chart
-    from experiments.report import write_csv
+    from kvlab.experiments.plots import Series, bar_chart, line_chart
+    from kvlab.experiments.report import write_csv
     out = plan.out_dir
     out.mkdir(parents=True, exist_ok=True)
     settings = {"backends": plan.backends, "configs": {b: c.to_dict() for b, c in plan.configs.items()},

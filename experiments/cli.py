@@ -13,8 +13,8 @@ import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from common.config import EngineConfig, make_config
-from common.errors import ConfigError, KvlabError
+from kvlab.common.config import EngineConfig, make_config
+from kvlab.common.errors import ConfigError, KvlabError
 
 SUBCOMMANDS = ("generate", "bench", "simulate", "fallbacks", "sharing")
 # CLI flag -> EngineConfig field; each is optional and, when given, overrides the TOML file.
@@ -96,7 +96,7 @@ def missing_subcommand(name: str, reason: str):
 
 
 def register(subparsers: Any, name: str) -> None:
-    module_name = f"experiments.{name}"
+    module_name = f"kvlab.experiments.{name}"
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:

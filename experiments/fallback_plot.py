@@ -5,7 +5,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from experiments.fallbacks import Row
+    from kvlab.experiments.fallbacks import Row
 
 # (scenario, phase, title) of each panel; GQA is fixed: it changes no decision (only its divisibility)
 PANELS = [

@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from common.kernel_spec import AttentionSpec, KernelDecl
-from common.kernels import REGISTRY, resolve
-from common.kv_cache import TORCH_DTYPES, BatchItem, ContiguousMetadata, PagedMetadata, base_metadata
-from common.sequence import Sequence
+from kvlab.common.kernel_spec import AttentionSpec, KernelDecl
+from kvlab.common.kernels import REGISTRY, resolve
+from kvlab.common.kv_cache import TORCH_DTYPES, BatchItem, ContiguousMetadata, PagedMetadata, base_metadata
+from kvlab.common.sequence import Sequence
 
 if TYPE_CHECKING:
-    from experiments.fallbacks import Row
+    from kvlab.experiments.fallbacks import Row
 
 log = logging.getLogger("kvlab.fallbacks")
 
@@ -167,7 +167,7 @@ def enable_triton_interpreter(device: str) -> str | None:
     """On CPU, Triton runs only if TRITON_INTERPRET=1 is set before its kernels are decorated."""
     if device != "cpu" or os.environ.get("TRITON_INTERPRET") == "1":
         return None
-    if "paged.kernels.triton_paged" in sys.modules:
+    if "kvlab.paged.kernels.triton_paged" in sys.modules:
         return "triton_paged was imported without TRITON_INTERPRET=1; set it before running to time it here"
     os.environ["TRITON_INTERPRET"] = "1"
     return "set TRITON_INTERPRET=1 to time triton_paged in the interpreter (tiny shape only)"
@@ -250,7 +250,7 @@ def nearest_accepted(decl: KernelDecl, spec: AttentionSpec, phase: str, grid_val
 
 def fallback_costs(timer: Timer, rows: list[Row], scenario: str, grid_values: dict[str, tuple],
                    device: str, cc) -> list[dict[str, Any]]:
-    from experiments.fallbacks import fallback_paths  # a cycle only at import time
+    from kvlab.experiments.fallbacks import fallback_paths  # a cycle only at import time
     picked = [r for r in rows if r.scenario == scenario]
     costs = []
     for (_, backend, phase, kernel, _), count in fallback_paths(picked).most_common():
@@ -276,7 +276,7 @@ def fallback_costs(timer: Timer, rows: list[Row], scenario: str, grid_values: di
 
 def measure(rows: list[Row], threads: int = 1, repeats: int = 10, grid_values: dict[str, tuple] | None = None,
             progress: bool = True) -> dict[str, Any]:
-    from experiments.fallbacks import Grid
+    from kvlab.experiments.fallbacks import Grid
     grid_values = grid_values or {"block_sizes": Grid().block_sizes, "head_dims": Grid().head_dims}
     device, cc = machine()
     previous_threads = torch.get_num_threads()

@@ -16,9 +16,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.errors import ConfigError
-from common.kernel_spec import PHASES, AttentionSpec
-from common.kernels import CAUSES, Environment, decide, kernel_head_dim, priority, reason_cause, simulated
+from kvlab.common.errors import ConfigError
+from kvlab.common.kernel_spec import PHASES, AttentionSpec
+from kvlab.common.kernels import CAUSES, Environment, decide, kernel_head_dim, priority, reason_cause, simulated
 
 BACKEND_LAYOUTS = {"paged": "paged", "vmm": "contiguous"}
 NUM_KV_HEADS = 2
@@ -331,13 +331,13 @@ def run(args: argparse.Namespace) -> int:
     meta: dict[str, Any] = {"grid": asdict(grid), "num_kv_heads": NUM_KV_HEADS,
                             "scenarios": [scenario_meta(s) for s in scenarios]}
     if args.measure:
-        from experiments.fallback_timing import format_timings, measure
+        from kvlab.experiments.fallback_timing import format_timings, measure
         meta["measure"] = measure(rows, threads=args.threads, repeats=args.repeats,
                                   grid_values={"block_sizes": grid.block_sizes, "head_dims": grid.head_dims})
         summary += "\n\n" + format_timings(meta["measure"])
     paths = save(rows, out, summary, meta)
     if not args.no_plot:
-        from experiments.fallback_plot import plot_heatmap
+        from kvlab.experiments.fallback_plot import plot_heatmap
         paths["png"] = plot_heatmap(rows, out / "fallbacks.png")
     print(summary)
     print("\nSaved: " + ", ".join(str(p) for p in paths.values()))

@@ -5,7 +5,7 @@ import argparse
 import sys
 from typing import Any
 
-from experiments import cli
+from kvlab.experiments import cli
 
 
 def add_parser(subparsers: Any) -> None:
@@ -26,8 +26,8 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from common.llm import LLM
-    from common.sampling_params import SamplingParams
+    from kvlab.common.llm import LLM
+    from kvlab.common.sampling_params import SamplingParams
     config = cli.engine_config(args)
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.sample_seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         (output,) = llm.generate(args.prompt, params)
         if output.error:
-            from common.errors import RequestError
+            from kvlab.common.errors import RequestError
             raise RequestError(output.error)
         many = len(output.outputs) > 1
         for c in output.outputs:

@@ -205,7 +205,7 @@ def exercise_views(vm: Any, region: Any) -> dict[str, bool]:
 
 
 def part_cuda_vmm(dry: bool) -> dict[str, Any]:
-    from vmm.cuda import CudaVirtualMemory
+    from kvlab.vmm.cuda import CudaVirtualMemory
     vm = CudaVirtualMemory(0, driver=load_fake_driver() if dry else None)
     drv = vm.drv
     recommended = drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
@@ -251,9 +251,9 @@ def triton_one(cfg: dict[str, Any], device: str) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
-    from benchmarks.kernel_inputs import dense_decode_inputs, paged_case, reference
-    from paged.kernels.torch_ref import paged_attention_torch
-    from paged.kernels.triton_paged import paged_attention_triton
+    from kvlab.benchmarks.kernel_inputs import dense_decode_inputs, paged_case, reference
+    from kvlab.paged.kernels.torch_ref import paged_attention_torch
+    from kvlab.paged.kernels.triton_paged import paged_attention_triton
     case = paged_case(cfg["query_lens"], cfg["context_lens"], cfg["block_size"], cfg["num_heads"],
                       cfg["num_kv_heads"], cfg["head_dim"], getattr(torch, cfg["dtype"]), device)
     out = paged_attention_triton(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
@@ -307,7 +307,7 @@ def bench_workload(dry: bool) -> dict[str, Any]:
 def part_vmm_vs_paged(dry: bool) -> dict[str, Any]:
     import numpy as np
 
-    from common import LLM, SamplingParams
+    from kvlab import LLM, SamplingParams
     w = bench_workload(dry)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 1024, int(n)).tolist() for n in rng.integers(*w["prompt"], w["requests"])]
@@ -372,7 +372,7 @@ def part_unmapped_access(dry: bool) -> dict[str, Any]:
         return {"ran": False, "note": "needs a GPU: a CPU cannot take a CUDA page fault"}
     import torch
 
-    from vmm.cuda import CudaVirtualMemory
+    from kvlab.vmm.cuda import CudaVirtualMemory
     vm = CudaVirtualMemory(0)
     region = vm.reserve(2 * vm.page_size)
     vm.create_pool(1)

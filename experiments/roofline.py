@@ -11,12 +11,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from common.errors import ConfigError
-from common.kv_cache import KVShape
-from common.model import ModelConfig
+from kvlab.common.errors import ConfigError
+from kvlab.common.kv_cache import KVShape
+from kvlab.common.model import ModelConfig
 
 if TYPE_CHECKING:
-    from common.scheduler import SchedulerOutput
+    from kvlab.common.scheduler import SchedulerOutput
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,13 +92,13 @@ def model_spec(name_or_path: str, dtype: str = "bfloat16") -> ModelSpec:
     if name_or_path in MODEL_CONFIGS:
         return ModelSpec(name_or_path, MODEL_CONFIGS[name_or_path], dtype)
     if name_or_path == "tiny":
-        from common.presets import TINY_CONFIG
+        from kvlab.common.presets import TINY_CONFIG
         return ModelSpec("tiny", TINY_CONFIG, dtype)
     path = Path(name_or_path)
     if path.is_dir():
         path = path / "config.json"
     if path.is_file():
-        from common.loader import config_from_hf, read_json
+        from kvlab.common.loader import config_from_hf, read_json
         return ModelSpec(path.parent.name, config_from_hf(read_json(path), path), dtype)
     raise ConfigError(f"unknown model {name_or_path!r}; use one of {', '.join([*MODEL_CONFIGS, 'tiny'])} "
                       f"or a path to an HF config.json")

@@ -14,9 +14,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from common.errors import ConfigError
-from experiments import cli
-from experiments.workload import WorkloadSpec, build_workload, parse_workload, prompt_token_ids
+from kvlab.common.errors import ConfigError
+from kvlab.experiments import cli
+from kvlab.experiments.workload import WorkloadSpec, build_workload, parse_workload, prompt_token_ids
 
 ARTICLE = {"parallel": (0.061, 0.098), "beam": (0.376, 0.552)}
 # Alpaca's mean lengths (Kwon et al., Table 1: 19.31 in, 58.45 out), as uniform ranges around them
@@ -56,7 +56,7 @@ def add_parser(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from common.loader import load_model
+    from kvlab.common.loader import load_model
     widths = parse_widths(args.widths)
     for mode in args.modes:
         if mode not in ARTICLE:
@@ -110,8 +110,8 @@ def sharing_config(args: argparse.Namespace, backend: str, model: Any, requests:
 
 def measure(config: Any, model: Any, prompts: list[list[int]], outputs: list[int], mode: str,
             width: int) -> SharingRow:
-    from common.engine import Engine
-    from common.sampling_params import SamplingParams
+    from kvlab.common.engine import Engine
+    from kvlab.common.sampling_params import SamplingParams
     engine = Engine.from_model(config, model)
     held = unshared = steps = 0
     try:
@@ -142,7 +142,7 @@ def measure(config: Any, model: Any, prompts: list[list[int]], outputs: list[int
 
 
 def report(rows: list[SharingRow], spec: WorkloadSpec, model: str) -> str:
-    from experiments.report import table
+    from kvlab.experiments.report import table
     backends = list(dict.fromkeys(r.backend for r in rows))
     lines = []
     for mode in dict.fromkeys(r.mode for r in rows):

@@ -18,11 +18,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.config import EngineConfig, load_toml, make_config
-from common.errors import ConfigError
-from experiments import cli
-from experiments.roofline import HARDWARE, RooflineCost, RooflineRunner, hardware, model_spec
-from experiments.workload import Request, WorkloadSpec, build_workload, parse_workload, scaled
+from kvlab.common.config import EngineConfig, load_toml, make_config
+from kvlab.common.errors import ConfigError
+from kvlab.experiments import cli
+from kvlab.experiments.roofline import HARDWARE, RooflineCost, RooflineRunner, hardware, model_spec
+from kvlab.experiments.workload import Request, WorkloadSpec, build_workload, parse_workload, scaled
 
 POLICIES = ("reserve", "oracle", "paged", "vmm")
 PROMPT_TOKEN = 5           # prompt content is irrelevant without prefix caching
@@ -153,7 +153,7 @@ class WasteProbe:
 
 def drive(engine: Any, runner: RooflineRunner, requests: list[Request]) -> None:
     """Add each request when the simulated clock reaches its arrival; idle time jumps to the next one."""
-    from common.sampling_params import SamplingParams
+    from kvlab.common.sampling_params import SamplingParams
     pending = deque(sorted(requests, key=lambda r: r.arrival_s))
     while pending or engine.has_unfinished():
         while pending and pending[0].arrival_s <= runner.clock():
@@ -167,8 +167,8 @@ def drive(engine: Any, runner: RooflineRunner, requests: list[Request]) -> None:
 
 
 def run_case(case: SimCase, settings: SimSettings, requests: list[Request] | None = None) -> SimRow:
-    from common.engine import Engine
-    from common.kv_cache import create_cache
+    from kvlab.common.engine import Engine
+    from kvlab.common.kv_cache import create_cache
     requests = requests if requests is not None else build_workload(settings.workload)
     spec = model_spec(settings.model, settings.dtype)
     cost = RooflineCost(hardware(settings.hardware), spec, settings.model_prefill, settings.mfu)
@@ -290,7 +290,7 @@ def cases_from_args(args: argparse.Namespace) -> list[SimCase]:
 
 def run(args: argparse.Namespace) -> int:
     if args.worked_example:
-        from experiments.worked_example import print_worked_example
+        from kvlab.experiments.worked_example import print_worked_example
         print_worked_example()
         if not args.preset:
             return 0
@@ -299,12 +299,12 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     t0 = time.perf_counter()
     if args.preset == "seed" and args.seeds > 1:
-        from experiments import seed_article
+        from kvlab.experiments import seed_article
         print(seed_article.spread(settings, args.seeds, args.jobs, not args.no_progress))
         print(f"\n{time.perf_counter() - t0:.1f} s host time")
         return 0
     if args.preset == "seed":
-        from experiments import seed_article
+        from kvlab.experiments import seed_article
         cases = seed_article.cases()
         rows = run_cases(cases, settings, args.jobs, not args.no_progress)
         print(seed_article.report(cases, rows, settings))
@@ -325,7 +325,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def plain_report(rows: list[SimRow], settings: SimSettings) -> str:
-    from experiments.report import fmt, pct, table
+    from kvlab.experiments.report import fmt, pct, table
     title = (f"{settings.workload.num_requests} requests ({settings.workload.kind}), {settings.model} on "
              f"{settings.hardware}, prefill {'modelled' if settings.model_prefill else 'ignored'}")
     body = [[r.label, f"{r.budget_gb:g}", pct(r.watermark, 0), fmt(r.mean_batch), pct(r.utilization),
@@ -336,7 +336,7 @@ def plain_report(rows: list[SimRow], settings: SimSettings) -> str:
 
 
 def plot_batches(path: str, rows: list[SimRow]) -> None:
-    from experiments.plots import Series, downsample, line_chart
+    from kvlab.experiments.plots import Series, downsample, line_chart
     series = [downsample(Series(f"{r.label} {fmt_gb(r.budget_gb)} wm {r.watermark:g}", r.timeline["time"],
                                 r.timeline["running"])) for r in rows if r.timeline]
     line_chart(path, series, "simulated seconds", "running sequences", "Running batch over time (roofline clock)")

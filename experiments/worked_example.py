@@ -6,11 +6,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from common.config import make_config
-from common.kv_cache import KVCache, create_cache
-from common.sequence import Sequence
-from experiments.report import table
-from experiments.roofline import model_spec
+from kvlab.common.config import make_config
+from kvlab.common.kv_cache import KVCache, create_cache
+from kvlab.common.sequence import Sequence
+from kvlab.experiments.report import table
+from kvlab.experiments.roofline import model_spec
 
 EXAMPLE_LENGTHS = (37, 1203, 450)
 MAX_LEN = 4096

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common.errors import ConfigError
+from kvlab.common.errors import ConfigError
 
 Z95 = 1.6448536269514722          # standard normal 95th percentile
 SEED_MAX_LEN = 4096               # the article's maximum total length (prompt + output)

@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from common.errors import ConfigError, OutOfKVCache
-from common.kv_cache import BatchItem, CacheStats, KVCache, KVShape, PagedMetadata, base_metadata
-from paged.block_pool import BlockPool, BlockPoolError
-from paged.prefix_cache import PrefixCache, chain_keys
+from kvlab.common.errors import ConfigError, OutOfKVCache
+from kvlab.common.kv_cache import BatchItem, CacheStats, KVCache, KVShape, PagedMetadata, base_metadata
+from kvlab.paged.block_pool import BlockPool, BlockPoolError
+from kvlab.paged.prefix_cache import PrefixCache, chain_keys
 
 if TYPE_CHECKING:
-    from common.config import EngineConfig
-    from common.sequence import Sequence
+    from kvlab.common.config import EngineConfig
+    from kvlab.common.sequence import Sequence
 
 
 @dataclass(slots=True)
@@ -87,8 +87,8 @@ class PagedKVCache(KVCache):
             self.v_caches = list(self.kv[1])
 
     def _make_dispatcher(self):
-        from common.kernel_spec import AttentionSpec
-        from common.kernels import make_dispatcher
+        from kvlab.common.kernel_spec import AttentionSpec
+        from kvlab.common.kernels import make_dispatcher
         device = torch.device(self.shape.device)
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
         spec = AttentionSpec(layout="paged", device=device.type, dtype=self.shape.dtype,

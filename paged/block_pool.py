@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from common.errors import KvlabError, OutOfKVCache
-from paged.prefix_cache import PrefixCache
+from kvlab.common.errors import KvlabError, OutOfKVCache
+from kvlab.paged.prefix_cache import PrefixCache
 
 
 class BlockPoolError(KvlabError, RuntimeError):

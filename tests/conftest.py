@@ -8,8 +8,8 @@ if not torch.cuda.is_available():   # must precede every @triton.jit (cpu-facts.
 import pytest
 import torch.nn.functional as F
 
-from common.kv_cache import AttentionMetadata, BatchItem, base_metadata
-from common.sequence import Sequence
+from kvlab.common.kv_cache import AttentionMetadata, BatchItem, base_metadata
+from kvlab.common.sequence import Sequence
 
 
 class DenseTestCache:

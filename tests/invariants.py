@@ -26,10 +26,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.config import EngineConfig
-from common.errors import OutOfKVCache
-from common.kv_cache import BatchItem, KVCache, KVShape, create_cache
-from common.sequence import Sequence
+from kvlab.common.config import EngineConfig
+from kvlab.common.errors import OutOfKVCache
+from kvlab.common.kv_cache import BatchItem, KVCache, KVShape, create_cache
+from kvlab.common.sequence import Sequence
 
 SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=32, num_q_heads=4)   # 256 B per token per layer
 PAGE = 4096                                                                   # vmm: 16 tokens per page

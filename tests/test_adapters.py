@@ -6,12 +6,12 @@ import torch
 from fakes import install_fake
 from fakes.batches import contiguous_case, paged_case
 
-from common.errors import KernelUnavailable
-from common.kernel_spec import AttentionSpec, KernelDecl, build_dispatcher
-from paged.kernels import flashinfer as flashinfer_adapter
-from paged.kernels.flash_attn import paged_attention_flash_attn
-from paged.kernels.flashinfer import block_tables_to_csr, paged_attention_flashinfer
-from vmm.flash_attn_adapter import contiguous_attention_flash_attn
+from kvlab.common.errors import KernelUnavailable
+from kvlab.common.kernel_spec import AttentionSpec, KernelDecl, build_dispatcher
+from kvlab.paged.kernels import flashinfer as flashinfer_adapter
+from kvlab.paged.kernels.flash_attn import paged_attention_flash_attn
+from kvlab.paged.kernels.flashinfer import block_tables_to_csr, paged_attention_flashinfer
+from kvlab.vmm.flash_attn_adapter import contiguous_attention_flash_attn
 
 HALF = {torch.float16: 2e-3, torch.bfloat16: 2e-2}
 DECODE = ([1, 1, 1], [300, 40, 513])
@@ -163,8 +163,8 @@ def test_adapters_import_without_their_library(monkeypatch):
 
 
 def _fallback_dispatcher(spec):
-    decls = [KernelDecl("flash_attn_paged", "paged", "paged.kernels.flash_attn:paged_attention_flash_attn"),
-             KernelDecl("torch_paged", "paged", "paged.kernels.torch_ref:paged_attention_torch")]
+    decls = [KernelDecl("flash_attn_paged", "paged", "kvlab.paged.kernels.flash_attn:paged_attention_flash_attn"),
+             KernelDecl("torch_paged", "paged", "kvlab.paged.kernels.torch_ref:paged_attention_torch")]
     return build_dispatcher(spec, decls, ["flash_attn_paged", "torch_paged"])
 
 
@@ -187,7 +187,7 @@ def test_library_refusal_falls_back_to_torch_and_is_reported(monkeypatch, instal
 
 def test_no_kernel_left_is_a_clear_error(flash_attn):
     spec = AttentionSpec("paged", "cpu", "float16", 64, 4, 2, block_size=16)
-    decls = [KernelDecl("flash_attn_paged", "paged", "paged.kernels.flash_attn:paged_attention_flash_attn")]
+    decls = [KernelDecl("flash_attn_paged", "paged", "kvlab.paged.kernels.flash_attn:paged_attention_flash_attn")]
     dispatcher = build_dispatcher(spec, decls, ["flash_attn_paged"])
     case = paged_case(*DECODE, block_size=16, head_dim=64, dtype=torch.float16)
     with pytest.raises(KernelUnavailable, match="flash_attn_paged failed in decode"):

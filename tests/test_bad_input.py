@@ -20,13 +20,13 @@ from fakes.fake_cuda_driver import FakeCudaDriver
 from invariants import one_torch_thread  # noqa: F401 - module fixture
 from safetensors.torch import save_file
 
-from common.config import EngineConfig, make_config
-from common.errors import ConfigError, DriverError, KernelUnavailable, ModelLoadError, RequestError
-from common.kv_cache import KVShape, create_cache
-from common.llm import LLM
-from common.loader import load_model
-from common.sampling_params import SamplingParams
-from experiments.cli import main
+from kvlab.common.config import EngineConfig, make_config
+from kvlab.common.errors import ConfigError, DriverError, KernelUnavailable, ModelLoadError, RequestError
+from kvlab.common.kv_cache import KVShape, create_cache
+from kvlab.common.llm import LLM
+from kvlab.common.loader import load_model
+from kvlab.common.sampling_params import SamplingParams
+from kvlab.experiments.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_TOKEN_BYTES = 2 * 4 * 2 * 64 * 4          # the tiny preset: 4 layers, 2 KV heads, head_dim 64, fp32
@@ -169,7 +169,7 @@ def test_cli_rejects_bad_input_with_one_line(case, argv, phrases, files, capsys)
 SUBPROCESS_CASES = [
     ([str(Path(sys.executable).with_name("kvlab")), "generate", "hi", "--kv-cache-bytes", "0"],
      "kv_cache_bytes must be a positive"),
-    ([sys.executable, "-m", "experiments.cli", "generate", "hi", "--model", "{corrupt.gguf}"],
+    ([sys.executable, "-m", "kvlab.experiments.cli", "generate", "hi", "--model", "{corrupt.gguf}"],
      "not a readable GGUF file"),
 ]
 
@@ -239,7 +239,7 @@ API_CASES = [
 
 
 def _host_driver(page_size: int):
-    from vmm.host import HostVirtualMemory
+    from kvlab.vmm.host import HostVirtualMemory
     return HostVirtualMemory(page_size)
 
 
@@ -256,7 +256,7 @@ def test_api_raises_a_specific_error(case, make, exc, phrases, files):
 def test_cuda_page_size_off_the_granularity_is_rounded_up_and_logged(caplog):
     """Via the recording fake: 3 MiB on a 2 MiB-granularity device becomes 4 MiB, with a warning saying so
     (a logged fallback, not an error: the config layer cannot know the device's granularity)."""
-    from vmm.cuda import CudaVirtualMemory
+    from kvlab.vmm.cuda import CudaVirtualMemory
     fake = FakeCudaDriver(granularity=2 * 1024**2)
     with caplog.at_level(logging.WARNING, logger="kvlab.vmm"):
         driver = CudaVirtualMemory(0, page_size=3 * 1024**2, driver=fake)

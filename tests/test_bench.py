@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from experiments.bench import median_run
-from experiments.cli import main
+from kvlab.experiments.bench import median_run
+from kvlab.experiments.cli import main
 
 RUN_KEYS = ("backend", "output_tokens_per_s", "mean_batch", "kv_utilization", "preemptions", "ttft_p50", "tpot_p50",
             "allocator_seconds", "kernels", "timeline")
@@ -62,9 +62,9 @@ def test_bench_rejects_bad_repeats(capsys):
 
 
 def test_bench_defaults_leave_what_the_user_set(tmp_path):
-    from common.kv_cache import KVShape
-    from experiments import cli
-    from experiments.bench import backend_defaults, bench_defaults
+    from kvlab.common.kv_cache import KVShape
+    from kvlab.experiments import cli
+    from kvlab.experiments.bench import backend_defaults, bench_defaults
     path = tmp_path / "e.toml"
     path.write_text("page_size = 65536\n")
     args = cli.build_parser().parse_args(["bench", "--config", str(path), "--kv-cache-bytes", "4MiB"])

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.__main__ import FAMILIES, main
-from benchmarks.harness import Goal, Result, Settings, Timing, interleaved, measure
-from common.kv_cache import BatchItem, base_metadata
-from common.sequence import Sequence
+from kvlab.benchmarks.__main__ import FAMILIES, main
+from kvlab.benchmarks.harness import Goal, Result, Settings, Timing, interleaved, measure
+from kvlab.common.kv_cache import BatchItem, base_metadata
+from kvlab.common.sequence import Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICK = Settings(threads=1, repeats=1, quick=True)
@@ -67,7 +67,7 @@ def test_family_runs_and_reports_rows(family):
 
 
 def test_attention_rows_cover_both_layouts_and_the_triton_kernel():
-    from benchmarks import attention
+    from kvlab.benchmarks import attention
     rows = attention.run(QUICK)
     names = [r.name for r in rows]
     assert any(n.startswith("vmm (torch_sdpa_contiguous)") for n in names)
@@ -77,8 +77,8 @@ def test_attention_rows_cover_both_layouts_and_the_triton_kernel():
 
 
 def test_hf_baseline_holds_the_same_weights_and_counts_waste():
-    from benchmarks.hf_baseline import check_parity, static_batches, to_hf
-    from common.presets import load_tiny
+    from kvlab.benchmarks.hf_baseline import check_parity, static_batches, to_hf
+    from kvlab.common.presets import load_tiny
     model, _ = load_tiny("float32", "cpu", 0)
     hf = to_hf(model)
     assert check_parity(model, hf) < 1e-4
@@ -87,7 +87,7 @@ def test_hf_baseline_holds_the_same_weights_and_counts_waste():
 
 
 def test_main_writes_json_and_reports_a_failing_family(tmp_path, monkeypatch, capsys):
-    from benchmarks import simulator
+    from kvlab.benchmarks import simulator
     out = tmp_path / "perf.json"
     assert main(["--quick", "--repeats", "1", "--only", "simulator", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())

@@ -4,9 +4,9 @@ import time
 
 import pytest
 
-from common.errors import OutOfKVCache
-from paged.block_pool import BlockPool, BlockPoolError
-from paged.prefix_cache import PrefixCache, chain_keys
+from kvlab.common.errors import OutOfKVCache
+from kvlab.paged.block_pool import BlockPool, BlockPoolError
+from kvlab.paged.prefix_cache import PrefixCache, chain_keys
 
 
 def test_allocate_until_empty_then_out_of_kv_cache():

@@ -2,8 +2,8 @@ import math
 
 import pytest
 
-from common.config import HOST_PAGE, EngineConfig, make_config
-from common.errors import ConfigError
+from kvlab.common.config import HOST_PAGE, EngineConfig, make_config
+from kvlab.common.errors import ConfigError
 
 
 def test_defaults_validate():

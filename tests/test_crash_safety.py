@@ -17,12 +17,12 @@ import pytest
 from fakes.fake_cuda_driver import INVALID_VALUE, FakeCudaDriver
 from invariants import one_torch_thread  # noqa: F401 - module fixture
 
-from common.config import EngineConfig
-from common.errors import DriverError, OutOfKVCache
-from common.kv_cache import KVShape
-from common.sequence import Sequence
-from vmm.backend import VMMKVCache
-from vmm.cuda import CudaVirtualMemory
+from kvlab.common.config import EngineConfig
+from kvlab.common.errors import DriverError, OutOfKVCache
+from kvlab.common.kv_cache import KVShape
+from kvlab.common.sequence import Sequence
+from kvlab.vmm.backend import VMMKVCache
+from kvlab.vmm.cuda import CudaVirtualMemory
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", "TRITON_INTERPRET": "1",
@@ -47,8 +47,8 @@ def describe(rc: int) -> str:
 CORRUPT = """
     import sys, torch
     from invariants import SHAPE, backend_config
-    from common.kv_cache import BatchItem, create_cache
-    from common.sequence import Sequence
+    from kvlab.common.kv_cache import BatchItem, create_cache
+    from kvlab.common.sequence import Sequence
 
     backend, corruption, check = sys.argv[1], sys.argv[2], sys.argv[3] == "on"
     torch.manual_seed(0)
@@ -129,8 +129,8 @@ CACHE_WORKLOAD = """
 ENGINE_WORKLOAD = """
     import json, random, torch
     torch.set_num_threads(1)
-    from common.llm import LLM
-    from common.sampling_params import SamplingParams
+    from kvlab.common.llm import LLM
+    from kvlab.common.sampling_params import SamplingParams
     rng = random.Random({seed})
     llm = LLM(model="tiny", backend={backend!r}, kv_cache_bytes=96 * 4096, page_size=4096, block_size=8,
               max_model_len=128, max_num_seqs=6, max_num_batched_tokens=64, reserve_mode="oracle",

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from common import LLM, SamplingParams
+from kvlab import LLM, SamplingParams
 
 TOKEN_BYTES = 4096              # tiny model, fp32: 2 (K, V) x 4 layers x 2 KV heads x 64 x 4 bytes
 MAX_LEN = 96
@@ -36,7 +36,7 @@ def reference_greedy(model, prompt: list[int], p: SamplingParams) -> list[int]:
 
 @pytest.fixture(scope="module")
 def expected():
-    from common.loader import load_model
+    from kvlab.common.loader import load_model
     torch.set_num_threads(1)
     model, _ = load_model("tiny", "float32", "cpu", 0)
     prompts, params = workload()
@@ -152,7 +152,7 @@ def test_a_request_too_big_for_the_cache_fails_alone(backend):
 
 def test_prefix_caching_skips_shared_prompt_blocks(expected):
     """Requests sharing a 40-token system prompt: later ones start from cached blocks, outputs unchanged."""
-    from common.loader import load_model
+    from kvlab.common.loader import load_model
     model, _ = load_model("tiny", "float32", "cpu", 0)
     system = [1] + list(range(100, 139))
     prompts = [system + [500 + i, 600 + i] for i in range(4)]

@@ -9,11 +9,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from common.kernel_spec import AttentionSpec
-from common.kernels import CAUSES, REGISTRY, Environment
-from experiments import fallback_timing as timing
-from experiments import fallbacks
-from experiments.fallbacks import Grid, default_scenarios, run_grid
+from kvlab.common.kernel_spec import AttentionSpec
+from kvlab.common.kernels import CAUSES, REGISTRY, Environment
+from kvlab.experiments import fallback_timing as timing
+from kvlab.experiments import fallbacks
+from kvlab.experiments.fallbacks import Grid, default_scenarios, run_grid
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +109,7 @@ def test_cli_saves_json_csv_png(tmp_path, capsys):
 
 
 def test_cli_rejects_a_bad_grid(tmp_path):
-    from common.errors import ConfigError
+    from kvlab.common.errors import ConfigError
     parser = argparse.ArgumentParser()
     fallbacks.add_parser(parser.add_subparsers())
     args = parser.parse_args(["fallbacks", "--out", str(tmp_path), "--dtypes", "float8"])
@@ -205,7 +205,7 @@ def test_fallback_cost_times_chosen_against_displaced(monkeypatch):
 
 
 def test_kvlab_cli_runs_the_study(tmp_path, capsys):
-    from experiments import cli
+    from kvlab.experiments import cli
     small = ["--head-dims", "80", "--gqa-ratios", "4"]
     assert cli.main(["fallbacks", "--no-plot", "--out", str(tmp_path), *small]) == 0
     assert (tmp_path / "fallbacks.json").exists()

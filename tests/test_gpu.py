@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.config import EngineConfig
-from common.kv_cache import BatchItem, KVShape
-from common.sequence import Sequence
+from kvlab.common.config import EngineConfig
+from kvlab.common.kv_cache import BatchItem, KVShape
+from kvlab.common.sequence import Sequence
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (torch.cuda is "
@@ -32,7 +32,7 @@ MiB = 2**20
 @pytest.fixture
 def cuda_vm():
     pytest.importorskip("cuda.bindings.driver")
-    from vmm.cuda import CudaVirtualMemory
+    from kvlab.vmm.cuda import CudaVirtualMemory
     vm = CudaVirtualMemory(0)
     yield vm
     gc.collect()
@@ -75,7 +75,7 @@ def test_mapping_consumes_device_memory_reported_by_mem_get_info(cuda_vm):
 
 
 def vmm_cache(num_seqs: int, dtype: str):
-    from vmm.backend import VMMKVCache
+    from kvlab.vmm.backend import VMMKVCache
     shape = KVShape(num_layers=1, num_kv_heads=2, head_dim=64, num_q_heads=4, dtype=dtype, device="cuda")
     config = EngineConfig(backend="vmm", device="cuda", dtype=dtype, page_size=2 * MiB, max_num_seqs=num_seqs,
                           max_model_len=1024, kv_cache_bytes=2 * num_seqs * 2 * 2 * MiB,
@@ -129,8 +129,8 @@ def test_vmm_cache_prefill_then_decode_on_cuda(dtype):
 @pytest.mark.parametrize("query_lens, context_lens", [([1] * 8, [17, 64, 65, 300, 1, 1024, 511, 2048]),
                                                        ([1, 40, 1, 129], [33, 40, 900, 700])])
 def test_triton_paged_compiled_matches_sdpa(dtype, query_lens, context_lens):
-    from benchmarks.kernel_inputs import paged_case, reference
-    from paged.kernels.triton_paged import paged_attention_triton
+    from kvlab.benchmarks.kernel_inputs import paged_case, reference
+    from kvlab.paged.kernels.triton_paged import paged_attention_triton
     # Llama-3-8B heads, as gpu_check.sh's Triton part: the kernels it compiled are reused from Triton's cache
     case = paged_case(query_lens, context_lens, 16, 32, 8, 128, dtype, "cuda", seed=1)
     out = paged_attention_triton(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
@@ -138,7 +138,7 @@ def test_triton_paged_compiled_matches_sdpa(dtype, query_lens, context_lens):
 
 
 def test_vmm_and_paged_generate_alike_on_cuda():
-    from common import LLM, SamplingParams
+    from kvlab import LLM, SamplingParams
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 1024, (n,), generator=g).tolist() for n in (100, 257, 31, 500)]
     params = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0)

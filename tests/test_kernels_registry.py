@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-from common.errors import KernelUnavailable
-from common.kernel_spec import AttentionSpec, KernelDecl, build_dispatcher
-from common.kernels import (
+from kvlab.common.errors import KernelUnavailable
+from kvlab.common.kernel_spec import AttentionSpec, KernelDecl, build_dispatcher
+from kvlab.common.kernels import (
     CAUSES,
     PRIORITY,
     REGISTRY,
@@ -231,12 +231,12 @@ def test_device_index_and_capability_resolved():
 
 def test_decide_imports_no_kernel_implementation():
     code = ("import sys\n"
-            "from common.kernel_spec import AttentionSpec\n"
-            "from common.kernels import decide, simulated\n"
+            "from kvlab.common.kernel_spec import AttentionSpec\n"
+            "from kvlab.common.kernels import decide, simulated\n"
             "s = AttentionSpec('paged', 'cuda', 'bfloat16', 128, 8, 2, 16, (9, 0))\n"
             "print(decide(s, env=simulated('flash_attn', 'flashinfer')).phases['decode'].kernel)\n"
             "print(decide(AttentionSpec('contiguous', 'cpu', 'float32', 64, 4, 2)).phases['decode'].kernel)\n"
-            "impls = ('paged.kernels.', 'vmm.', 'flash_attn', 'flashinfer')\n"
+            "impls = ('kvlab.paged.kernels.', 'kvlab.vmm.', 'flash_attn', 'flashinfer')\n"
             "print([m for m in sys.modules if m.startswith(impls)])")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     out = done.stdout.split("\n")
@@ -293,7 +293,7 @@ def raising_kernel(q, k_cache, v_cache, meta, scale):
 
 
 def paged_case():
-    from experiments.fallback_timing import Shape, build_case
+    from kvlab.experiments.fallback_timing import Shape, build_case
     s = AttentionSpec("paged", "cpu", "float32", 32, 4, 2, 4)
     return s, build_case(s, Shape(batch=3, context=10, query=1))
 
@@ -320,7 +320,7 @@ def test_runtime_failure_falls_back_logged_once_and_counted(caplog):
 
 def test_an_implementation_that_cannot_be_imported_falls_back():
     s, case = paged_case()
-    missing = KernelDecl("missing_paged", "paged", "paged.kernels.no_such_module:attention")
+    missing = KernelDecl("missing_paged", "paged", "kvlab.paged.kernels.no_such_module:attention")
     torch_paged = next(d for d in REGISTRY if d.name == "torch_paged")
     d = build_dispatcher(s, [missing, torch_paged], ["missing_paged", "torch_paged"])
     out = d.run("decode", case.q, case.k_cache, case.v_cache, case.meta, case.scale)
@@ -349,9 +349,9 @@ def test_report_carries_the_decisions_and_is_json():
 
 def test_backend_kernel_report_names_kernel_per_phase():
     """The paged backend builds its dispatcher from this registry; its kernel_report is what metrics carry."""
-    from common.config import EngineConfig
-    from common.kv_cache import KVShape
-    from paged import backend
+    from kvlab.common.config import EngineConfig
+    from kvlab.common.kv_cache import KVShape
+    from kvlab.paged import backend
     cache = backend.PagedKVCache(EngineConfig(block_size=16, kv_cache_bytes=1 << 20),
                                  KVShape(num_layers=1, num_kv_heads=2, head_dim=32, num_q_heads=4))
     report = cache.kernel_report()
@@ -372,8 +372,8 @@ def test_kernel_head_dim_padding(kernel, head_dim, expected):
 
 # -- metrics of a real run carry the decisions ---------------------------------------------------------------
 def generate_metrics(backend: str, **overrides):
-    from common import llm as llm_module
-    from common.sampling_params import SamplingParams
+    from kvlab.common import llm as llm_module
+    from kvlab.common.sampling_params import SamplingParams
     llm = llm_module.LLM(model="tiny", backend=backend, **overrides)
     try:
         llm.generate([[1, 2, 3, 4, 5], [6, 7, 8]], SamplingParams(max_tokens=3))
@@ -391,7 +391,7 @@ def test_run_metrics_name_the_kernel_per_phase(backend, kernel):
 
 
 def test_run_metrics_count_a_runtime_fallback(monkeypatch, caplog):
-    from common import kernels
+    from kvlab.common import kernels
     broken = KernelDecl("broken_paged", "paged", f"{__name__}:raising_kernel")
     monkeypatch.setattr(kernels, "REGISTRY", [*kernels.REGISTRY, broken])
     monkeypatch.setitem(kernels.PRIORITY, ("cpu", "paged"), ("broken_paged", "torch_paged"))

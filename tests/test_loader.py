@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from common.errors import ModelLoadError
-from common.loader import load_model
-from common.tokenizer import BPETokenizer
+from kvlab.common.errors import ModelLoadError
+from kvlab.common.loader import load_model
+from kvlab.common.tokenizer import BPETokenizer
 
 transformers = pytest.importorskip("transformers", reason="transformers (dev extra) writes the checkpoints")
 gguf = pytest.importorskip("gguf")
@@ -281,7 +281,7 @@ def test_gguf_without_tokenizer_loads_model_only(tmp_path, hf_model, caplog):
 
 
 def test_unknown_dtype():
-    from common.errors import ConfigError
+    from kvlab.common.errors import ConfigError
     with pytest.raises(ConfigError, match="unknown dtype"):
         load_model("tiny", dtype="float8")
 

@@ -7,12 +7,12 @@ import dataclasses
 import pytest
 import torch
 
-from common.kv_cache import BatchItem
-from common.loader import load_model
-from common.model import LlamaForCausalLM
-from common.presets import TINY_CONFIG
-from common.sequence import Sequence
-from common.tokenizer import ByteTokenizer
+from kvlab.common.kv_cache import BatchItem
+from kvlab.common.loader import load_model
+from kvlab.common.model import LlamaForCausalLM
+from kvlab.common.presets import TINY_CONFIG
+from kvlab.common.sequence import Sequence
+from kvlab.common.tokenizer import ByteTokenizer
 
 transformers = pytest.importorskip("transformers", reason="transformers (dev extra) is the ground truth")
 

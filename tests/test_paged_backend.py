@@ -11,12 +11,12 @@ import pytest
 import torch
 from fakes.reference import dense_attention
 
-from common.config import EngineConfig
-from common.errors import ConfigError, OutOfKVCache
-from common.kv_cache import BatchItem, KVShape, create_cache
-from common.sequence import Sequence
-from paged.backend import PagedKVCache
-from paged.block_pool import BlockPoolError
+from kvlab.common.config import EngineConfig
+from kvlab.common.errors import ConfigError, OutOfKVCache
+from kvlab.common.kv_cache import BatchItem, KVShape, create_cache
+from kvlab.common.sequence import Sequence
+from kvlab.paged.backend import PagedKVCache
+from kvlab.paged.block_pool import BlockPoolError
 
 SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=8, num_q_heads=4)
 BLOCK = 4
@@ -450,7 +450,7 @@ def test_real_and_accounting_modes_make_identical_decisions(prefix):
 
 # -- the real model through the cache -----------------------------------------------------------------------
 def test_tiny_model_through_the_paged_cache_matches_reference_forward():
-    from common.presets import load_tiny
+    from kvlab.common.presets import load_tiny
     model, _ = load_tiny("float32", "cpu", seed=0)
     shape = model.kv_shape()
     cache = PagedKVCache(EngineConfig(block_size=4, kv_cache_bytes=32 * 4 * shape.bytes_per_token), shape)

@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from fakes.batches import paged_case
 
-from paged.kernels import torch_ref
-from paged.kernels.flex import inverse_block_tables, paged_attention_flex
-from paged.kernels.torch_ref import paged_attention_torch
-from paged.kernels.triton_paged import _tiling, paged_attention_triton
+from kvlab.paged.kernels import torch_ref
+from kvlab.paged.kernels.flex import inverse_block_tables, paged_attention_flex
+from kvlab.paged.kernels.torch_ref import paged_attention_torch
+from kvlab.paged.kernels.triton_paged import _tiling, paged_attention_triton
 
 KERNELS = {"torch": paged_attention_torch, "triton": paged_attention_triton, "flex": paged_attention_flex}
 

@@ -39,11 +39,11 @@ from invariants import (
     one_torch_thread,  # noqa: F401 - the fixture applies to this module
 )
 
-from common.config import EngineConfig
-from common.engine import Engine
-from common.kv_cache import create_cache
-from common.sampling_params import SamplingParams
-from common.sequence import SequenceStatus
+from kvlab.common.config import EngineConfig
+from kvlab.common.engine import Engine
+from kvlab.common.kv_cache import create_cache
+from kvlab.common.sampling_params import SamplingParams
+from kvlab.common.sequence import SequenceStatus
 
 STEPS = 50   # rule applications per example
 

@@ -6,12 +6,12 @@ import random
 import pytest
 import torch
 
-from common.arena import Arena
-from common.config import EngineConfig
-from common.errors import OutOfKVCache
-from common.kv_cache import BatchItem, KVShape
-from common.reserve_cache import ReserveKVCache
-from common.sequence import Sequence
+from kvlab.common.arena import Arena
+from kvlab.common.config import EngineConfig
+from kvlab.common.errors import OutOfKVCache
+from kvlab.common.kv_cache import BatchItem, KVShape
+from kvlab.common.reserve_cache import ReserveKVCache
+from kvlab.common.sequence import Sequence
 
 SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=8, num_q_heads=4)      # 256 bytes per token
 

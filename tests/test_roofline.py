@@ -1,10 +1,10 @@
 import pytest
 
-from common.errors import ConfigError
-from common.kv_cache import BatchItem
-from common.scheduler import SchedulerOutput
-from common.sequence import Sequence
-from experiments.roofline import RooflineCost, RooflineRunner, hardware, model_spec
+from kvlab.common.errors import ConfigError
+from kvlab.common.kv_cache import BatchItem
+from kvlab.common.scheduler import SchedulerOutput
+from kvlab.common.sequence import Sequence
+from kvlab.experiments.roofline import RooflineCost, RooflineRunner, hardware, model_spec
 
 
 def test_llama3_8b_preset_matches_the_article():

@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from common.errors import RequestError
-from common.request import SampleSpec
-from common.sampler import Sampler, apply_top_k_top_p
-from common.sampling_params import SamplingParams
+from kvlab.common.errors import RequestError
+from kvlab.common.request import SampleSpec
+from kvlab.common.sampler import Sampler, apply_top_k_top_p
+from kvlab.common.sampling_params import SamplingParams
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0, 1.5, 0.2]])
 

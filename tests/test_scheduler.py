@@ -5,13 +5,13 @@ import random
 
 import pytest
 
-from common.config import EngineConfig
-from common.engine import Engine
-from common.errors import RequestError
-from common.kv_cache import KVShape, create_cache
-from common.sampling_params import SamplingParams
-from common.sequence import Sequence, SequenceStatus
-from experiments.roofline import RooflineCost, RooflineRunner, hardware, model_spec
+from kvlab.common.config import EngineConfig
+from kvlab.common.engine import Engine
+from kvlab.common.errors import RequestError
+from kvlab.common.kv_cache import KVShape, create_cache
+from kvlab.common.sampling_params import SamplingParams
+from kvlab.common.sequence import Sequence, SequenceStatus
+from kvlab.experiments.roofline import RooflineCost, RooflineRunner, hardware, model_spec
 
 SHAPE = KVShape(num_layers=1, num_kv_heads=4, head_dim=64, num_q_heads=4)   # 2 KiB/token; 4 tokens/4 KiB page
 BACKENDS = ["paged", "vmm", "reserve"]

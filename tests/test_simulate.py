@@ -2,14 +2,14 @@ import json
 
 import pytest
 
-from common.config import make_config
-from common.kv_cache import create_cache
-from common.sequence import Sequence
-from experiments.cli import main
-from experiments.roofline import model_spec
-from experiments.simulate import SimCase, SimSettings, held_capacity, run_cases
-from experiments.worked_example import worked_example
-from experiments.workload import WorkloadSpec
+from kvlab.common.config import make_config
+from kvlab.common.kv_cache import create_cache
+from kvlab.common.sequence import Sequence
+from kvlab.experiments.cli import main
+from kvlab.experiments.roofline import model_spec
+from kvlab.experiments.simulate import SimCase, SimSettings, held_capacity, run_cases
+from kvlab.experiments.worked_example import worked_example
+from kvlab.experiments.workload import WorkloadSpec
 
 # A reduced seed run: 300 requests in a 6 GB budget (reserve holds 11 sequences, paging ~40).
 SMALL = SimSettings(workload=WorkloadSpec(num_requests=300, seed=0))
@@ -88,7 +88,7 @@ def test_cli_writes_json_rows_with_the_required_keys(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_seed_preset_reproduces_the_article_headlines(tmp_path):
-    from experiments import seed_article
+    from kvlab.experiments import seed_article
     settings = SimSettings(workload=WorkloadSpec(num_requests=2000, seed=0))
     cases = seed_article.cases()
     rows = run_cases(cases, settings, jobs=2, progress=False)

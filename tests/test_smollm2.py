@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from common.loader import load_model
-from common.presets import SMOLLM2_GGUF, smollm2_gguf_path
+from kvlab.common.loader import load_model
+from kvlab.common.presets import SMOLLM2_GGUF, smollm2_gguf_path
 
 pytestmark = [
     pytest.mark.slow,

@@ -23,10 +23,10 @@ from invariants import (
     settled_rss,
 )
 
-from common.config import EngineConfig
-from common.engine import Engine
-from common.kv_cache import create_cache
-from common.sampling_params import SamplingParams
+from kvlab.common.config import EngineConfig
+from kvlab.common.engine import Engine
+from kvlab.common.kv_cache import create_cache
+from kvlab.common.sampling_params import SamplingParams
 
 MiB = 1024**2
 # a tiny budget: a few requests at a time, so admission waits, preemption and swap happen all the time

@@ -14,13 +14,13 @@ import torch
 from fakes.batches import contiguous_case
 from fakes.reference import contiguous_reference
 
-from common.config import EngineConfig
-from common.errors import ConfigError, DriverError, OutOfKVCache, RequestError
-from common.kv_cache import BatchItem, KVShape
-from common.sequence import Sequence
-from vmm.backend import VMMKVCache
-from vmm.host import HostVirtualMemory
-from vmm.kernels import contiguous_attention_sdpa
+from kvlab.common.config import EngineConfig
+from kvlab.common.errors import ConfigError, DriverError, OutOfKVCache, RequestError
+from kvlab.common.kv_cache import BatchItem, KVShape
+from kvlab.common.sequence import Sequence
+from kvlab.vmm.backend import VMMKVCache
+from kvlab.vmm.host import HostVirtualMemory
+from kvlab.vmm.kernels import contiguous_attention_sdpa
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = 4096
@@ -402,8 +402,8 @@ def test_best_fit_claim_is_the_scan_rule():
     """Free slots bucketed by parked pages give the same choice as scanning every free slot."""
     import random
 
-    from vmm.geometry import Geometry
-    from vmm.slots import SlotTable
+    from kvlab.vmm.geometry import Geometry
+    from kvlab.vmm.slots import SlotTable
     rng = random.Random(3)
     table = SlotTable(Geometry(PAGE, TPP, pages_per_slot=8, num_slots=40, num_tensors=2, num_groups=400))
     next_group = 0
@@ -486,10 +486,10 @@ def test_the_kernel_never_reads_past_a_readable_length_and_unmapped_pages_fault(
     one's unmapped page is SIGSEGV. tests/test_vmm_kernels.py runs many such batches."""
     script = textwrap.dedent(f"""
         import torch
-        from common.config import EngineConfig
-        from common.kv_cache import BatchItem, KVShape
-        from common.sequence import Sequence
-        from vmm.backend import VMMKVCache
+        from kvlab.common.config import EngineConfig
+        from kvlab.common.kv_cache import BatchItem, KVShape
+        from kvlab.common.sequence import Sequence
+        from kvlab.vmm.backend import VMMKVCache
         shape = KVShape(2, 2, 16, 4)
         cache = VMMKVCache(EngineConfig(backend="vmm", page_size={PAGE}, kv_cache_bytes=64 * 4 * {PAGE},
                                         max_num_seqs=4, max_model_len=8 * {TPP}), shape)
@@ -536,8 +536,8 @@ def test_prefix_caching_is_reported_unsupported(make_cache, caplog):
 
 
 def test_engine_greedy_outputs_match_paged():
-    from common.llm import LLM
-    from common.sampling_params import SamplingParams
+    from kvlab.common.llm import LLM
+    from kvlab.common.sampling_params import SamplingParams
     torch.set_num_threads(1)
     prompts = [[1 + i, 2, 3, 4 + i, 5] * (i + 1) for i in range(5)]
     params = SamplingParams(max_tokens=20, temperature=0.0)
@@ -557,7 +557,7 @@ def test_engine_greedy_outputs_match_paged():
 def test_flash_attn_adapter_against_the_fake_library(monkeypatch, query_lens, context_lens, calls):
     from fakes import install_fake
 
-    from vmm.flash_attn_adapter import contiguous_attention_flash_attn
+    from kvlab.vmm.flash_attn_adapter import contiguous_attention_flash_attn
     fake = install_fake(monkeypatch, "flash_attn")
     case = contiguous_case(query_lens, context_lens, dtype=torch.float16)
     out = contiguous_attention_flash_attn(case.q, case.k_cache, case.v_cache, case.meta, case.scale)

@@ -15,12 +15,12 @@ from fakes.fake_cuda_driver import (
     FakeCudaDriver,
 )
 
-from common.config import EngineConfig
-from common.errors import DriverError
-from common.kv_cache import KVShape
-from common.sequence import Sequence
-from vmm.backend import VMMKVCache
-from vmm.cuda import CudaSpan, CudaVirtualMemory
+from kvlab.common.config import EngineConfig
+from kvlab.common.errors import DriverError
+from kvlab.common.kv_cache import KVShape
+from kvlab.common.sequence import Sequence
+from kvlab.vmm.backend import VMMKVCache
+from kvlab.vmm.cuda import CudaSpan, CudaVirtualMemory
 
 MiB = 1024**2
 GRAN = 2 * MiB

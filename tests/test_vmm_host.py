@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.errors import DriverError
-from vmm.accounting import AccountingVirtualMemory
-from vmm.host import POOL_NAME, HostVirtualMemory, max_map_count
-from vmm.mirror import TornMirror
+from kvlab.common.errors import DriverError
+from kvlab.vmm.accounting import AccountingVirtualMemory
+from kvlab.vmm.host import POOL_NAME, HostVirtualMemory, max_map_count
+from kvlab.vmm.mirror import TornMirror
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,7 +124,7 @@ def test_unmapped_pages_really_are_unmapped():
     """Reading an unmapped page kills the process with SIGSEGV, through a raw address and through the view."""
     script = textwrap.dedent("""
         import ctypes, sys, torch
-        from vmm.host import HostVirtualMemory
+        from kvlab.vmm.host import HostVirtualMemory
         vm = HostVirtualMemory(page_size=65536)
         region = vm.reserve(4 * 65536)
         vm.create_pool(4)
@@ -430,10 +430,10 @@ def test_release_and_close_go_on_past_failed_unmaps():
 
 def cow_cache(driver: HostVirtualMemory):
     """A real-mode vmm cache (host memory) with a 20-token parent forked into a child: page 1 is shared."""
-    from common.config import EngineConfig
-    from common.kv_cache import KVShape
-    from common.sequence import Sequence
-    from vmm.backend import VMMKVCache
+    from kvlab.common.config import EngineConfig
+    from kvlab.common.kv_cache import KVShape
+    from kvlab.common.sequence import Sequence
+    from kvlab.vmm.backend import VMMKVCache
     shape = KVShape(num_layers=2, num_kv_heads=2, head_dim=32, num_q_heads=4)      # 16 tokens per 4 KiB page
     cache = VMMKVCache(EngineConfig(backend="vmm", page_size=4096, kv_cache_bytes=8 * 4 * 4096, max_model_len=64,
                                     max_num_seqs=4), shape, driver=driver)

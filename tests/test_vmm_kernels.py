@@ -17,12 +17,12 @@ from fakes.reference import contiguous_reference
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.config import EngineConfig
-from common.errors import RequestError
-from common.kv_cache import BatchItem, ContiguousMetadata, KVShape, base_metadata
-from common.reserve_cache import ReserveKVCache
-from common.sequence import Sequence
-from vmm.kernels import PLAN_KEY, RECOMPUTES_KEY, contiguous_attention_sdpa, group_decode
+from kvlab.common.config import EngineConfig
+from kvlab.common.errors import RequestError
+from kvlab.common.kv_cache import BatchItem, ContiguousMetadata, KVShape, base_metadata
+from kvlab.common.reserve_cache import ReserveKVCache
+from kvlab.common.sequence import Sequence
+from kvlab.vmm.kernels import PLAN_KEY, RECOMPUTES_KEY, contiguous_attention_sdpa, group_decode
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_CAP = 10**9
@@ -208,10 +208,10 @@ def test_mixed_decode_on_a_real_host_vm_cache_never_touches_an_unmapped_page():
     script = textwrap.dedent("""
         import random, torch
         from fakes.reference import contiguous_reference
-        from common.config import EngineConfig
-        from common.kv_cache import BatchItem, KVShape
-        from common.sequence import Sequence
-        from vmm.backend import VMMKVCache
+        from kvlab.common.config import EngineConfig
+        from kvlab.common.kv_cache import BatchItem, KVShape
+        from kvlab.common.sequence import Sequence
+        from kvlab.vmm.backend import VMMKVCache
         torch.set_num_threads(1)
         shape, tpp = KVShape(2, 2, 16, 4), 32
         cache = VMMKVCache(EngineConfig(backend="vmm", page_size=4096, kv_cache_bytes=96 * 4 * 4096,

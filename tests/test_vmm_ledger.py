@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from common.errors import DriverError
-from vmm.accounting import AccountingVirtualMemory
-from vmm.driver import VirtualMemory
-from vmm.host import HostVirtualMemory
+from kvlab.common.errors import DriverError
+from kvlab.vmm.accounting import AccountingVirtualMemory
+from kvlab.vmm.driver import VirtualMemory
+from kvlab.vmm.host import HostVirtualMemory
 
 PAGE = 4096
 STATS = ("mapped_pages", "num_mappings", "map_calls", "unmap_calls", "pages_mapped", "pages_unmapped")

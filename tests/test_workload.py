@@ -4,8 +4,8 @@ import math
 import numpy as np
 import pytest
 
-from common.errors import ConfigError
-from experiments.workload import (
+from kvlab.common.errors import ConfigError
+from kvlab.experiments.workload import (
     SEED_OUTPUTS,
     SEED_PROMPTS,
     Z95,

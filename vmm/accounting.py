@@ -7,10 +7,10 @@ from typing import Any
 
 import torch
 
-from common.errors import DriverError
-from vmm.driver import Region, VirtualMemory
-from vmm.ledger import MirrorLedger
-from vmm.mirror import Mirror
+from kvlab.common.errors import DriverError
+from kvlab.vmm.driver import Region, VirtualMemory
+from kvlab.vmm.ledger import MirrorLedger
+from kvlab.vmm.mirror import Mirror
 
 log = logging.getLogger("kvlab.vmm")
 

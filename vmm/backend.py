@@ -19,20 +19,20 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.errors import OutOfKVCache, RequestError
-from common.kernel_spec import AttentionSpec
-from common.kv_cache import BatchItem, CacheStats, ContiguousMetadata, KVCache, KVShape, base_metadata
-from vmm.geometry import make_driver, make_geometry
-from vmm.mapper import BackgroundMapper
-from vmm.page_pool import PagePool
-from vmm.slot_pages import SlotPages
-from vmm.slots import Slot, SlotTable
-from vmm.tensors import VirtualTensors
+from kvlab.common.errors import OutOfKVCache, RequestError
+from kvlab.common.kernel_spec import AttentionSpec
+from kvlab.common.kv_cache import BatchItem, CacheStats, ContiguousMetadata, KVCache, KVShape, base_metadata
+from kvlab.vmm.geometry import make_driver, make_geometry
+from kvlab.vmm.mapper import BackgroundMapper
+from kvlab.vmm.page_pool import PagePool
+from kvlab.vmm.slot_pages import SlotPages
+from kvlab.vmm.slots import Slot, SlotTable
+from kvlab.vmm.tensors import VirtualTensors
 
 if TYPE_CHECKING:
-    from common.config import EngineConfig
-    from common.sequence import Sequence
-    from vmm.driver import VirtualMemory
+    from kvlab.common.config import EngineConfig
+    from kvlab.common.sequence import Sequence
+    from kvlab.vmm.driver import VirtualMemory
 
 log = logging.getLogger("kvlab.vmm")
 
@@ -78,7 +78,7 @@ class VMMKVCache(KVCache):
         self.dispatcher = None
         if not self.accounting_only:
             self.tensors.make_views()
-            from common.kernels import make_dispatcher
+            from kvlab.common.kernels import make_dispatcher
             spec = AttentionSpec(layout="contiguous", device=self.shape.device, dtype=self.shape.dtype,
                                  head_dim=self.shape.head_dim, num_q_heads=self.shape.num_q_heads,
                                  num_kv_heads=self.shape.num_kv_heads)

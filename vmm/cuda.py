@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from common.errors import DriverError
-from vmm.driver import PartialCall, Region, VirtualMemory
+from kvlab.common.errors import DriverError
+from kvlab.vmm.driver import PartialCall, Region, VirtualMemory
 
 log = logging.getLogger("kvlab.vmm")
 

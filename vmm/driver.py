@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from common.errors import DriverError
-from vmm.mirror import MirroredMaps
-from vmm.teardown import Teardown
-from vmm.vmas import map_delta, unmap_delta
+from kvlab.common.errors import DriverError
+from kvlab.vmm.mirror import MirroredMaps
+from kvlab.vmm.teardown import Teardown
+from kvlab.vmm.vmas import map_delta, unmap_delta
 
 
 class PartialCall(DriverError):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from common.kv_cache import ContiguousMetadata
+from kvlab.common.kv_cache import ContiguousMetadata
 
 
 def contiguous_attention_flash_attn(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

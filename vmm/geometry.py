@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.errors import ConfigError
-from vmm.accounting import AccountingVirtualMemory
-from vmm.driver import VirtualMemory
+from kvlab.common.errors import ConfigError
+from kvlab.vmm.accounting import AccountingVirtualMemory
+from kvlab.vmm.driver import VirtualMemory
 
 if TYPE_CHECKING:
-    from common.config import EngineConfig
-    from common.kv_cache import KVShape
+    from kvlab.common.config import EngineConfig
+    from kvlab.common.kv_cache import KVShape
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,10 +64,10 @@ def make_driver(device: str, page_size: int, accounting_only: bool) -> VirtualMe
     if accounting_only:
         return AccountingVirtualMemory(page_size, merges=kind == "cpu")
     if kind == "cpu":
-        from vmm.host import HostVirtualMemory
+        from kvlab.vmm.host import HostVirtualMemory
         return HostVirtualMemory(page_size)
     if kind == "cuda":
-        from vmm.cuda import CudaVirtualMemory
+        from kvlab.vmm.cuda import CudaVirtualMemory
         index = int(device.split(":")[1]) if ":" in device else (
             torch.cuda.current_device() if torch.cuda.is_available() else 0)
         return CudaVirtualMemory(index, page_size)

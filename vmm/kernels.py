@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from common.errors import RequestError
-from common.kv_cache import ContiguousMetadata, kernel_workspace
+from kvlab.common.errors import RequestError
+from kvlab.common.kv_cache import ContiguousMetadata, kernel_workspace
 
 log = logging.getLogger("kvlab.vmm")
 

@@ -11,11 +11,11 @@ from array import array
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from common.errors import DriverError
-from vmm.vmas import boundary, count_vmas, map_delta, unmap_delta
+from kvlab.common.errors import DriverError
+from kvlab.vmm.vmas import boundary, count_vmas, map_delta, unmap_delta
 
 if TYPE_CHECKING:
-    from vmm.mirror import Mirror
+    from kvlab.vmm.mirror import Mirror
 
 
 class MirrorLedger:

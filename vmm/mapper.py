@@ -12,8 +12,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from vmm.geometry import Geometry
-    from vmm.slots import Slot
+    from kvlab.vmm.geometry import Geometry
+    from kvlab.vmm.slots import Slot
 
 LOOKAHEAD_FRACTION = 8   # background mapping starts when a sequence is within 1/8 page of its next page
 

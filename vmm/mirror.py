@@ -10,12 +10,12 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import TYPE_CHECKING
 
-from common.errors import DriverError
-from vmm.vmas import runs
+from kvlab.common.errors import DriverError
+from kvlab.vmm.vmas import runs
 
 if TYPE_CHECKING:
-    from vmm.driver import Region
-    from vmm.ledger import MirrorLedger
+    from kvlab.vmm.driver import Region
+    from kvlab.vmm.ledger import MirrorLedger
 
 log = logging.getLogger("kvlab.vmm")
 

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from vmm.slots import Slot
+    from kvlab.vmm.slots import Slot
 
 
 class PagePool:

@@ -15,15 +15,15 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from common.errors import DriverError, OutOfKVCache
-from vmm.mirror import TornMirror
+from kvlab.common.errors import DriverError, OutOfKVCache
+from kvlab.vmm.mirror import TornMirror
 
 if TYPE_CHECKING:
-    from vmm.driver import VirtualMemory
-    from vmm.geometry import Geometry
-    from vmm.page_pool import PagePool
-    from vmm.slots import Slot, SlotTable
-    from vmm.tensors import VirtualTensors
+    from kvlab.vmm.driver import VirtualMemory
+    from kvlab.vmm.geometry import Geometry
+    from kvlab.vmm.page_pool import PagePool
+    from kvlab.vmm.slots import Slot, SlotTable
+    from kvlab.vmm.tensors import VirtualTensors
 
 log = logging.getLogger("kvlab.vmm")
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from vmm.geometry import Geometry
+    from kvlab.vmm.geometry import Geometry
 
 
 @dataclass(slots=True)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from common.errors import DriverError
-from vmm.vmas import runs
+from kvlab.common.errors import DriverError
+from kvlab.vmm.vmas import runs
 
 if TYPE_CHECKING:
-    from vmm.driver import Region
+    from kvlab.vmm.driver import Region
 
 log = logging.getLogger("kvlab.vmm")
 

@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vmm.driver import Region, VirtualMemory
+from kvlab.vmm.driver import Region, VirtualMemory
 
 if TYPE_CHECKING:
-    from common.kv_cache import KVShape
-    from vmm.geometry import Geometry
-    from vmm.slots import Slot
+    from kvlab.common.kv_cache import KVShape
+    from kvlab.vmm.geometry import Geometry
+    from kvlab.vmm.slots import Slot
 
 
 class VirtualTensors:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from common.kv_cache import PagedMetadata
+from kvlab.common.kv_cache import PagedMetadata
 
 
 def cumulative_lengths(lengths: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from common.kv_cache import PagedMetadata, kernel_workspace
+from kvlab.common.kv_cache import PagedMetadata, kernel_workspace
 
 MASK_BLOCK = 128
 

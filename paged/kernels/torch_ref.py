@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from common.kv_cache import PagedMetadata, kernel_workspace
+from kvlab.common.kv_cache import PagedMetadata, kernel_workspace
 
 
 class GatherBuffer:

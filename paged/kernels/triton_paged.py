@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from common.kv_cache import PagedMetadata
+from kvlab.common.kv_cache import PagedMetadata
 
 TILE_N = 32          # keys per inner iteration
 PREFILL_ROWS = 64    # target query rows (tokens x group heads) per prefill program

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common.kv_cache import BatchItem, ContiguousMetadata, PagedMetadata, base_metadata
-from common.sequence import Sequence
+from kvlab.common.kv_cache import BatchItem, ContiguousMetadata, PagedMetadata, base_metadata
+from kvlab.common.sequence import Sequence
 from fakes.reference import contiguous_reference, paged_reference
 
 
