@@ -16,7 +16,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-
 from kvlab.benchmarks.harness import Goal, Result, Settings, Timing, interleaved, ratio, timing_detail
 from kvlab.common.config import EngineConfig
 from kvlab.common.kv_cache import AttentionMetadata, BatchItem, KVCache, KVShape, create_cache

@@ -11,7 +11,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-
 from kvlab.common.errors import ModelLoadError
 from kvlab.common.model import LlamaForCausalLM
 

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
 from kvlab.common.errors import KernelUnavailable
 
 log = logging.getLogger("kvlab.kernels")

@@ -38,7 +38,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-
 from kvlab.common.errors import KernelUnavailable
 from kvlab.common.kernel_spec import (
     PHASES,

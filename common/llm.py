@@ -12,7 +12,6 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 import torch
-
 from kvlab.common.config import make_config
 from kvlab.common.engine import Engine
 from kvlab.common.errors import RequestError

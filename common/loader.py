@@ -10,7 +10,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from kvlab.common.errors import ConfigError, ModelLoadError
 from kvlab.common.kv_cache import TORCH_DTYPES
 from kvlab.common.model import LLAMA3_ROPE_KEYS, LlamaForCausalLM, ModelConfig

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-
 from kvlab.common.arena import Arena
 from kvlab.common.errors import OutOfKVCache
 from kvlab.common.kv_cache import (

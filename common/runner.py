@@ -13,7 +13,6 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
-
 from kvlab.common.sampler import Sample, Sampler
 
 if TYPE_CHECKING:

@@ -30,7 +30,6 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 import torch
-
 from kvlab.common.beam import BeamState
 from kvlab.common.errors import RequestError
 from kvlab.common.kv_cache import BatchItem

@@ -22,7 +22,6 @@ from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
-
 from kvlab.common.kernel_spec import AttentionSpec, KernelDecl
 from kvlab.common.kernels import REGISTRY, resolve
 from kvlab.common.kv_cache import TORCH_DTYPES, BatchItem, ContiguousMetadata, PagedMetadata, base_metadata

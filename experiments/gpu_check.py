@@ -250,7 +250,6 @@ TOLERANCE = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 3e-2}
 def triton_one(cfg: dict[str, Any], device: str) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
-
     from kvlab.benchmarks.kernel_inputs import dense_decode_inputs, paged_case, reference
     from kvlab.paged.kernels.torch_ref import paged_attention_torch
     from kvlab.paged.kernels.triton_paged import paged_attention_triton
@@ -371,7 +370,6 @@ def part_unmapped_access(dry: bool) -> dict[str, Any]:
     if dry:
         return {"ran": False, "note": "needs a GPU: a CPU cannot take a CUDA page fault"}
     import torch
-
     from kvlab.vmm.cuda import CudaVirtualMemory
     vm = CudaVirtualMemory(0)
     region = vm.reserve(2 * vm.page_size)

@@ -55,7 +55,6 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import torch
-
     from kvlab.common.loader import load_model
     widths = parse_widths(args.widths)
     for mode in args.modes:

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
 from kvlab.common.errors import ConfigError
 
 Z95 = 1.6448536269514722          # standard normal 95th percentile

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-
 from kvlab.common.errors import ConfigError, OutOfKVCache
 from kvlab.common.kv_cache import BatchItem, CacheStats, KVCache, KVShape, PagedMetadata, base_metadata
 from kvlab.paged.block_pool import BlockPool, BlockPoolError

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 import torch.nn.functional as F
-
 from kvlab.common.config import EngineConfig
 from kvlab.common.errors import OutOfKVCache
 from kvlab.common.kv_cache import BatchItem, KVCache, KVShape, create_cache

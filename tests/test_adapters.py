@@ -5,7 +5,6 @@ import pytest
 import torch
 from fakes import install_fake
 from fakes.batches import contiguous_case, paged_case
-
 from kvlab.common.errors import KernelUnavailable
 from kvlab.common.kernel_spec import AttentionSpec, KernelDecl, build_dispatcher
 from kvlab.paged.kernels import flashinfer as flashinfer_adapter

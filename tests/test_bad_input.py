@@ -18,8 +18,6 @@ import pytest
 import torch
 from fakes.fake_cuda_driver import FakeCudaDriver
 from invariants import one_torch_thread  # noqa: F401 - module fixture
-from safetensors.torch import save_file
-
 from kvlab.common.config import EngineConfig, make_config
 from kvlab.common.errors import ConfigError, DriverError, KernelUnavailable, ModelLoadError, RequestError
 from kvlab.common.kv_cache import KVShape, create_cache
@@ -27,6 +25,7 @@ from kvlab.common.llm import LLM
 from kvlab.common.loader import load_model
 from kvlab.common.sampling_params import SamplingParams
 from kvlab.experiments.cli import main
+from safetensors.torch import save_file
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_TOKEN_BYTES = 2 * 4 * 2 * 64 * 4          # the tiny preset: 4 layers, 2 KV heads, head_dim 64, fp32

@@ -2,7 +2,6 @@ import csv
 import json
 
 import pytest
-
 from kvlab.experiments.bench import median_run
 from kvlab.experiments.cli import main
 

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from kvlab.benchmarks.__main__ import FAMILIES, main
 from kvlab.benchmarks.harness import Goal, Result, Settings, Timing, interleaved, measure
 from kvlab.common.kv_cache import BatchItem, base_metadata

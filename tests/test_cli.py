@@ -2,7 +2,6 @@ import sys
 import types
 
 import pytest
-
 from kvlab.experiments import cli
 from kvlab.experiments.cli import main, parse_bytes
 

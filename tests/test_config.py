@@ -1,7 +1,6 @@
 import math
 
 import pytest
-
 from kvlab.common.config import HOST_PAGE, EngineConfig, make_config
 from kvlab.common.errors import ConfigError
 

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 from fakes.fake_cuda_driver import INVALID_VALUE, FakeCudaDriver
 from invariants import one_torch_thread  # noqa: F401 - module fixture
-
 from kvlab.common.config import EngineConfig
 from kvlab.common.errors import DriverError, OutOfKVCache
 from kvlab.common.kv_cache import KVShape

@@ -8,7 +8,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-
 from kvlab.common.kernel_spec import AttentionSpec
 from kvlab.common.kernels import CAUSES, REGISTRY, Environment
 from kvlab.experiments import fallback_timing as timing

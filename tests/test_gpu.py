@@ -13,7 +13,6 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-
 from kvlab.common.config import EngineConfig
 from kvlab.common.kv_cache import BatchItem, KVShape
 from kvlab.common.sequence import Sequence

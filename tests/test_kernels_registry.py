@@ -8,7 +8,6 @@ import sys
 
 import pytest
 import torch
-
 from kvlab.common.errors import KernelUnavailable
 from kvlab.common.kernel_spec import AttentionSpec, KernelDecl, build_dispatcher
 from kvlab.common.kernels import (

@@ -6,7 +6,6 @@ import dataclasses
 
 import pytest
 import torch
-
 from kvlab.common.kv_cache import BatchItem
 from kvlab.common.loader import load_model
 from kvlab.common.model import LlamaForCausalLM

@@ -10,7 +10,6 @@ import random
 import pytest
 import torch
 from fakes.reference import dense_attention
-
 from kvlab.common.config import EngineConfig
 from kvlab.common.errors import ConfigError, OutOfKVCache
 from kvlab.common.kv_cache import BatchItem, KVShape, create_cache

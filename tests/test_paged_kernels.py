@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fakes.batches import paged_case
-
 from kvlab.paged.kernels import torch_ref
 from kvlab.paged.kernels.flex import inverse_block_tables, paged_attention_flex
 from kvlab.paged.kernels.torch_ref import paged_attention_torch

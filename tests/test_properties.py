@@ -38,7 +38,6 @@ from invariants import (
     memfd_mappings,
     one_torch_thread,  # noqa: F401 - the fixture applies to this module
 )
-
 from kvlab.common.config import EngineConfig
 from kvlab.common.engine import Engine
 from kvlab.common.kv_cache import create_cache

@@ -5,7 +5,6 @@ import random
 
 import pytest
 import torch
-
 from kvlab.common.arena import Arena
 from kvlab.common.config import EngineConfig
 from kvlab.common.errors import OutOfKVCache

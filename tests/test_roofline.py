@@ -1,5 +1,4 @@
 import pytest
-
 from kvlab.common.errors import ConfigError
 from kvlab.common.kv_cache import BatchItem
 from kvlab.common.scheduler import SchedulerOutput

@@ -4,7 +4,6 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from kvlab.common.config import EngineConfig
 from kvlab.common.engine import Engine
 from kvlab.common.errors import RequestError

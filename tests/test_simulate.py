@@ -1,7 +1,6 @@
 import json
 
 import pytest
-
 from kvlab.common.config import make_config
 from kvlab.common.kv_cache import create_cache
 from kvlab.common.sequence import Sequence

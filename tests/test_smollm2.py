@@ -7,7 +7,6 @@ import os
 
 import pytest
 import torch
-
 from kvlab.common.loader import load_model
 from kvlab.common.presets import SMOLLM2_GGUF, smollm2_gguf_path
 

@@ -22,7 +22,6 @@ from invariants import (
     rss_bytes,
     settled_rss,
 )
-
 from kvlab.common.config import EngineConfig
 from kvlab.common.engine import Engine
 from kvlab.common.kv_cache import create_cache

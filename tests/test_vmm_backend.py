@@ -13,7 +13,6 @@ import pytest
 import torch
 from fakes.batches import contiguous_case
 from fakes.reference import contiguous_reference
-
 from kvlab.common.config import EngineConfig
 from kvlab.common.errors import ConfigError, DriverError, OutOfKVCache, RequestError
 from kvlab.common.kv_cache import BatchItem, KVShape
@@ -556,7 +555,6 @@ def test_engine_greedy_outputs_match_paged():
                                                             ([1, 7, 3], [9, 20, 3], 3)])
 def test_flash_attn_adapter_against_the_fake_library(monkeypatch, query_lens, context_lens, calls):
     from fakes import install_fake
-
     from kvlab.vmm.flash_attn_adapter import contiguous_attention_flash_attn
     fake = install_fake(monkeypatch, "flash_attn")
     case = contiguous_case(query_lens, context_lens, dtype=torch.float16)

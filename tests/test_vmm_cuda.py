@@ -14,7 +14,6 @@ from fakes.fake_cuda_driver import (
     OUT_OF_MEMORY,
     FakeCudaDriver,
 )
-
 from kvlab.common.config import EngineConfig
 from kvlab.common.errors import DriverError
 from kvlab.common.kv_cache import KVShape

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from kvlab.common.errors import DriverError
 from kvlab.vmm.accounting import AccountingVirtualMemory
 from kvlab.vmm.host import POOL_NAME, HostVirtualMemory, max_map_count

@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from fakes.reference import contiguous_reference
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from kvlab.common.config import EngineConfig
 from kvlab.common.errors import RequestError
 from kvlab.common.kv_cache import BatchItem, ContiguousMetadata, KVShape, base_metadata

@@ -6,7 +6,6 @@ import logging
 import random
 
 import pytest
-
 from kvlab.common.errors import DriverError
 from kvlab.vmm.accounting import AccountingVirtualMemory
 from kvlab.vmm.driver import VirtualMemory

@@ -3,7 +3,6 @@ import math
 
 import numpy as np
 import pytest
-
 from kvlab.common.errors import ConfigError
 from kvlab.experiments.workload import (
     SEED_OUTPUTS,

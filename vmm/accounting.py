@@ -6,7 +6,6 @@ from array import array
 from typing import Any
 
 import torch
-
 from kvlab.common.errors import DriverError
 from kvlab.vmm.driver import Region, VirtualMemory
 from kvlab.vmm.ledger import MirrorLedger

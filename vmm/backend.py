@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-
 from kvlab.common.errors import OutOfKVCache, RequestError
 from kvlab.common.kernel_spec import AttentionSpec
 from kvlab.common.kv_cache import BatchItem, CacheStats, ContiguousMetadata, KVCache, KVShape, base_metadata

@@ -17,7 +17,6 @@ import threading
 from typing import Any
 
 import torch
-
 from kvlab.common.errors import DriverError
 from kvlab.vmm.driver import PartialCall, Region, VirtualMemory
 

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
 from kvlab.common.errors import DriverError
 from kvlab.vmm.mirror import MirroredMaps
 from kvlab.vmm.teardown import Teardown

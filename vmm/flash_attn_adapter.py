@@ -5,7 +5,6 @@ reads only K[slot, :context_len] (bottom-right causal alignment = positions star
 from __future__ import annotations
 
 import torch
-
 from kvlab.common.kv_cache import ContiguousMetadata
 
 

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-
 from kvlab.common.errors import ConfigError
 from kvlab.vmm.accounting import AccountingVirtualMemory
 from kvlab.vmm.driver import VirtualMemory

@@ -22,7 +22,6 @@ import weakref
 from typing import Any
 
 import torch
-
 from kvlab.common.errors import DriverError
 from kvlab.vmm.driver import Region, VirtualMemory
 

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
 from kvlab.common.errors import RequestError
 from kvlab.common.kv_cache import ContiguousMetadata, kernel_workspace
 

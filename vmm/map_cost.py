@@ -12,7 +12,6 @@ import statistics
 import time
 
 import torch
-
 from kvlab.vmm.host import HostVirtualMemory
 
 KiB, MiB = 1024, 1024**2

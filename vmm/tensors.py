@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-
 from kvlab.vmm.driver import Region, VirtualMemory
 
 if TYPE_CHECKING:

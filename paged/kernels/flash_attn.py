@@ -8,7 +8,6 @@ lazily so that kvlab runs where flash-attn is not installed.
 from __future__ import annotations
 
 import torch
-
 from kvlab.common.kv_cache import PagedMetadata
 
 

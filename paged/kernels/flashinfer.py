@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from kvlab.common.kv_cache import PagedMetadata, kernel_workspace
 
 WORKSPACE_BYTES = 128 * 1024 * 1024

@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 from kvlab.common.kv_cache import PagedMetadata
 
 TILE_N = 32          # keys per inner iteration
