@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 import torch
 from kvlab.benchmarks.harness import Goal, Result, Settings, Timing, interleaved, ratio, timing_detail
+from kvlab.common.attention.metadata import AttentionMetadata, BatchItem
 from kvlab.common.config import EngineConfig
-from kvlab.common.kv_cache import AttentionMetadata, BatchItem, KVCache, KVShape, create_cache
+from kvlab.common.kv.seam import KVCache, KVShape, create_cache
 from kvlab.common.sequence import Sequence
 
 FAMILY = "attention"

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from kvlab.common.kv_cache import BatchItem, PagedMetadata, base_metadata
+from kvlab.common.attention.metadata import BatchItem, PagedMetadata, base_metadata
 from kvlab.common.sequence import Sequence
 
 

@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvlab.common.errors import RequestError
-from kvlab.common.kv_cache import CacheStats, create_cache
+from kvlab.common.kv.seam import CacheStats, create_cache
 from kvlab.common.metrics import MetricsRecorder, RunMetrics
 from kvlab.common.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvlab.common.request import Request, SchedulerOutput
@@ -24,7 +24,7 @@ from kvlab.common.scheduler import Scheduler
 
 if TYPE_CHECKING:
     from kvlab.common.config import EngineConfig
-    from kvlab.common.kv_cache import KVCache
+    from kvlab.common.kv.seam import KVCache
 
 
 class Runner(Protocol):

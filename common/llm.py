@@ -15,7 +15,7 @@ import torch
 from kvlab.common.config import make_config
 from kvlab.common.engine import Engine
 from kvlab.common.errors import RequestError
-from kvlab.common.kv_cache import CacheStats
+from kvlab.common.kv.seam import CacheStats
 from kvlab.common.metrics import RunMetrics
 from kvlab.common.outputs import RequestOutput
 from kvlab.common.sampling_params import SamplingParams

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 from kvlab.common.errors import ConfigError, ModelLoadError
-from kvlab.common.kv_cache import TORCH_DTYPES
+from kvlab.common.kv.seam import TORCH_DTYPES
 from kvlab.common.model import LLAMA3_ROPE_KEYS, LlamaForCausalLM, ModelConfig
 from kvlab.common.presets import PRESETS, load_preset
 from kvlab.common.tokenizer import BPETokenizer

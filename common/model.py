@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 import torch.nn.functional as F
 from kvlab.common.errors import ModelLoadError
-from kvlab.common.kv_cache import TORCH_DTYPES, KVShape
+from kvlab.common.kv.seam import TORCH_DTYPES, KVShape
 from torch import nn
 
 if TYPE_CHECKING:
-    from kvlab.common.kv_cache import AttentionMetadata, KVCache
+    from kvlab.common.attention.metadata import AttentionMetadata
+    from kvlab.common.kv.seam import KVCache
 
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 

@@ -19,7 +19,7 @@ from kvlab.common.request import Request, Sample, SampleSpec, SchedulerOutput, S
 from kvlab.common.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
-    from kvlab.common.kv_cache import KVCache
+    from kvlab.common.kv.seam import KVCache
 
 log = logging.getLogger("kvlab.scheduler")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from kvlab.common.attention.metadata import BatchItem
 from kvlab.common.beam import BeamState
-from kvlab.common.kv_cache import BatchItem
 from kvlab.common.sampling_params import SamplingParams
 from kvlab.common.sequence import Sequence
 

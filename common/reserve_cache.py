@@ -27,16 +27,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from kvlab.common.arena import Arena
+from kvlab.common.attention.metadata import AttentionMetadata, BatchItem, ContiguousMetadata, base_metadata
 from kvlab.common.errors import OutOfKVCache
-from kvlab.common.kv_cache import (
-    AttentionMetadata,
-    BatchItem,
-    CacheStats,
-    ContiguousMetadata,
-    KVCache,
-    KVShape,
-    base_metadata,
-)
+from kvlab.common.kv.seam import CacheStats, KVCache, KVShape
 
 if TYPE_CHECKING:
     from kvlab.common.config import EngineConfig
@@ -78,8 +71,8 @@ class ReserveKVCache(KVCache):
 
     # -- memory ---------------------------------------------------------------------------------------------
     def _allocate_tensors(self) -> None:
-        from kvlab.common.kernel_spec import AttentionSpec
-        from kvlab.common.kernels import make_dispatcher
+        from kvlab.common.attention.dispatch import AttentionSpec
+        from kvlab.common.attention.kernels import make_dispatcher
         s = self.shape
         rows = self.capacity + self.padding_tokens
         num_rows = self.capacity // self.row_stride

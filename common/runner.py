@@ -16,7 +16,7 @@ import torch
 from kvlab.common.sampler import Sample, Sampler
 
 if TYPE_CHECKING:
-    from kvlab.common.kv_cache import KVCache
+    from kvlab.common.kv.seam import KVCache
     from kvlab.common.model import LlamaForCausalLM
     from kvlab.common.request import SchedulerOutput
 

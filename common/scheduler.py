@@ -30,9 +30,9 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 import torch
+from kvlab.common.attention.metadata import BatchItem
 from kvlab.common.beam import BeamState
 from kvlab.common.errors import RequestError
-from kvlab.common.kv_cache import BatchItem
 from kvlab.common.postprocess import PostprocessMixin
 from kvlab.common.request import Request, SampleSpec, SchedulerOutput, SchedulerStats, generator_seed
 from kvlab.common.sampling_params import SamplingParams
@@ -40,7 +40,7 @@ from kvlab.common.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
     from kvlab.common.config import EngineConfig
-    from kvlab.common.kv_cache import KVCache
+    from kvlab.common.kv.seam import KVCache
 
 log = logging.getLogger("kvlab.scheduler")
 

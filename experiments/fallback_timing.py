@@ -22,9 +22,10 @@ from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
-from kvlab.common.kernel_spec import AttentionSpec, KernelDecl
-from kvlab.common.kernels import REGISTRY, resolve
-from kvlab.common.kv_cache import TORCH_DTYPES, BatchItem, ContiguousMetadata, PagedMetadata, base_metadata
+from kvlab.common.attention.dispatch import AttentionSpec, KernelDecl
+from kvlab.common.attention.kernels import REGISTRY, resolve
+from kvlab.common.attention.metadata import BatchItem, ContiguousMetadata, PagedMetadata, base_metadata
+from kvlab.common.kv.seam import TORCH_DTYPES
 from kvlab.common.sequence import Sequence
 
 if TYPE_CHECKING:

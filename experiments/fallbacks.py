@@ -16,9 +16,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvlab.common.attention.dispatch import PHASES, AttentionSpec
+from kvlab.common.attention.kernels import (
+    CAUSES,
+    Environment,
+    decide,
+    kernel_head_dim,
+    priority,
+    reason_cause,
+    simulated,
+)
 from kvlab.common.errors import ConfigError
-from kvlab.common.kernel_spec import PHASES, AttentionSpec
-from kvlab.common.kernels import CAUSES, Environment, decide, kernel_head_dim, priority, reason_cause, simulated
 
 BACKEND_LAYOUTS = {"paged": "paged", "vmm": "contiguous"}
 NUM_KV_HEADS = 2

@@ -168,7 +168,7 @@ def drive(engine: Any, runner: RooflineRunner, requests: list[Request]) -> None:
 
 def run_case(case: SimCase, settings: SimSettings, requests: list[Request] | None = None) -> SimRow:
     from kvlab.common.engine import Engine
-    from kvlab.common.kv_cache import create_cache
+    from kvlab.common.kv.seam import create_cache
     requests = requests if requests is not None else build_workload(settings.workload)
     spec = model_spec(settings.model, settings.dtype)
     cost = RooflineCost(hardware(settings.hardware), spec, settings.model_prefill, settings.mfu)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvlab.common.config import make_config
-from kvlab.common.kv_cache import KVCache, create_cache
+from kvlab.common.kv.seam import KVCache, create_cache
 from kvlab.common.sequence import Sequence
 from kvlab.experiments.report import table
 from kvlab.experiments.roofline import model_spec

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from kvlab.common.attention.metadata import BatchItem, PagedMetadata, base_metadata
 from kvlab.common.errors import ConfigError, OutOfKVCache
-from kvlab.common.kv_cache import BatchItem, CacheStats, KVCache, KVShape, PagedMetadata, base_metadata
+from kvlab.common.kv.seam import CacheStats, KVCache, KVShape
 from kvlab.paged.block_pool import BlockPool, BlockPoolError
 from kvlab.paged.prefix_cache import PrefixCache, chain_keys
 
@@ -86,8 +87,8 @@ class PagedKVCache(KVCache):
             self.v_caches = list(self.kv[1])
 
     def _make_dispatcher(self):
-        from kvlab.common.kernel_spec import AttentionSpec
-        from kvlab.common.kernels import make_dispatcher
+        from kvlab.common.attention.dispatch import AttentionSpec
+        from kvlab.common.attention.kernels import make_dispatcher
         device = torch.device(self.shape.device)
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
         spec = AttentionSpec(layout="paged", device=device.type, dtype=self.shape.dtype,

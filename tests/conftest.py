@@ -7,7 +7,7 @@ if not torch.cuda.is_available():   # must precede every @triton.jit (cpu-facts.
 
 import pytest
 import torch.nn.functional as F
-from kvlab.common.kv_cache import AttentionMetadata, BatchItem, base_metadata
+from kvlab.common.attention.metadata import AttentionMetadata, BatchItem, base_metadata
 from kvlab.common.sequence import Sequence
 
 

@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 import torch.nn.functional as F
+from kvlab.common.attention.metadata import BatchItem
 from kvlab.common.config import EngineConfig
 from kvlab.common.errors import OutOfKVCache
-from kvlab.common.kv_cache import BatchItem, KVCache, KVShape, create_cache
+from kvlab.common.kv.seam import KVCache, KVShape, create_cache
 from kvlab.common.sequence import Sequence
 
 SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=32, num_q_heads=4)   # 256 B per token per layer

@@ -5,12 +5,12 @@ import pytest
 import torch
 from fakes import install_fake
 from fakes.batches import contiguous_case, paged_case
+from kvlab.common.attention.dispatch import AttentionSpec, KernelDecl, build_dispatcher
+from kvlab.common.attention.flash_attn_contiguous import contiguous_attention_flash_attn
 from kvlab.common.errors import KernelUnavailable
-from kvlab.common.kernel_spec import AttentionSpec, KernelDecl, build_dispatcher
 from kvlab.paged.kernels import flashinfer as flashinfer_adapter
 from kvlab.paged.kernels.flash_attn import paged_attention_flash_attn
 from kvlab.paged.kernels.flashinfer import block_tables_to_csr, paged_attention_flashinfer
-from kvlab.vmm.flash_attn_adapter import contiguous_attention_flash_attn
 
 HALF = {torch.float16: 2e-3, torch.bfloat16: 2e-2}
 DECODE = ([1, 1, 1], [300, 40, 513])

@@ -20,7 +20,7 @@ from fakes.fake_cuda_driver import FakeCudaDriver
 from invariants import one_torch_thread  # noqa: F401 - module fixture
 from kvlab.common.config import EngineConfig, make_config
 from kvlab.common.errors import ConfigError, DriverError, KernelUnavailable, ModelLoadError, RequestError
-from kvlab.common.kv_cache import KVShape, create_cache
+from kvlab.common.kv.seam import KVShape, create_cache
 from kvlab.common.llm import LLM
 from kvlab.common.loader import load_model
 from kvlab.common.sampling_params import SamplingParams

@@ -61,7 +61,7 @@ def test_bench_rejects_bad_repeats(capsys):
 
 
 def test_bench_defaults_leave_what_the_user_set(tmp_path):
-    from kvlab.common.kv_cache import KVShape
+    from kvlab.common.kv.seam import KVShape
     from kvlab.experiments import cli
     from kvlab.experiments.bench import backend_defaults, bench_defaults
     path = tmp_path / "e.toml"

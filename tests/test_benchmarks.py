@@ -15,7 +15,7 @@ import pytest
 import torch
 from kvlab.benchmarks.__main__ import FAMILIES, main
 from kvlab.benchmarks.harness import Goal, Result, Settings, Timing, interleaved, measure
-from kvlab.common.kv_cache import BatchItem, base_metadata
+from kvlab.common.attention.metadata import BatchItem, base_metadata
 from kvlab.common.sequence import Sequence
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -18,7 +18,7 @@ from fakes.fake_cuda_driver import INVALID_VALUE, FakeCudaDriver
 from invariants import one_torch_thread  # noqa: F401 - module fixture
 from kvlab.common.config import EngineConfig
 from kvlab.common.errors import DriverError, OutOfKVCache
-from kvlab.common.kv_cache import KVShape
+from kvlab.common.kv.seam import KVShape
 from kvlab.common.sequence import Sequence
 from kvlab.vmm.backend import VMMKVCache
 from kvlab.vmm.cuda import CudaVirtualMemory
@@ -46,7 +46,8 @@ def describe(rc: int) -> str:
 CORRUPT = """
     import sys, torch
     from invariants import SHAPE, backend_config
-    from kvlab.common.kv_cache import BatchItem, create_cache
+    from kvlab.common.attention.metadata import BatchItem
+    from kvlab.common.kv.seam import create_cache
     from kvlab.common.sequence import Sequence
 
     backend, corruption, check = sys.argv[1], sys.argv[2], sys.argv[3] == "on"

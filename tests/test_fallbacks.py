@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-from kvlab.common.kernel_spec import AttentionSpec
-from kvlab.common.kernels import CAUSES, REGISTRY, Environment
+from kvlab.common.attention.dispatch import AttentionSpec
+from kvlab.common.attention.kernels import CAUSES, REGISTRY, Environment
 from kvlab.experiments import fallback_timing as timing
 from kvlab.experiments import fallbacks
 from kvlab.experiments.fallbacks import Grid, default_scenarios, run_grid

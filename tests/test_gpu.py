@@ -13,8 +13,9 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from kvlab.common.attention.metadata import BatchItem
 from kvlab.common.config import EngineConfig
-from kvlab.common.kv_cache import BatchItem, KVShape
+from kvlab.common.kv.seam import KVShape
 from kvlab.common.sequence import Sequence
 
 pytestmark = [pytest.mark.gpu,

@@ -8,9 +8,8 @@ import sys
 
 import pytest
 import torch
-from kvlab.common.errors import KernelUnavailable
-from kvlab.common.kernel_spec import AttentionSpec, KernelDecl, build_dispatcher
-from kvlab.common.kernels import (
+from kvlab.common.attention.dispatch import AttentionSpec, KernelDecl, build_dispatcher
+from kvlab.common.attention.kernels import (
     CAUSES,
     PRIORITY,
     REGISTRY,
@@ -23,6 +22,7 @@ from kvlab.common.kernels import (
     registry,
     simulated,
 )
+from kvlab.common.errors import KernelUnavailable
 
 ALL_PACKAGES = frozenset({"flash_attn", "flashinfer", "triton", "torch.nn.attention.flex_attention"})
 EVERYTHING = Environment(ALL_PACKAGES, triton_interpret=False)   # rules only: every package, a GPU's Triton
@@ -230,8 +230,8 @@ def test_device_index_and_capability_resolved():
 
 def test_decide_imports_no_kernel_implementation():
     code = ("import sys\n"
-            "from kvlab.common.kernel_spec import AttentionSpec\n"
-            "from kvlab.common.kernels import decide, simulated\n"
+            "from kvlab.common.attention.dispatch import AttentionSpec\n"
+            "from kvlab.common.attention.kernels import decide, simulated\n"
             "s = AttentionSpec('paged', 'cuda', 'bfloat16', 128, 8, 2, 16, (9, 0))\n"
             "print(decide(s, env=simulated('flash_attn', 'flashinfer')).phases['decode'].kernel)\n"
             "print(decide(AttentionSpec('contiguous', 'cpu', 'float32', 64, 4, 2)).phases['decode'].kernel)\n"
@@ -349,7 +349,7 @@ def test_report_carries_the_decisions_and_is_json():
 def test_backend_kernel_report_names_kernel_per_phase():
     """The paged backend builds its dispatcher from this registry; its kernel_report is what metrics carry."""
     from kvlab.common.config import EngineConfig
-    from kvlab.common.kv_cache import KVShape
+    from kvlab.common.kv.seam import KVShape
     from kvlab.paged import backend
     cache = backend.PagedKVCache(EngineConfig(block_size=16, kv_cache_bytes=1 << 20),
                                  KVShape(num_layers=1, num_kv_heads=2, head_dim=32, num_q_heads=4))
@@ -390,7 +390,7 @@ def test_run_metrics_name_the_kernel_per_phase(backend, kernel):
 
 
 def test_run_metrics_count_a_runtime_fallback(monkeypatch, caplog):
-    from kvlab.common import kernels
+    from kvlab.common.attention import kernels
     broken = KernelDecl("broken_paged", "paged", f"{__name__}:raising_kernel")
     monkeypatch.setattr(kernels, "REGISTRY", [*kernels.REGISTRY, broken])
     monkeypatch.setitem(kernels.PRIORITY, ("cpu", "paged"), ("broken_paged", "torch_paged"))

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from kvlab.common.kv_cache import BatchItem
+from kvlab.common.attention.metadata import BatchItem
 from kvlab.common.loader import load_model
 from kvlab.common.model import LlamaForCausalLM
 from kvlab.common.presets import TINY_CONFIG

@@ -10,9 +10,10 @@ import random
 import pytest
 import torch
 from fakes.reference import dense_attention
+from kvlab.common.attention.metadata import BatchItem
 from kvlab.common.config import EngineConfig
 from kvlab.common.errors import ConfigError, OutOfKVCache
-from kvlab.common.kv_cache import BatchItem, KVShape, create_cache
+from kvlab.common.kv.seam import KVShape, create_cache
 from kvlab.common.sequence import Sequence
 from kvlab.paged.backend import PagedKVCache
 from kvlab.paged.block_pool import BlockPoolError

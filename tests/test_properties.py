@@ -40,7 +40,7 @@ from invariants import (
 )
 from kvlab.common.config import EngineConfig
 from kvlab.common.engine import Engine
-from kvlab.common.kv_cache import create_cache
+from kvlab.common.kv.seam import create_cache
 from kvlab.common.sampling_params import SamplingParams
 from kvlab.common.sequence import SequenceStatus
 

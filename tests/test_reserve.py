@@ -6,9 +6,10 @@ import random
 import pytest
 import torch
 from kvlab.common.arena import Arena
+from kvlab.common.attention.metadata import BatchItem
 from kvlab.common.config import EngineConfig
 from kvlab.common.errors import OutOfKVCache
-from kvlab.common.kv_cache import BatchItem, KVShape
+from kvlab.common.kv.seam import KVShape
 from kvlab.common.reserve_cache import ReserveKVCache
 from kvlab.common.sequence import Sequence
 

@@ -1,6 +1,6 @@
 import pytest
+from kvlab.common.attention.metadata import BatchItem
 from kvlab.common.errors import ConfigError
-from kvlab.common.kv_cache import BatchItem
 from kvlab.common.scheduler import SchedulerOutput
 from kvlab.common.sequence import Sequence
 from kvlab.experiments.roofline import RooflineCost, RooflineRunner, hardware, model_spec

@@ -7,7 +7,7 @@ import pytest
 from kvlab.common.config import EngineConfig
 from kvlab.common.engine import Engine
 from kvlab.common.errors import RequestError
-from kvlab.common.kv_cache import KVShape, create_cache
+from kvlab.common.kv.seam import KVShape, create_cache
 from kvlab.common.sampling_params import SamplingParams
 from kvlab.common.sequence import Sequence, SequenceStatus
 from kvlab.experiments.roofline import RooflineCost, RooflineRunner, hardware, model_spec

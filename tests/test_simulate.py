@@ -2,7 +2,7 @@ import json
 
 import pytest
 from kvlab.common.config import make_config
-from kvlab.common.kv_cache import create_cache
+from kvlab.common.kv.seam import create_cache
 from kvlab.common.sequence import Sequence
 from kvlab.experiments.cli import main
 from kvlab.experiments.roofline import model_spec

@@ -13,13 +13,14 @@ import pytest
 import torch
 from fakes.batches import contiguous_case
 from fakes.reference import contiguous_reference
+from kvlab.common.attention.contiguous import contiguous_attention_sdpa
+from kvlab.common.attention.metadata import BatchItem
 from kvlab.common.config import EngineConfig
 from kvlab.common.errors import ConfigError, DriverError, OutOfKVCache, RequestError
-from kvlab.common.kv_cache import BatchItem, KVShape
+from kvlab.common.kv.seam import KVShape
 from kvlab.common.sequence import Sequence
 from kvlab.vmm.backend import VMMKVCache
 from kvlab.vmm.host import HostVirtualMemory
-from kvlab.vmm.kernels import contiguous_attention_sdpa
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = 4096
@@ -486,7 +487,8 @@ def test_the_kernel_never_reads_past_a_readable_length_and_unmapped_pages_fault(
     script = textwrap.dedent(f"""
         import torch
         from kvlab.common.config import EngineConfig
-        from kvlab.common.kv_cache import BatchItem, KVShape
+        from kvlab.common.attention.metadata import BatchItem
+        from kvlab.common.kv.seam import KVShape
         from kvlab.common.sequence import Sequence
         from kvlab.vmm.backend import VMMKVCache
         shape = KVShape(2, 2, 16, 4)
@@ -555,7 +557,7 @@ def test_engine_greedy_outputs_match_paged():
                                                             ([1, 7, 3], [9, 20, 3], 3)])
 def test_flash_attn_adapter_against_the_fake_library(monkeypatch, query_lens, context_lens, calls):
     from fakes import install_fake
-    from kvlab.vmm.flash_attn_adapter import contiguous_attention_flash_attn
+    from kvlab.common.attention.flash_attn_contiguous import contiguous_attention_flash_attn
     fake = install_fake(monkeypatch, "flash_attn")
     case = contiguous_case(query_lens, context_lens, dtype=torch.float16)
     out = contiguous_attention_flash_attn(case.q, case.k_cache, case.v_cache, case.meta, case.scale)

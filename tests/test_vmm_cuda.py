@@ -16,7 +16,7 @@ from fakes.fake_cuda_driver import (
 )
 from kvlab.common.config import EngineConfig
 from kvlab.common.errors import DriverError
-from kvlab.common.kv_cache import KVShape
+from kvlab.common.kv.seam import KVShape
 from kvlab.common.sequence import Sequence
 from kvlab.vmm.backend import VMMKVCache
 from kvlab.vmm.cuda import CudaSpan, CudaVirtualMemory

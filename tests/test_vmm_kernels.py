@@ -16,12 +16,13 @@ import torch.nn.functional as F
 from fakes.reference import contiguous_reference
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvlab.common.attention.contiguous import PLAN_KEY, RECOMPUTES_KEY, contiguous_attention_sdpa, group_decode
+from kvlab.common.attention.metadata import BatchItem, ContiguousMetadata, base_metadata
 from kvlab.common.config import EngineConfig
 from kvlab.common.errors import RequestError
-from kvlab.common.kv_cache import BatchItem, ContiguousMetadata, KVShape, base_metadata
+from kvlab.common.kv.seam import KVShape
 from kvlab.common.reserve_cache import ReserveKVCache
 from kvlab.common.sequence import Sequence
-from kvlab.vmm.kernels import PLAN_KEY, RECOMPUTES_KEY, contiguous_attention_sdpa, group_decode
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_CAP = 10**9
@@ -208,7 +209,8 @@ def test_mixed_decode_on_a_real_host_vm_cache_never_touches_an_unmapped_page():
         import random, torch
         from fakes.reference import contiguous_reference
         from kvlab.common.config import EngineConfig
-        from kvlab.common.kv_cache import BatchItem, KVShape
+        from kvlab.common.attention.metadata import BatchItem
+        from kvlab.common.kv.seam import KVShape
         from kvlab.common.sequence import Sequence
         from kvlab.vmm.backend import VMMKVCache
         torch.set_num_threads(1)

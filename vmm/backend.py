@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from kvlab.common.attention.dispatch import AttentionSpec
+from kvlab.common.attention.metadata import BatchItem, ContiguousMetadata, base_metadata
 from kvlab.common.errors import OutOfKVCache, RequestError
-from kvlab.common.kernel_spec import AttentionSpec
-from kvlab.common.kv_cache import BatchItem, CacheStats, ContiguousMetadata, KVCache, KVShape, base_metadata
+from kvlab.common.kv.seam import CacheStats, KVCache, KVShape
 from kvlab.vmm.geometry import make_driver, make_geometry
 from kvlab.vmm.mapper import BackgroundMapper
 from kvlab.vmm.page_pool import PagePool
@@ -77,7 +78,7 @@ class VMMKVCache(KVCache):
         self.dispatcher = None
         if not self.accounting_only:
             self.tensors.make_views()
-            from kvlab.common.kernels import make_dispatcher
+            from kvlab.common.attention.kernels import make_dispatcher
             spec = AttentionSpec(layout="contiguous", device=self.shape.device, dtype=self.shape.dtype,
                                  head_dim=self.shape.head_dim, num_q_heads=self.shape.num_q_heads,
                                  num_kv_heads=self.shape.num_kv_heads)

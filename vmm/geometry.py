@@ -15,7 +15,7 @@ from kvlab.vmm.driver import VirtualMemory
 
 if TYPE_CHECKING:
     from kvlab.common.config import EngineConfig
-    from kvlab.common.kv_cache import KVShape
+    from kvlab.common.kv.seam import KVShape
 
 
 @dataclass(frozen=True, slots=True)

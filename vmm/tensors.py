@@ -12,7 +12,7 @@ import torch
 from kvlab.vmm.driver import Region, VirtualMemory
 
 if TYPE_CHECKING:
-    from kvlab.common.kv_cache import KVShape
+    from kvlab.common.kv.seam import KVShape
     from kvlab.vmm.geometry import Geometry
     from kvlab.vmm.slots import Slot
 

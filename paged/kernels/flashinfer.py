@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from kvlab.common.kv_cache import PagedMetadata, kernel_workspace
+from kvlab.common.attention.metadata import PagedMetadata, kernel_workspace
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 CUDA_CORE_DECODE_GROUPS = (1, 2, 3, 4, 6, 8)

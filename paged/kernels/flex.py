@@ -9,7 +9,7 @@ materialises scores over the whole pool: correct, for tests and small pools only
 from __future__ import annotations
 
 import torch
-from kvlab.common.kv_cache import PagedMetadata, kernel_workspace
+from kvlab.common.attention.metadata import PagedMetadata, kernel_workspace
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 MASK_BLOCK = 128

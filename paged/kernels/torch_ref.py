@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from kvlab.common.kv_cache import PagedMetadata, kernel_workspace
+from kvlab.common.attention.metadata import PagedMetadata, kernel_workspace
 
 
 class GatherBuffer:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from kvlab.common.kv_cache import PagedMetadata
+from kvlab.common.attention.metadata import PagedMetadata
 
 TILE_N = 32          # keys per inner iteration
 PREFILL_ROWS = 64    # target query rows (tokens x group heads) per prefill program

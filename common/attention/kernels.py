@@ -38,8 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from kvlab.common.errors import KernelUnavailable
-from kvlab.common.kernel_spec import (
+from kvlab.common.attention.dispatch import (
     PHASES,
     AttentionSpec,
     KernelDecl,
@@ -48,6 +47,7 @@ from kvlab.common.kernel_spec import (
     build_dispatcher,
     package_available,
 )
+from kvlab.common.errors import KernelUnavailable
 
 log = logging.getLogger("kvlab.kernels")
 
@@ -194,10 +194,10 @@ def registry(env: Environment = HERE) -> list[KernelDecl]:
     """One declaration per kernel; `env` says which packages count as installed (None: this process)."""
     installed = env.installed
     return [
-        KernelDecl("torch_sdpa_contiguous", "contiguous", "kvlab.vmm.kernels:contiguous_attention_sdpa",
+        KernelDecl("torch_sdpa_contiguous", "contiguous", "kvlab.common.attention.contiguous:contiguous_attention_sdpa",
                    description="torch SDPA over per-slot views of the contiguous cache", check=torch_rules),
         KernelDecl("flash_attn_contiguous", "contiguous",
-                   "kvlab.vmm.flash_attn_adapter:contiguous_attention_flash_attn",
+                   "kvlab.common.attention.flash_attn_contiguous:contiguous_attention_flash_attn",
                    package="flash_attn", installed=installed, check=flash_attn_rules,
                    description="flash_attn_with_kvcache(cache_batch_idx=..., block_table=None)"),
         KernelDecl("torch_paged", "paged", "kvlab.paged.kernels.torch_ref:paged_attention_torch",

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from kvlab.common.attention.metadata import ContiguousMetadata, kernel_workspace
 from kvlab.common.errors import RequestError
-from kvlab.common.kv_cache import ContiguousMetadata, kernel_workspace
 
 log = logging.getLogger("kvlab.vmm")
 

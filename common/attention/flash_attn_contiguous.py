@@ -5,7 +5,7 @@ reads only K[slot, :context_len] (bottom-right causal alignment = positions star
 from __future__ import annotations
 
 import torch
-from kvlab.common.kv_cache import ContiguousMetadata
+from kvlab.common.attention.metadata import ContiguousMetadata
 
 
 def contiguous_attention_flash_attn(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
