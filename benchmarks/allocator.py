@@ -101,25 +101,24 @@ def measure_pair(first, second, repeats: int, timed_first: bool = True) -> Timin
 
 def growth_rows(settings: Settings) -> list[Result]:
     """can_allocate + allocate one token further, 16 sequences growing from 128 tokens to 128 + steps."""
-    from kvlab.common.config import EngineConfig
+    from kvlab.common.config import EngineConfig, make_config
     from kvlab.common.kv.seam import KVShape, create_cache
     from kvlab.common.sequence import Sequence
     shape = KVShape(num_layers=4, num_kv_heads=2, head_dim=64, num_q_heads=4)
     steps = 64 if settings.quick else 1024
     rows = []
     for backend in ("paged", "vmm"):
-        config = EngineConfig(backend=backend, max_num_seqs=16, max_model_len=2048, kv_cache_bytes=2**28)
+        config = make_config(backend=backend, max_num_seqs=16, max_model_len=2048, kv_cache_bytes=2**28)
 
         def grow(config: EngineConfig = config) -> None:
-            cache = create_cache(config, shape, accounting_only=True)
+            cache = create_cache(config, shape, accounting_only=True).allocator
             seqs = [Sequence(i, str(i), [1] * 128, steps) for i in range(16)]
             for s in seqs:
                 cache.allocate(s, 128)
                 s.num_computed_tokens = 128
             for n in range(129, 129 + steps):
                 for s in seqs:
-                    if cache.can_allocate(s, n):
-                        cache.allocate(s, n)
+                    cache.allocate(s, n)
                     s.num_computed_tokens = n
             cache.close()
         t = measure(grow, settings.repeats)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from kvlab.benchmarks.harness import Goal, Result, Settings, Timing, interleaved, ratio, timing_detail
 from kvlab.common.attention.metadata import AttentionMetadata, BatchItem
-from kvlab.common.config import EngineConfig
+from kvlab.common.config import make_config
 from kvlab.common.kv.seam import KVCache, KVShape, create_cache
 from kvlab.common.sequence import Sequence
 
@@ -51,7 +51,7 @@ def cases_for(settings: Settings) -> list[Case]:
 
 def make_cache(backend: str, case: Case, kernel: str = "auto") -> KVCache:
     per_seq = -(-case.context // 1024) * 1024 * SHAPE.bytes_per_token
-    config = EngineConfig(backend=backend, block_size=BLOCK_SIZE, page_size=PAGE_SIZE, max_num_seqs=case.batch,
+    config = make_config(backend=backend, block_size=BLOCK_SIZE, page_size=PAGE_SIZE, max_num_seqs=case.batch,
                           max_model_len=max(case.context, 1024), kv_cache_bytes=case.batch * per_seq + 2**22,
                           max_num_batched_tokens=max(2048, case.batch), kernel=kernel)
     return create_cache(config, SHAPE)
@@ -68,7 +68,7 @@ def fill(cache: KVCache, case: Case, kv: list[tuple[torch.Tensor, torch.Tensor]]
     items = []
     for i, (ctx, (k, v)) in enumerate(zip(case.contexts(), kv)):
         seq = Sequence(i, str(i), [1] * ctx, 1)
-        cache.allocate(seq, ctx)
+        cache.allocator.allocate(seq, ctx)
         seq.num_computed_tokens = ctx - 1
         write_context(cache, seq, k, v)
         items.append(BatchItem(seq, ctx - 1, 1))
@@ -77,14 +77,14 @@ def fill(cache: KVCache, case: Case, kv: list[tuple[torch.Tensor, torch.Tensor]]
 
 def write_context(cache: KVCache, seq: Sequence, k: torch.Tensor, v: torch.Tensor) -> None:
     """Write K/V at positions [0, len) where the cache's own prefill metadata says they go."""
-    meta = cache.prepare([BatchItem(seq, 0, k.shape[0])])
+    meta = cache.storage.prepare([BatchItem(seq, 0, k.shape[0])])
     if cache.name == "vmm":
         slot = int(meta.slots[0])
-        cache.k_caches[0][slot, :k.shape[0]].copy_(k)
-        cache.v_caches[0][slot, :v.shape[0]].copy_(v)
+        cache.storage.k_caches[0][slot, :k.shape[0]].copy_(k)
+        cache.storage.v_caches[0][slot, :v.shape[0]].copy_(v)
     else:
-        cache.k_caches[0].view(-1, *k.shape[1:]).index_copy_(0, meta.slot_mapping, k)
-        cache.v_caches[0].view(-1, *v.shape[1:]).index_copy_(0, meta.slot_mapping, v)
+        cache.storage.k_caches[0].view(-1, *k.shape[1:]).index_copy_(0, meta.slot_mapping, k)
+        cache.storage.v_caches[0].view(-1, *v.shape[1:]).index_copy_(0, meta.slot_mapping, v)
 
 
 @dataclass(slots=True)
@@ -98,7 +98,7 @@ class Bench:
     meta: AttentionMetadata
 
     def step(self) -> torch.Tensor:
-        return self.cache.attention(0, self.q, self.k, self.v, self.meta, SHAPE.head_dim ** -0.5)
+        return self.cache.storage.attention(0, self.q, self.k, self.v, self.meta, SHAPE.head_dim ** -0.5)
 
 
 def make_bench(backend: str, case: Case, seed: int, kernel: str = "auto") -> Bench:
@@ -108,7 +108,7 @@ def make_bench(backend: str, case: Case, seed: int, kernel: str = "auto") -> Ben
     q = torch.randn(case.batch, SHAPE.num_q_heads, SHAPE.head_dim, generator=g)
     k = torch.randn(case.batch, SHAPE.num_kv_heads, SHAPE.head_dim, generator=g)
     v = torch.randn(case.batch, SHAPE.num_kv_heads, SHAPE.head_dim, generator=g)
-    return Bench(cache, items, q, k, v, cache.prepare(items))
+    return Bench(cache, items, q, k, v, cache.storage.prepare(items))
 
 
 def timed(fn, inner: int):

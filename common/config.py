@@ -1,37 +1,37 @@
-"""Engine configuration: dataclasses, TOML loading, keyword/CLI overrides, validation."""
+"""Engine configuration: dataclasses, TOML loading, keyword/CLI overrides, validation.
+
+Generic settings live in EngineConfig; each backend's own settings live in its options dataclass (declared by
+its spec, found through the registry) under `EngineConfig.options[backend]`. TOML gives them as tables
+(`[paged]`, `[vmm]`, `[reserve]`); flat keys (`block_size = 32`, `--block-size 32`, `LLM(block_size=32)`)
+still work and go to the backend that declares them.
+"""
 from __future__ import annotations
 
 import dataclasses
-import math
-import mmap
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from kvlab.common.errors import ConfigError
+from kvlab.common.kv.options import check_choice, check_positive, check_types
+from kvlab.common.kv.registry import REGISTRY
 
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-BACKENDS = ("paged", "vmm", "reserve")
 PREEMPTION_MODES = ("recompute", "swap")
-RESERVE_MODES = ("max", "oracle")
 DTYPES = ("float32", "float16", "bfloat16")
-HOST_PAGE = mmap.PAGESIZE
 
 
 @dataclass(slots=True)
 class EngineConfig:
     model: str = "tiny"                  # preset name, HF directory, or .gguf file
-    backend: str = "paged"               # paged | vmm | reserve
-    block_size: int = 16                 # tokens per block (paged)
-    page_size: int = 64 * 1024           # bytes per physical page (vmm)
+    backend: str = "paged"               # a registered backend: paged | vmm | reserve
     kv_cache_bytes: int = 64 * 1024**2   # the KV budget, all layers, K and V
     watermark: float = 0.01              # fraction of capacity kept free at admission
     preemption_mode: str = "recompute"   # recompute | swap
-    reserve_mode: str = "max"            # max | oracle (reserve backend)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 1024
@@ -41,82 +41,126 @@ class EngineConfig:
     seed: int = 0
     threads: int = 0                     # torch threads; 0 = leave torch's default
     enable_prefix_caching: bool = False
-    background_mapping: bool = False     # vmm: map ahead of need on a worker thread
-    vmm_single_range: bool = False       # vmm: one reserved range for all 2L tensors instead of one each
     check_invariants: bool = False       # debug: verify mapped coverage before every kernel call
+    options: dict[str, Any] = field(default_factory=dict)   # backend name -> its options dataclass
 
     def __post_init__(self) -> None:
+        for spec in REGISTRY.specs():
+            self.options.setdefault(spec.name, spec.default_options())
         validate(self)
 
+    def options_of(self, backend: str) -> Any:
+        """The options dataclass of `backend` (its defaults if it registered after this config was made)."""
+        if backend not in self.options:
+            self.options[backend] = REGISTRY.get(backend).default_options()
+        return self.options[backend]
+
+    def __getattr__(self, name: str) -> Any:
+        """Flat reads of backend options (`config.block_size`) keep working: the owning backend's value."""
+        owner = REGISTRY.option_owner().get(name)
+        if owner is None or name.startswith("_"):
+            raise AttributeError(f"'EngineConfig' object has no attribute {name!r}")
+        return getattr(self.options_of(owner), name)
+
+    @property
+    def backend_options(self) -> Any:
+        return self.options_of(self.backend)
+
     def replace(self, **overrides: Any) -> EngineConfig:
-        unknown = set(overrides) - {f.name for f in fields(self)}
-        if unknown:
-            raise ConfigError(f"unknown config key(s): {', '.join(sorted(unknown))}")
-        return dataclasses.replace(self, **overrides)
+        """A copy with generic and flat backend keys changed (the options of other backends are copied)."""
+        generic, per_backend = split_overrides(overrides)
+        options = {name: dataclasses.replace(opts, **per_backend.pop(name, {}))
+                   for name, opts in self.options.items()}
+        for name, values in per_backend.items():
+            options[name] = REGISTRY.get(name).options(**values)
+        return dataclasses.replace(self, **generic, options=options)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-def _check_positive(cfg: EngineConfig, *names: str) -> None:
-    for name in names:
-        value = getattr(cfg, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-
-
-def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(f"unknown {name} {value!r}; choose one of: {', '.join(choices)}")
+        """Generic keys at top level, each backend's options as a nested table."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "options"}
+        out.update({name: dataclasses.asdict(opts) for name, opts in self.options.items()})
+        return out
 
 
 def validate(cfg: EngineConfig) -> None:
-    _check_positive(cfg, "block_size", "page_size", "kv_cache_bytes", "max_num_seqs",
-                    "max_num_batched_tokens", "max_model_len")
-    _check_choice("backend", cfg.backend, BACKENDS)
-    _check_choice("preemption_mode", cfg.preemption_mode, PREEMPTION_MODES)
-    _check_choice("reserve_mode", cfg.reserve_mode, RESERVE_MODES)
-    _check_choice("dtype", cfg.dtype, DTYPES)
-    if cfg.page_size % HOST_PAGE:
-        raise ConfigError(f"page_size {cfg.page_size} is not a multiple of the host page size {HOST_PAGE}")
-    if not (isinstance(cfg.watermark, (int, float)) and 0.0 <= cfg.watermark < 1.0) or math.isnan(cfg.watermark):
+    check_positive(cfg, "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
+    check_types(cfg)
+    if cfg.backend not in REGISTRY.names():
+        raise ConfigError(f"unknown backend {cfg.backend!r}; choose one of: {', '.join(REGISTRY.names())}")
+    check_choice("preemption_mode", cfg.preemption_mode, PREEMPTION_MODES)
+    check_choice("dtype", cfg.dtype, DTYPES)
+    if not 0.0 <= cfg.watermark < 1.0:
         raise ConfigError(f"watermark must be a fraction in [0, 1), got {cfg.watermark!r}")
     if not cfg.device.startswith(("cpu", "cuda")):
         raise ConfigError(f"unknown device {cfg.device!r}; use cpu or cuda[:N]")
-    if not isinstance(cfg.vmm_single_range, bool):
-        raise ConfigError(f"vmm_single_range must be true or false, got {cfg.vmm_single_range!r}")
-    if not isinstance(cfg.threads, int) or cfg.threads < 0:
+    if cfg.threads < 0:
         raise ConfigError(f"threads must be >= 0 (0 keeps torch's default), got {cfg.threads!r}")
     if cfg.max_num_batched_tokens < cfg.max_num_seqs:
         raise ConfigError(f"max_num_batched_tokens ({cfg.max_num_batched_tokens}) must be >= max_num_seqs "
                           f"({cfg.max_num_seqs}) so every running sequence can decode in one step")
+    for opts in cfg.options.values():
+        opts.validate()
+
+
+def split_overrides(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """Generic keys, and flat or tabled backend keys grouped by backend. Unknown keys are one error."""
+    generic_names = {f.name for f in fields(EngineConfig)} - {"options"}
+    owner = REGISTRY.option_owner()
+    generic: dict[str, Any] = {}
+    per_backend: dict[str, dict[str, Any]] = {}
+    unknown = []
+    for key, value in values.items():
+        if key in generic_names:
+            generic[key] = value
+        elif key in owner:
+            per_backend.setdefault(owner[key], {})[key] = value
+        elif key in REGISTRY.names() and isinstance(value, dict):
+            per_backend.setdefault(key, {}).update(value)
+        else:
+            unknown.append(key)
+    for name, table in per_backend.items():
+        known = {f.name for f in fields(REGISTRY.get(name).options)}
+        unknown += [f"{name}.{k}" for k in table if k not in known]
+    if unknown:
+        raise ConfigError(f"unknown config key(s): {', '.join(sorted(unknown))}")
+    return generic, per_backend
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
-    """Read a TOML file; keys may sit at top level or under an [engine] table."""
+    """Read a TOML file; generic keys may sit at top level or under an [engine] table, backend options under
+    their backend's table ([paged], [vmm], [reserve]) or flat."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path} is not UTF-8 text") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
-    return dict(data.get("engine", data))
+    values = dict(data.pop("engine", {}))
+    values.update(data)
+    return values
 
 
 def make_config(config_file: str | Path | None = None, **overrides: Any) -> EngineConfig:
     """Defaults < TOML file < keyword overrides (None values are ignored, as from unset CLI flags)."""
     values: dict[str, Any] = load_toml(config_file) if config_file else {}
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    known = {f.name for f in fields(EngineConfig)}
-    unknown = set(values) - known
-    if unknown:
-        raise ConfigError(f"unknown config key(s): {', '.join(sorted(unknown))}")
-    return EngineConfig(**values)
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        if isinstance(value, dict) and isinstance(values.get(key), dict):
+            values[key] = {**values[key], **value}
+        else:
+            values[key] = value
+    generic, per_backend = split_overrides(values)
+    options = {name: REGISTRY.get(name).options(**table) for name, table in per_backend.items()}
+    return EngineConfig(**generic, options=options)
 
 
 def config_fields() -> list[dataclasses.Field]:
-    return list(fields(EngineConfig))
+    """The generic fields (backend options are in each spec's options dataclass)."""
+    return [f for f in fields(EngineConfig) if f.name != "options"]
 
 
-__all__ = ["BACKENDS", "HOST_PAGE", "EngineConfig", "config_fields", "load_toml", "make_config", "validate"]
+__all__ = ["EngineConfig", "config_fields", "load_toml", "make_config", "split_overrides", "validate"]

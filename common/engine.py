@@ -42,7 +42,7 @@ class Engine:
         self.runner = runner
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self.scheduler = Scheduler(config, cache, eos_token_ids)
+        self.scheduler = Scheduler(config, cache.allocator, eos_token_ids)
         self.recorder = MetricsRecorder(cache, timeline_every)
         self._ids = itertools.count()
         self._closed = False
@@ -52,7 +52,7 @@ class Engine:
         """Real cache + TorchRunner around an already built model."""
         from kvlab.common.runner import TorchRunner
         cache = create_cache(config, model.kv_shape(config.dtype, config.device))
-        runner = TorchRunner(model, cache, seed=config.seed, max_model_len=config.max_model_len)
+        runner = TorchRunner(model, cache.storage, seed=config.seed, max_model_len=config.max_model_len)
         c = model.config
         return cls(config, cache, runner, tokenizer, c.eos_token_ids, c.vocab_size, **kwargs)
 

@@ -40,7 +40,7 @@ from kvlab.common.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
     from kvlab.common.config import EngineConfig
-    from kvlab.common.kv.seam import KVCache
+    from kvlab.common.kv.seam import Allocator
 
 log = logging.getLogger("kvlab.scheduler")
 
@@ -49,7 +49,7 @@ RUNNING, WAITING, SWAPPED, FINISHED = (SequenceStatus.RUNNING, SequenceStatus.WA
 
 
 class Scheduler(PostprocessMixin):
-    def __init__(self, config: EngineConfig, cache: KVCache, eos_token_ids: tuple[int, ...] = ()) -> None:
+    def __init__(self, config: EngineConfig, cache: Allocator, eos_token_ids: tuple[int, ...] = ()) -> None:
         self.config = config
         self.cache = cache
         self.eos = frozenset(eos_token_ids)
@@ -160,11 +160,10 @@ class Scheduler(PostprocessMixin):
                 continue
             n = min(n, budget)
             target = seq.num_computed_tokens + n
-            if not cache.can_allocate(seq, target):
+            if cache.allocate(seq, target) is None:
                 i -= self._make_room(seq, target, i, out)
                 if seq.status is not RUNNING:
                     continue
-            cache.allocate(seq, target)
             self._add_item(out, seq, seq.num_computed_tokens, n)
             budget -= n
             i += 1
@@ -172,10 +171,10 @@ class Scheduler(PostprocessMixin):
 
     def _make_room(self, seq: Sequence, target: int, i: int, out: SchedulerOutput) -> int:
         """Release idle beams (newest first), then preempt the newest running sequence until `seq` can grow to
-        `target` or is itself preempted; alone, it fails. Returns how many removed sequences sat before index
+        `target` (allocating it) or is itself preempted; alone, it fails. Returns how many removed sequences sat before index
         i (already handled this step)."""
         removed_before = 0
-        while not self.cache.can_allocate(seq, target):
+        while self.cache.allocate(seq, target) is None:
             idle = self._newest_idle_beam()
             victim = idle if idle is not None else self.running[-1]
             if victim is seq and len(self.running) == 1:
@@ -199,16 +198,14 @@ class Scheduler(PostprocessMixin):
             req = self.req_of[seq.seq_id]
             if not self._has_slots(req):
                 break
-            if not cache.can_swap_in(seq, self._watermark(req)):
+            if not cache.swap_in(seq, self._watermark(req)):
                 break
-            cache.swap_in(seq)
             self.swapped.popleft()
             self._enter_running(seq, req)
             out.swapped_in.append(seq)
             self.stats.swap_ins += 1
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if n > 0 and cache.can_allocate(seq, seq.num_computed_tokens + n):
-                cache.allocate(seq, seq.num_computed_tokens + n)
+            if n > 0 and cache.allocate(seq, seq.num_computed_tokens + n) is not None:
                 self._add_item(out, seq, seq.num_computed_tokens, n)
                 budget -= n
         return budget
@@ -223,9 +220,9 @@ class Scheduler(PostprocessMixin):
             if not self._has_slots(req):
                 break
             target = seq.num_computed_tokens + min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not cache.can_allocate(seq, target, self._watermark(req)):
+            hit = cache.allocate(seq, target, self._watermark(req))
+            if hit is None:
                 break
-            hit = cache.allocate(seq, target)
             self.waiting.remove(seq)                 # the head, unless parked beams precede it
             self._enter_running(seq, req)
             if hit:
@@ -233,9 +230,8 @@ class Scheduler(PostprocessMixin):
             start = seq.num_computed_tokens
             if target <= start:              # the prefix hit covered this chunk: take the next one
                 target = start + min(seq.num_tokens - start, budget)
-                if not cache.can_allocate(seq, target):
+                if cache.allocate(seq, target) is None:
                     continue
-                cache.allocate(seq, target)
             self._add_item(out, seq, start, target - start)
             budget -= target - start
 

@@ -112,7 +112,8 @@ def run_perf_suite(args: argparse.Namespace) -> int:
 # -- plan -----------------------------------------------------------------------------------------------------
 
 def check_args(args: argparse.Namespace) -> None:
-    from kvlab.common.config import BACKENDS
+    from kvlab.common.kv.registry import backend_names
+    BACKENDS = backend_names()
     unknown = [b for b in args.backends if b not in BACKENDS]
     if unknown:
         raise ConfigError(f"unknown backend(s) {', '.join(unknown)}; choose from: {', '.join(BACKENDS)}")
@@ -138,11 +139,13 @@ def make_plan(args: argparse.Namespace, model: Any) -> BenchPlan:
 
 
 def backend_defaults(args: argparse.Namespace, backend: str) -> dict[str, Any]:
-    """The reserve baseline holds its final (maximum) length from admission, so it never needs growth room:
-    without an explicit --watermark it runs with none (as in the simulator), instead of losing a sequence."""
+    """A backend to which the growth watermark does not apply (the reserve baseline holds its final length
+    from admission) runs without one unless --watermark says otherwise (as in the simulator), instead of
+    losing a sequence."""
     from kvlab.common.config import load_toml
+    from kvlab.common.kv.registry import get_backend
     given = args.watermark is not None or (args.config and "watermark" in load_toml(args.config))
-    return {"watermark": 0.0} if backend == "reserve" and not given else {}
+    return {"watermark": 0.0} if not get_backend(backend).watermark and not given else {}
 
 
 def bench_defaults(args: argparse.Namespace, probe: EngineConfig, shape: Any, max_len: int) -> dict[str, Any]:
@@ -158,7 +161,7 @@ def bench_defaults(args: argparse.Namespace, probe: EngineConfig, shape: Any, ma
         "threads": 1,
     }
     if "page_size" not in given:     # same grain as the paged blocks: compare mechanisms, not granularity
-        grain = probe.block_size * shape.bytes_per_token_per_layer
+        grain = probe.options_of("paged").block_size * shape.bytes_per_token_per_layer
         choices["page_size"] = -(-grain // 4096) * 4096
     return {k: v for k, v in choices.items() if k not in given}
 
@@ -185,8 +188,8 @@ def describe(plan: BenchPlan, model: Any) -> str:
          f"outputs {min(o)}-{max(o)} (mean {sum(o) / len(o):.0f}), greedy, ignore_eos"),
         (f"KV budget {c.kv_cache_bytes / 2**20:.1f} MiB = {c.kv_cache_bytes // shape.bytes_per_token:,} tokens "
          f"({shape.bytes_per_token:,} B/token); reserve holds {reserve_seqs} x {c.max_model_len} tokens; "
-         f"block {c.block_size} tokens, page {c.page_size // 1024} KiB "
-         f"({c.page_size // shape.bytes_per_token_per_layer} tokens); watermark {watermarks}; "
+         f"block {c.options_of('paged').block_size} tokens, page {c.options_of('vmm').page_size // 1024} KiB "
+         f"({c.options_of('vmm').page_size // shape.bytes_per_token_per_layer} tokens); watermark {watermarks}; "
          f"preemption {c.preemption_mode}"),
     ]
     return "\n".join(lines)

@@ -125,7 +125,7 @@ def measure(config: Any, model: Any, prompts: list[list[int]], outputs: list[int
             engine.step()
             s = cache.stats()
             tpu = s.tokens_per_unit
-            alone = sum(-(-q.num_computed_tokens // tpu) for q in sched.running if cache.holds(q))
+            alone = sum(-(-q.num_computed_tokens // tpu) for q in sched.running if cache.allocator.holds(q))
             if alone:
                 held += s.used_units
                 unshared += alone

@@ -147,7 +147,7 @@ class WasteProbe:
             seq = item.seq
             if item.needs_logits and seq.num_output_tokens + 1 >= seq.max_tokens:
                 end = item.context_len
-                self.waste.append(held_capacity(self.cache, seq, end, self.max_len) - end)
+                self.waste.append(held_capacity(self.cache.allocator, seq, end, self.max_len) - end)
         return self.runner.execute(out)
 
 

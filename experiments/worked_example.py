@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvlab.common.config import make_config
-from kvlab.common.kv.seam import KVCache, create_cache
+from kvlab.common.kv.seam import Allocator, create_cache
 from kvlab.common.sequence import Sequence
 from kvlab.experiments.report import table
 from kvlab.experiments.roofline import model_spec
@@ -34,32 +34,31 @@ class Figure:
         return self.show(self.ours) == self.show(self.article)
 
 
-def _cache(backend: str, budget: int = BUDGET) -> KVCache:
+def _cache(backend: str, budget: int = BUDGET) -> Allocator:
     config = make_config(backend=backend, block_size=BLOCK, kv_cache_bytes=budget, max_model_len=MAX_LEN,
                          max_num_seqs=MAX_LEN, max_num_batched_tokens=MAX_LEN, dtype="bfloat16",
                          reserve_mode="max", watermark=0.0)
-    return create_cache(config, model_spec("llama3-8b").kv_shape(), accounting_only=True)
+    return create_cache(config, model_spec("llama3-8b").kv_shape(), accounting_only=True).allocator
 
 
-def _hold(cache: KVCache, lengths: tuple[int, ...], first_id: int = 0) -> list[Sequence]:
+def _hold(cache: Allocator, lengths: tuple[int, ...], first_id: int = 0) -> list[Sequence]:
     seqs = [Sequence(first_id + i, f"ex{first_id + i}", [0] * n, max_tokens=1) for i, n in enumerate(lengths)]
     for s in seqs:
         cache.allocate(s, s.num_tokens)
     return seqs
 
 
-def _fill(cache: KVCache, lengths: tuple[int, ...]) -> int:
+def _fill(cache: Allocator, lengths: tuple[int, ...]) -> int:
     """How many sequences, cycling through `lengths`, fit before the cache refuses the next one."""
     count = 0
     while True:
         seq = Sequence(count, f"fill{count}", [0] * lengths[count % len(lengths)], max_tokens=1)
-        if not cache.can_allocate(seq, seq.num_tokens):
+        if cache.allocate(seq, seq.num_tokens) is None:
             return count
-        cache.allocate(seq, seq.num_tokens)
         count += 1
 
 
-def _utilization(cache: KVCache) -> tuple[float, int, int]:
+def _utilization(cache: Allocator) -> tuple[float, int, int]:
     s = cache.stats()
     return s.live_tokens / s.allocated_token_slots, s.allocated_token_slots, s.used_units
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from kvlab.common.attention.metadata import BatchItem, PagedMetadata, base_metadata
 from kvlab.common.errors import ConfigError, OutOfKVCache
-from kvlab.common.kv.seam import CacheStats, KVCache, KVShape
+from kvlab.common.kv.seam import Allocator, CacheStats, KVCache, KVShape, Storage
 from kvlab.paged.block_pool import BlockPool, BlockPoolError
 from kvlab.paged.prefix_cache import PrefixCache, chain_keys
 
@@ -49,14 +49,14 @@ def _timed(method: Callable) -> Callable:
     return wrapper
 
 
-class PagedKVCache(KVCache):
+class PagedKVCache(Allocator, Storage):
     name = "paged"
     unit_name = "block"
 
     def __init__(self, config: EngineConfig, shape: KVShape, accounting_only: bool = False) -> None:
-        super().__init__(config, shape, accounting_only)
-        self.block_size = self.tokens_per_unit = config.block_size
-        self.block_bytes = config.block_size * shape.bytes_per_token
+        self.config, self.shape, self.accounting_only = config, shape, accounting_only
+        self.block_size = self.tokens_per_unit = config.options_of("paged").block_size
+        self.block_bytes = self.block_size * shape.bytes_per_token
         num_blocks = config.kv_cache_bytes // self.block_bytes
         if num_blocks == 0:
             raise ConfigError(f"kv_cache_bytes {config.kv_cache_bytes} is smaller than one block "
@@ -133,7 +133,7 @@ class PagedKVCache(KVCache):
 
     # -- lifecycle ------------------------------------------------------------------------------------
     @_timed
-    def allocate(self, seq: Sequence, num_tokens: int) -> int:
+    def _take(self, seq: Sequence, num_tokens: int) -> int:
         entry = self.seqs.get(seq.seq_id)
         if entry is None:   # a swapped-out sequence is never in self.seqs
             if seq.seq_id in self.swapped:
@@ -252,7 +252,7 @@ class PagedKVCache(KVCache):
         self.swapped[seq.seq_id] = SwappedSeq(entry, host)
 
     @_timed
-    def swap_in(self, seq: Sequence) -> None:
+    def _swap_in(self, seq: Sequence) -> None:
         swapped = self.swapped.get(seq.seq_id)
         if swapped is None:
             raise BlockPoolError(f"cannot swap in sequence {seq.seq_id}: it is not swapped out")
@@ -355,3 +355,26 @@ class PagedKVCache(KVCache):
     def close(self) -> None:
         self.kv = None
         self.k_caches, self.v_caches = [], []
+
+    # -- the allocator contract: check and take in one call ------------------------------------------------
+    def allocate(self, seq: Sequence, num_tokens: int, reserve_units: int = 0) -> int | None:
+        if not self.can_allocate(seq, num_tokens, reserve_units):
+            return None
+        return self._take(seq, num_tokens)
+
+    def swap_in(self, seq: Sequence, reserve_units: int = 0) -> bool:
+        if not self.can_swap_in(seq, reserve_units):
+            return False
+        self._swap_in(seq)
+        return True
+
+    def can_swap_in(self, seq: Sequence, reserve_units: int = 0) -> bool:
+        return self.can_allocate(seq, seq.num_computed_tokens, reserve_units)
+
+    def snapshot(self) -> dict:
+        return {}
+
+
+def build_paged(config: EngineConfig, shape: KVShape, accounting_only: bool = False) -> KVCache:
+    cache = PagedKVCache(config, shape, accounting_only)
+    return KVCache(allocator=cache, storage=cache, shape=shape)

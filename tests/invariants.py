@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from kvlab.common.attention.metadata import BatchItem
-from kvlab.common.config import EngineConfig
+from kvlab.common.config import EngineConfig, make_config
 from kvlab.common.errors import OutOfKVCache
 from kvlab.common.kv.seam import KVCache, KVShape, create_cache
 from kvlab.common.sequence import Sequence
@@ -50,7 +50,7 @@ SIZES = {
 
 
 def backend_config(backend: str, **overrides) -> EngineConfig:
-    return EngineConfig(**{"backend": backend, **BASE, **SIZES[backend], **overrides})
+    return make_config(**{"backend": backend, **BASE, **SIZES[backend], **overrides})
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -179,6 +179,7 @@ def vmm_slot_of(cache, seq: Sequence):
 
 # -- independent structural checks ------------------------------------------------------------------------------
 def check_capacity(cache: KVCache) -> None:
+    cache = getattr(cache, "allocator", cache)
     st = cache.stats()
     assert st.free_units + st.used_units == st.total_units == cache.num_total_units(), (
         f"free {st.free_units} + used {st.used_units} != total {st.total_units}")
@@ -186,6 +187,7 @@ def check_capacity(cache: KVCache) -> None:
 
 
 def check_holds(cache: KVCache, tracked: dict[int, Tracked]) -> None:
+    cache = getattr(cache, "allocator", cache)
     for t in tracked.values():
         want = {"live": True, "waiting": False, "swapped": HOLDS_SWAPPED[cache.name]}[t.state]
         assert cache.holds(t.seq) is want, f"holds({t.seq.seq_id}) is {not want} for a {t.state} sequence"
@@ -281,6 +283,7 @@ STRUCTURE = {"paged": check_paged, "vmm": check_vmm, "reserve": check_reserve}
 
 
 def check_structure(cache: KVCache, tracked: dict[int, Tracked]) -> None:
+    cache = getattr(cache, "allocator", cache)
     cache.check_invariants()
     check_capacity(cache)
     check_holds(cache, tracked)
@@ -289,6 +292,7 @@ def check_structure(cache: KVCache, tracked: dict[int, Tracked]) -> None:
 
 def check_drained(cache: KVCache) -> None:
     """Nothing is held once every sequence is gone: no units, tables, slots, regions or host swap copies."""
+    cache = getattr(cache, "allocator", cache)
     st = cache.stats()
     assert st.used_units == 0 and st.live_tokens == 0, f"leak: {st.used_units} units, {st.live_tokens} tokens"
     assert st.free_units == st.total_units
@@ -310,6 +314,7 @@ def check_closed(cache: KVCache, threads_before: set[threading.Thread], memfd_be
     alive = kvlab_threads() - threads_before
     assert not alive, f"background threads still alive after close: {sorted(t.name for t in alive)}"
     assert memfd_mappings() <= memfd_before, "the memfd pool is still mapped or open after close"
+    cache = getattr(cache, "allocator", cache)
     if cache.name == "vmm":
         drv = cache.driver
         assert drv.closed and drv.regions == [] and drv.stats.mapped_pages == 0 and drv.stats.reserved_bytes == 0
@@ -325,7 +330,7 @@ class Workload:
         self.config = backend_config(backend, **overrides)
         self.backend = backend
         self.accounting_only = accounting_only
-        self.cache = create_cache(self.config, SHAPE, accounting_only=accounting_only)
+        self.cache = create_cache(self.config, SHAPE, accounting_only=accounting_only).allocator
         self.tracked: dict[int, Tracked] = {}
         self.ops: Counter[str] = Counter()
         self.expected = ExpectedKV(SHAPE)
@@ -354,17 +359,15 @@ class Workload:
         assert after[1] == before[1], f"a refused {what} changed which sequences the cache holds"
 
     def _allocate(self, seq: Sequence, n: int) -> int | None:
-        """allocate(seq, n), checking it agrees with can_allocate/units_needed. None when refused."""
-        can = self.cache.can_allocate(seq, n)
+        """allocate(seq, n), checking it takes exactly what units_needed said, and that a refusal (None)
+        changed nothing. None when refused."""
         need = self.cache.units_needed(seq, n)
         before = self._snapshot()
-        try:
-            hit = self.cache.allocate(seq, n)
-        except OutOfKVCache:
-            assert not can, f"allocate({seq.seq_id}, {n}) refused although can_allocate said yes"
+        hit = self.cache.allocate(seq, n)
+        if hit is None:
             self._refused(before, "allocate")
             return None
-        assert can, f"allocate({seq.seq_id}, {n}) succeeded although can_allocate said no"
+        assert need <= before[0], f"allocate({seq.seq_id}, {n}) succeeded with {need} units needed, {before[0]} free"
         used = before[0] - self.cache.num_free_units()
         assert used == need, f"allocate({seq.seq_id}, {n}) took {used} units, units_needed said {need}"
         return hit
@@ -493,15 +496,10 @@ class Workload:
     def swap_in(self, sid: int) -> None:
         self.ops["swap_in"] += 1
         seq = self.seq(sid)
-        can = self.cache.can_swap_in(seq)
         before = self._snapshot()
-        try:
-            self.cache.swap_in(seq)
-        except OutOfKVCache:
-            assert not can, f"swap_in({sid}) refused although can_swap_in said yes"
+        if not self.cache.swap_in(seq):
             self._refused(before, "swap_in")
             return
-        assert can, f"swap_in({sid}) succeeded although can_swap_in said no"
         self.tracked[sid].state = "live"
 
     def preempt(self, sid: int) -> None:

@@ -18,7 +18,7 @@ import pytest
 import torch
 from fakes.fake_cuda_driver import FakeCudaDriver
 from invariants import one_torch_thread  # noqa: F401 - module fixture
-from kvlab.common.config import EngineConfig, make_config
+from kvlab.common.config import make_config
 from kvlab.common.errors import ConfigError, DriverError, KernelUnavailable, ModelLoadError, RequestError
 from kvlab.common.kv.seam import KVShape, create_cache
 from kvlab.common.llm import LLM
@@ -189,33 +189,33 @@ BIG_TOKEN_SHAPE = KVShape(num_layers=1, num_kv_heads=8, head_dim=256, num_q_head
 
 
 def nan_watermark():
-    EngineConfig(watermark=math.nan)
+    make_config(watermark=math.nan)
 
 
 API_CASES = [
-    ("zero KV budget", lambda f: EngineConfig(kv_cache_bytes=0), ConfigError, ["kv_cache_bytes must be a positive"]),
-    ("negative max_num_seqs", lambda f: EngineConfig(max_num_seqs=-2), ConfigError,
+    ("zero KV budget", lambda f: make_config(kv_cache_bytes=0), ConfigError, ["kv_cache_bytes must be a positive"]),
+    ("negative max_num_seqs", lambda f: make_config(max_num_seqs=-2), ConfigError,
      ["max_num_seqs must be a positive integer, got -2"]),
-    ("bool as a size", lambda f: EngineConfig(block_size=True), ConfigError, ["block_size must be a positive"]),
-    ("page not a multiple of the OS page", lambda f: EngineConfig(page_size=5000), ConfigError,
+    ("bool as a size", lambda f: make_config(block_size=True), ConfigError, ["block_size must be a positive"]),
+    ("page not a multiple of the OS page", lambda f: make_config(page_size=5000), ConfigError,
      ["not a multiple of the host page size"]),
     ("NaN watermark", lambda f: nan_watermark(), ConfigError, ["watermark must be a fraction in [0, 1)"]),
     ("unknown config key", lambda f: make_config(blocksize=16), ConfigError, ["unknown config key(s): blocksize"]),
-    ("unknown key in replace", lambda f: EngineConfig().replace(pagesize=4096), ConfigError,
+    ("unknown key in replace", lambda f: make_config().replace(pagesize=4096), ConfigError,
      ["unknown config key(s): pagesize"]),
-    ("conflicting keys", lambda f: EngineConfig(max_num_seqs=64, max_num_batched_tokens=32), ConfigError,
+    ("conflicting keys", lambda f: make_config(max_num_seqs=64, max_num_batched_tokens=32), ConfigError,
      ["must be >= max_num_seqs"]),
-    ("unknown backend", lambda f: EngineConfig(backend="vllm"), ConfigError, ["unknown backend 'vllm'"]),
+    ("unknown backend", lambda f: make_config(backend="vllm"), ConfigError, ["unknown backend 'vllm'"]),
     ("host driver page not a multiple of the OS page", lambda f: _host_driver(5000), DriverError,
      ["page_size 5000 is not a positive multiple of the OS page"]),
     ("vmm page smaller than one token", lambda f: create_cache(
-        EngineConfig(backend="vmm", page_size=4096), BIG_TOKEN_SHAPE, accounting_only=True), ConfigError,
+        make_config(backend="vmm", page_size=4096), BIG_TOKEN_SHAPE, accounting_only=True), ConfigError,
      ["page_size 4096 B is smaller than one token's K for one layer (8192 B)"]),
     ("paged budget below one block", lambda f: create_cache(
-        EngineConfig(backend="paged", kv_cache_bytes=4096, block_size=16), SHAPE, accounting_only=True),
+        make_config(backend="paged", kv_cache_bytes=4096, block_size=16), SHAPE, accounting_only=True),
      ConfigError, ["smaller than one block"]),
     ("vmm budget below one page group", lambda f: create_cache(
-        EngineConfig(backend="vmm", kv_cache_bytes=4096, page_size=4096), SHAPE, accounting_only=True),
+        make_config(backend="vmm", kv_cache_bytes=4096, page_size=4096), SHAPE, accounting_only=True),
      ConfigError, ["holds no page group"]),
     ("unknown preset", lambda f: load_model("gpt-5"), ModelLoadError, ["neither a preset"]),
     ("missing GGUF", lambda f: load_model(f["corrupt.gguf"].with_name("missing.gguf")), ModelLoadError,

@@ -1,12 +1,13 @@
 import math
 
 import pytest
-from kvlab.common.config import HOST_PAGE, EngineConfig, make_config
+from kvlab.common.config import make_config
 from kvlab.common.errors import ConfigError
+from kvlab.vmm.spec import HOST_PAGE
 
 
 def test_defaults_validate():
-    cfg = EngineConfig()
+    cfg = make_config()
     assert cfg.backend == "paged" and cfg.page_size % HOST_PAGE == 0
 
 
@@ -52,5 +53,5 @@ def test_toml_errors(tmp_path):
 
 def test_replace_rejects_unknown_keys():
     with pytest.raises(ConfigError, match="unknown config key"):
-        EngineConfig().replace(nonsense=1)
-    assert EngineConfig().replace(backend="reserve").backend == "reserve"
+        make_config().replace(nonsense=1)
+    assert make_config().replace(backend="reserve").backend == "reserve"

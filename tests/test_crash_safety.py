@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from fakes.fake_cuda_driver import INVALID_VALUE, FakeCudaDriver
 from invariants import one_torch_thread  # noqa: F401 - module fixture
-from kvlab.common.config import EngineConfig
+from kvlab.common.config import make_config
 from kvlab.common.errors import DriverError, OutOfKVCache
 from kvlab.common.kv.seam import KVShape
 from kvlab.common.sequence import Sequence
@@ -52,7 +52,7 @@ CORRUPT = """
 
     backend, corruption, check = sys.argv[1], sys.argv[2], sys.argv[3] == "on"
     torch.manual_seed(0)
-    cache = create_cache(backend_config(backend, check_invariants=check), SHAPE)
+    cache = create_cache(backend_config(backend, check_invariants=check), SHAPE).allocator
     kernel_calls = []
 
     class Spy:   # counts kernel launches, delegates everything else
@@ -191,7 +191,7 @@ def test_random_workloads_never_die_by_a_signal(capsys):
 # -- the CUDA driver path under injected failures ------------------------------------------------------------------
 GRAN = 2 * 1024**2
 CUDA_SHAPE = KVShape(num_layers=1, num_kv_heads=8, head_dim=128, num_q_heads=8, dtype="float16", device="cuda")
-CUDA_CONFIG = EngineConfig(backend="vmm", device="cuda", page_size=GRAN, kv_cache_bytes=5 * 2 * GRAN,
+CUDA_CONFIG = make_config(backend="vmm", device="cuda", page_size=GRAN, kv_cache_bytes=5 * 2 * GRAN,
                            max_num_seqs=3, max_model_len=4096, max_num_batched_tokens=4096)
 RELEASE_CALLS = {"cuMemAddressFree": "reservations", "cuMemRelease": "handles",
                  "cuDevicePrimaryCtxRelease": "primary_retains"}

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from kvlab.common.attention.metadata import BatchItem
-from kvlab.common.config import EngineConfig
+from kvlab.common.config import make_config
 from kvlab.common.kv.seam import KVShape
 from kvlab.common.sequence import Sequence
 
@@ -77,7 +77,7 @@ def test_mapping_consumes_device_memory_reported_by_mem_get_info(cuda_vm):
 def vmm_cache(num_seqs: int, dtype: str):
     from kvlab.vmm.backend import VMMKVCache
     shape = KVShape(num_layers=1, num_kv_heads=2, head_dim=64, num_q_heads=4, dtype=dtype, device="cuda")
-    config = EngineConfig(backend="vmm", device="cuda", dtype=dtype, page_size=2 * MiB, max_num_seqs=num_seqs,
+    config = make_config(backend="vmm", device="cuda", dtype=dtype, page_size=2 * MiB, max_num_seqs=num_seqs,
                           max_model_len=1024, kv_cache_bytes=2 * num_seqs * 2 * 2 * MiB,
                           max_num_batched_tokens=4096)
     return VMMKVCache(config, shape)

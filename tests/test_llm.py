@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from kvlab.common.config import EngineConfig
+from kvlab.common.config import make_config
 from kvlab.common.engine import Engine
 from kvlab.common.errors import ConfigError, RequestError
 from kvlab.common.model import LlamaForCausalLM, ModelConfig
@@ -40,7 +40,7 @@ def small_engine(model, backend: str, **overrides) -> Engine:
     values = dict(backend=backend, kv_cache_bytes=1 << 20, max_model_len=32, page_size=4096, block_size=4,
                   max_num_seqs=64, max_num_batched_tokens=256, check_invariants=True, reserve_mode="oracle")
     values.update(overrides)
-    return Engine.from_model(EngineConfig(**values), model)
+    return Engine.from_model(make_config(**values), model)
 
 
 def run(engine: Engine) -> dict:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from fakes.reference import dense_attention
 from kvlab.common.attention.metadata import BatchItem
-from kvlab.common.config import EngineConfig
+from kvlab.common.config import make_config
 from kvlab.common.errors import ConfigError, OutOfKVCache
 from kvlab.common.kv.seam import KVShape, create_cache
 from kvlab.common.sequence import Sequence
@@ -24,7 +24,7 @@ BLOCK_BYTES = BLOCK * SHAPE.bytes_per_token
 
 
 def make_cache(num_blocks=16, block_size=BLOCK, accounting=False, prefix=False, **overrides) -> PagedKVCache:
-    config = EngineConfig(backend="paged", block_size=block_size, enable_prefix_caching=prefix,
+    config = make_config(backend="paged", block_size=block_size, enable_prefix_caching=prefix,
                           kv_cache_bytes=num_blocks * block_size * SHAPE.bytes_per_token, **overrides)
     return PagedKVCache(config, SHAPE, accounting_only=accounting)
 
@@ -109,14 +109,14 @@ def test_pool_is_sized_from_kv_cache_bytes():
 
 
 def test_kv_cache_bytes_below_one_block_is_a_config_error():
-    config = EngineConfig(block_size=BLOCK, kv_cache_bytes=BLOCK_BYTES - 1)
+    config = make_config(block_size=BLOCK, kv_cache_bytes=BLOCK_BYTES - 1)
     with pytest.raises(ConfigError, match="smaller than one block"):
         PagedKVCache(config, SHAPE)
 
 
 def test_accounting_mode_owns_no_tensors_and_create_cache_builds_it():
-    config = EngineConfig(backend="paged", block_size=BLOCK, kv_cache_bytes=8 * BLOCK_BYTES)
-    cache = create_cache(config, SHAPE, accounting_only=True)
+    config = make_config(backend="paged", block_size=BLOCK, kv_cache_bytes=8 * BLOCK_BYTES)
+    cache = create_cache(config, SHAPE, accounting_only=True).allocator
     assert isinstance(cache, PagedKVCache) and cache.kv is None and cache.dispatcher is None
     assert cache.kernel_report() == {}
 
@@ -453,7 +453,7 @@ def test_tiny_model_through_the_paged_cache_matches_reference_forward():
     from kvlab.common.presets import load_tiny
     model, _ = load_tiny("float32", "cpu", seed=0)
     shape = model.kv_shape()
-    cache = PagedKVCache(EngineConfig(block_size=4, kv_cache_bytes=32 * 4 * shape.bytes_per_token), shape)
+    cache = PagedKVCache(make_config(block_size=4, kv_cache_bytes=32 * 4 * shape.bytes_per_token), shape)
     a, b = Sequence(1, "a", list(range(3, 13)), 8), Sequence(2, "b", list(range(40, 47)), 8)
 
     def run(work):

@@ -38,7 +38,7 @@ from invariants import (
     memfd_mappings,
     one_torch_thread,  # noqa: F401 - the fixture applies to this module
 )
-from kvlab.common.config import EngineConfig
+from kvlab.common.config import make_config
 from kvlab.common.engine import Engine
 from kvlab.common.kv.seam import create_cache
 from kvlab.common.sampling_params import SamplingParams
@@ -229,7 +229,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.threads_before, self.memfd_before = kvlab_threads(), memfd_mappings()
-        config = EngineConfig(**{"backend": self.backend, **SCHED_BASE, **SCHED_SIZES[self.backend],
+        config = make_config(**{"backend": self.backend, **SCHED_BASE, **SCHED_SIZES[self.backend],
                                  **self.overrides})
         cache = create_cache(config, SHAPE, accounting_only=True)
         self.engine = Engine(config, cache, CheapRunner(0), eos_token_ids=(EOS,))
@@ -292,7 +292,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         check_structure(cache, tracked)
         for s in self.seen.values():
             if s.status is SequenceStatus.FINISHED:
-                assert not cache.holds(s), f"finished sequence {s.seq_id} still holds KV"
+                assert not cache.allocator.holds(s), f"finished sequence {s.seq_id} still holds KV"
         assert len(sched.running) <= self.engine.config.max_num_seqs
 
     def teardown(self):
@@ -351,7 +351,7 @@ def test_scheduler_random_add_abort_step_long(capsys):
 @pytest.mark.parametrize("backend", ["paged", "vmm"])
 def test_beam_groups_finish_when_they_cannot_share(backend):
     """Minimal case found by SchedulerMachine: two beam-search requests in a 24-block / 6-page-group cache."""
-    config = EngineConfig(**{"backend": backend, **SCHED_BASE, **SCHED_SIZES[backend]})
+    config = make_config(**{"backend": backend, **SCHED_BASE, **SCHED_SIZES[backend]})
     engine = Engine(config, create_cache(config, SHAPE, accounting_only=True), CheapRunner(0), eos_token_ids=(EOS,))
     engine.add_request([3], SamplingParams(max_tokens=1, temperature=0.8))
     engine.add_request([4], SamplingParams(beam_width=2, max_tokens=25))

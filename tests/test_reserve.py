@@ -7,17 +7,17 @@ import pytest
 import torch
 from kvlab.common.arena import Arena
 from kvlab.common.attention.metadata import BatchItem
-from kvlab.common.config import EngineConfig
+from kvlab.common.config import make_config
 from kvlab.common.errors import OutOfKVCache
 from kvlab.common.kv.seam import KVShape
-from kvlab.common.reserve_cache import ReserveKVCache
+from kvlab.common.reserve.backend import ReserveKVCache
 from kvlab.common.sequence import Sequence
 
 SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=8, num_q_heads=4)      # 256 bytes per token
 
 
 def cache(tokens: int, mode: str = "oracle", max_len: int = 64, real: bool = False) -> ReserveKVCache:
-    config = EngineConfig(backend="reserve", kv_cache_bytes=tokens * SHAPE.bytes_per_token, reserve_mode=mode,
+    config = make_config(backend="reserve", kv_cache_bytes=tokens * SHAPE.bytes_per_token, reserve_mode=mode,
                           max_model_len=max_len)
     return ReserveKVCache(config, SHAPE, accounting_only=not real)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from kvlab.common.config import EngineConfig
+from kvlab.common.config import make_config
 from kvlab.common.engine import Engine
 from kvlab.common.errors import RequestError
 from kvlab.common.kv.seam import KVShape, create_cache
@@ -21,7 +21,7 @@ def engine(backend: str = "paged", tokens: int = 256, **overrides) -> Engine:
                   page_size=4096, max_model_len=128, watermark=0.0, check_invariants=True,
                   reserve_mode="oracle")
     values.update(overrides)
-    config = EngineConfig(**values)
+    config = make_config(**values)
     cache = create_cache(config, SHAPE, accounting_only=True)
     return Engine(config, cache, RooflineRunner(RooflineCost(hardware("h100"), model_spec("tiny"))))
 
@@ -354,7 +354,7 @@ BEAM_PRESSURE = [([3], SamplingParams(max_tokens=1)),
 
 
 def serve_beams(backend: str, tokens: int, mode: str = "recompute") -> tuple[dict, Engine]:
-    config = EngineConfig(backend=backend, kv_cache_bytes=tokens * SHAPE.bytes_per_token, block_size=4,
+    config = make_config(backend=backend, kv_cache_bytes=tokens * SHAPE.bytes_per_token, block_size=4,
                           page_size=4096, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
                           watermark=0.01, reserve_mode="oracle", preemption_mode=mode, check_invariants=True)
     eng = Engine(config, create_cache(config, SHAPE, accounting_only=True), TokenHashRunner())
@@ -398,9 +398,9 @@ def test_beam_groups_that_cannot_share_finish_with_the_results_of_a_roomy_cache(
 @pytest.mark.parametrize("accounting_only", [True, False])
 def test_holds_means_kv_resident_in_the_cache(backend, accounting_only):
     """The seam: holds(seq) is True from allocate/fork/swap_in until free/swap_out; swapped out is not held."""
-    config = EngineConfig(backend=backend, kv_cache_bytes=64 * SHAPE.bytes_per_token, block_size=4,
+    config = make_config(backend=backend, kv_cache_bytes=64 * SHAPE.bytes_per_token, block_size=4,
                           page_size=4096, max_model_len=32, reserve_mode="max")
-    cache = create_cache(config, SHAPE, accounting_only=accounting_only)
+    cache = create_cache(config, SHAPE, accounting_only=accounting_only).allocator
     try:
         seq = Sequence(0, "r", list(range(10)), max_tokens=4)
         assert not cache.holds(seq)

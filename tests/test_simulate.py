@@ -63,7 +63,7 @@ def test_worked_example_matches_the_article_exactly():
     ("paged", {"block_size": 16}, 48), ("reserve", {}, 4096), ("vmm", {"page_size": 64 * 1024}, 64)])
 def test_held_capacity_uses_the_backend_accounting(backend, extra, expect):
     config = make_config(backend=backend, kv_cache_bytes=10**9, max_model_len=4096, dtype="bfloat16", **extra)
-    cache = create_cache(config, model_spec("llama3-8b").kv_shape(), accounting_only=True)
+    cache = create_cache(config, model_spec("llama3-8b").kv_shape(), accounting_only=True).allocator
     seq = Sequence(0, "a", [1] * 40, max_tokens=4)
     cache.allocate(seq, 40)
     assert held_capacity(cache, seq, 40, 4096) == expect

@@ -22,7 +22,7 @@ from invariants import (
     rss_bytes,
     settled_rss,
 )
-from kvlab.common.config import EngineConfig
+from kvlab.common.config import make_config
 from kvlab.common.engine import Engine
 from kvlab.common.kv.seam import create_cache
 from kvlab.common.sampling_params import SamplingParams
@@ -93,14 +93,14 @@ def drive(engine: Engine, num_requests: int, seed: int, max_prompt: int, max_tok
 
 
 def accounting_engine(backend: str, seed: int) -> Engine:
-    config = EngineConfig(backend=backend, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64,
+    config = make_config(backend=backend, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64,
                           watermark=0.01, **ACCOUNTING[backend])
     return Engine(config, create_cache(config, SHAPE, accounting_only=True), CheapRunner(seed), eos_token_ids=(2,),
                   timeline_every=100)
 
 
 def real_engine(backend: str, seed: int) -> Engine:
-    config = EngineConfig(model="tiny", backend=backend, kv_cache_bytes=160 * TINY_TOKEN_BYTES, max_model_len=128,
+    config = make_config(model="tiny", backend=backend, kv_cache_bytes=160 * TINY_TOKEN_BYTES, max_model_len=128,
                           max_num_seqs=8, max_num_batched_tokens=128, seed=seed, **REAL[backend])
     return Engine.from_config(config, timeline_every=100)
 

@@ -15,7 +15,7 @@ from fakes.batches import contiguous_case
 from fakes.reference import contiguous_reference
 from kvlab.common.attention.contiguous import contiguous_attention_sdpa
 from kvlab.common.attention.metadata import BatchItem
-from kvlab.common.config import EngineConfig
+from kvlab.common.config import EngineConfig, make_config
 from kvlab.common.errors import ConfigError, DriverError, OutOfKVCache, RequestError
 from kvlab.common.kv.seam import KVShape
 from kvlab.common.sequence import Sequence
@@ -32,7 +32,7 @@ TENSORS = 2 * SHAPE.num_layers
 def config(groups: int = 16, **overrides) -> EngineConfig:
     values = {"backend": "vmm", "page_size": PAGE, "kv_cache_bytes": groups * TENSORS * PAGE, "max_num_seqs": 4,
               "max_model_len": 4 * TPP, "max_num_batched_tokens": 256, "check_invariants": True}
-    return EngineConfig(**(values | overrides))
+    return make_config(**(values | overrides))
 
 
 @pytest.fixture
@@ -492,7 +492,7 @@ def test_the_kernel_never_reads_past_a_readable_length_and_unmapped_pages_fault(
         from kvlab.common.sequence import Sequence
         from kvlab.vmm.backend import VMMKVCache
         shape = KVShape(2, 2, 16, 4)
-        cache = VMMKVCache(EngineConfig(backend="vmm", page_size={PAGE}, kv_cache_bytes=64 * 4 * {PAGE},
+        cache = VMMKVCache(make_config(backend="vmm", page_size={PAGE}, kv_cache_bytes=64 * 4 * {PAGE},
                                         max_num_seqs=4, max_model_len=8 * {TPP}), shape)
         long, short, same = (Sequence(i, str(i), [0] * n, 4) for i, n in enumerate((5 * {TPP}, 3, 3)))
         items = [BatchItem(long, 0, long.num_tokens), BatchItem(short, 0, 3), BatchItem(same, 0, 3)]

@@ -14,7 +14,7 @@ from fakes.fake_cuda_driver import (
     OUT_OF_MEMORY,
     FakeCudaDriver,
 )
-from kvlab.common.config import EngineConfig
+from kvlab.common.config import make_config
 from kvlab.common.errors import DriverError
 from kvlab.common.kv.seam import KVShape
 from kvlab.common.sequence import Sequence
@@ -352,7 +352,7 @@ def test_real_bindings_without_a_gpu_raise_a_clear_error():
 
 # -- the cache drives the CUDA driver (accounting mode: no tensors, every driver call real) ---------------------
 def test_cache_growth_reclaim_and_close_through_the_cuda_driver(fake):
-    cfg = EngineConfig(backend="vmm", device="cuda", page_size=GRAN, kv_cache_bytes=4 * 4 * GRAN,
+    cfg = make_config(backend="vmm", device="cuda", page_size=GRAN, kv_cache_bytes=4 * 4 * GRAN,
                        max_num_seqs=2, max_model_len=4096, max_num_batched_tokens=4096)
     shape = KVShape(num_layers=2, num_kv_heads=8, head_dim=128, num_q_heads=8, dtype="float16", device="cuda")
     cache = VMMKVCache(cfg, shape, accounting_only=True, driver=CudaVirtualMemory(0, driver=fake))

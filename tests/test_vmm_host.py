@@ -429,12 +429,12 @@ def test_release_and_close_go_on_past_failed_unmaps():
 
 def cow_cache(driver: HostVirtualMemory):
     """A real-mode vmm cache (host memory) with a 20-token parent forked into a child: page 1 is shared."""
-    from kvlab.common.config import EngineConfig
+    from kvlab.common.config import make_config
     from kvlab.common.kv.seam import KVShape
     from kvlab.common.sequence import Sequence
     from kvlab.vmm.backend import VMMKVCache
     shape = KVShape(num_layers=2, num_kv_heads=2, head_dim=32, num_q_heads=4)      # 16 tokens per 4 KiB page
-    cache = VMMKVCache(EngineConfig(backend="vmm", page_size=4096, kv_cache_bytes=8 * 4 * 4096, max_model_len=64,
+    cache = VMMKVCache(make_config(backend="vmm", page_size=4096, kv_cache_bytes=8 * 4 * 4096, max_model_len=64,
                                     max_num_seqs=4), shape, driver=driver)
     parent = Sequence(0, "a", list(range(20)), 8)
     cache.allocate(parent, 20)

@@ -18,10 +18,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvlab.common.attention.contiguous import PLAN_KEY, RECOMPUTES_KEY, contiguous_attention_sdpa, group_decode
 from kvlab.common.attention.metadata import BatchItem, ContiguousMetadata, base_metadata
-from kvlab.common.config import EngineConfig
+from kvlab.common.config import make_config
 from kvlab.common.errors import RequestError
 from kvlab.common.kv.seam import KVShape
-from kvlab.common.reserve_cache import ReserveKVCache
+from kvlab.common.reserve.backend import ReserveKVCache
 from kvlab.common.sequence import Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -183,7 +183,7 @@ def test_non_finite_garbage_past_a_context_is_recomputed_not_returned(caplog):
 def test_reserve_metadata_bounds_reads_by_the_region():
     shape = KVShape(num_layers=1, num_kv_heads=2, head_dim=16, num_q_heads=4)
     for mode, expected in (("max", [64, 64, 64]), ("oracle", [13, 30, 60])):
-        cache = ReserveKVCache(EngineConfig(backend="reserve", reserve_mode=mode, max_model_len=64,
+        cache = ReserveKVCache(make_config(backend="reserve", reserve_mode=mode, max_model_len=64,
                                             kv_cache_bytes=8 * 64 * shape.bytes_per_token, max_num_seqs=4,
                                             max_num_batched_tokens=256), shape)
         seqs = [Sequence(i, str(i), [0] * n, max_tokens=m) for i, (n, m) in enumerate(((5, 8), (20, 10), (40, 20)))]
@@ -215,7 +215,7 @@ def test_mixed_decode_on_a_real_host_vm_cache_never_touches_an_unmapped_page():
         from kvlab.vmm.backend import VMMKVCache
         torch.set_num_threads(1)
         shape, tpp = KVShape(2, 2, 16, 4), 32
-        cache = VMMKVCache(EngineConfig(backend="vmm", page_size=4096, kv_cache_bytes=96 * 4 * 4096,
+        cache = VMMKVCache(make_config(backend="vmm", page_size=4096, kv_cache_bytes=96 * 4 * 4096,
                                         max_num_seqs=10, max_model_len=8 * tpp, max_num_batched_tokens=512,
                                         check_invariants=True), shape)
         rng, g = random.Random(0), torch.Generator().manual_seed(0)

@@ -21,7 +21,7 @@ import torch
 from kvlab.common.attention.dispatch import AttentionSpec
 from kvlab.common.attention.metadata import BatchItem, ContiguousMetadata, base_metadata
 from kvlab.common.errors import OutOfKVCache, RequestError
-from kvlab.common.kv.seam import CacheStats, KVCache, KVShape
+from kvlab.common.kv.seam import Allocator, CacheStats, KVCache, KVShape, Storage
 from kvlab.vmm.geometry import make_driver, make_geometry
 from kvlab.vmm.mapper import BackgroundMapper
 from kvlab.vmm.page_pool import PagePool
@@ -43,17 +43,17 @@ class SwappedKV:
     data: torch.Tensor | None     # [2L, tokens, H_kv, D] on the host; None in accounting mode
 
 
-class VMMKVCache(KVCache):
+class VMMKVCache(Allocator, Storage):
     name = "vmm"
     unit_name = "page"
 
     def __init__(self, config: EngineConfig, shape: KVShape, accounting_only: bool = False, *,
                  single_range: bool | None = None, driver: VirtualMemory | None = None) -> None:
-        super().__init__(config, shape, accounting_only)
+        self.config, self.shape, self.accounting_only = config, shape, accounting_only
         self._lock = threading.RLock()
-        self.driver = driver or make_driver(shape.device, config.page_size, accounting_only)
+        self.driver = driver or make_driver(shape.device, config.options_of("vmm").page_size, accounting_only)
         try:
-            self._build(config.vmm_single_range if single_range is None else single_range)
+            self._build(config.options_of("vmm").vmm_single_range if single_range is None else single_range)
         except BaseException:
             self._close_driver_quietly()
             raise
@@ -71,7 +71,7 @@ class VMMKVCache(KVCache):
         self._counters = {"cow_copies": 0, "swapped_out_bytes": 0, "swapped_in_bytes": 0, "reclaimed_units": 0,
                           "lookahead_pages": 0, "lookahead_skipped": 0}
         self.pages = SlotPages(geo, self.driver, self.tensors, self.pool, self.table, self._counters)
-        self.mapper = BackgroundMapper(geo, self._lock, self.pages.map_ahead, self.config.background_mapping)
+        self.mapper = BackgroundMapper(geo, self._lock, self.pages.map_ahead, self.config.options_of("vmm").background_mapping)
         self._swapped: dict[int, SwappedKV] = {}
         self._alloc_seconds = 0.0
         self._step: tuple[ContiguousMetadata, torch.Tensor] | None = None
@@ -142,7 +142,7 @@ class VMMKVCache(KVCache):
     def holds(self, seq: Sequence) -> bool:
         return seq.seq_id in self.table.slot_of
 
-    def allocate(self, seq: Sequence, num_tokens: int) -> int:
+    def _take(self, seq: Sequence, num_tokens: int) -> int:
         if self.mapper.pending:
             self._fence(seq)
         with self._lock:
@@ -223,7 +223,7 @@ class VMMKVCache(KVCache):
             self.pages.release(slot)
             self._counters["swapped_out_bytes"] += tokens * self.shape.bytes_per_token
 
-    def swap_in(self, seq: Sequence) -> None:
+    def _swap_in(self, seq: Sequence) -> None:
         with self._lock, self._timed():
             saved = self._swapped.get(seq.seq_id)
             if saved is None:
@@ -360,3 +360,26 @@ class VMMKVCache(KVCache):
             self.driver.close()
         except Exception as exc:  # noqa: BLE001 - the construction error is the one to report
             log.error("vmm: releasing the driver after a failed start-up also failed: %s", exc)
+
+    # -- the allocator contract: check and take in one call ------------------------------------------------
+    def allocate(self, seq: Sequence, num_tokens: int, reserve_units: int = 0) -> int | None:
+        if not self.can_allocate(seq, num_tokens, reserve_units):
+            return None
+        return self._take(seq, num_tokens)
+
+    def swap_in(self, seq: Sequence, reserve_units: int = 0) -> bool:
+        if not self.can_swap_in(seq, reserve_units):
+            return False
+        self._swap_in(seq)
+        return True
+
+    def can_swap_in(self, seq: Sequence, reserve_units: int = 0) -> bool:
+        return self.can_allocate(seq, seq.num_computed_tokens, reserve_units)
+
+    def snapshot(self) -> dict:
+        return {}
+
+
+def build_vmm(config: EngineConfig, shape: KVShape, accounting_only: bool = False) -> KVCache:
+    cache = VMMKVCache(config, shape, accounting_only)
+    return KVCache(allocator=cache, storage=cache, shape=shape)

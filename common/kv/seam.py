@@ -1,13 +1,21 @@
-"""The seam between the scheduler/runner and a KV-cache backend.
+"""The seam between the engine and a KV-cache backend, split by caller.
 
-The scheduler only uses the capacity and lifecycle methods; the runner only uses `prepare` and the model
-only `attention`. Neither ever asks which backend it talks to. Every backend has two modes built on one
-allocation logic: real (tensors on a device) and accounting-only (no memory; the simulator's mode).
+- `Allocator`, the scheduler's side: capacity and lifecycle. `allocate` checks and takes in one call and
+  answers None ("no room", nothing changed) instead of raising.
+- `Storage`, the runner's and model's side: `prepare` builds a step's metadata, `attention` writes the step's
+  K/V and runs the kernel the dispatcher picked. The simulator gets a `NullStorage`: the same allocator
+  bookkeeping with no memory behind it, instead of accounting branches inside each backend.
+- `KVCache` puts the two together for the engine and owns what every backend shares: `close`,
+  `kernel_report`, `stats`. `timed` is the one allocator timer.
+Neither side ever asks which backend it talks to; backends are found by name in common/kv/registry.py.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
+import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -79,43 +87,33 @@ class CacheStats:
         return dataclasses.asdict(self)
 
 
-class KVCache(ABC):
-    """The backend interface. Capacity is counted in units of `tokens_per_unit` tokens."""
+class Allocator(ABC):
+    """Capacity and lifecycle, counted in units of `tokens_per_unit` tokens. The scheduler's only view."""
 
     name: str = "abstract"
     unit_name: str = "unit"
     tokens_per_unit: int = 1
+    allocator_seconds: float = 0.0     # accumulated by @timed
 
-    def __init__(self, config: EngineConfig, shape: KVShape, accounting_only: bool = False) -> None:
-        self.config = config
-        self.shape = shape
-        self.accounting_only = accounting_only
-
-    # -- capacity -------------------------------------------------------------------------------------
     @abstractmethod
     def num_total_units(self) -> int: ...
 
     @abstractmethod
     def num_free_units(self) -> int: ...
 
-    @abstractmethod
-    def units_needed(self, seq: Sequence, num_tokens: int) -> int:
-        """Extra units `seq` needs to hold `num_tokens` tokens (0 if it already can)."""
-
-    def can_allocate(self, seq: Sequence, num_tokens: int, reserve_units: int = 0) -> bool:
-        """True if `seq` can grow to `num_tokens` and still leave `reserve_units` free (the watermark).
-        Backends with slots (vmm, reserve) also refuse when no slot is available."""
-        return self.units_needed(seq, num_tokens) + reserve_units <= self.num_free_units()
-
     def max_tokens_per_seq(self) -> int:
         """The longest sequence this cache could ever hold alone (for "can never fit" errors)."""
         return self.num_total_units() * self.tokens_per_unit
 
-    # -- lifecycle ------------------------------------------------------------------------------------
     @abstractmethod
-    def allocate(self, seq: Sequence, num_tokens: int) -> int:
-        """Make `seq` hold `num_tokens` tokens; raises OutOfKVCache. Returns how many leading tokens are
-        already present from a prefix-cache hit (0 without prefix caching) on the first allocation."""
+    def units_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """Extra units `seq` needs to hold `num_tokens` tokens (0 if it already can); asks, changes nothing."""
+
+    @abstractmethod
+    def allocate(self, seq: Sequence, num_tokens: int, reserve_units: int = 0) -> int | None:
+        """Make `seq` hold `num_tokens` tokens if that leaves `reserve_units` free (the watermark). Returns
+        None when there is no room (nothing changed), else how many leading tokens a prefix-cache hit
+        already holds (only on a sequence's first allocation; 0 without prefix caching)."""
 
     @abstractmethod
     def free(self, seq: Sequence) -> None: ...
@@ -129,53 +127,124 @@ class KVCache(ABC):
         """Copy seq's KV to host memory and release its units."""
 
     @abstractmethod
-    def swap_in(self, seq: Sequence) -> None:
-        """Allocate units again and restore seq's KV from host memory; raises OutOfKVCache."""
-
-    def can_swap_in(self, seq: Sequence, reserve_units: int = 0) -> bool:
-        return self.can_allocate(seq, seq.num_computed_tokens, reserve_units)
+    def swap_in(self, seq: Sequence, reserve_units: int = 0) -> bool:
+        """Take units again and restore seq's KV from host memory; False (nothing changed) if there is no
+        room with `reserve_units` left free."""
 
     @abstractmethod
     def holds(self, seq: Sequence) -> bool:
-        """Whether the cache holds KV for `seq` resident in the cache: True from its first `allocate` (or
-        `fork`, or `swap_in`) until `free` or `swap_out`. A swapped-out sequence is not held (its host copy
-        is the swap's business: `free` drops it, `swap_in` restores it)."""
+        """Whether KV for `seq` is resident: True from its first `allocate` (or `fork`, or `swap_in`) until
+        `free` or `swap_out`. A swapped-out sequence is not held (`free` drops its host copy)."""
 
-    # -- one step -------------------------------------------------------------------------------------
+    @abstractmethod
+    def stats(self) -> CacheStats: ...
+
+    @abstractmethod
+    def snapshot(self) -> dict[str, Any]:
+        """Public, plain-data view of the bookkeeping for invariant checks: what each sequence holds, unit
+        reference counts, and whatever else the backend's probe compares."""
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent (tests call it after every operation)."""
+
+    def close(self) -> None:
+        """Release what the allocator itself holds (mappings, worker threads). Idempotent."""
+
+
+class Storage(ABC):
+    """Where K/V live and how attention reads them: the runner's and the model's only view. Real storages
+    build their kernel dispatcher once, here."""
+
+    dispatcher: Any = None
+
     @abstractmethod
     def prepare(self, items: list[BatchItem]) -> AttentionMetadata:
-        """Build this step's attention metadata. Every item's seq must already hold context_len tokens."""
+        """This step's metadata. Every item's sequence must already hold its context_len tokens."""
 
     @abstractmethod
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Write k, v ([T, H_kv, D]) for this step's tokens into layer `layer`, then attend with
-        q ([T, H, D]) over each sequence's full context; returns [T, H, D]."""
+        q ([T, H, D]) over each sequence's context; returns [T, H, D]."""
 
-    # -- observability --------------------------------------------------------------------------------
-    @abstractmethod
-    def stats(self) -> CacheStats: ...
+    def build_dispatcher(self, shape: KVShape, layout: str, kernel: str, **spec: Any) -> None:
+        """Pick this storage's kernels for its layout and shape (refusals and fallbacks are recorded)."""
+        from kvlab.common.attention.dispatch import AttentionSpec
+        from kvlab.common.attention.kernels import make_dispatcher
+        device = torch.device(shape.device)
+        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        self.dispatcher = make_dispatcher(AttentionSpec(
+            layout=layout, device=device.type, dtype=shape.dtype, head_dim=shape.head_dim,
+            num_q_heads=shape.num_q_heads, num_kv_heads=shape.num_kv_heads, compute_capability=capability,
+            **spec), kernel)
 
     def kernel_report(self) -> dict[str, Any]:
-        """Chosen kernel per phase, refusals and runtime fallbacks (filled by the kernel dispatcher)."""
-        return {}
-
-    def check_invariants(self) -> None:
-        """Raise AssertionError if internal bookkeeping is inconsistent (used by tests after every op)."""
+        """Chosen kernel per phase, refusals and runtime fallbacks."""
+        return self.dispatcher.report() if self.dispatcher is not None else {}
 
     def close(self) -> None:
-        """Release memory and mappings. Idempotent."""
+        """Drop the device memory. Idempotent."""
+
+
+class NullStorage(Storage):
+    """No memory at all: the simulator's storage. The allocator's bookkeeping runs unchanged."""
+
+    def prepare(self, items: list[BatchItem]) -> AttentionMetadata:
+        raise RuntimeError("an accounting-only cache has no storage to run attention on")
+
+    def attention(self, layer, q, k, v, meta, scale):
+        raise RuntimeError("an accounting-only cache has no storage to run attention on")
+
+
+@dataclass(slots=True)
+class KVCache:
+    """One backend instance as the engine sees it: the allocator for the scheduler, the storage for the
+    runner and model, and the shared close/report/stats."""
+    allocator: Allocator
+    storage: Storage
+    shape: KVShape
+    closed: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.allocator.name
+
+    @property
+    def accounting_only(self) -> bool:
+        return isinstance(self.storage, NullStorage)
+
+    def stats(self) -> CacheStats:
+        return self.allocator.stats()
+
+    def kernel_report(self) -> dict[str, Any]:
+        return self.storage.kernel_report()
+
+    def check_invariants(self) -> None:
+        self.allocator.check_invariants()
+
+    def close(self) -> None:
+        """Storage first (views over the allocator's memory), then the allocator. Idempotent."""
+        if not self.closed:
+            self.closed = True
+            try:
+                self.storage.close()
+            finally:
+                self.allocator.close()
+
+
+def timed(method: Callable) -> Callable:
+    """Count the wall time of an allocator method in `self.allocator_seconds` (the one allocator timer)."""
+    @functools.wraps(method)
+    def wrapper(self: Allocator, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.allocator_seconds += time.perf_counter() - start
+    return wrapper
 
 
 def create_cache(config: EngineConfig, shape: KVShape, accounting_only: bool = False) -> KVCache:
-    """Build the backend named by `config.backend` (imports lazily: each backend lives in its package)."""
-    if config.backend == "paged":
-        from kvlab.paged.backend import PagedKVCache as cls
-    elif config.backend == "vmm":
-        from kvlab.vmm.backend import VMMKVCache as cls
-    elif config.backend == "reserve":
-        from kvlab.common.reserve_cache import ReserveKVCache as cls
-    else:  # config validation makes this unreachable for EngineConfig instances
-        from kvlab.common.errors import ConfigError
-        raise ConfigError(f"unknown backend {config.backend!r}; choose one of: paged, vmm, reserve")
-    return cls(config, shape, accounting_only=accounting_only)
+    """Build the backend named by `config.backend`, found through the registry (no backend import here)."""
+    from kvlab.common.kv.registry import get_backend
+    return get_backend(config.backend).build(config, shape, accounting_only)

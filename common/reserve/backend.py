@@ -29,7 +29,7 @@ import torch
 from kvlab.common.arena import Arena
 from kvlab.common.attention.metadata import AttentionMetadata, BatchItem, ContiguousMetadata, base_metadata
 from kvlab.common.errors import OutOfKVCache
-from kvlab.common.kv.seam import CacheStats, KVCache, KVShape
+from kvlab.common.kv.seam import Allocator, CacheStats, KVCache, KVShape, Storage
 
 if TYPE_CHECKING:
     from kvlab.common.config import EngineConfig
@@ -41,14 +41,14 @@ class ReserveMetadata(ContiguousMetadata):
     write_index: torch.Tensor = None       # int64 [T]: arena row of each of this step's tokens
 
 
-class ReserveKVCache(KVCache):
+class ReserveKVCache(Allocator, Storage):
     name = "reserve"
     unit_name = "token"
     tokens_per_unit = 1
 
     def __init__(self, config: EngineConfig, shape: KVShape, accounting_only: bool = False) -> None:
-        super().__init__(config, shape, accounting_only)
-        self.mode = config.reserve_mode
+        self.config, self.shape, self.accounting_only = config, shape, accounting_only
+        self.mode = config.options_of("reserve").reserve_mode
         self.max_len = config.max_model_len
         self.bytes_per_token = shape.bytes_per_token
         budget = config.kv_cache_bytes // self.bytes_per_token
@@ -153,7 +153,7 @@ class ReserveKVCache(KVCache):
         return self.capacity
 
     # -- lifecycle ------------------------------------------------------------------------------------------
-    def allocate(self, seq: Sequence, num_tokens: int) -> int:
+    def _take(self, seq: Sequence, num_tokens: int) -> int:
         t0 = time.perf_counter()
         region = self.regions.get(seq.seq_id)
         if region is None:
@@ -201,7 +201,7 @@ class ReserveKVCache(KVCache):
         self.swapped_out_bytes += n * self.bytes_per_token
         self.allocator_seconds += time.perf_counter() - t0
 
-    def swap_in(self, seq: Sequence) -> None:
+    def _swap_in(self, seq: Sequence) -> None:
         t0 = time.perf_counter()
         n, host = self.swap_store[seq.seq_id]
         start = self._claim(seq, n, "swap-in")          # raises before the host copy is dropped
@@ -286,3 +286,23 @@ class ReserveKVCache(KVCache):
     def close(self) -> None:
         self.k, self.v = [], []
         self.k_rows, self.v_rows = [], []
+
+    # -- the allocator contract: check and take in one call ------------------------------------------------
+    def allocate(self, seq: Sequence, num_tokens: int, reserve_units: int = 0) -> int | None:
+        if not self.can_allocate(seq, num_tokens, reserve_units):
+            return None
+        return self._take(seq, num_tokens)
+
+    def swap_in(self, seq: Sequence, reserve_units: int = 0) -> bool:
+        if not self.can_swap_in(seq, reserve_units):
+            return False
+        self._swap_in(seq)
+        return True
+
+    def snapshot(self) -> dict:
+        return {}
+
+
+def build_reserve(config: EngineConfig, shape: KVShape, accounting_only: bool = False) -> KVCache:
+    cache = ReserveKVCache(config, shape, accounting_only)
+    return KVCache(allocator=cache, storage=cache, shape=shape)

@@ -1,0 +1,1 @@
+"""The reserve baseline backend (Orca/FasterTransformer-style whole-region reservation)."""
