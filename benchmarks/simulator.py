@@ -1,7 +1,7 @@
 """The simulator's own speed: host seconds for one 2,000-request seed simulation (`kvlab simulate --preset
 seed` runs 15 of them), and the scheduler's overhead per scheduled sequence per step.
 
-Each case is experiments.simulate.run_case (the real scheduler, accounting-only caches, roofline clock) on the
+Each case is experiments.simulation.run_case (the real scheduler, accounting-only caches, roofline clock) on the
 seed article's workload. Scheduler overhead is Engine's wall time in schedule() + update()
 (RunMetrics.scheduler_seconds) over the sequence-steps it scheduled (mean batch x steps).
 """
@@ -15,21 +15,21 @@ MAX_REPEATS = 3
 
 
 def cases():
-    from kvlab.experiments.simulate import SimCase
+    from kvlab.experiments.simulation import SimCase
     return [SimCase("paged", 60.0, 16, watermark=0.05), SimCase("vmm", 60.0, page_size=2 * 2**20, watermark=0.05),
             SimCase("reserve", 60.0)]
 
 
 def simulate(case, settings, requests) -> tuple[float, float, int]:
-    """One case through experiments.simulate.run_case -> (host seconds, scheduler seconds, sequence-steps).
+    """One case through experiments.simulation.run_case -> (host seconds, scheduler seconds, sequence-steps).
     The simulator has no token budget, so every running sequence is scheduled every step."""
-    from kvlab.experiments.simulate import run_case
+    from kvlab.experiments.simulation import run_case
     row = run_case(case, settings, requests)
     return row.wall_seconds, row.scheduler_seconds, round(row.mean_batch * row.steps)
 
 
 def run(settings: Settings) -> list[Result]:
-    from kvlab.experiments.simulate import SimSettings
+    from kvlab.experiments.simulation import SimSettings
     from kvlab.experiments.workload import WorkloadSpec, build_workload
     n = 100 if settings.quick else 2000
     sim = SimSettings(workload=WorkloadSpec(kind="seed", num_requests=n, seed=settings.seed))

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from kvlab.experiments.report import fmt, pct, table
 
 if TYPE_CHECKING:
-    from kvlab.experiments.simulate import SimCase, SimRow, SimSettings
+    from kvlab.experiments.simulation import SimCase, SimRow, SimSettings
 
 HEADLINE_WATERMARK = 0.05
 BLOCK_SIZES = (16, 32, 128, 512)
@@ -39,7 +39,7 @@ PLOTTED = {("reserve", 60.0, None, None, 0.0), ("oracle", 60.0, None, None, 0.0)
 
 
 def cases(include_vmm: bool = True) -> list[SimCase]:
-    from kvlab.experiments.simulate import SimCase
+    from kvlab.experiments.simulation import SimCase
     out = []
     for gb in BUDGETS:
         out += [SimCase("reserve", gb), SimCase("oracle", gb), SimCase("paged", gb, 16, watermark=HEADLINE_WATERMARK)]
@@ -123,7 +123,7 @@ def _watermarks(by_key: dict) -> str:
 
 def _vmm(by_key: dict, settings: SimSettings) -> str:
     from kvlab.experiments.roofline import model_spec
-    from kvlab.experiments.simulate import format_page
+    from kvlab.experiments.simulation import format_page
     spec = model_spec(settings.model, settings.dtype)
     k_bytes_per_token = spec.config.num_kv_heads * spec.config.head_dim * spec.itemsize   # one layer's K
     rows = [("paged-16", by_key[("paged", 60.0, 16, None, HEADLINE_WATERMARK)], 16)]
@@ -154,7 +154,7 @@ def spread(settings: SimSettings, num_seeds: int, jobs: int, progress: bool) -> 
     import dataclasses
     import statistics
 
-    from kvlab.experiments.simulate import run_cases
+    from kvlab.experiments.simulation import run_cases
     all_cases = cases(include_vmm=False)
     samples: dict[str, list[float]] = {}
     article_value: dict[str, float] = {}

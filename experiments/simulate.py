@@ -1,232 +1,22 @@
-"""`kvlab simulate`: the real scheduler and backends (accounting-only) on a roofline clock.
-
-Article semantics (see docs/experiments.md, "What the seed article's simulator must have done"): every request
-arrives at t=0, the batch is bounded only by KV memory (max_num_seqs = number of requests, a token budget that
-admits every prefill that fits), running sequences grow before new ones are admitted, preemption is
-newest-first by recompute, and the watermark applies at admission only. Reserve and oracle run without a
-watermark; paged and vmm use the case's.
-"""
+"""`kvlab simulate`: the command line of the roofline simulator (experiments/simulation.py) and the seed
+article's tables (experiments/seed_article.py)."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
 import time
-from collections import deque
-from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvlab.common.config import EngineConfig, load_toml, make_config
+from kvlab.common.config import load_toml
 from kvlab.common.errors import ConfigError
+from kvlab.common.kv.registry import get_backend
 from kvlab.experiments import cli
-from kvlab.experiments.roofline import HARDWARE, RooflineCost, RooflineRunner, hardware, model_spec
-from kvlab.experiments.workload import Request, WorkloadSpec, build_workload, parse_workload, scaled
+from kvlab.experiments.roofline import HARDWARE, hardware, model_spec
+from kvlab.experiments.simulation import SimCase, SimRow, SimSettings, policies, policy_backend, run_cases
+from kvlab.experiments.workload import build_workload, parse_workload
 
-POLICIES = ("reserve", "oracle", "paged", "vmm")
-PROMPT_TOKEN = 5           # prompt content is irrelevant without prefix caching
-SAMPLED_TOKEN = 0
-
-
-@dataclass(slots=True)
-class SimCase:
-    policy: str                       # reserve | oracle | paged | vmm
-    budget_gb: float
-    block_size: int | None = None     # tokens (paged)
-    page_size: int | None = None      # bytes (vmm)
-    watermark: float = 0.0
-
-    @property
-    def label(self) -> str:
-        if self.policy == "paged":
-            return f"paged-{self.block_size}"
-        if self.policy == "vmm":
-            return f"vmm-{format_page(self.page_size)}"
-        return "reserve-max" if self.policy == "reserve" else "oracle"
-
-    @property
-    def key(self) -> tuple:
-        return (self.policy, self.budget_gb, self.block_size, self.page_size, self.watermark)
-
-
-def format_page(nbytes: int | None) -> str:
-    if nbytes is None:
-        return "-"
-    return f"{nbytes // 2**20}MiB" if nbytes % 2**20 == 0 else f"{nbytes // 1024}KiB"
-
-
-@dataclass(slots=True)
-class SimSettings:
-    """Everything a case needs besides its own knobs (picklable: cases run in worker processes)."""
-    workload: WorkloadSpec
-    hardware: str = "h100"
-    model: str = "llama3-8b"
-    dtype: str = "bfloat16"
-    model_prefill: bool = False
-    mfu: float = 0.5
-    engine: dict[str, Any] = field(default_factory=dict)   # EngineConfig overrides (max_num_seqs, ...)
-    timeline_every: int = 0                                 # 0 = no timeline kept
-
-
-@dataclass(slots=True)
-class SimRow:
-    policy: str
-    budget_gb: float
-    block_size: int | None
-    page_size: int | None
-    watermark: float
-    mean_batch: float
-    utilization: float
-    output_tokens_per_s: float
-    preemptions: int
-    recompute_tokens: int
-    mean_waste_tokens: float
-    label: str = ""
-    max_batch: int = 0
-    steps: int = 0
-    output_tokens: int = 0
-    failed_requests: int = 0
-    sim_seconds: float = 0.0
-    recompute_seconds: float = 0.0       # the recompute tokens as prefill at the mfu (article: 50%)
-    wall_seconds: float = 0.0            # host time of this simulation
-    scheduler_seconds: float = 0.0       # host time in schedule() + update()
-    timeline: dict[str, list] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("timeline")
-        return d
-
-
-def case_config(case: SimCase, settings: SimSettings, requests: list[Request]) -> EngineConfig:
-    if case.policy not in POLICIES:
-        raise ConfigError(f"unknown policy {case.policy!r}; choose one of: {', '.join(POLICIES)}")
-    n = len(requests)
-    longest = max(r.total_len for r in requests)
-    values: dict[str, Any] = {
-        "max_num_seqs": n, "max_num_batched_tokens": max(n, sum(r.total_len for r in requests)),
-        "max_model_len": max(scaled(settings.workload.max_len, settings.workload.scale), longest),
-        "preemption_mode": "recompute", "dtype": settings.dtype, "device": "cpu", "seed": settings.workload.seed}
-    values.update(settings.engine)
-    values.update(backend={"oracle": "reserve"}.get(case.policy, case.policy),
-                  reserve_mode="oracle" if case.policy == "oracle" else "max",
-                  kv_cache_bytes=int(case.budget_gb * 1e9), watermark=case.watermark)
-    if case.block_size is not None:
-        values["block_size"] = case.block_size
-    if case.page_size is not None:
-        values["page_size"] = case.page_size
-    return make_config(**values)
-
-
-def held_capacity(cache: Any, seq: Any, low: int, high: int) -> int:
-    """Tokens `seq` can hold without more units, by the backend's own units_needed (binary search)."""
-    if cache.units_needed(seq, low):
-        return low
-    while low < high:
-        mid = (low + high + 1) // 2
-        if cache.units_needed(seq, mid) == 0:
-            low = mid
-        else:
-            high = mid - 1
-    return low
-
-
-class WasteProbe:
-    """Runner wrapper: before a sequence's last step, records its allocated-but-empty slots."""
-
-    def __init__(self, runner: RooflineRunner, cache: Any, max_len: int) -> None:
-        self.runner, self.cache, self.max_len = runner, cache, max_len
-        self.waste: list[int] = []
-
-    def clock(self) -> float:
-        return self.runner.clock()
-
-    def execute(self, out: Any) -> dict[int, int]:
-        for item in out.items:
-            seq = item.seq
-            if item.needs_logits and seq.num_output_tokens + 1 >= seq.max_tokens:
-                end = item.context_len
-                self.waste.append(held_capacity(self.cache.allocator, seq, end, self.max_len) - end)
-        return self.runner.execute(out)
-
-
-def drive(engine: Any, runner: RooflineRunner, requests: list[Request]) -> None:
-    """Add each request when the simulated clock reaches its arrival; idle time jumps to the next one."""
-    from kvlab.common.sampling_params import SamplingParams
-    pending = deque(sorted(requests, key=lambda r: r.arrival_s))
-    while pending or engine.has_unfinished():
-        while pending and pending[0].arrival_s <= runner.clock():
-            r = pending.popleft()
-            engine.add_request([PROMPT_TOKEN] * r.prompt_len,
-                               SamplingParams(max_tokens=r.output_len, ignore_eos=True), arrival_time=r.arrival_s)
-        if not engine.has_unfinished():
-            runner.advance_to(pending[0].arrival_s)
-            continue
-        engine.step()
-
-
-def run_case(case: SimCase, settings: SimSettings, requests: list[Request] | None = None) -> SimRow:
-    from kvlab.common.engine import Engine
-    from kvlab.common.kv.seam import create_cache
-    requests = requests if requests is not None else build_workload(settings.workload)
-    spec = model_spec(settings.model, settings.dtype)
-    cost = RooflineCost(hardware(settings.hardware), spec, settings.model_prefill, settings.mfu)
-    config = case_config(case, settings, requests)
-    start = time.perf_counter()
-    cache = create_cache(config, spec.kv_shape(), accounting_only=True)
-    runner = RooflineRunner(cost, SAMPLED_TOKEN)
-    probe = WasteProbe(runner, cache, config.max_model_len)
-    engine = Engine(config, cache, probe, timeline_every=settings.timeline_every or 10**9)
-    try:
-        engine.reset_metrics()
-        drive(engine, runner, requests)
-        m = engine.metrics()
-    finally:
-        engine.close()
-    return SimRow(
-        policy=case.policy, budget_gb=case.budget_gb, block_size=case.block_size, page_size=case.page_size,
-        watermark=case.watermark, mean_batch=m.mean_batch, utilization=m.kv_utilization,
-        output_tokens_per_s=m.output_tokens_per_s, preemptions=m.preemptions, recompute_tokens=m.recomputed_tokens,
-        mean_waste_tokens=sum(probe.waste) / len(probe.waste) if probe.waste else 0.0, label=case.label,
-        max_batch=m.max_batch, steps=m.num_steps, output_tokens=m.output_tokens, failed_requests=m.num_failed,
-        sim_seconds=m.wall_seconds, recompute_seconds=cost.prefill_seconds(m.recomputed_tokens),
-        wall_seconds=time.perf_counter() - start, scheduler_seconds=m.scheduler_seconds,
-        timeline=m.timeline if settings.timeline_every else {})
-
-
-def _run_case_job(args: tuple[SimCase, SimSettings]) -> SimRow:
-    return run_case(*args)
-
-
-def run_cases(cases: list[SimCase], settings: SimSettings, jobs: int = 1, progress: bool = True) -> list[SimRow]:
-    """Each distinct case once (in worker processes when jobs > 1), results in the order of `cases`."""
-    unique = list({c.key: c for c in cases}.values())
-    requests = build_workload(settings.workload)      # validates the workload before any worker starts
-    bar = _progress(len(unique), progress)
-    done: dict[tuple, SimRow] = {}
-    if jobs > 1 and len(unique) > 1:
-        with ProcessPoolExecutor(min(jobs, len(unique))) as pool:
-            for case, row in zip(unique, pool.map(_run_case_job, [(c, settings) for c in unique])):
-                done[case.key] = row
-                bar and bar.update(1)
-    else:
-        for case in unique:
-            done[case.key] = run_case(case, settings, requests)
-            bar and bar.update(1)
-    if bar:
-        bar.close()
-    return [done[c.key] for c in cases]
-
-
-def _progress(total: int, enabled: bool):
-    if not enabled:
-        return None
-    from tqdm import tqdm
-    return tqdm(total=total, desc="simulate", unit="run", leave=False)
-
-
-# -- CLI ------------------------------------------------------------------------------------------------------
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
@@ -235,7 +25,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--preset", choices=["seed"], help="reproduce the seed article's simulation tables")
     p.add_argument("--worked-example", action="store_true", help="the article's hand examples, by the backends")
     p.add_argument("--policies", type=cli.parse_list, default=["reserve", "oracle", "paged"],
-                   help="comma list of reserve, oracle, paged, vmm")
+                   help=f"comma list of {', '.join(policies())}")
     p.add_argument("--budget-gb", type=float, default=60.0, help="KV budget in GB (1e9 bytes)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--page-size", type=cli.parse_bytes, default=2 * 2**20)
@@ -280,9 +70,7 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
 def cases_from_args(args: argparse.Namespace) -> list[SimCase]:
     cases = []
     for policy in args.policies:
-        if policy not in POLICIES:
-            raise ConfigError(f"unknown policy {policy!r}; choose from: {', '.join(POLICIES)}")
-        growing = policy in ("paged", "vmm")
+        growing = get_backend(policy_backend(policy)).watermark
         cases.append(SimCase(policy, args.budget_gb, args.block_size if policy == "paged" else None,
                              args.page_size if policy == "vmm" else None, args.watermark if growing else 0.0))
     return cases

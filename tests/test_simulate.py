@@ -6,7 +6,7 @@ from kvlab.common.kv.seam import create_cache
 from kvlab.common.sequence import Sequence
 from kvlab.experiments.cli import main
 from kvlab.experiments.roofline import model_spec
-from kvlab.experiments.simulate import SimCase, SimSettings, held_capacity, run_cases
+from kvlab.experiments.simulation import SimCase, SimSettings, held_capacity, run_cases
 from kvlab.experiments.worked_example import worked_example
 from kvlab.experiments.workload import WorkloadSpec
 
