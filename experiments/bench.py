@@ -66,7 +66,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
                    help="rounds over all backends (interleaved); each backend reports its median-throughput run")
     p.add_argument("--out", metavar="DIR", help="results directory (default results/<timestamp>)")
-    p.add_argument("--suite", choices=["perf"], help="run the performance suite (python -m kvlab.benchmarks) instead")
+    p.add_argument("--suite", choices=["perf"], help="run the performance suite (python -m kvlab.experiments.perf) instead")
     p.add_argument("--no-progress", action="store_true")
     cli.add_engine_flags(p, skip=("backend",))
     p.set_defaults(run=run)
@@ -94,14 +94,14 @@ def run(args: argparse.Namespace) -> int:
 def run_perf_suite(args: argparse.Namespace) -> int:
     import importlib
     try:
-        entry = importlib.import_module("kvlab.benchmarks.__main__")
+        entry = importlib.import_module("kvlab.experiments.perf.__main__")
     except ModuleNotFoundError as e:
-        if e.name not in ("kvlab.benchmarks", "kvlab.benchmarks.__main__"):
+        if e.name not in ("kvlab.experiments.perf", "kvlab.experiments.perf.__main__"):
             raise
-        raise ConfigError("--suite perf needs the benchmarks package (python -m kvlab.benchmarks), which is not "
+        raise ConfigError("--suite perf needs the benchmarks package (python -m kvlab.experiments.perf), which is not "
                           "installed in this checkout") from None
     if not hasattr(entry, "main"):
-        raise ConfigError("benchmarks/__main__.py has no main(argv); cannot run --suite perf")
+        raise ConfigError("experiments/perf/__main__.py has no main(argv); cannot run --suite perf")
     argv = ["--out", args.out] if args.out else []
     for flag, value in (("--threads", args.threads), ("--seed", args.seed)):
         if value is not None:

@@ -250,7 +250,7 @@ TOLERANCE = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 3e-2}
 def triton_one(cfg: dict[str, Any], device: str) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
-    from kvlab.benchmarks.kernel_inputs import dense_decode_inputs, paged_case, reference
+    from kvlab.experiments.perf.kernel_inputs import dense_decode_inputs, paged_case, reference
     from kvlab.paged.kernels.torch_ref import paged_attention_torch
     from kvlab.paged.kernels.triton_paged import paged_attention_triton
     case = paged_case(cfg["query_lens"], cfg["context_lens"], cfg["block_size"], cfg["num_heads"],

@@ -7,7 +7,7 @@ seed article's workload. Scheduler overhead is Engine's wall time in schedule() 
 """
 from __future__ import annotations
 
-from kvlab.benchmarks.harness import Goal, Result, Settings, Timing, timing_detail
+from kvlab.experiments.perf.harness import Goal, Result, Settings, Timing, timing_detail
 
 FAMILY = "simulator"
 GOAL = Goal("<=", 3.0)

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvlab.benchmarks.harness import Result
+from kvlab.experiments.perf.harness import Result
 
 
 def format_value(value: float | None) -> str:

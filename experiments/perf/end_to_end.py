@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from kvlab.benchmarks.harness import (
+from kvlab.experiments.perf.harness import (
     Goal,
     Result,
     Settings,

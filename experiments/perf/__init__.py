@@ -1,4 +1,4 @@
-"""kvlab's performance suite (`python -m kvlab.benchmarks`, or `kvlab bench --suite perf`).
+"""kvlab's performance suite (`python -m kvlab.experiments.perf`, or `kvlab bench --suite perf`).
 
 Each module measures one family of ratios in this process, at a fixed torch thread count, with warm-ups and
 medians of repeats: `throughput` (engine vs HF transformers), `attention` (decode kernels), `end_to_end`

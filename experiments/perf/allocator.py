@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 import time
 
-from kvlab.benchmarks.harness import Goal, Result, Settings, Timing, measure, timing_detail
+from kvlab.experiments.perf.harness import Goal, Result, Settings, Timing, measure, timing_detail
 
 FAMILY = "allocator"
 SHARE_GOAL = Goal("<", 1.0)      # percent of step time
@@ -128,7 +128,7 @@ def growth_rows(settings: Settings) -> list[Result]:
 
 
 def share_rows(settings: Settings) -> list[Result]:
-    from kvlab.benchmarks.throughput import engine_runner, make_requests, workload_for
+    from kvlab.experiments.perf.throughput import engine_runner, make_requests, workload_for
     w = workload_for(settings)
     prompts, lens = make_requests(w, 1024, settings.seed)
     rows = []

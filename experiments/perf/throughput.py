@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from kvlab.benchmarks.harness import (
+from kvlab.experiments.perf.harness import (
     Goal,
     Result,
     Settings,
@@ -71,7 +71,7 @@ def engine_runner(backend: str, w: Workload, settings: Settings, prompts: list[l
 
 
 def hf_runner(model, w: Workload, prompts: list[list[int]], lens: list[int]):
-    from kvlab.benchmarks.hf_baseline import static_batches, to_hf
+    from kvlab.experiments.perf.hf_baseline import static_batches, to_hf
     hf = to_hf(model)
     static_batches(hf, prompts[:2], [2, 2], 2)    # warm-up
     info: dict[str, int] = {}

@@ -1,4 +1,4 @@
-"""`python -m kvlab.benchmarks [--out DIR] [--threads N] [--repeats N] [--only a,b] [--quick]`.
+"""`python -m kvlab.experiments.perf [--out DIR] [--threads N] [--repeats N] [--only a,b] [--quick]`.
 
 Runs each benchmark family in this process at one fixed torch thread count, prints one table (value, goal,
 met/MISSED) and writes DIR/perf.json (default results/perf-<timestamp>/). A family that fails is reported with
@@ -16,16 +16,16 @@ from datetime import datetime
 from pathlib import Path
 
 FAMILIES = {
-    "throughput": "kvlab.benchmarks.throughput",
-    "attention": "kvlab.benchmarks.attention",
-    "end_to_end": "kvlab.benchmarks.end_to_end",
-    "allocator": "kvlab.benchmarks.allocator",
-    "simulator": "kvlab.benchmarks.simulator",
+    "throughput": "kvlab.experiments.perf.throughput",
+    "attention": "kvlab.experiments.perf.attention",
+    "end_to_end": "kvlab.experiments.perf.end_to_end",
+    "allocator": "kvlab.experiments.perf.allocator",
+    "simulator": "kvlab.experiments.perf.simulator",
 }
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m kvlab.benchmarks", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m kvlab.experiments.perf", description=__doc__.splitlines()[0])
     p.add_argument("--out", metavar="DIR", help="results directory (default results/perf-<timestamp>); a path "
                                                 "ending in .json names the file itself")
     p.add_argument("--threads", type=int, default=1, help="torch threads for every measurement (default 1)")
@@ -76,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(levelname)s: %(message)s")
     torch.set_num_threads(args.threads)
-    from kvlab.benchmarks.harness import Settings, machine_info
-    from kvlab.benchmarks.report import table, write_json
+    from kvlab.experiments.perf.harness import Settings, machine_info
+    from kvlab.experiments.perf.report import table, write_json
     settings = Settings(threads=args.threads, repeats=args.repeats, quick=args.quick, seed=args.seed)
     machine = machine_info()
     results, errors, timing = run_families(args.only, settings, args.threads)
