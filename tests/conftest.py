@@ -7,8 +7,12 @@ if not torch.cuda.is_available():   # must precede every @triton.jit (cpu-facts.
 
 import pytest
 import torch.nn.functional as F
+from backends.slab import SPEC as SLAB
 from kvlab.common.attention.metadata import AttentionMetadata, BatchItem, base_metadata
+from kvlab.common.kv.registry import register_backend
 from kvlab.common.sequence import Sequence
+
+register_backend(SLAB)   # a fourth backend that lives only under tests/: the registry is the only seam it needs
 
 
 class DenseTestCache:

@@ -19,7 +19,7 @@ import gc
 import os
 import random
 import threading
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass, field
 
 import pytest
@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from kvlab.common.attention.metadata import BatchItem
 from kvlab.common.config import EngineConfig, make_config
 from kvlab.common.errors import OutOfKVCache
-from kvlab.common.kv.seam import KVCache, KVShape, create_cache
+from kvlab.common.kv.registry import get_backend
+from kvlab.common.kv.seam import Allocator, KVCache, KVShape, create_cache
 from kvlab.common.sequence import Sequence
 
 SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=32, num_q_heads=4)   # 256 B per token per layer
@@ -38,19 +39,14 @@ VOCAB = 1000
 SCALE = SHAPE.head_dim ** -0.5
 TOKEN_BYTES = SHAPE.bytes_per_token
 
-# What `holds(seq)` answers for a swapped-out sequence: False on every backend (the seam: KV resident in the cache).
-HOLDS_SWAPPED = {"paged": False, "vmm": False, "reserve": False}
 
 BASE = {"max_model_len": MAX_LEN, "max_num_seqs": 5, "max_num_batched_tokens": 64, "watermark": 0.0}
-SIZES = {
-    "paged": {"block_size": 4, "kv_cache_bytes": 24 * 4 * TOKEN_BYTES},                # 24 blocks, 96 tokens
-    "vmm": {"page_size": PAGE, "kv_cache_bytes": 8 * 2 * SHAPE.num_layers * PAGE},     # 8 page groups, 128 tokens
-    "reserve": {"reserve_mode": "oracle", "kv_cache_bytes": 160 * TOKEN_BYTES},        # 160 tokens
-}
 
 
 def backend_config(backend: str, **overrides) -> EngineConfig:
-    return make_config(**{"backend": backend, **BASE, **SIZES[backend], **overrides})
+    """A tiny cache of `backend` for the state machines: the sizes its probe declares for SHAPE."""
+    sizes = get_backend(backend).load_probe().test_options
+    return make_config(**{"backend": backend, **BASE, **sizes, **overrides})
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -140,184 +136,63 @@ class ExpectedKV:
                             for layer in range(self.shape.num_layers)])
 
 
-# -- second read paths (real mode) ------------------------------------------------------------------------------
-def read_paged(cache, seq: Sequence, n: int) -> torch.Tensor:
-    """Gather straight from the pool tensor [2, L, blocks, block_size, H_kv, D] through the block table."""
-    pos = torch.arange(n)
-    blocks = torch.tensor(cache.block_table(seq), dtype=torch.int64)[pos // cache.block_size]
-    return cache.kv[:, :, blocks, pos % cache.block_size].transpose(0, 1)
+# -- independent structural checks (each backend's own through its probe) --------------------------------------
+def probe_of(cache: KVCache):
+    return get_backend(cache.name).load_probe()
 
 
-def read_vmm(cache, seq: Sequence, n: int) -> torch.Tensor:
-    """Read the slot's pool pages from the memfd with pread: no virtual mapping is touched."""
-    s, geo, drv = cache.shape, cache.geo, cache.driver
-    slot = vmm_slot_of(cache, seq)
-    pages = -(-(n * s.bytes_per_token_per_layer) // geo.page_size)
-    per_tensor = []
-    for t in range(geo.num_tensors):
-        raw = b"".join(os.pread(drv.fd, geo.page_size, drv.pool_offset(t * geo.num_groups + g))
-                       for g in slot.groups[:pages])
-        flat = torch.frombuffer(bytearray(raw), dtype=s.torch_dtype) if raw else torch.zeros(0)
-        per_tensor.append(flat[:n * s.num_kv_heads * s.head_dim].view(n, s.num_kv_heads, s.head_dim))
-    k, v = per_tensor[:s.num_layers], per_tensor[s.num_layers:]
-    return torch.stack([torch.stack([k[layer], v[layer]]) for layer in range(s.num_layers)])
-
-
-def read_reserve(cache, seq: Sequence, n: int) -> torch.Tensor:
-    """Read the arena rows [start, start + n) directly (the kernel reads them through the row view)."""
-    start = cache.regions[seq.seq_id][0]
-    return torch.stack([torch.stack([cache.k[layer][start:start + n], cache.v[layer][start:start + n]])
-                        for layer in range(cache.shape.num_layers)])
-
-
-READERS = {"paged": read_paged, "vmm": read_vmm, "reserve": read_reserve}
-
-
-def vmm_slot_of(cache, seq: Sequence):
-    return cache.slots[cache._slot_of[seq.seq_id]]
-
-
-# -- independent structural checks ------------------------------------------------------------------------------
-def check_capacity(cache: KVCache) -> None:
-    cache = getattr(cache, "allocator", cache)
+def check_capacity(cache: Allocator) -> None:
     st = cache.stats()
     assert st.free_units + st.used_units == st.total_units == cache.num_total_units(), (
         f"free {st.free_units} + used {st.used_units} != total {st.total_units}")
     assert st.free_units == cache.num_free_units() and 0 <= st.used_units <= st.total_units
 
 
-def check_holds(cache: KVCache, tracked: dict[int, Tracked]) -> None:
-    cache = getattr(cache, "allocator", cache)
+def check_holds(cache: Allocator, tracked: dict[int, Tracked]) -> None:
+    """`holds` means KV resident in the cache: a swapped-out or waiting sequence is not held (every backend)."""
     for t in tracked.values():
-        want = {"live": True, "waiting": False, "swapped": HOLDS_SWAPPED[cache.name]}[t.state]
+        want = t.state == "live"
         assert cache.holds(t.seq) is want, f"holds({t.seq.seq_id}) is {not want} for a {t.state} sequence"
 
 
-def _may_share(a: Tracked, b: Tracked, index: int, unit_tokens: int, prefix_caching: bool) -> bool:
-    if a.family == b.family:
-        return True
-    end = (index + 1) * unit_tokens
-    return prefix_caching and a.seq.token_ids[:end] == b.seq.token_ids[:end] and len(a.seq.token_ids) >= end
+def sharing_rule(tracked: dict[int, Tracked], unit_tokens: int, prefix_caching: bool):
+    """may_share(a, b, index): same fork family, or (prefix caching) equal tokens through that unit."""
+    def may_share(sid_a: int, sid_b: int, index: int) -> bool:
+        a, b = tracked[sid_a], tracked[sid_b]
+        if a.family == b.family:
+            return True
+        end = (index + 1) * unit_tokens
+        return prefix_caching and a.seq.token_ids[:end] == b.seq.token_ids[:end] and len(a.seq.token_ids) >= end
+    return may_share
 
 
-def check_paged(cache, tracked: dict[int, Tracked]) -> None:
-    live = {sid: t for sid, t in tracked.items() if t.state == "live"}
-    assert set(cache.seqs) == set(live), f"block tables {sorted(cache.seqs)} != live {sorted(live)}"
-    assert set(cache.swapped) == {sid for sid, t in tracked.items() if t.state == "swapped"}
-    users: dict[int, list[tuple[int, int]]] = defaultdict(list)   # block -> (seq_id, logical index)
-    for sid, t in live.items():
-        table = cache.block_table(t.seq)
-        assert len(table) >= -(-t.seq.num_computed_tokens // cache.block_size), f"seq {sid}: computed tokens unbacked"
-        for j, block in enumerate(table):
-            users[block].append((sid, j))
-    counts = cache.pool.ref_counts
-    for block in range(cache.pool.num_blocks):
-        assert counts[block] == len(users.get(block, ())), (
-            f"block {block}: refcount {counts[block]}, referenced by {users.get(block, [])}")
-        assert cache.pool.is_free(block) == (counts[block] == 0), f"block {block}: free flag vs refcount"
-    prefix = cache.prefix_cache is not None
-    for block, refs in users.items():
-        (sid0, j0), rest = refs[0], refs[1:]
-        for sid, j in rest:
-            assert j == j0, f"block {block} sits at logical index {j0} of seq {sid0} but {j} of seq {sid}"
-            assert _may_share(tracked[sid0], tracked[sid], j, cache.block_size, prefix), (
-                f"block {block} shared by unrelated sequences {sid0} and {sid}")
-    assert cache.stats().used_units == sum(1 for c in counts if c > 0)
-
-
-def check_vmm(cache, tracked: dict[int, Tracked]) -> None:
-    with cache._lock:   # the background mapper changes the books under this lock
-        geo, drv = cache.geo, cache.driver
-        live = {sid: t for sid, t in tracked.items() if t.state == "live"}
-        owners = {s.seq_id: s for s in cache.slots if s.seq_id is not None}
-        assert set(owners) == set(live), f"slot owners {sorted(owners)} != live {sorted(live)}"
-        assert set(cache._swapped) == {sid for sid, t in tracked.items() if t.state == "swapped"}
-        slot_refs = Counter(g for s in cache.slots for g in s.groups)
-        assert all(cache._refs[g] == slot_refs.get(g, 0) for g in range(geo.num_groups)), "group refcounts drift"
-        # the driver's own page tables: who maps each pool page, at which (slot, page)
-        mappers: dict[int, list[tuple[int, int]]] = defaultdict(list)
-        total = 0
-        for t, (region, offset) in enumerate(cache._place):
-            for va, pool_page in region.mapped.items():
-                rel = va * geo.page_size - offset
-                if 0 <= rel < geo.tensor_bytes:
-                    mappers[pool_page].append((rel // geo.row_bytes, rel % geo.row_bytes // geo.page_size))
-            total += len(region.mapped)
-        assert drv.stats.mapped_pages == total == sum(drv.pool_maps), "driver mapping counts drift"
-        for pool_page, where in mappers.items():
-            assert drv.pool_maps[pool_page] == len(where)
-            if len(where) > 1:
-                slots = [cache.slots[i] for i, _ in where]
-                assert all(s.seq_id is not None for s in slots), f"pool page {pool_page} shared by a free slot"
-                fams = {tracked[s.seq_id].family for s in slots}
-                assert len(fams) == 1, f"pool page {pool_page} mapped by unrelated slots {where}"
-                assert len({j for _, j in where}) == 1, f"pool page {pool_page} at different pages {where}"
-        for sid, t in live.items():
-            slot = owners[sid]
-            pages = -(-(t.seq.num_computed_tokens * cache.shape.bytes_per_token_per_layer) // geo.page_size)
-            for j in range(pages):
-                for tensor, (region, offset) in enumerate(cache._place):
-                    va = (offset + slot.index * geo.row_bytes + j * geo.page_size) // geo.page_size
-                    assert va in region.mapped, f"seq {sid}: page {j} of tensor {tensor} unmapped"
-        st = cache.stats()
-        stale = sum(len(s.groups) for s in cache.slots if s.seq_id is None)
-        assert st.extra["reclaimable_units"] >= stale
-
-
-def check_reserve(cache, tracked: dict[int, Tracked]) -> None:
-    live = {sid: t for sid, t in tracked.items() if t.state == "live"}
-    assert set(cache.regions) == set(live), f"regions {sorted(cache.regions)} != live {sorted(live)}"
-    assert set(cache.swap_store) == {sid for sid, t in tracked.items() if t.state == "swapped"}
-    spans = sorted(cache.regions.values())
-    end = 0
-    for start, size in spans:
-        assert start >= end and size > 0, f"regions overlap at {start}"
-        end = start + size
-    assert end <= cache.capacity
-    assert cache.num_free_units() + sum(size for _, size in spans) == cache.capacity
-    for sid, t in live.items():
-        assert cache.regions[sid][1] >= t.seq.num_computed_tokens, f"seq {sid}: region shorter than its tokens"
-
-
-STRUCTURE = {"paged": check_paged, "vmm": check_vmm, "reserve": check_reserve}
-
-
-def check_structure(cache: KVCache, tracked: dict[int, Tracked]) -> None:
-    cache = getattr(cache, "allocator", cache)
-    cache.check_invariants()
-    check_capacity(cache)
-    check_holds(cache, tracked)
-    STRUCTURE[cache.name](cache, tracked)
+def check_structure(cache: KVCache, tracked: dict[int, Tracked], prefix_caching: bool = False) -> None:
+    books = cache.allocator
+    books.check_invariants()
+    check_capacity(books)
+    check_holds(books, tracked)
+    live = {sid: t.seq for sid, t in tracked.items() if t.state == "live"}
+    swapped = {sid for sid, t in tracked.items() if t.state == "swapped"}
+    probe_of(cache).check_structure(cache, live, swapped,
+                                    sharing_rule(tracked, books.tokens_per_unit, prefix_caching))
 
 
 def check_drained(cache: KVCache) -> None:
     """Nothing is held once every sequence is gone: no units, tables, slots, regions or host swap copies."""
-    cache = getattr(cache, "allocator", cache)
     st = cache.stats()
     assert st.used_units == 0 and st.live_tokens == 0, f"leak: {st.used_units} units, {st.live_tokens} tokens"
     assert st.free_units == st.total_units
-    if cache.name == "paged":
-        assert not cache.seqs and not cache.swapped and not any(cache.pool.ref_counts)
-    elif cache.name == "vmm":
-        assert not cache._slot_of and not cache._swapped and not cache._pending
-        stale = sum(len(s.groups) for s in cache.slots)
-        assert st.extra["reclaimable_units"] == stale, "mapped pages beyond the reclaimable stale ones"
-        assert cache.driver.stats.mapped_pages == stale * cache.geo.num_tensors
-    else:
-        assert not cache.regions and not cache.swap_store and cache.num_free_units() == cache.capacity
+    probe_of(cache).check_drained(cache)
 
 
 def check_closed(cache: KVCache, threads_before: set[threading.Thread], memfd_before: int) -> None:
-    """After close(): no new background threads or memfd mappings; a vmm driver released every range."""
+    """After close(): no new background threads or memfd mappings; the backend released what it held."""
     cache.close()
     cache.close()   # idempotent
     alive = kvlab_threads() - threads_before
     assert not alive, f"background threads still alive after close: {sorted(t.name for t in alive)}"
     assert memfd_mappings() <= memfd_before, "the memfd pool is still mapped or open after close"
-    cache = getattr(cache, "allocator", cache)
-    if cache.name == "vmm":
-        drv = cache.driver
-        assert drv.closed and drv.regions == [] and drv.stats.mapped_pages == 0 and drv.stats.reserved_bytes == 0
+    probe_of(cache).check_closed(cache)
 
 
 # -- the workload -----------------------------------------------------------------------------------------------
@@ -330,7 +205,8 @@ class Workload:
         self.config = backend_config(backend, **overrides)
         self.backend = backend
         self.accounting_only = accounting_only
-        self.cache = create_cache(self.config, SHAPE, accounting_only=accounting_only).allocator
+        self.kv = create_cache(self.config, SHAPE, accounting_only=accounting_only)
+        self.cache = self.kv.allocator
         self.tracked: dict[int, Tracked] = {}
         self.ops: Counter[str] = Counter()
         self.expected = ExpectedKV(SHAPE)
@@ -436,14 +312,14 @@ class Workload:
         self.ops["tokens_written"] += sum(it.num_tokens for it in items)
 
     def _compute(self, items: list[BatchItem]) -> None:
-        meta = self.cache.prepare(items)
+        meta = self.kv.storage.prepare(items)
         s = SHAPE
         new = [self.expected.of(it.seq.token_ids, it.start, it.context_len) for it in items]
         for layer in range(s.num_layers):
             q = torch.randn(meta.num_tokens, s.num_q_heads, s.head_dim, generator=self.gen)
             k = torch.cat([x[layer, 0] for x in new])
             v = torch.cat([x[layer, 1] for x in new])
-            out = self.cache.attention(layer, q, k, v, meta, SCALE)
+            out = self.kv.storage.attention(layer, q, k, v, meta, SCALE)
             torch.testing.assert_close(out, self._reference(items, q, layer), rtol=1e-4, atol=1e-5)
 
     def _reference(self, items: list[BatchItem], q: torch.Tensor, layer: int) -> torch.Tensor:
@@ -512,15 +388,15 @@ class Workload:
 
     # -- checks
     def check(self) -> None:
-        check_structure(self.cache, self.tracked)
+        check_structure(self.kv, self.tracked, self.config.enable_prefix_caching)
         self.ops["checks"] += 1
         if self.accounting_only:
             return
-        read = READERS[self.backend]
+        read = probe_of(self.kv).read
         for sid in self.ids("live"):
             seq = self.seq(sid)
             n = seq.num_computed_tokens
-            stored = read(self.cache, seq, n)
+            stored = read(self.kv, seq, n)
             want = self.expected.of(seq.token_ids, 0, n)
             assert torch.equal(stored, want), f"seq {sid}: stored K/V differ from what was written"
 
@@ -529,8 +405,8 @@ class Workload:
         for sid in list(self.tracked):
             self.abort(sid)
         self.check()
-        check_drained(self.cache)
-        check_closed(self.cache, self._threads_before, self._memfd_before)
+        check_drained(self.kv)
+        check_closed(self.kv, self._threads_before, self._memfd_before)
 
     @property
     def num_ops(self) -> int:

@@ -40,6 +40,7 @@ from invariants import (
 )
 from kvlab.common.config import make_config
 from kvlab.common.engine import Engine
+from kvlab.common.kv.registry import backend_names, get_backend
 from kvlab.common.kv.seam import create_cache
 from kvlab.common.sampling_params import SamplingParams
 from kvlab.common.sequence import SequenceStatus
@@ -170,7 +171,9 @@ def machine(backend: str, accounting_only: bool, base: type = CacheMachine, **ov
                                 "totals": Counter()})
 
 
-# (label, machine, examples in the default suite): accounting runs are cheap, real runs check every byte
+# (label, machine, examples in the default suite): accounting runs are cheap, real runs check every byte.
+# Every registered backend gets the generic pair; the built-in ones add the variants of their own options.
+GENERIC = [("accounting", True, {}, 50), ("real", False, {}, 30)]
 VARIANTS = {
     "paged": [("accounting", machine("paged", True), 50),
               ("real", machine("paged", False), 30),
@@ -185,9 +188,15 @@ VARIANTS = {
 OPS = ("admit", "readmit", "grow", "write", "fork", "free", "abort", "swap_out", "swap_in", "preempt")
 
 
+def variants(backend: str) -> list[tuple[str, type, int]]:
+    if backend in VARIANTS:
+        return VARIANTS[backend]
+    return [(label, machine(backend, accounting, **overrides), n) for label, accounting, overrides, n in GENERIC]
+
+
 def run_backend(backend: str, scale: int, capsys) -> int:
     total = 0
-    for label, cls, examples in VARIANTS[backend]:
+    for label, cls, examples in variants(backend):
         cls.totals = Counter()
         seconds = run_machine(cls, examples * scale)
         total += report(capsys, f"{backend} {label}", cls.totals, seconds, OPS)
@@ -196,14 +205,14 @@ def run_backend(backend: str, scale: int, capsys) -> int:
     return total
 
 
-@pytest.mark.parametrize("backend", ["paged", "vmm", "reserve"])
+@pytest.mark.parametrize("backend", backend_names())
 def test_random_operations_keep_the_books(backend, capsys):
     total = run_backend(backend, 1, capsys)
     assert total >= 2000, f"only {total} operations ran on {backend}"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["paged", "vmm", "reserve"])
+@pytest.mark.parametrize("backend", backend_names())
 def test_random_operations_keep_the_books_long(backend, capsys):
     total = run_backend(backend, 10, capsys)
     assert total >= 20000
@@ -218,7 +227,11 @@ WIDTHS = ["n1", "n1", "n1", "n2", "n3"] + (["beam2", "beam3"] if BEAM_LIVELOCK_F
 SCHED_BASE = {"max_model_len": 128, "max_num_seqs": 4, "max_num_batched_tokens": 32, "watermark": 0.01}
 SCHED_SIZES = {"paged": {"block_size": 4, "kv_cache_bytes": 24 * 4 * SHAPE.bytes_per_token},
                "vmm": {"page_size": 4096, "kv_cache_bytes": 6 * 4 * 4096},
-               "reserve": {"kv_cache_bytes": 192 * SHAPE.bytes_per_token}}
+               "reserve": {"kv_cache_bytes": 192 * SHAPE.bytes_per_token}}   # others: their probe's sizes
+
+
+def sched_sizes(backend: str) -> dict:
+    return SCHED_SIZES.get(backend) or get_backend(backend).load_probe().test_options
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -229,7 +242,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.threads_before, self.memfd_before = kvlab_threads(), memfd_mappings()
-        config = make_config(**{"backend": self.backend, **SCHED_BASE, **SCHED_SIZES[self.backend],
+        config = make_config(**{"backend": self.backend, **SCHED_BASE, **sched_sizes(self.backend),
                                  **self.overrides})
         cache = create_cache(config, SHAPE, accounting_only=True)
         self.engine = Engine(config, cache, CheapRunner(0), eos_token_ids=(EOS,))
@@ -289,7 +302,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             for s in seqs:
                 family = families.setdefault(s.request_id, len(families))
                 tracked[s.seq_id] = Tracked(s, family, state)
-        check_structure(cache, tracked)
+        check_structure(cache, tracked, self.engine.config.enable_prefix_caching)
         for s in self.seen.values():
             if s.status is SequenceStatus.FINISHED:
                 assert not cache.allocator.holds(s), f"finished sequence {s.seq_id} still holds KV"
@@ -327,6 +340,8 @@ SCHEDULER_VARIANTS = [
     ("reserve oracle", scheduler_machine("reserve", reserve_mode="oracle"), 20),
     ("reserve max swap", scheduler_machine("reserve", reserve_mode="max", preemption_mode="swap"), 15),
 ]
+SCHEDULER_VARIANTS += [(f"{b} recompute", scheduler_machine(b), 15) for b in backend_names()
+                       if b not in ("paged", "vmm", "reserve")]       # backends registered by the tests
 
 
 def run_scheduler(scale: int, capsys) -> int:
@@ -351,7 +366,7 @@ def test_scheduler_random_add_abort_step_long(capsys):
 @pytest.mark.parametrize("backend", ["paged", "vmm"])
 def test_beam_groups_finish_when_they_cannot_share(backend):
     """Minimal case found by SchedulerMachine: two beam-search requests in a 24-block / 6-page-group cache."""
-    config = make_config(**{"backend": backend, **SCHED_BASE, **SCHED_SIZES[backend]})
+    config = make_config(**{"backend": backend, **SCHED_BASE, **sched_sizes(backend)})
     engine = Engine(config, create_cache(config, SHAPE, accounting_only=True), CheapRunner(0), eos_token_ids=(EOS,))
     engine.add_request([3], SamplingParams(max_tokens=1, temperature=0.8))
     engine.add_request([4], SamplingParams(beam_width=2, max_tokens=25))

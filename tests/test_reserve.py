@@ -9,17 +9,23 @@ from kvlab.common.arena import Arena
 from kvlab.common.attention.metadata import BatchItem
 from kvlab.common.config import make_config
 from kvlab.common.errors import OutOfKVCache
-from kvlab.common.kv.seam import KVShape
-from kvlab.common.reserve.backend import ReserveKVCache
+from kvlab.common.kv.seam import KVCache, KVShape
+from kvlab.common.reserve.allocator import ReserveAllocator
+from kvlab.common.reserve.backend import build_reserve
 from kvlab.common.sequence import Sequence
 
 SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=8, num_q_heads=4)      # 256 bytes per token
 
 
-def cache(tokens: int, mode: str = "oracle", max_len: int = 64, real: bool = False) -> ReserveKVCache:
+def cache(tokens: int, mode: str = "oracle", max_len: int = 64, real: bool = False) -> ReserveAllocator:
+    """The allocator of a reserve cache (its storage at `.data`: the arena in real mode, nothing otherwise)."""
+    return whole_cache(tokens, mode, max_len, real).allocator
+
+
+def whole_cache(tokens: int, mode: str = "oracle", max_len: int = 64, real: bool = False) -> KVCache:
     config = make_config(backend="reserve", kv_cache_bytes=tokens * SHAPE.bytes_per_token, reserve_mode=mode,
-                          max_model_len=max_len)
-    return ReserveKVCache(config, SHAPE, accounting_only=not real)
+                         max_model_len=max_len)
+    return build_reserve(config, SHAPE, accounting_only=not real)
 
 
 def seq(seq_id: int, prompt: int, max_tokens: int) -> Sequence:
@@ -47,9 +53,8 @@ def test_oracle_regions_fragment_externally():
     kv.free(s[1])
     big = seq(3, 20, 5)                                       # needs 25: 30 free but the largest hole is 20
     assert kv.num_free_units() == 30
-    assert not kv.can_allocate(big, 20)
-    with pytest.raises(OutOfKVCache, match="largest extent 20"):
-        kv.allocate(big, 20)
+    assert kv.allocate(big, 20) is None and not kv.holds(big)
+    assert kv.num_free_units() == 30
     stats = kv.stats()
     assert stats.extra["largest_free_extent"] == 20
     assert stats.extra["external_fragmentation"] == pytest.approx(1 - 20 / 30)
@@ -67,20 +72,21 @@ def test_max_mode_uses_aligned_slots_and_reports_waste():
     assert (st.live_tokens, st.allocated_token_slots, st.used_units) == (15, 128, 128)
     assert st.extra["reserved_waste_tokens"] == (30 - 10) + (10 - 5)     # slots the sequences will still fill
     assert st.extra["never_used_tokens"] == (64 - 30) + (64 - 10)
-    assert kv.units_needed(a, 30) == 0 and kv.can_allocate(a, 64) and not kv.can_allocate(a, 65)
+    assert kv.units_needed(a, 30) == 0 and kv.units_needed(a, 64) == 0 and kv.units_needed(a, 65) > 0
+    assert kv.allocate(a, 65) is None and kv.allocate(a, 64) == 0
 
 
 def test_watermark_reserve_is_respected():
     kv = cache(100)
     s = seq(0, 20, 20)                                        # region of 40
-    assert kv.can_allocate(s, 20, reserve_units=60)
-    assert not kv.can_allocate(s, 20, reserve_units=61)
+    assert kv.allocate(s, 20, reserve_units=61) is None and not kv.holds(s)
+    assert kv.allocate(s, 20, reserve_units=60) == 0 and kv.holds(s)
 
 
 def test_too_small_for_one_max_region():
     kv = cache(50, mode="max", max_len=64)
     assert kv.num_total_units() == 0 and kv.max_tokens_per_seq() == 0
-    assert not kv.can_allocate(seq(0, 2, 2), 2)
+    assert kv.allocate(seq(0, 2, 2), 2) is None
 
 
 def test_random_operations_keep_invariants():
@@ -92,8 +98,7 @@ def test_random_operations_keep_invariants():
         op = rng.random()
         if op < 0.4:
             s = seq(i, rng.randrange(1, 30), rng.randrange(1, 30))
-            if kv.can_allocate(s, s.prompt_len):
-                kv.allocate(s, s.prompt_len)
+            if kv.allocate(s, s.prompt_len) is not None:
                 live[i] = s
         elif op < 0.6 and live:
             kv.free(live.pop(rng.choice(list(live))))
@@ -112,14 +117,12 @@ def test_random_operations_keep_invariants():
             swapped[s.seq_id] = s
         elif op < 0.9 and swapped:
             s = swapped[rng.choice(list(swapped))]
-            if kv.can_swap_in(s):
-                kv.swap_in(s)
+            if kv.swap_in(s):
                 live[s.seq_id] = swapped.pop(s.seq_id)
         elif live:
             s = live[rng.choice(list(live))]
             grow = min(kv.held[s.seq_id] + 1, s.final_len)
-            assert kv.can_allocate(s, grow)
-            kv.allocate(s, grow)
+            assert kv.allocate(s, grow) == 0
         kv.check_invariants()
     for s in [*live.values(), *swapped.values()]:
         kv.free(s)
@@ -128,14 +131,14 @@ def test_random_operations_keep_invariants():
     kv.check_invariants()
 
 
-def _write(kv: ReserveKVCache, s: Sequence) -> None:
+def _write(kv: ReserveAllocator, s: Sequence) -> None:
     """Write a recognisable value (seq id, position) for every token of `s` at prepare()'s write_index."""
-    meta = kv.prepare([BatchItem(s, 0, s.num_tokens)])
+    meta = kv.data.prepare([BatchItem(s, 0, s.num_tokens)])
     for layer in range(SHAPE.num_layers):
         values = meta.input_positions.float()[:, None, None] + 1000 * (s.seq_id + 1) + 100 * layer
         k = values.expand(-1, SHAPE.num_kv_heads, SHAPE.head_dim).contiguous()
-        kv.k[layer].index_copy_(0, meta.write_index, k)
-        kv.v[layer].index_copy_(0, meta.write_index, -k)
+        kv.data.k[layer].index_copy_(0, meta.write_index, k)
+        kv.data.v[layer].index_copy_(0, meta.write_index, -k)
 
 
 @pytest.mark.parametrize("mode", ["max", "oracle"])
@@ -145,10 +148,10 @@ def test_real_mode_rows_view_regions(mode):
     for s in (a, b):
         kv.allocate(s, s.prompt_len)
         _write(kv, s)
-    meta = kv.prepare([BatchItem(a, 0, 5), BatchItem(b, 0, 7)])
+    meta = kv.data.prepare([BatchItem(a, 0, 5), BatchItem(b, 0, 7)])
     for layer in range(SHAPE.num_layers):
         for s, slot in zip((a, b), meta.slots.tolist()):
-            rows = kv.k_rows[layer][slot, :s.num_tokens, 0, 0]
+            rows = kv.data.k_rows[layer][slot, :s.num_tokens, 0, 0]
             assert rows.tolist() == [1000 * (s.seq_id + 1) + 100 * layer + p for p in range(s.num_tokens)]
     if mode == "oracle":
         assert meta.slots.tolist() == [0, 15]          # slot = start token (regions of 15 and 17)
@@ -165,17 +168,17 @@ def test_real_mode_fork_copies_and_swap_round_trips():
     kv.fork(a, child)
     start_a, start_c = kv.regions[0][0], kv.regions[1][0]
     assert start_a != start_c
-    assert torch.equal(kv.k[0][start_c:start_c + 6], kv.k[0][start_a:start_a + 6])
+    assert torch.equal(kv.data.k[0][start_c:start_c + 6], kv.data.k[0][start_a:start_a + 6])
     assert kv.stats().used_units == 20                 # no sharing: two full regions
-    before = kv.k[1][start_a:start_a + 6].clone()
+    before = kv.data.k[1][start_a:start_a + 6].clone()
     a.num_computed_tokens = 6
     kv.swap_out(a)
     blocker = seq(2, 3, 2)                              # takes the hole: a comes back elsewhere
     kv.allocate(blocker, 3)
-    kv.swap_in(a)
+    assert kv.swap_in(a)
     new_start = kv.regions[0][0]
     assert new_start != start_a
-    assert torch.equal(kv.k[1][new_start:new_start + 6], before)
+    assert torch.equal(kv.data.k[1][new_start:new_start + 6], before)
     st = kv.stats()
     assert st.swapped_out_bytes == st.swapped_in_bytes == 6 * SHAPE.bytes_per_token
     for s in (a, child, blocker):
@@ -192,14 +195,12 @@ def test_swap_in_refused_keeps_the_host_copy():
     kv.swap_out(a)
     other = seq(1, 10, 5)                               # region of 15: leaves 15 < 20
     kv.allocate(other, 10)
-    assert not kv.can_swap_in(a)
-    with pytest.raises(OutOfKVCache):
-        kv.swap_in(a)
+    assert not kv.swap_in(a) and not kv.holds(a)
     kv.free(other)
-    kv.swap_in(a)
+    assert kv.swap_in(a)
     assert kv.holds(a) and kv.held[0] == 10
 
 
 def test_kernel_report_names_the_contiguous_kernel():
-    kv = cache(64, real=True)
+    kv = whole_cache(64, real=True)
     assert kv.kernel_report()["kernels"]["decode"]
