@@ -66,7 +66,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
                    help="rounds over all backends (interleaved); each backend reports its median-throughput run")
     p.add_argument("--out", metavar="DIR", help="results directory (default results/<timestamp>)")
-    p.add_argument("--suite", choices=["perf"], help="run the performance suite (python -m kvlab.experiments.perf) instead")
+    p.add_argument("--suite", choices=["perf"],
+                   help="run the performance suite (python -m kvlab.experiments.perf) instead")
     p.add_argument("--no-progress", action="store_true")
     cli.add_engine_flags(p, skip=("backend",))
     p.set_defaults(run=run)

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvlab.experiments.perf.__main__ import FAMILIES, main
-from kvlab.experiments.perf.harness import Goal, Result, Settings, Timing, interleaved, measure
 from kvlab.common.attention.metadata import BatchItem, base_metadata
 from kvlab.common.sequence import Sequence
+from kvlab.experiments.perf.__main__ import FAMILIES, main
+from kvlab.experiments.perf.harness import Goal, Result, Settings, Timing, interleaved, measure
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICK = Settings(threads=1, repeats=1, quick=True)
@@ -76,8 +76,8 @@ def test_attention_rows_cover_both_layouts_and_the_triton_kernel():
 
 
 def test_hf_baseline_holds_the_same_weights_and_counts_waste():
-    from kvlab.experiments.perf.hf_baseline import check_parity, static_batches, to_hf
     from kvlab.common.presets import load_tiny
+    from kvlab.experiments.perf.hf_baseline import check_parity, static_batches, to_hf
     model, _ = load_tiny("float32", "cpu", 0)
     hf = to_hf(model)
     assert check_parity(model, hf) < 1e-4

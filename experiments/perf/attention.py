@@ -16,11 +16,11 @@ import time
 from dataclasses import dataclass
 
 import torch
-from kvlab.experiments.perf.harness import Goal, Result, Settings, Timing, interleaved, ratio, timing_detail
 from kvlab.common.attention.metadata import AttentionMetadata, BatchItem
 from kvlab.common.config import make_config
 from kvlab.common.kv.seam import KVCache, KVShape, create_cache
 from kvlab.common.sequence import Sequence
+from kvlab.experiments.perf.harness import Goal, Result, Settings, Timing, interleaved, ratio, timing_detail
 
 FAMILY = "attention"
 GOAL = Goal(">=", 1.5)
