@@ -153,7 +153,7 @@ def bench_defaults(args: argparse.Namespace, probe: EngineConfig, shape: Any, ma
     """Values the bench picks when neither a flag nor the --config file sets them."""
     from kvlab.common.config import load_toml
     given = set(load_toml(args.config)) if args.config else set()
-    given |= {k for k in cli.ENGINE_FLAGS if getattr(args, k, None) is not None}
+    given |= {k for k in cli.engine_flag_names() if getattr(args, k, None) is not None}
     choices: dict[str, Any] = {
         "max_model_len": max_len,
         "max_num_seqs": DEFAULT_MAX_NUM_SEQS,

@@ -6,6 +6,7 @@ and any bad flag value, becomes one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import logging
 import re
@@ -15,14 +16,15 @@ from typing import Any, NoReturn
 
 from kvlab.common.config import EngineConfig, make_config
 from kvlab.common.errors import ConfigError, KvlabError
+from kvlab.common.kv.registry import REGISTRY, backend_names
 
 SUBCOMMANDS = ("generate", "bench", "simulate", "fallbacks", "sharing")
-# CLI flag -> EngineConfig field; each is optional and, when given, overrides the TOML file.
-ENGINE_FLAGS = ("model", "backend", "block_size", "page_size", "kv_cache_bytes", "watermark", "preemption_mode",
-                "max_num_seqs", "max_num_batched_tokens", "max_model_len", "dtype", "device", "kernel", "seed",
-                "threads")
+# CLI flag -> EngineConfig field; each is optional and, when given, overrides the TOML file. Backends' own
+# options (block_size, page_size, ...) get their flags from their options dataclasses (see backend_flags).
+GENERIC_FLAGS = ("model", "backend", "kv_cache_bytes", "watermark", "preemption_mode", "max_num_seqs",
+                 "max_num_batched_tokens", "max_model_len", "dtype", "device", "kernel", "seed", "threads")
 SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "kb": 1000, "m": 1024**2, "mib": 1024**2, "mb": 1000**2,
-              "g": 1024**3, "gib": 1024**3, "gb": 1000**3}
+              "g": 1024**3, "gib": 1024**3, "gb": 1000**3, "t": 1024**4, "tib": 1024**4, "tb": 1000**4}
 
 
 class KvlabParser(argparse.ArgumentParser):
@@ -60,14 +62,37 @@ def parse_list(text: str) -> list[str]:
     return items
 
 
+def parse_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def backend_flags() -> dict[str, dict[str, Any]]:
+    """One flag per field of every registered backend's options dataclass."""
+    parsers = {"int": int, "float": float, "bool": parse_bool, "str": str}
+    flags = {}
+    for spec in REGISTRY.specs():
+        for f in dataclasses.fields(spec.options):
+            parse = parse_bytes if f.metadata.get("bytes") else parsers.get(str(f.type), str)
+            flags[f.name] = {"type": parse, "help": f.metadata.get("help", f"{spec.name} option")}
+    return flags
+
+
+def engine_flag_names() -> tuple[str, ...]:
+    return (*GENERIC_FLAGS, *backend_flags())
+
+
 def add_engine_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
     """The EngineConfig flags (all default to None = take the TOML file's or the built-in value)."""
     flags: dict[str, dict[str, Any]] = {
-        "config": {"metavar": "FILE", "help": "TOML engine config ([engine] table or top level)"},
+        "config": {"metavar": "FILE", "help": "TOML engine config ([engine] table or top level; backend options "
+                                              "flat or in [paged]/[vmm]/[reserve] tables)"},
         "model": {"help": "preset (tiny, smollm2-135m), HF directory or .gguf file"},
-        "backend": {"help": "paged | vmm | reserve"},
-        "block_size": {"type": int, "help": "tokens per block (paged)"},
-        "page_size": {"type": parse_bytes, "help": "bytes per physical page (vmm), e.g. 64KiB"},
+        "backend": {"help": " | ".join(backend_names())},
+        **backend_flags(),
         "kv_cache_bytes": {"type": parse_bytes, "help": "KV budget, e.g. 4MiB"},
         "watermark": {"type": float, "help": "fraction of KV capacity kept free at admission"},
         "preemption_mode": {"help": "recompute | swap"},
@@ -83,7 +108,7 @@ def add_engine_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> 
 
 def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
     """Defaults < --config FILE < explicit flags < `overrides` (the subcommand's fixed choices)."""
-    values = {k: getattr(args, k, None) for k in ENGINE_FLAGS}
+    values = {k: getattr(args, k, None) for k in engine_flag_names()}
     values.update({k: v for k, v in overrides.items() if v is not None})
     return make_config(getattr(args, "config", None), **values)
 

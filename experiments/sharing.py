@@ -103,7 +103,7 @@ def sharing_config(args: argparse.Namespace, backend: str, model: Any, requests:
                     "kv_cache_bytes": 2 * seqs * (longest + block) * shape.bytes_per_token}
     if args.page_size is None:
         defaults["page_size"] = -(-block * shape.bytes_per_token_per_layer // 4096) * 4096
-    given = {k for k in cli.ENGINE_FLAGS if getattr(args, k, None) is not None}
+    given = {k for k in cli.engine_flag_names() if getattr(args, k, None) is not None}
     return cli.engine_config(args, backend=backend, **{k: v for k, v in defaults.items() if k not in given})
 
 
