@@ -72,7 +72,7 @@ class ReserveKVCache(Allocator, Storage):
     # -- memory ---------------------------------------------------------------------------------------------
     def _allocate_tensors(self) -> None:
         from kvlab.common.attention.dispatch import AttentionSpec
-        from kvlab.common.attention.kernels import make_dispatcher
+        from kvlab.common.attention.dispatch import make_dispatcher
         s = self.shape
         rows = self.capacity + self.padding_tokens
         num_rows = self.capacity // self.row_stride
