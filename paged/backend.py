@@ -88,7 +88,7 @@ class PagedKVCache(Allocator, Storage):
 
     def _make_dispatcher(self):
         from kvlab.common.attention.dispatch import AttentionSpec
-        from kvlab.common.attention.kernels import make_dispatcher
+        from kvlab.common.attention.dispatch import make_dispatcher
         device = torch.device(self.shape.device)
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
         spec = AttentionSpec(layout="paged", device=device.type, dtype=self.shape.dtype,

@@ -8,11 +8,14 @@ from dataclasses import replace
 
 import pytest
 import torch
-from kvlab.common.attention.dispatch import AttentionSpec
-from kvlab.common.attention.kernels import CAUSES, REGISTRY, Environment
-from kvlab.experiments import fallback_timing as timing
+from kvlab.common.attention.declarations import REGISTRY
+from kvlab.common.attention.rules import Environment
+from kvlab.common.attention.spec import AttentionSpec
 from kvlab.experiments import fallbacks
-from kvlab.experiments.fallbacks import Grid, default_scenarios, run_grid
+from kvlab.experiments.fallbacks import grid as grid_module
+from kvlab.experiments.fallbacks import summary, timing
+from kvlab.experiments.fallbacks.decisions import CAUSES
+from kvlab.experiments.fallbacks.grid import Grid, default_scenarios, run_grid
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +25,7 @@ def rows():
 
 @pytest.fixture(scope="module")
 def index(rows):
-    return {fallbacks.row_key(r): r for r in rows}
+    return {grid_module.row_key(r): r for r in rows}
 
 
 def test_grid_has_one_row_per_point_backend_phase(rows):
@@ -31,7 +34,7 @@ def test_grid_has_one_row_per_point_backend_phase(rows):
     vmm = 9 * 3 * 4            # the contiguous layout has no block size
     assert grid.num_rows(3) == 3 * 2 * (paged + vmm) == 5184
     assert len(rows) == grid.num_rows(3)
-    assert len({fallbacks.row_key(r) for r in rows}) == len(rows)
+    assert len({grid_module.row_key(r) for r in rows}) == len(rows)
 
 
 def test_every_fallback_names_what_it_displaced_and_why(rows):
@@ -82,13 +85,13 @@ def test_finding_missing_package(index):
 
 
 def test_summary_calls_out_the_findings(rows):
-    text = fallbacks.format_summary(rows, default_scenarios(), Grid())
+    text = summary.format_summary(rows, default_scenarios(), Grid())
     assert "5,184 decisions" in text
     for needle in ("head_dim 80", "an fp32 model", "block size 16 refused", "a missing package",
                    "computes with head_dim 96", "ImportError: package 'flash_attn' is not installed",
                    "GQA ratio changed the kernel at 0"):
         assert needle in text, needle
-    assert len(fallbacks.findings(rows)) == len(fallbacks.FINDINGS)
+    assert len(summary.findings(rows)) == len(summary.FINDINGS)
 
 
 def test_cli_saves_json_csv_png(tmp_path, capsys):
@@ -186,9 +189,9 @@ def test_fallback_cost_times_chosen_against_displaced(monkeypatch):
               "layout": "paged", "phase": "decode", "head_dim": 64, "dtype": "float32", "block_size": 16,
               "gqa_ratio": 4, "num_q_heads": 8, "num_kv_heads": 2, "kernel": "torch_paged",
               "kernel_head_dim": 64, "fallback": True}
-    rows = [fallbacks.Row(scenario="what-if", preferred="triton_paged", displaced=["triton_paged"],
+    rows = [grid_module.Row(scenario="what-if", preferred="triton_paged", displaced=["triton_paged"],
                           reasons={"triton_paged": ["device cpu needs TRITON_INTERPRET=1"]}, **shared),
-            fallbacks.Row(scenario="cuda-ish", preferred="flash_attn_paged", displaced=["flash_attn_paged"],
+            grid_module.Row(scenario="cuda-ish", preferred="flash_attn_paged", displaced=["flash_attn_paged"],
                           reasons={"flash_attn_paged": ["dtype float32 not supported"]}, **shared)]
     grid = {"block_sizes": Grid().block_sizes, "head_dims": Grid().head_dims}
     timer = timing.Timer(repeats=1, device="cpu")

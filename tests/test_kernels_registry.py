@@ -1,6 +1,7 @@
 """The kernel registry against the libraries' rules; the auto order, explicit choices, run-time fallback."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import subprocess
@@ -8,21 +9,15 @@ import sys
 
 import pytest
 import torch
-from kvlab.common.attention.dispatch import AttentionSpec, KernelDecl, build_dispatcher
-from kvlab.common.attention.kernels import (
-    CAUSES,
-    PRIORITY,
-    REGISTRY,
-    Environment,
-    decide,
-    kernel_head_dim,
-    make_dispatcher,
-    priority,
-    reason_cause,
-    registry,
-    simulated,
-)
+from kvlab.common.attention import declarations, triton_tiles
+from kvlab.common.attention import priority as priority_module
+from kvlab.common.attention.bounds import MetadataError, check_metadata
+from kvlab.common.attention.declarations import REGISTRY, KernelDecl, registry
+from kvlab.common.attention.dispatch import AttentionSpec, build_dispatcher, make_dispatcher, resolve
+from kvlab.common.attention.priority import PRIORITY, priority
+from kvlab.common.attention.rules import Environment
 from kvlab.common.errors import KernelUnavailable
+from kvlab.experiments.fallbacks.decisions import CAUSES, decide, kernel_head_dim, reason_cause, simulated
 
 ALL_PACKAGES = frozenset({"flash_attn", "flashinfer", "triton", "torch.nn.attention.flex_attention"})
 EVERYTHING = Environment(ALL_PACKAGES, triton_interpret=False)   # rules only: every package, a GPU's Triton
@@ -231,7 +226,7 @@ def test_device_index_and_capability_resolved():
 def test_decide_imports_no_kernel_implementation():
     code = ("import sys\n"
             "from kvlab.common.attention.dispatch import AttentionSpec\n"
-            "from kvlab.common.attention.kernels import decide, simulated\n"
+            "from kvlab.experiments.fallbacks.decisions import decide, simulated\n"
             "s = AttentionSpec('paged', 'cuda', 'bfloat16', 128, 8, 2, 16, (9, 0))\n"
             "print(decide(s, env=simulated('flash_attn', 'flashinfer')).phases['decode'].kernel)\n"
             "print(decide(AttentionSpec('contiguous', 'cpu', 'float32', 64, 4, 2)).phases['decode'].kernel)\n"
@@ -292,7 +287,7 @@ def raising_kernel(q, k_cache, v_cache, meta, scale):
 
 
 def paged_case():
-    from kvlab.experiments.fallback_timing import Shape, build_case
+    from kvlab.experiments.fallbacks.timing import Shape, build_case
     s = AttentionSpec("paged", "cpu", "float32", 32, 4, 2, 4)
     return s, build_case(s, Shape(batch=3, context=10, query=1))
 
@@ -390,10 +385,9 @@ def test_run_metrics_name_the_kernel_per_phase(backend, kernel):
 
 
 def test_run_metrics_count_a_runtime_fallback(monkeypatch, caplog):
-    from kvlab.common.attention import kernels
     broken = KernelDecl("broken_paged", "paged", f"{__name__}:raising_kernel")
-    monkeypatch.setattr(kernels, "REGISTRY", [*kernels.REGISTRY, broken])
-    monkeypatch.setitem(kernels.PRIORITY, ("cpu", "paged"), ("broken_paged", "torch_paged"))
+    monkeypatch.setattr(declarations, "REGISTRY", [*declarations.REGISTRY, broken])
+    monkeypatch.setitem(priority_module.PRIORITY, ("cpu", "paged"), ("broken_paged", "torch_paged"))
     with caplog.at_level(logging.WARNING, logger="kvlab.kernels"):
         m = generate_metrics("paged")
     assert m.kernels == {"prefill": "torch_paged", "decode": "torch_paged"}
@@ -401,3 +395,138 @@ def test_run_metrics_count_a_runtime_fallback(monkeypatch, caplog):
         ("prefill", "broken_paged", "torch_paged"), ("decode", "broken_paged", "torch_paged")]
     warned = [r for r in caplog.records if "broken_paged failed" in r.getMessage()]
     assert len(warned) == 2   # once per phase, not once per layer or step
+
+
+# -- shared memory: compiled Triton tiles must fit one thread block -----------------------------------------
+def test_triton_tile_estimate_matches_the_measured_launch():
+    """Compiled on an H200, fp32 head_dim 512 prefill (GQA 4) asked Triton for 270,848 B of shared memory."""
+    assert triton_tiles.shared_memory_bytes(512, 4, decode=False, dtype="float32") == 270_848
+    assert triton_tiles.shared_memory_bytes(512, 4, decode=True, dtype="float32") < 232_448
+
+
+@pytest.mark.parametrize("overrides,phase,expected", [
+    ({"dtype": "float32", "head_dim": 512}, "prefill",
+     "shared memory: prefill tiles need 270,848 B > 232,448 B per block (head_dim 512, float32"),
+    ({"dtype": "float32", "head_dim": 512}, "decode", None),           # one query token: 16 rows fit
+    ({"dtype": "bfloat16", "head_dim": 512}, "prefill", None),
+    ({"dtype": "float32", "head_dim": 256}, "prefill", None),
+    ({"dtype": "float32", "head_dim": 256, "cc": (8, 6)}, "prefill", "> 101,376 B per block"),
+    ({"dtype": "float32", "head_dim": 512, "cc": (7, 2)}, "prefill", "compute capability 7.2"),  # no table entry
+])
+def test_triton_refuses_tiles_that_exceed_shared_memory(overrides, phase, expected):
+    got = reasons("triton_paged", spec(**overrides), phase)
+    if expected is None:
+        assert got == []
+    else:
+        assert any(expected in r for r in got) and len(got) == 1, got
+        assert reason_cause(got[0]) in CAUSES
+
+
+def test_shared_memory_limit_of_the_spec_wins_over_the_table():
+    small = dataclasses.replace(spec(dtype="bfloat16", head_dim=512), shared_memory_per_block=100_000)
+    assert any("> 100,000 B per block" in r for r in reasons("triton_paged", small, "prefill"))
+    cpu = spec(device="cpu", dtype="float32", head_dim=512)      # the interpreter has no shared memory limit
+    assert reasons("triton_paged", cpu, "prefill") == []
+
+
+def test_h200_fp32_head_dim_512_prefill_is_refused_before_launch(caplog):
+    """A simulated H200 with Triton and FlexAttention: prefill moves to flex_paged by rule (recorded and
+    warned), decode keeps triton_paged; nothing is left to fail at launch."""
+    env = Environment(frozenset({"triton", "torch.nn.attention.flex_attention"}), triton_interpret=False)
+    with caplog.at_level(logging.WARNING, logger="kvlab.kernels"):
+        d = make_dispatcher(spec(dtype="float32", head_dim=512), env=env)
+    assert d.report()["kernels"] == {"prefill": "flex_paged", "decode": "triton_paged"}
+    refused = {(r["kernel"], r["phase"]): r["reasons"] for r in d.report()["refused"]}
+    assert refused[("triton_paged", "prefill")][0].startswith("shared memory: prefill tiles need 270,848 B")
+    assert ("triton_paged", "decode") not in refused
+    assert any("prefill attention uses flex_paged" in r.getMessage() and "shared memory" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_resolve_reads_the_present_gpus_shared_memory(monkeypatch):
+    """Simulated GPU: resolve fills the limit only for the GPU that is present (same compute capability)."""
+    props = type("Props", (), {"shared_memory_per_block_optin": 101_376})()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 9))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=None: props)
+    here = resolve(spec(cc=None))
+    assert here.compute_capability == (8, 9) and here.shared_memory_per_block == 101_376
+    other = resolve(spec(cc=H200))
+    assert other.compute_capability == H200 and other.shared_memory_per_block is None
+
+
+# -- metadata bounds before a fallback -----------------------------------------------------------------------
+class Recorder:
+    """A kernel that must not run: it stands in for a fallback without bounds checks (the Triton kernel)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, q, k_cache, v_cache, meta, scale):
+        self.calls += 1
+        return torch.zeros_like(q)
+
+
+def dispatcher_over(s: AttentionSpec, first: KernelDecl, recorder: Recorder):
+    fallback = KernelDecl("unchecked", s.layout, recorder)
+    return build_dispatcher(s, [first, fallback], [first.name, "unchecked"])
+
+
+def test_bad_block_table_is_a_metadata_error_not_a_fallback():
+    """torch_paged raises on a block id past the pool; the next kernel would read past it: no fallback."""
+    s, case = paged_case()
+    case.meta.block_tables[1, 0] = case.k_cache.shape[0] + 5
+    recorder = Recorder()
+    torch_paged = next(d for d in REGISTRY if d.name == "torch_paged")
+    d = dispatcher_over(s, torch_paged, recorder)
+    with pytest.raises(MetadataError, match="item 1's block table .* leaves the pool of"):
+        d.run("decode", case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert recorder.calls == 0 and d.report()["runtime_fallbacks"] == []
+
+
+def test_bad_slot_mapping_stops_the_fallback():
+    s, case = paged_case()
+    case.meta.slot_mapping[0] = -1
+    recorder = Recorder()
+    d = dispatcher_over(s, KernelDecl("broken_paged", "paged", f"{__name__}:raising_kernel"), recorder)
+    with pytest.raises(MetadataError, match="token 0's slot -1 is outside the pool"):
+        d.run("decode", case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert recorder.calls == 0 and d.runtime_fallbacks == []
+
+
+def contiguous_case():
+    from kvlab.experiments.fallbacks.timing import Shape, build_case
+    s = AttentionSpec("contiguous", "cpu", "float32", 32, 4, 2)
+    return s, build_case(s, Shape(batch=3, context=10, query=1))
+
+
+@pytest.mark.parametrize("corrupt,match", [
+    (lambda meta, k: meta.slots.__setitem__(2, k.shape[0]), "item 2's slot .* outside the cache's"),
+    (lambda meta, k: setattr(meta, "readable_lens", torch.full_like(meta.slots, k.shape[1] + 1)),
+     "readable length .* in rows of"),
+    (lambda meta, k: setattr(meta, "readable_lens", meta.context_lens.long() - 1), "item 0 has context 10"),
+])
+def test_bad_contiguous_metadata_stops_the_fallback(corrupt, match):
+    s, case = contiguous_case()
+    corrupt(case.meta, case.k_cache)
+    recorder = Recorder()
+    d = dispatcher_over(s, KernelDecl("broken", "contiguous", f"{__name__}:raising_kernel"), recorder)
+    with pytest.raises(MetadataError, match=match):
+        d.run("decode", case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert recorder.calls == 0 and d.runtime_fallbacks == []
+
+
+def test_sound_metadata_still_falls_back():
+    for s, case in (paged_case(), contiguous_case()):
+        check_metadata(case.meta, case.q, case.k_cache)     # the cases themselves are sound
+        recorder = Recorder()
+        d = dispatcher_over(s, KernelDecl("broken", s.layout, f"{__name__}:raising_kernel"), recorder)
+        d.run("decode", case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+        assert recorder.calls == 1 and [f["fallback"] for f in d.runtime_fallbacks] == ["unchecked"]
+
+
+def test_query_tokens_must_match_the_metadata():
+    s, case = paged_case()
+    with pytest.raises(MetadataError, match="does not cover the 2 query tokens of 3 items"):
+        check_metadata(case.meta, case.q[:2], case.k_cache)

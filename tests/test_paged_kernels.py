@@ -11,10 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fakes.batches import paged_case
+from kvlab.common.attention.triton_tiles import tiling
 from kvlab.paged.kernels import torch_ref
 from kvlab.paged.kernels.flex import inverse_block_tables, paged_attention_flex
 from kvlab.paged.kernels.torch_ref import paged_attention_torch
-from kvlab.paged.kernels.triton_paged import _tiling, paged_attention_triton
+from kvlab.paged.kernels.triton_paged import paged_attention_triton
 
 KERNELS = {"torch": paged_attention_torch, "triton": paged_attention_triton, "flex": paged_attention_flex}
 
@@ -118,7 +119,7 @@ def test_gather_buffer_grows_and_keeps_capacity():
                                                      (1, False, (64, 1)), (3, False, (16, 4)),
                                                      (64, False, (1, 64))])
 def test_triton_tiles_keep_every_dot_dimension_at_least_16(group, decode, expected):
-    block_q, group_pad = _tiling(group, decode)
+    block_q, group_pad = tiling(group, decode)
     assert (block_q, group_pad) == expected
     assert block_q * group_pad >= 16 and group_pad >= group
 

@@ -78,7 +78,7 @@ class VMMKVCache(Allocator, Storage):
         self.dispatcher = None
         if not self.accounting_only:
             self.tensors.make_views()
-            from kvlab.common.attention.kernels import make_dispatcher
+            from kvlab.common.attention.dispatch import make_dispatcher
             spec = AttentionSpec(layout="contiguous", device=self.shape.device, dtype=self.shape.dtype,
                                  head_dim=self.shape.head_dim, num_q_heads=self.shape.num_q_heads,
                                  num_kv_heads=self.shape.num_kv_heads)

@@ -1,77 +1,30 @@
-"""What an attention kernel declares, and the dispatcher that picks one per phase and falls back at run time.
+"""The dispatcher: per phase, the kernels that can run a spec in priority order; it runs the first and falls
+back to the next if it raises. Backends build one with `make_dispatcher(AttentionSpec(...), config.kernel)`.
 
-Kernel implementations live next to their backend (paged/kernels/, vmm/kernels.py); their declarations
-(what they support, transcribed from the real libraries) live in common/kernels.py.
+Every refusal is recorded with its reasons (logged at INFO, listed in `report()["refused"]`); a higher-priority
+kernel displaced by a rule is warned about once; a run-time fallback is warned about once and counted.
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from kvlab.common.attention import declarations
+from kvlab.common.attention.bounds import check_metadata
+from kvlab.common.attention.declarations import KernelDecl
+from kvlab.common.attention.priority import priority
+from kvlab.common.attention.rules import Environment
+from kvlab.common.attention.spec import PHASES, AttentionSpec, base_device
 from kvlab.common.errors import KernelUnavailable
 
 log = logging.getLogger("kvlab.kernels")
 
-PHASES = ("prefill", "decode")
-
-
-@dataclass(frozen=True, slots=True)
-class AttentionSpec:
-    """Everything a kernel's support predicate may look at."""
-    layout: str                      # "paged" | "contiguous"
-    device: str                      # "cpu" | "cuda"
-    dtype: str                       # "float32" | "float16" | "bfloat16"
-    head_dim: int
-    num_q_heads: int
-    num_kv_heads: int
-    block_size: int | None = None    # tokens per block (paged layout)
-    compute_capability: tuple[int, int] | None = None  # cuda only
-
-    @property
-    def gqa_ratio(self) -> int:
-        return self.num_q_heads // self.num_kv_heads
-
-
-@dataclass(slots=True)
-class KernelDecl:
-    """A registry entry. `impl` is "module:function" with the signature
-    fn(q [T,H,D], k_cache, v_cache, meta, scale) -> out [T,H,D]; imported only when chosen."""
-    name: str
-    layout: str
-    impl: str
-    phases: tuple[str, ...] = PHASES
-    package: str | None = None       # importable module the kernel needs
-    description: str = ""
-    check: Callable[[AttentionSpec], list[str]] = lambda spec: []
-    # rules that hold in one phase only (e.g. a decode-only API limit); `phase` is "prefill" or "decode"
-    phase_check: Callable[[AttentionSpec, str], list[str]] = lambda spec, phase: []
-    # how to tell whether `package` is importable; None asks importlib (a study may simulate other machines)
-    installed: Callable[[str], bool] | None = None
-
-    def reasons_against(self, spec: AttentionSpec, phase: str | None = None) -> list[str]:
-        """Why this kernel cannot run `spec` (empty if it can); with `phase`, phase-specific rules too."""
-        reasons = []
-        if spec.layout != self.layout:
-            reasons.append(f"layout {spec.layout} (kernel needs {self.layout})")
-        if self.package and not (self.installed or package_available)(self.package):
-            reasons.append(f"ImportError: package {self.package!r} is not installed")
-        reasons += self.check(spec)
-        if phase is not None:
-            reasons += self.phase_check(spec, phase)
-        return reasons
-
-    def load(self) -> Callable[..., torch.Tensor]:
-        module, func = self.impl.split(":")
-        return getattr(importlib.import_module(module), func)
-
-
-def package_available(name: str) -> bool:
-    return importlib.util.find_spec(name) is not None
+__all__ = ["AttentionSpec", "KernelDispatcher", "Refusal", "build_dispatcher", "dispatcher_for",
+           "make_dispatcher", "resolve"]
 
 
 @dataclass(slots=True)
@@ -84,7 +37,7 @@ class Refusal:
 @dataclass(slots=True)
 class KernelDispatcher:
     """Holds, per phase, the ordered list of kernels that can run the spec; runs the first and falls back
-    to the next one if it raises (logged once, counted)."""
+    to the next one if it raises (logged once, counted), after checking the metadata's bounds."""
     spec: AttentionSpec
     candidates: dict[str, list[KernelDecl]]
     refusals: list[Refusal] = field(default_factory=list)
@@ -105,6 +58,7 @@ class KernelDispatcher:
                 fn = self._impls.get(decl.name) or self._impls.setdefault(decl.name, decl.load())
                 out = fn(q, k_cache, v_cache, meta, scale)
             except Exception as exc:  # noqa: BLE001 - any kernel failure falls back, never silently
+                check_metadata(meta, q, k_cache)   # bad metadata raises here: the backend's error, no fallback
                 self._fall_back(phase, decl, exc)
                 continue
             self.calls[decl.name] = self.calls.get(decl.name, 0) + 1
@@ -169,3 +123,39 @@ def build_dispatcher(spec: AttentionSpec, registry: list[KernelDecl], priority: 
     for r in refusals:
         log.info("kernel %s refused for %s: %s", r.kernel, r.phase, "; ".join(r.reasons))
     return KernelDispatcher(spec, candidates, refusals, displaced)
+
+
+def resolve(spec: AttentionSpec) -> AttentionSpec:
+    """Normalise "cuda:N" to "cuda"; for a present GPU fill in its compute capability and, when the spec is
+    about that GPU, its opt-in shared memory per block."""
+    device = base_device(spec.device)
+    cc, shared = spec.compute_capability, spec.shared_memory_per_block
+    if device == "cuda" and torch.cuda.is_available():
+        index = int(spec.device.split(":")[1]) if ":" in spec.device else torch.cuda.current_device()
+        present = tuple(torch.cuda.get_device_capability(index))
+        cc = present if cc is None else cc
+        if shared is None and tuple(cc) == present:
+            shared = getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", None)
+    return dataclasses.replace(spec, device=device, compute_capability=cc, shared_memory_per_block=shared)
+
+
+def dispatcher_for(spec: AttentionSpec, choice: str = "auto", env: Environment | None = None) -> KernelDispatcher:
+    """The dispatcher `make_dispatcher` builds, without its warnings; `env` simulates another machine's
+    packages (None: this process, through the module's REGISTRY)."""
+    spec = resolve(spec)
+    decls = declarations.REGISTRY if env is None else declarations.registry(env)
+    return build_dispatcher(spec, decls, priority(spec.device, spec.layout), choice)
+
+
+def make_dispatcher(spec: AttentionSpec, choice: str = "auto",
+                    env: Environment | None = None) -> KernelDispatcher:
+    """The backend's dispatcher. A higher-priority kernel displaced by a rule is a fallback: logged as a
+    warning with every reason (once, here) and listed in `report()["displaced"]`."""
+    dispatcher = dispatcher_for(spec, choice, env)
+    reasons = {(r.kernel, r.phase): r.reasons for r in dispatcher.refusals}
+    for phase, names in dispatcher.displaced.items():
+        if names:
+            why = "; ".join(f"{n}: {', '.join(reasons[(n, phase)])}" for n in names)
+            log.warning("%s %s attention uses %s instead of %s (%s)", spec.layout, phase,
+                        dispatcher.chosen(phase), names[0], why)
+    return dispatcher

@@ -60,7 +60,7 @@ class BackendSpec:
 
     def kernels(self) -> list[str]:
         """The attention kernels declared for its layout (whether they can run here is the dispatcher's call)."""
-        from kvlab.common.attention.kernels import REGISTRY
+        from kvlab.common.attention.declarations import REGISTRY
         return [d.name for d in REGISTRY if d.layout == self.layout]
 
 

@@ -12,9 +12,7 @@ import torch
 import triton
 import triton.language as tl
 from kvlab.common.attention.metadata import PagedMetadata
-
-TILE_N = 32          # keys per inner iteration
-PREFILL_ROWS = 64    # target query rows (tokens x group heads) per prefill program
+from kvlab.common.attention.triton_tiles import TILE_N, head_pad, tiling
 
 
 @triton.jit
@@ -77,13 +75,6 @@ def _paged_attention_kernel(
              mask=row_ok[:, None] & dim_ok[None, :])
 
 
-def _tiling(group: int, decode: bool) -> tuple[int, int]:
-    """(BLOCK_Q, GROUP_PAD): query tokens per program and padded group, with BLOCK_Q * GROUP_PAD >= 16."""
-    group_pow2 = triton.next_power_of_2(group)
-    block_q = 1 if decode else max(1, PREFILL_ROWS // group_pow2)
-    return block_q, max(group_pow2, 16 // block_q)
-
-
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: PagedMetadata, scale: float) -> torch.Tensor:
     out = torch.empty_like(q)
@@ -94,7 +85,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "K/V caches need a contiguous last dim"
     group = num_heads // num_kv_heads
-    block_q, group_pad = _tiling(group, meta.is_decode)
+    block_q, group_pad = tiling(group, meta.is_decode)
     grid = (len(meta.query_lens), num_kv_heads, triton.cdiv(meta.max_query_len, block_q))
     block_tables = meta.block_tables.contiguous()
     _paged_attention_kernel[grid](
@@ -103,7 +94,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
         block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim,
-        D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size, TILE=TILE_N,
+        D_PAD=head_pad(head_dim), BLOCK_SIZE=block_size, TILE=TILE_N,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     return out

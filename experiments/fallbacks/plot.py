@@ -2,10 +2,8 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from kvlab.experiments.fallbacks import Row
+from kvlab.experiments.fallbacks.grid import Row
 
 # (scenario, phase, title) of each panel; GQA is fixed: it changes no decision (only its divisibility)
 PANELS = [

@@ -19,17 +19,17 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from kvlab.common.attention.dispatch import AttentionSpec, KernelDecl
-from kvlab.common.attention.kernels import REGISTRY, resolve
+from kvlab.common.attention.declarations import REGISTRY, KernelDecl
+from kvlab.common.attention.dispatch import resolve
 from kvlab.common.attention.metadata import BatchItem, ContiguousMetadata, PagedMetadata, base_metadata
+from kvlab.common.attention.spec import AttentionSpec
 from kvlab.common.kv.seam import TORCH_DTYPES
 from kvlab.common.sequence import Sequence
-
-if TYPE_CHECKING:
-    from kvlab.experiments.fallbacks import Row
+from kvlab.experiments.fallbacks.grid import Grid, Row
+from kvlab.experiments.fallbacks.summary import fallback_paths
 
 log = logging.getLogger("kvlab.fallbacks")
 
@@ -250,7 +250,6 @@ def nearest_accepted(decl: KernelDecl, spec: AttentionSpec, phase: str, grid_val
 
 def fallback_costs(timer: Timer, rows: list[Row], scenario: str, grid_values: dict[str, tuple],
                    device: str, cc) -> list[dict[str, Any]]:
-    from kvlab.experiments.fallbacks import fallback_paths  # a cycle only at import time
     picked = [r for r in rows if r.scenario == scenario]
     costs = []
     for (_, backend, phase, kernel, _), count in fallback_paths(picked).most_common():
@@ -276,7 +275,6 @@ def fallback_costs(timer: Timer, rows: list[Row], scenario: str, grid_values: di
 
 def measure(rows: list[Row], threads: int = 1, repeats: int = 10, grid_values: dict[str, tuple] | None = None,
             progress: bool = True) -> dict[str, Any]:
-    from kvlab.experiments.fallbacks import Grid
     grid_values = grid_values or {"block_sizes": Grid().block_sizes, "head_dims": Grid().head_dims}
     device, cc = machine()
     previous_threads = torch.get_num_threads()
