@@ -87,8 +87,7 @@ class PagedKVCache(Allocator, Storage):
             self.v_caches = list(self.kv[1])
 
     def _make_dispatcher(self):
-        from kvlab.common.attention.dispatch import AttentionSpec
-        from kvlab.common.attention.dispatch import make_dispatcher
+        from kvlab.common.attention.dispatch import AttentionSpec, make_dispatcher
         device = torch.device(self.shape.device)
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
         spec = AttentionSpec(layout="paged", device=device.type, dtype=self.shape.dtype,

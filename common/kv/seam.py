@@ -169,8 +169,7 @@ class Storage(ABC):
 
     def build_dispatcher(self, shape: KVShape, layout: str, kernel: str, **spec: Any) -> None:
         """Pick this storage's kernels for its layout and shape (refusals and fallbacks are recorded)."""
-        from kvlab.common.attention.dispatch import AttentionSpec
-        from kvlab.common.attention.dispatch import make_dispatcher
+        from kvlab.common.attention.dispatch import AttentionSpec, make_dispatcher
         device = torch.device(shape.device)
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
         self.dispatcher = make_dispatcher(AttentionSpec(
