@@ -19,6 +19,7 @@ from kvlab.common.sequence import Sequence
 from kvlab.paged.allocator import PagedAllocator
 from kvlab.paged.backend import build_paged
 from kvlab.paged.block_pool import BlockPoolError
+from kvlab.paged.probe import PROBE
 from kvlab.paged.storage import NullPagedStorage, PagedStorage
 
 SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=8, num_q_heads=4)
@@ -454,6 +455,33 @@ def test_real_and_accounting_modes_make_identical_decisions(prefix):
     assert real == accounting
     stats = cache.allocator.stats()                      # the workload did exercise every path
     assert stats.cow_copies > 0 and stats.swapped_in_bytes > 0 and (stats.prefix_hit_tokens > 0) == prefix
+
+
+# -- the probe the invariant tests use ----------------------------------------------------------------------
+def test_probe_reads_tables_and_the_pool_and_catches_what_it_checks():
+    h = Harness(make_cache(num_blocks=8))
+    a, b = h.new_seq(list(range(6))), h.new_seq(list(range(20, 25)))
+    h.step([(a, None), (b, None)])
+    child = h.fork(a)
+    h.alloc.swap_out(b)
+    for seq in (a, child):
+        stored = PROBE.read(h.cache, seq, seq.num_computed_tokens)
+        want = torch.stack([torch.stack(kv_of(seq.token_ids[:6], list(range(6)), layer))
+                            for layer in range(SHAPE.num_layers)])
+        assert torch.equal(stored, want)
+    live = {a.seq_id: a, child.seq_id: child}
+    PROBE.check_structure(h.cache, live, {b.seq_id}, lambda *_: True)
+    with pytest.raises(AssertionError, match="shared by unrelated sequences"):
+        PROBE.check_structure(h.cache, live, {b.seq_id}, lambda *_: False)
+    with pytest.raises(AssertionError, match="!= live"):
+        PROBE.check_structure(h.cache, {a.seq_id: a}, {b.seq_id}, lambda *_: True)
+    with pytest.raises(AssertionError, match="left after draining"):
+        PROBE.check_drained(h.cache)
+    for seq in (a, child, b):
+        h.alloc.free(seq)
+    PROBE.check_drained(h.cache)
+    h.cache.close()
+    PROBE.check_closed(h.cache)
 
 
 # -- the real model through the cache -----------------------------------------------------------------------
