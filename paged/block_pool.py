@@ -68,6 +68,15 @@ class BlockPool:
             if self.prefix_cache is None or not self.prefix_cache.is_cached(block):
                 self._free.move_to_end(block, last=False)
 
+    def release_all(self, table: list[int]) -> None:
+        """Release a whole block table, tail first: cached tails are evicted before their prefixes."""
+        for block in reversed(table):
+            self.release(block)
+
+    def free_blocks(self) -> list[int]:
+        """The free queue in the order `allocate` takes from it."""
+        return list(self._free)
+
     def _check_id(self, block: int) -> None:
         if not 0 <= block < self.num_blocks:
             raise BlockPoolError(f"block id {block} is outside the pool [0, {self.num_blocks})")

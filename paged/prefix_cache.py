@@ -6,7 +6,12 @@ block whose last user left sits in the pool's free queue and stays reusable unti
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvlab.common.sequence import Sequence
+    from kvlab.paged.allocator import SeqBlocks
 
 BlockKey = tuple[int | None, str, tuple[int, ...]]   # (parent hash, adapter id, token ids of the block)
 HashFn = Callable[[BlockKey], int]
@@ -68,3 +73,39 @@ class PrefixCache:
         assert len(self._block_of) == len(self._entry_of), "prefix cache maps out of sync"
         for block, (block_hash, _) in self._entry_of.items():
             assert self._block_of.get(block_hash) == block, f"block {block} not under its hash"
+
+
+class PrefixIndex:
+    """The allocator's use of the prefix cache: find a new sequence's cached leading blocks, and register a
+    sequence's computed full blocks. Does nothing when prefix caching is off (`cache` is None)."""
+
+    def __init__(self, cache: PrefixCache | None, block_size: int) -> None:
+        self.cache, self.block_size = cache, block_size
+
+    def match(self, seq: Sequence, num_tokens: int, held: Iterable[SeqBlocks]) -> list[tuple[int, int]]:
+        """(block, hash) of leading cached full blocks, leaving at least the last token to recompute."""
+        if self.cache is None:
+            return []
+        for entry in held:     # blocks computed since their sequence's last allocate
+            self.register(entry.seq, entry)
+        limit = (min(num_tokens, seq.num_tokens) - 1) // self.block_size
+        hits = []
+        for block_hash, key in chain_keys(seq.token_ids, seq.adapter_id, self.block_size, limit,
+                                          hash_fn=self.cache.hash_fn):
+            block = self.cache.lookup(block_hash, key)
+            if block is None:
+                break
+            hits.append((block, block_hash))
+        return hits
+
+    def register(self, seq: Sequence, entry: SeqBlocks) -> None:
+        """Make the sequence's full, computed blocks findable by later requests."""
+        if self.cache is None:
+            return
+        full = min(seq.num_computed_tokens, entry.num_tokens, seq.num_tokens) // self.block_size
+        start = len(entry.hashes)
+        parent = entry.hashes[-1] if entry.hashes else None
+        keys = chain_keys(seq.token_ids, seq.adapter_id, self.block_size, full, start, parent, self.cache.hash_fn)
+        for j, (block_hash, key) in enumerate(keys, start):
+            self.cache.insert(entry.table[j], block_hash, key)
+            entry.hashes.append(block_hash)

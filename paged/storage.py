@@ -1,0 +1,109 @@
+"""The paged storage: one tensor [2, L, num_blocks, block_size, H_kv, D] (per-layer K and V are views), the
+step's PagedMetadata built from the allocator's block tables, attention, and the data operations the allocator
+issues (copy a block on write, save blocks for swap-out, restore them on swap-in). NullPagedStorage is the
+accounting variant: the same operations, doing nothing.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from kvlab.common.attention.metadata import BatchItem, PagedMetadata, base_metadata
+from kvlab.common.kv.seam import KVShape, NullStorage, Storage
+from kvlab.paged.block_pool import BlockPoolError
+
+if TYPE_CHECKING:
+    from kvlab.common.config import EngineConfig
+    from kvlab.paged.allocator import PagedAllocator
+
+
+class PagedStorage(Storage):
+    def __init__(self, config: EngineConfig, shape: KVShape, allocator: PagedAllocator) -> None:
+        self.shape, self.allocator = shape, allocator      # the allocator's tables say where each token lives
+        self.block_size = allocator.block_size
+        self.check = config.check_invariants
+        # zeros, not empty: padded kernel reads of unused slots must be finite (0 * NaN is NaN);
+        # never an inference tensor, so it stays writable whether or not the caller is in inference mode
+        with torch.inference_mode(False):
+            self.kv: torch.Tensor | None = torch.zeros(
+                2, shape.num_layers, allocator.num_total_units(), self.block_size, shape.num_kv_heads,
+                shape.head_dim, dtype=shape.torch_dtype, device=shape.device)
+            self.k_caches: list[torch.Tensor] = list(self.kv[0])
+            self.v_caches: list[torch.Tensor] = list(self.kv[1])
+        self.build_dispatcher(shape, "paged", config.kernel, block_size=self.block_size)
+
+    # -- one step -------------------------------------------------------------------------------------
+    def prepare(self, items: list[BatchItem]) -> PagedMetadata:
+        if self.check:   # the kernel reads every block the tables name: check them first
+            self.allocator.check_invariants()
+        base = base_metadata(items, self.shape.device)
+        rows = [self._table_row(it) for it in items]
+        width = max((len(r) for r in rows), default=0)
+        padded = [r + [0] * (width - len(r)) for r in rows]
+        block_tables = torch.tensor(padded, dtype=torch.int32).reshape(len(items), width).to(self.shape.device)
+        slot_mapping = self._slot_mapping(block_tables, base["input_positions"], base["query_lens"])
+        return PagedMetadata(**base, block_tables=block_tables, slot_mapping=slot_mapping,
+                             block_size=self.block_size)
+
+    def _table_row(self, item: BatchItem) -> list[int]:
+        table = self.allocator.block_table(item.seq)
+        need = -(-item.context_len // self.block_size)
+        if len(table) < need:
+            raise BlockPoolError(f"sequence {item.seq.seq_id} holds {len(table)} blocks but this step needs "
+                                 f"{need}; call allocate(seq, {item.context_len}) before prepare")
+        return table[:need]
+
+    def _slot_mapping(self, block_tables: torch.Tensor, positions: torch.Tensor,
+                      query_lens: torch.Tensor) -> torch.Tensor:
+        """block_id * block_size + offset for every new token, with no Python loop over tokens."""
+        rows = torch.repeat_interleave(torch.arange(len(query_lens), device=positions.device),
+                                       query_lens.to(torch.int64))
+        blocks = block_tables[rows, positions // self.block_size].to(torch.int64)
+        return blocks * self.block_size + positions % self.block_size
+
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  meta: PagedMetadata, scale: float) -> torch.Tensor:
+        k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
+        if self.check and meta.num_tokens:
+            assert int(meta.slot_mapping.max()) < k_cache.shape[0] * self.block_size, "slot outside the pool"
+            assert int(meta.block_tables.max()) < k_cache.shape[0], "block table entry outside the pool"
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v)
+        if meta.num_tokens == 0:
+            return torch.empty_like(q)
+        return self.dispatcher.run(meta.phase, q, k_cache, v_cache, meta, scale)
+
+    # -- data operations the allocator issues -----------------------------------------------------------
+    def copy_block(self, src: int, dst: int) -> None:
+        self.kv[:, :, dst].copy_(self.kv[:, :, src])     # every layer, K and V, in one copy
+
+    def save_blocks(self, blocks: list[int]) -> torch.Tensor | None:
+        """The blocks' K/V of every layer, [2, L, len(blocks), block_size, H_kv, D], copied to the CPU."""
+        if not blocks:
+            return None
+        ids = torch.tensor(blocks, dtype=torch.int64, device=self.kv.device)
+        return self.kv.index_select(2, ids).to("cpu")
+
+    def restore_blocks(self, blocks: list[int], host: torch.Tensor | None) -> None:
+        """Write what save_blocks returned into `blocks` (new ids, same order)."""
+        if host is None:
+            return
+        ids = torch.tensor(blocks, dtype=torch.int64, device=self.kv.device)
+        self.kv.index_copy_(2, ids, host.to(self.kv.device))
+
+    def close(self) -> None:
+        self.kv = None
+        self.k_caches, self.v_caches = [], []
+
+
+class NullPagedStorage(NullStorage):
+    """Accounting mode: no tensor, so the allocator's data operations have nothing to move."""
+
+    def copy_block(self, src: int, dst: int) -> None:
+        pass
+
+    def save_blocks(self, blocks: list[int]) -> None:
+        return None
+
+    def restore_blocks(self, blocks: list[int], host: None) -> None:
+        pass
