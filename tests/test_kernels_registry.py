@@ -346,8 +346,8 @@ def test_backend_kernel_report_names_kernel_per_phase():
     from kvlab.common.config import make_config
     from kvlab.common.kv.seam import KVShape
     from kvlab.paged import backend
-    cache = backend.PagedKVCache(make_config(block_size=16, kv_cache_bytes=1 << 20),
-                                 KVShape(num_layers=1, num_kv_heads=2, head_dim=32, num_q_heads=4))
+    cache = backend.build_paged(make_config(block_size=16, kv_cache_bytes=1 << 20),
+                                KVShape(num_layers=1, num_kv_heads=2, head_dim=32, num_q_heads=4))
     report = cache.kernel_report()
     assert report["kernels"] == {"prefill": "torch_paged", "decode": "torch_paged"}
     assert report["displaced"] == {"prefill": [], "decode": []}
