@@ -114,3 +114,39 @@ def test_gpu_check_sh_prefers_the_given_then_the_project_interpreter(tmp_path):
     venv_python.chmod(0o755)
     assert run(env) == ".venv/bin/python"
     assert run({**env, "PYTHON": "/opt/py"}) == "/opt/py"
+
+
+# -- the first-contact script --------------------------------------------------------------------------------------
+def test_first_contact_dry_run_runs_every_part_on_cpu(tmp_path):
+    out = tmp_path / "first_contact.json"
+    env = {**os.environ, "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(ROOT / "experiments" / "gpu_check.sh"), "--first-contact", "--dry-run-cpu",
+                           "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
+                          check=False)
+    doc = json.loads(out.read_text())
+    parts = doc["parts"]
+    assert proc.returncode == 0, {k: v.get("error") for k, v in parts.items()}
+    assert doc["mode"] == "cpu-dry-run" and list(parts) == ["versions", "unmapped_view", "vmm_round_trip",
+                                                           "vmm_cache", "triton_kernel", "vmm_latency",
+                                                           "unmapped_touch"]
+    versions = parts["versions"]["result"]
+    assert versions["minimum_granularity"] == versions["recommended_granularity"] == 2 * 2**20
+    assert {"torch", "triton", "numpy", "cuda.bindings", "driver"} <= set(versions)
+    trip = parts["vmm_round_trip"]["result"]
+    assert trip["fake_leaks"] == {}
+    assert trip["worker_thread"] == {"without_context": "CUDA_ERROR_INVALID_CONTEXT", "with_primary_context": "ok"}
+    for dtype, row in parts["vmm_cache"]["result"]["dtypes"].items():
+        assert row["ok"] and row["kernels"]["decode"] and row["runtime_fallbacks"] == [], dtype
+    assert all(c["ok"] and c["max_abs_err_vs_sdpa"] < 1e-4 for c in parts["triton_kernel"]["result"]["cases"])
+    latency = parts["vmm_latency"]["result"]
+    assert latency["pages"] == 16 and set(latency["median_us"]) == {"create", "map", "set_access", "unmap", "release"}
+    assert parts["unmapped_touch"]["result"]["ran"] is False
+
+
+def test_first_contact_without_a_gpu_is_a_loud_error(tmp_path, monkeypatch, capsys):
+    from kvlab.experiments import first_contact
+    monkeypatch.setattr(first_contact, "detect_gpu", lambda: {"present": False, "gpus": [], "evidence": ["none"]})
+    monkeypatch.setattr(first_contact, "run_part", lambda *a: pytest.fail("no part may run"))
+    assert first_contact.main(["--out", str(tmp_path / "f.json")]) == 2
+    assert "--dry-run-cpu" in capsys.readouterr().err
+    assert json.loads((tmp_path / "f.json").read_text())["mode"] == "no-gpu"
