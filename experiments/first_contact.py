@@ -222,32 +222,33 @@ def part_vmm_round_trip(dry: bool) -> dict[str, Any]:
 
 
 def worker_thread_map(d: Driver, page: int) -> dict[str, str]:
-    """cuMemMap from a fresh thread: first with no context current on it, then with the primary context."""
+    """cuMemMap from a fresh thread: first with no context current on it, then with the primary context; what
+    either attempt acquired is given back at the end, with the context current."""
     out: dict[str, str] = {}
+    held: dict[str, list] = {"cuMemUnmap": [], "cuMemRelease": [], "cuMemAddressFree": []}
 
     def body() -> None:
-        handle = ptr = None
         for label, set_ctx in (("without_context", False), ("with_primary_context", True)):
             try:
                 if set_ctx:
                     d.call("cuCtxSetCurrent", d.ctx)
                 ptr = d.reserve(page)
+                held["cuMemAddressFree"].append((ptr, page))
                 handle = d.call("cuMemCreate", page, d.prop, 0)
-                d.map(ptr, page, handle)
+                held["cuMemRelease"].append((handle,))
+                d.call("cuMemMap", ptr, page, 0, handle, 0)
+                held["cuMemUnmap"].append((ptr, page))
+                d.call("cuMemSetAccess", ptr, page, d.access, 1)
                 d.call("cuCtxSynchronize")
-                d.call("cuMemUnmap", ptr, page)
                 out[label] = "ok"
             except DriverCallError as exc:
                 out[label] = exc.result
-            finally:
-                if handle is not None:
-                    d.call("cuMemRelease", handle)
-                if ptr is not None:
-                    d.call("cuMemAddressFree", ptr, page)
-                handle = ptr = None
     thread = threading.Thread(target=body)
     thread.start()
     thread.join()
+    for name, calls in held.items():          # unmap, then release, then free the addresses
+        for args in calls:
+            d.call(name, *args)
     return out
 
 

@@ -538,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"gpu_check: error: no GPU found ({'; '.join(gpu['evidence'])}); "
                   f"pass --dry-run-cpu for the CPU dry run", file=sys.stderr)
             return 2
-    check.set_mode(dry, "--dry-run-cpu" if dry else "; ".join(check.doc["gpu"]["gpus"]))
+    check.set_mode(dry, "--dry-run-cpu" if dry else "; ".join(check.doc["gpu"]["evidence"]))
     for name in ["environment", *(n for n in names if n != "environment")]:
         check.run(name, dry)
     parts = check.doc["parts"]
