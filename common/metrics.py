@@ -4,10 +4,14 @@ KV utilisation is live tokens / allocated token slots, averaged over steps. Wast
 token slots, split into reserved waste (slots held for tokens a sequence will still produce: backends that
 reserve ahead of need report it as stats().extra["reserved_waste_tokens"]) and internal waste (the rest:
 partial blocks/pages, reservations beyond the final length).
+
+The per-step timeline keeps the last `timeline_limit` recorded rows (a ring buffer; every mean and peak above
+is a running summary over all steps), so an engine that is never reset holds bounded memory.
 """
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +23,7 @@ if TYPE_CHECKING:
 
 TIMELINE_FIELDS = ("time", "running", "batch", "tokens", "live_tokens", "allocated_token_slots", "used_units",
                    "mapped_bytes")
+TIMELINE_LIMIT = 100_000     # rows kept (~110 B each, ~11 MB); longer runs keep their last TIMELINE_LIMIT rows
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -69,6 +74,7 @@ class RunMetrics:
     kernel_fallbacks: list[dict[str, str]] = field(default_factory=list)
     num_steps: int = 0
     timeline: dict[str, list] = field(default_factory=dict)
+    timeline_dropped: int = 0                  # oldest timeline rows dropped to keep it bounded
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -78,9 +84,10 @@ class MetricsRecorder:
     """Accumulates one run: call start(), on_step() after every engine step, on_finished() per request,
     then result()."""
 
-    def __init__(self, cache: KVCache, timeline_every: int = 1) -> None:
+    def __init__(self, cache: KVCache, timeline_every: int = 1, timeline_limit: int = TIMELINE_LIMIT) -> None:
         self.cache = cache
         self.timeline_every = max(1, timeline_every)
+        self.timeline_limit = max(1, timeline_limit)
         self.start(0.0, None)
 
     def start(self, now: float, sched: SchedulerStats | None) -> None:
@@ -97,7 +104,8 @@ class MetricsRecorder:
         self.ttft: list[float] = []
         self.tpot: list[float] = []
         self.num_requests = self.num_failed = 0
-        self.timeline: dict[str, list] = {k: [] for k in TIMELINE_FIELDS}
+        self.timeline: dict[str, deque] = {k: deque(maxlen=self.timeline_limit) for k in TIMELINE_FIELDS}
+        self.timeline_rows = 0
 
     def on_step(self, t_start: float, t_end: float, out: SchedulerOutput, running: int,
                 scheduler_seconds: float) -> None:
@@ -121,6 +129,7 @@ class MetricsRecorder:
                    s.used_units, s.mapped_bytes)
             for key, value in zip(TIMELINE_FIELDS, row):
                 self.timeline[key].append(value)
+            self.timeline_rows += 1
 
     def on_finished(self, req: Request) -> None:
         self.num_requests += 1
@@ -163,7 +172,8 @@ class MetricsRecorder:
             scheduler_seconds=self.scheduler_seconds,
             kernels=dict(report.get("kernels", {})), refused_kernels=list(report.get("refused", [])),
             kernel_fallbacks=list(report.get("runtime_fallbacks", [])), num_steps=self.steps,
-            timeline=self.timeline,
+            timeline={k: list(v) for k, v in self.timeline.items()},
+            timeline_dropped=self.timeline_rows - len(self.timeline["time"]),
         )
         for q in (50, 90, 99):
             setattr(m, f"ttft_p{q}", percentile(self.ttft, q))

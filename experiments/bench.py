@@ -134,9 +134,18 @@ def make_plan(args: argparse.Namespace, model: Any) -> BenchPlan:
     defaults = bench_defaults(args, probe, shape, max(longest, scaled(spec.max_len, spec.scale)))
     configs = {b: cli.engine_config(args, backend=b, **defaults, **backend_defaults(args, b))
                for b in args.backends}
+    check_budgets(configs, shape)
     prompts = prompt_token_ids(requests, model.config.vocab_size, seed=spec.seed)
     out = Path(args.out) if args.out else Path("results") / datetime.now().strftime("%Y%m%d-%H%M%S")
     return BenchPlan(list(args.backends), configs, requests, prompts, args.warmup, out)
+
+
+def check_budgets(configs: dict[str, EngineConfig], shape: Any) -> None:
+    """Build every backend's cache in accounting mode (its geometry and budget checks, no memory) so a bad
+    budget fails before the header is printed, not after it."""
+    from kvlab.common.kv.seam import create_cache
+    for config in configs.values():
+        create_cache(config, shape, accounting_only=True).close()
 
 
 def backend_defaults(args: argparse.Namespace, backend: str) -> dict[str, Any]:

@@ -7,9 +7,11 @@ create/map/set-access/unmap/release for 2 MiB pages, mem_get_info around them, a
 triton_vs_sdpa (the compiled Triton paged kernel against SDPA: error and time); vmm_vs_paged (tiny model
 through the LLM API on cuda); gpu_tests (pytest -m gpu); unmapped_access (touching an unmapped page faults).
 
-Without a GPU, or with --dry-run-cpu, every part runs as far as a CPU allows: the driver calls go to the
-recording fake (tests/fakes/fake_cuda_driver.py), the Triton kernel runs in its interpreter on a tiny shape,
-the bench runs on cpu, and what cannot run says so. Numbers from a dry run check the plumbing, not a GPU.
+Whether a GPU is present is decided before any part runs, by `nvidia-smi -L` (or, where it cannot answer, a
+torch probe with a generous timeout), never by a part's result. Without a GPU the check fails loudly (exit 2)
+unless --dry-run-cpu asks for the dry run: every part as far as a CPU allows, the driver calls against the
+recording fake (tests/fakes/fake_cuda_driver.py), the Triton kernel in its interpreter on a tiny shape, the
+bench on cpu. Numbers from a dry run check the plumbing, not a GPU.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ import json
 import os
 import platform
 import re
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -34,9 +38,11 @@ ROOT = Path(__file__).resolve().parent.parent
 MiB = 2**20
 TOTAL_SECONDS = 450          # the shell wrapper kills everything at 475 s; the brief allows 8 minutes
 # first compiles of the Triton kernel take tens of seconds each (cached on disk for the later parts)
-PART_SECONDS = {"environment": 20, "cuda_vmm": 45, "triton_vs_sdpa": 110, "vmm_vs_paged": 90, "gpu_tests": 150,
+PART_SECONDS = {"environment": 60, "cuda_vmm": 45, "triton_vs_sdpa": 110, "vmm_vs_paged": 90, "gpu_tests": 150,
                 "unmapped_access": 25}
 PART_TIMEOUT_ENV = "KVLAB_GPU_CHECK_PART_SECONDS"
+NVIDIA_SMI_SECONDS = 30
+TORCH_PROBE_SECONDS = 180    # a cold torch import plus the first CUDA init on a fresh machine
 
 
 # -- helpers shared by the parts -------------------------------------------------------------------------------
@@ -105,6 +111,8 @@ def part_environment(dry: bool) -> dict[str, Any]:
             out[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             out[dist] = "not installed"
+    if not dry and not torch.cuda.is_available():
+        out["failed"] = "a GPU is present but torch.cuda.is_available() is False: a CPU build of torch?"
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         out.update(device=props.name, capability=list(torch.cuda.get_device_capability(0)),
@@ -404,19 +412,89 @@ def run_part(name: str, dry: bool, timeout: float) -> dict[str, Any]:
         result_file = Path(tmp) / "part.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--part", name, "--part-out", str(result_file)]
         cmd += ["--dry-run-cpu"] if dry else []
-        t0 = time.perf_counter()
-        try:
-            proc = subprocess.run(cmd, cwd=ROOT, env=part_env(dry, timeout), capture_output=True, text=True,
-                                  timeout=timeout, check=False)
-        except subprocess.TimeoutExpired as exc:
-            tail = (exc.stderr or b"")[-2000:]
-            return {"ok": False, "error": f"timed out after {timeout:.0f} s", "seconds": round(timeout, 1),
-                    "stderr_tail": tail.decode(errors="replace") if isinstance(tail, bytes) else tail}
-        seconds = round(time.perf_counter() - t0, 2)
-        if result_file.is_file():
-            return {**json.loads(result_file.read_text()), "seconds": seconds}
-        return {"ok": False, "error": f"the part process exited with {proc.returncode} and wrote no result",
-                "seconds": seconds, "stderr_tail": proc.stderr[-2000:]}
+        return run_subprocess(cmd, part_env(dry, timeout), timeout, result_file)
+
+
+def run_subprocess(cmd: list[str], env: dict[str, str], timeout: float, result_file: Path) -> dict[str, Any]:
+    """Run one part's process in its own process group (a timeout kills its children too) and return the
+    result file it wrote, also when it was killed afterwards: a part that faulted on purpose may hang in CUDA
+    teardown after recording the fault."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=timeout)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate()
+        timed_out = True
+    seconds = round(time.perf_counter() - t0, 2)
+    doc = read_result(result_file)
+    if doc is not None:
+        doc["seconds"] = seconds
+        if timed_out:
+            doc["timed_out"] = f"killed after {timeout:.0f} s, after it had written its result"
+        return doc
+    why = f"timed out after {timeout:.0f} s" if timed_out else f"the part process exited with {proc.returncode}"
+    return {"ok": False, "error": f"{why} and wrote no result", "seconds": seconds,
+            "stderr_tail": (stderr or "")[-2000:]}
+
+
+def read_result(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_result(path: Path, doc: dict[str, Any]) -> None:
+    """Atomically: a part killed while writing leaves no half file."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+# -- is there a GPU? (decided before any part runs) ------------------------------------------------------------
+
+def nvidia_smi_gpus(timeout: float = NVIDIA_SMI_SECONDS) -> tuple[list[str] | None, str]:
+    """The GPUs `nvidia-smi -L` lists; None when it cannot answer (absent, failed, timed out)."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None, "nvidia-smi is not on PATH"
+    try:
+        proc = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=timeout, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return None, f"nvidia-smi -L did not answer: {exc}"
+    gpus = [ln.strip() for ln in proc.stdout.splitlines() if ln.startswith("GPU ")]
+    if proc.returncode != 0 and not gpus:
+        first = (proc.stdout + proc.stderr).strip().splitlines()
+        return None, f"nvidia-smi -L exited with {proc.returncode}: {first[0] if first else 'no output'}"
+    return gpus, f"nvidia-smi -L lists {len(gpus)} GPU(s)"
+
+
+def torch_probe(timeout: float = TORCH_PROBE_SECONDS) -> tuple[int | None, str]:
+    """torch.cuda.device_count() in a fresh process; None when the probe itself failed."""
+    code = "import torch; print(torch.cuda.device_count())"
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                              check=False)
+    except subprocess.TimeoutExpired:
+        return None, f"the torch probe did not finish in {timeout:.0f} s"
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines or not lines[-1].isdigit():
+        tail = proc.stderr.strip().splitlines()
+        return None, f"the torch probe failed: {tail[-1] if tail else proc.returncode}"
+    return int(lines[-1]), f"torch.cuda.device_count() = {lines[-1]}"
+
+
+def detect_gpu() -> dict[str, Any]:
+    """nvidia-smi first; the torch probe only where nvidia-smi lists nothing."""
+    gpus, smi = nvidia_smi_gpus()
+    if gpus:
+        return {"present": True, "gpus": gpus, "evidence": [smi]}
+    count, probe = torch_probe()
+    return {"present": bool(count), "gpus": [], "evidence": [smi, probe]}
 
 
 def run_one(name: str, dry: bool, out_file: Path) -> int:
@@ -428,7 +506,7 @@ def run_one(name: str, dry: bool, out_file: Path) -> int:
             doc["error"] = result["failed"]
     except Exception as exc:  # noqa: BLE001 - the error is the result
         doc = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
-    out_file.write_text(json.dumps(doc, indent=1, default=str))
+    write_result(out_file, doc)
     return 0
 
 
@@ -449,13 +527,20 @@ def main(argv: list[str] | None = None) -> int:
     names = [n.strip() for n in args.parts.split(",") if n.strip()]
     out_file = args.out or default_out()
     out_file.parent.mkdir(parents=True, exist_ok=True)
-    check = Check(out_file, args.dry_run_cpu)
-    env = check.run("environment", args.dry_run_cpu)      # also tells whether this machine has a GPU
-    dry = args.dry_run_cpu or not (env["ok"] and env["result"]["cuda_available"])
-    check.set_mode(dry, "--dry-run-cpu" if args.dry_run_cpu else ("no CUDA device" if dry else ""))
-    for name in names:
-        if name != "environment":
-            check.run(name, dry)
+    dry = args.dry_run_cpu
+    check = Check(out_file, dry)
+    if not dry:
+        gpu = detect_gpu()
+        check.doc["gpu"] = gpu
+        if not gpu["present"]:
+            check.doc.update(mode="no-gpu", why="no GPU found: " + "; ".join(gpu["evidence"]))
+            check.save()
+            print(f"gpu_check: error: no GPU found ({'; '.join(gpu['evidence'])}); "
+                  f"pass --dry-run-cpu for the CPU dry run", file=sys.stderr)
+            return 2
+    check.set_mode(dry, "--dry-run-cpu" if dry else "; ".join(check.doc["gpu"]["evidence"]))
+    for name in ["environment", *(n for n in names if n != "environment")]:
+        check.run(name, dry)
     parts = check.doc["parts"]
     print(f"gpu_check ({check.doc['mode']}): {sum(p['ok'] for p in parts.values())}/{len(parts)} parts ok, "
           f"{check.doc['seconds']} s, written to {out_file}")

@@ -1,11 +1,20 @@
 #!/usr/bin/env bash
 # The prepared GPU check: run from anywhere on a machine with an NVIDIA GPU; installs nothing.
-#   bash experiments/gpu_check.sh                # on the GPU machine (falls back to the CPU dry run without one)
+#   bash experiments/gpu_check.sh                # on the GPU machine (exits 2, saying why, without a GPU)
 #   bash experiments/gpu_check.sh --dry-run-cpu  # every part on CPU: fake CUDA driver, Triton interpreter
-# Writes one JSON: $OUT/gpu_check.json if OUT is set, else results/gpu_check.json (or --out PATH).
-# Uses python3 (or $PYTHON) with PYTHONPATH=<repo root>; no virtual environment needed. Each part runs in its
+#   bash experiments/gpu_check.sh --first-contact  # the ~90 s first-contact script instead (one JSON)
+# Writes one JSON: $OUT/gpu_check.json if OUT is set, else results/gpu_check.json (or --out PATH);
+# --first-contact writes first_contact.json in the same places.
+# Interpreter: $PYTHON if set, else the project's .venv/bin/python if there is one, else python3; with
+# PYTHONPATH=<repo root>, so a bare image with torch preinstalled needs no install step. Each part runs in its
 # own subprocess with its own timeout; the whole run is cut at 475 s (the JSON keeps every finished part).
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-exec timeout --kill-after=5 475 "${PYTHON:-python3}" experiments/gpu_check.py "$@"
+if [ -n "${PYTHON:-}" ]; then py="$PYTHON"
+elif [ -x .venv/bin/python ]; then py=.venv/bin/python
+else py=python3
+fi
+script=experiments/gpu_check.py
+if [ "${1:-}" = "--first-contact" ]; then shift; script=experiments/first_contact.py; fi
+exec timeout --kill-after=5 475 "$py" "$script" "$@"

@@ -78,3 +78,12 @@ def test_bench_defaults_leave_what_the_user_set(tmp_path):
     assert backend_defaults(plain, "reserve") == {"watermark": 0.0}
     assert backend_defaults(plain, "paged") == {}
     assert backend_defaults(cli.build_parser().parse_args(["bench", "--watermark", "0.1"]), "reserve") == {}
+
+
+def test_bench_budget_error_prints_nothing_before_it(capsys):
+    """Every backend's budget is checked before the header: one error line, nothing on stdout (issue 18.7)."""
+    assert main(["bench", "--kv-cache-bytes", "10", "--no-progress"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "", out.out
+    lines = [ln for ln in out.err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("kvlab bench: error: ") and "holds no page group" in lines[0], lines

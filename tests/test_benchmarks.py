@@ -65,6 +65,7 @@ def test_family_runs_and_reports_rows(family):
     assert len(goals) == expected_goals[family]
 
 
+@pytest.mark.triton_cpu
 def test_attention_rows_cover_both_layouts_and_the_triton_kernel():
     from kvlab.experiments.perf import attention
     rows = attention.run(QUICK)

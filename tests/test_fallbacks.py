@@ -164,6 +164,7 @@ def test_nearest_accepted_config():
     assert near is None and why == "ImportError: package 'flash_attn' is not installed"
 
 
+@pytest.mark.triton_cpu
 def test_measure_on_this_machine(rows, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(timing, "HEAD_DIMS", (64,))
@@ -181,6 +182,7 @@ def test_measure_on_this_machine(rows, monkeypatch):
     assert Environment().interpreting_triton()
 
 
+@pytest.mark.triton_cpu
 def test_fallback_cost_times_chosen_against_displaced(monkeypatch):
     """A fallback whose displaced kernel runs here gets a measured ratio; one that cannot says why."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")

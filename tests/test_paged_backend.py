@@ -219,6 +219,7 @@ def test_chunked_prefill_then_decode_matches_dense(block_size):
     assert h.alloc.stats().live_tokens == 15 + 13 + 6
 
 
+@pytest.mark.triton_cpu
 def test_explicit_triton_kernel_runs_the_steps():
     h = Harness(make_cache(kernel="triton_paged"))
     a, b = h.new_seq(list(range(6))), h.new_seq(list(range(10, 13)))

@@ -18,6 +18,8 @@ from kvlab.paged.kernels.torch_ref import paged_attention_torch
 from kvlab.paged.kernels.triton_paged import paged_attention_triton
 
 KERNELS = {"torch": paged_attention_torch, "triton": paged_attention_triton, "flex": paged_attention_flex}
+TRITON = pytest.param("triton", marks=pytest.mark.triton_cpu)       # CPU tensors: the interpreter only
+KERNEL_PARAMS = [TRITON if k == "triton" else k for k in KERNELS]
 
 # (query_lens, context_lens, block_size)
 CASES = {
@@ -49,7 +51,7 @@ def run_case(kernel: str, case):
 
 @pytest.mark.parametrize("heads", HEADS, ids=list(HEADS))
 @pytest.mark.parametrize("case_name", CASES, ids=list(CASES))
-@pytest.mark.parametrize("kernel", ["torch", "triton"])
+@pytest.mark.parametrize("kernel", ["torch", TRITON])
 def test_kernel_matches_dense_fp32(kernel, case_name, heads):
     query_lens, context_lens, block_size = CASES[case_name]
     num_heads, num_kv_heads, head_dim = HEADS[heads]
@@ -67,7 +69,7 @@ def test_flex_matches_dense_fp32(case_name):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("case_name", ["decode_mixed_lengths", "mixed_batch"])
-@pytest.mark.parametrize("kernel", list(KERNELS))
+@pytest.mark.parametrize("kernel", KERNEL_PARAMS)
 def test_kernel_matches_dense_half(kernel, case_name, dtype):
     query_lens, context_lens, block_size = CASES[case_name]
     case = paged_case(query_lens, context_lens, block_size, 4, 2, 16, dtype=dtype, seed=1)
@@ -75,13 +77,14 @@ def test_kernel_matches_dense_half(kernel, case_name, dtype):
     assert error < TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("kernel", list(KERNELS))
+@pytest.mark.parametrize("kernel", KERNEL_PARAMS)
 def test_empty_batch(kernel):
     case = paged_case([], [], 4)
     out = KERNELS[kernel](case.q, case.k_cache, case.v_cache, case.meta, case.scale)
     assert out.shape == (0, 4, 16)
 
 
+@pytest.mark.triton_cpu
 def test_shared_blocks_across_sequences():
     """Two sequences whose tables share their first block (a fork or a prefix hit) read the same K/V."""
     case = paged_case([1, 2], [6, 7], 4, seed=3)

@@ -1,0 +1,152 @@
+"""The GPU check's harness on this CPU (issue 18): GPU presence is decided by nvidia-smi or a torch probe,
+never by a part's result, and no GPU without --dry-run-cpu is a loud error; a part killed on timeout keeps
+the result it had written; the first-contact script's dry run."""
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from kvlab.experiments import gpu_check
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def fake_nvidia_smi(bin_dir: Path, body: str) -> None:
+    """An executable `nvidia-smi` shell script with `body`, first on PATH for the test."""
+    bin_dir.mkdir(exist_ok=True)
+    path = bin_dir / "nvidia-smi"
+    path.write_text(f"#!/bin/sh\n{body}\n")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+
+
+def no_probe(timeout: float = 0) -> tuple[int | None, str]:
+    raise AssertionError("the torch probe must not run when nvidia-smi lists a GPU")
+
+
+# -- presence ------------------------------------------------------------------------------------------------------
+def test_nvidia_smi_listing_a_gpu_decides_presence(tmp_path, monkeypatch):
+    fake_nvidia_smi(tmp_path / "bin", 'echo "GPU 0: NVIDIA H200 (UUID: GPU-1234)"')
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(gpu_check, "torch_probe", no_probe)
+    gpu = gpu_check.detect_gpu()
+    assert gpu["present"] and gpu["gpus"] == ["GPU 0: NVIDIA H200 (UUID: GPU-1234)"]
+
+
+@pytest.mark.parametrize("body", ['echo "No devices were found"; exit 6', "exec sleep 5"], ids=["no-devices", "hangs"])
+def test_nvidia_smi_without_an_answer_defers_to_the_torch_probe(body, tmp_path, monkeypatch):
+    fake_nvidia_smi(tmp_path / "bin", body)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(gpu_check.nvidia_smi_gpus, "__defaults__", (1,))      # a 1 s timeout
+    probed = []
+    monkeypatch.setattr(gpu_check, "torch_probe", lambda timeout=0: probed.append(1) or (1, "device_count() = 1"))
+    gpu = gpu_check.detect_gpu()
+    assert probed and gpu["present"] and len(gpu["evidence"]) == 2
+    assert "exited with 6" in gpu["evidence"][0] or "did not answer" in gpu["evidence"][0]
+
+
+def test_the_torch_probe_on_this_cpu_finds_no_gpu():
+    count, why = gpu_check.torch_probe(timeout=120)
+    assert count == 0, why
+
+
+def test_no_gpu_without_dry_run_is_a_loud_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(gpu_check, "detect_gpu", lambda: {"present": False, "gpus": [],
+                                                         "evidence": ["nvidia-smi is not on PATH", "count 0"]})
+    monkeypatch.setattr(gpu_check, "run_part", lambda *a: pytest.fail("no part may run, least of all a dry one"))
+    out = tmp_path / "check.json"
+    assert gpu_check.main(["--out", str(out)]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and "no GPU found" in err[0] and "--dry-run-cpu" in err[0]
+    doc = json.loads(out.read_text())
+    assert doc["mode"] == "no-gpu" and doc["parts"] == {}
+
+
+def test_a_present_gpu_runs_every_part_compiled_even_if_environment_fails(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check, "detect_gpu", lambda: {"present": True, "gpus": ["GPU 0: H200"], "evidence": []})
+    ran = []
+
+    def fake_run_part(name, dry, timeout):
+        ran.append((name, dry))
+        return {"ok": name != "environment", "error": "timed out after 60 s"}     # a slow cold start
+    monkeypatch.setattr(gpu_check, "run_part", fake_run_part)
+    assert gpu_check.main(["--out", str(tmp_path / "c.json"), "--parts", "cuda_vmm,environment"]) == 1
+    assert ran == [("environment", False), ("cuda_vmm", False)]
+    assert json.loads((tmp_path / "c.json").read_text())["mode"] == "gpu"
+
+
+# -- a part killed on timeout keeps its written result -------------------------------------------------------------
+def test_a_part_that_wrote_its_result_then_hung_keeps_it(tmp_path):
+    result = tmp_path / "part.json"
+    # writes its result, then hangs in a child that holds the pipes (as a stuck CUDA teardown would)
+    code = (f"import json, subprocess; open({str(result)!r}, 'w').write(json.dumps({{'ok': True, "
+            f"'result': {{'faulted': True}}}})); subprocess.run(['sleep', '60'])")
+    t0 = time.perf_counter()
+    doc = gpu_check.run_subprocess([sys.executable, "-c", code], dict(os.environ), 3, result)
+    assert time.perf_counter() - t0 < 30
+    assert doc["ok"] and doc["result"] == {"faulted": True} and "killed after 3 s" in doc["timed_out"]
+
+
+def test_a_part_that_hung_before_writing_is_a_timeout(tmp_path):
+    doc = gpu_check.run_subprocess([sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ), 2,
+                                   tmp_path / "part.json")
+    assert not doc["ok"] and doc["error"] == "timed out after 2 s and wrote no result"
+
+
+def test_gpu_check_sh_prefers_the_given_then_the_project_interpreter(tmp_path):
+    """$PYTHON if set, else .venv/bin/python, else python3 (issue 19.1): checked on a copy of the script."""
+    (tmp_path / "experiments").mkdir()
+    script = (ROOT / "experiments" / "gpu_check.sh").read_text().replace("exec timeout --kill-after=5 475 ",
+                                                                         "echo ")
+    (tmp_path / "experiments" / "gpu_check.sh").write_text(script)
+    run = lambda env: subprocess.run(["bash", "experiments/gpu_check.sh"], cwd=tmp_path, capture_output=True,
+                                     text=True, env=env, check=True).stdout.split()[0]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+    assert run(env) == "python3"
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    venv_python = tmp_path / ".venv" / "bin" / "python"
+    venv_python.write_text("")
+    venv_python.chmod(0o755)
+    assert run(env) == ".venv/bin/python"
+    assert run({**env, "PYTHON": "/opt/py"}) == "/opt/py"
+
+
+# -- the first-contact script --------------------------------------------------------------------------------------
+def test_first_contact_dry_run_runs_every_part_on_cpu(tmp_path):
+    out = tmp_path / "first_contact.json"
+    env = {**os.environ, "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(ROOT / "experiments" / "gpu_check.sh"), "--first-contact", "--dry-run-cpu",
+                           "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
+                          check=False)
+    doc = json.loads(out.read_text())
+    parts = doc["parts"]
+    assert proc.returncode == 0, {k: v.get("error") for k, v in parts.items()}
+    assert doc["mode"] == "cpu-dry-run" and list(parts) == ["versions", "unmapped_view", "vmm_round_trip",
+                                                           "vmm_cache", "triton_kernel", "vmm_latency",
+                                                           "unmapped_touch"]
+    versions = parts["versions"]["result"]
+    assert versions["minimum_granularity"] == versions["recommended_granularity"] == 2 * 2**20
+    assert {"torch", "triton", "numpy", "cuda.bindings", "driver"} <= set(versions)
+    trip = parts["vmm_round_trip"]["result"]
+    assert trip["fake_leaks"] == {}
+    assert trip["worker_thread"] == {"without_context": "CUDA_ERROR_INVALID_CONTEXT", "with_primary_context": "ok"}
+    for dtype, row in parts["vmm_cache"]["result"]["dtypes"].items():
+        assert row["ok"] and row["kernels"]["decode"] and row["runtime_fallbacks"] == [], dtype
+    assert all(c["ok"] and c["max_abs_err_vs_sdpa"] < 1e-4 for c in parts["triton_kernel"]["result"]["cases"])
+    latency = parts["vmm_latency"]["result"]
+    assert latency["pages"] == 16 and set(latency["median_us"]) == {"create", "map", "set_access", "unmap", "release"}
+    assert parts["unmapped_touch"]["result"]["ran"] is False
+
+
+def test_first_contact_without_a_gpu_is_a_loud_error(tmp_path, monkeypatch, capsys):
+    from kvlab.experiments import first_contact
+    monkeypatch.setattr(first_contact, "detect_gpu", lambda: {"present": False, "gpus": [], "evidence": ["none"]})
+    monkeypatch.setattr(first_contact, "run_part", lambda *a: pytest.fail("no part may run"))
+    assert first_contact.main(["--out", str(tmp_path / "f.json")]) == 2
+    assert "--dry-run-cpu" in capsys.readouterr().err
+    assert json.loads((tmp_path / "f.json").read_text())["mode"] == "no-gpu"
