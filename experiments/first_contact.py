@@ -350,7 +350,7 @@ def triton_cases(dry: bool) -> list[dict[str, Any]]:
 
 def part_triton_kernel(dry: bool) -> dict[str, Any]:
     import torch
-    from kvlab.benchmarks.kernel_inputs import paged_case, reference
+    from kvlab.experiments.perf.kernel_inputs import paged_case, reference
     from kvlab.paged.kernels.triton_paged import paged_attention_triton
     device = "cpu" if dry else "cuda"
     rows = []
