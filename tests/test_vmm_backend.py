@@ -100,6 +100,22 @@ def test_kv_written_by_attention_is_in_the_memfd_pages(make_cache):
     torch.testing.assert_close(out, reference(cache, meta, q, layer=1), rtol=1e-5, atol=1e-5)
 
 
+def test_garbage_in_fresh_pages_never_reaches_the_output(make_cache):
+    """Fresh device pages are not zeroed (cuMemCreate): with every pool page full of NaN before the first write,
+    prefill and padded decode groups still match a reference that reads only the written tokens."""
+    cache = make_cache()
+    os.pwrite(cache.driver.fd, b"\xff" * (cache.driver.stats.pool_pages * PAGE), 0)   # 0xffffffff: a float32 NaN
+    a, b, c, d = seq(0, 40), seq(1, 5), seq(2, 33), seq(3, 20)
+    meta, q, *_, out = step(cache, [BatchItem(a, 0, 40), BatchItem(b, 0, 5), BatchItem(c, 0, 33),
+                                    BatchItem(d, 0, 20)])
+    torch.testing.assert_close(out, reference(cache, meta, q), rtol=1e-5, atol=1e-5)
+    for s in (a, b, c, d):
+        s.append_token(1)
+    meta, q, *_, out = step(cache, [BatchItem(s, s.num_tokens - 1, 1) for s in (a, b, c, d)], seed=1)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, reference(cache, meta, q), rtol=1e-5, atol=1e-5)
+
+
 def test_pages_map_exactly_when_a_sequence_crosses_a_page_boundary(make_cache):
     cache = make_cache()
     s = seq(0, 1)

@@ -13,13 +13,14 @@ from fakes.fake_cuda_driver import (
     OK,
     OUT_OF_MEMORY,
     FakeCudaDriver,
+    torch_interop,
 )
 from kvlab.common.config import make_config
 from kvlab.common.errors import DriverError
 from kvlab.common.kv.seam import KVShape
 from kvlab.common.sequence import Sequence
 from kvlab.vmm.backend import VMMKVCache
-from kvlab.vmm.cuda import CudaSpan, CudaVirtualMemory
+from kvlab.vmm.cuda import CudaVirtualMemory
 
 MiB = 1024**2
 GRAN = 2 * MiB
@@ -333,14 +334,67 @@ def test_discarded_pages_are_created_again_when_mapped(vm, fake):
     assert len(fake.handles) == 2 and len(fake.mappings) == 2
 
 
-def test_views_are_cuda_array_interface_spans(vm):
+def test_views_over_an_unmapped_reservation_query_no_pointer(vm, fake, monkeypatch):
+    """Issue 18: the cache builds its views before any page is mapped. With torch behaving as on a GPU (a
+    `__cuda_array_interface__` makes it query the pointer, which fails on an unmapped reservation), the view is
+    built all the same: through DLPack with the device stated, and the driver is never asked about the pointer."""
+    torch_interop(monkeypatch, fake)
+    region = vm.reserve(2 * GRAN)
+    with pytest.raises(RuntimeError, match="cudaPointerGetAttributes"):   # the failure the fake reproduces
+        torch.as_tensor(ViewHolderWithInterface(region.base))
+    queries = fake.names().count("cuPointerGetAttribute")
+    view = vm.tensor_view(region, torch.float16, (4, 8), offset=64)
+    assert view.shape == (4, 8) and view.dtype == torch.float16
+    assert fake.names().count("cuPointerGetAttribute") == queries
+
+
+class ViewHolderWithInterface:
+    """What the driver used to hand torch (a regression would build views this way)."""
+
+    def __init__(self, ptr: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (128,), "typestr": "|u1", "data": (ptr, False), "strides": None,
+                                         "version": 3}
+
+
+def test_dlpack_views_share_memory_and_keep_their_holder_until_the_last_view_goes():
+    import ctypes
+    import gc
+    import weakref
+
+    from kvlab.vmm.dlpack import byte_tensor
+    buf, gone = (ctypes.c_uint8 * 64)(), []
+
+    class Holder:
+        pass
+    holder = Holder()
+    weakref.finalize(holder, gone.append, True)
+    raw = byte_tensor(ctypes.addressof(buf), 64, torch.device("cpu"), holder)
+    del holder
+    view = raw.view(torch.float32)[2:]
+    del raw
+    gc.collect()
+    assert not gone                                  # a view is still alive
+    view[0] = 1.0
+    assert bytes(buf[8:12]) == torch.tensor([1.0]).numpy().tobytes()   # zero-copy
+    del view
+    gc.collect()
+    assert gone == [True]
+    with pytest.raises(ValueError, match="cuda:N"):
+        byte_tensor(ctypes.addressof(buf), 64, torch.device("cuda"), None)
+
+
+def test_fresh_device_pages_are_garbage_not_zeros(vm, fake):
+    """cuMemCreate memory is not zeroed (issue 18): neither a new page nor one created again after a discard."""
     region = vm.reserve(GRAN)
-    span = CudaSpan(region, region.base + 64, 128)
-    assert span.__cuda_array_interface__ == {"shape": (128,), "typestr": "|u1", "data": (region.base + 64, False),
-                                             "strides": None, "version": 3}
-    if not torch.cuda.is_available():   # a CPU build of torch cannot wrap device memory: a clear error
-        with pytest.raises(DriverError, match="cuda:0"):
-            vm.tensor_view(region, torch.float16, (16,))
+    vm.create_pool(1)
+    vm.map(region, 0, 0)
+    first = fake.read(region.base, 64)
+    assert first != bytes(64)
+    vm.unmap(region, 0)
+    vm.discard(0)
+    vm.map(region, 0, 0)                              # created again: new garbage
+    again = fake.read(region.base, 64)
+    assert again != bytes(64) and again != first
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")

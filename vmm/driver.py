@@ -248,7 +248,9 @@ class VirtualMemory(MirroredMaps, Teardown, ABC):
 
     # -- pool memory and views ----------------------------------------------------------------------------
     def discard(self, page: int, num_pages: int = 1) -> None:
-        """Give the memory of unmapped pool pages back to the OS/driver; they read as zeros when mapped again."""
+        """Give the memory of unmapped pool pages back to the OS/driver. Their contents are undefined when mapped
+        again: the host's memfd happens to give zeros, CUDA's cuMemCreate does not zero. Nothing may rely on it:
+        kernels read only up to each sequence's written length."""
         self._check_open()
         if any(self.pool_maps[page:page + num_pages]):
             raise DriverError(f"cannot discard pool pages [{page}, {page + num_pages}): some are mapped")
