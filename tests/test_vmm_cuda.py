@@ -19,8 +19,8 @@ from kvlab.common.config import make_config
 from kvlab.common.errors import DriverError
 from kvlab.common.kv.seam import KVShape
 from kvlab.common.sequence import Sequence
-from kvlab.vmm.backend import VMMKVCache
-from kvlab.vmm.cuda import CudaVirtualMemory
+from kvlab.vmm.build import build_vmm
+from kvlab.vmm.drivers.cuda import CudaVirtualMemory
 
 MiB = 1024**2
 GRAN = 2 * MiB
@@ -361,7 +361,7 @@ def test_dlpack_views_share_memory_and_keep_their_holder_until_the_last_view_goe
     import gc
     import weakref
 
-    from kvlab.vmm.dlpack import byte_tensor
+    from kvlab.vmm.drivers.dlpack import byte_tensor
     buf, gone = (ctypes.c_uint8 * 64)(), []
 
     class Holder:
@@ -409,17 +409,17 @@ def test_cache_growth_reclaim_and_close_through_the_cuda_driver(fake):
     cfg = make_config(backend="vmm", device="cuda", page_size=GRAN, kv_cache_bytes=4 * 4 * GRAN,
                        max_num_seqs=2, max_model_len=4096, max_num_batched_tokens=4096)
     shape = KVShape(num_layers=2, num_kv_heads=8, head_dim=128, num_q_heads=8, dtype="float16", device="cuda")
-    cache = VMMKVCache(cfg, shape, accounting_only=True, driver=CudaVirtualMemory(0, driver=fake))
-    assert cache.tokens_per_unit == 1024 and cache.num_total_units() == 4
+    cache = build_vmm(cfg, shape, accounting_only=True, driver=CudaVirtualMemory(0, driver=fake))
+    assert cache.allocator.tokens_per_unit == 1024 and cache.allocator.num_total_units() == 4
     a, b = Sequence(0, "a", [1] * 2000, 8), Sequence(1, "b", [1] * 100, 8)
-    cache.allocate(a, 2000)              # 2 consecutive groups: per tensor, 2 cuMemMap + 1 cuMemSetAccess
+    cache.allocator.allocate(a, 2000)              # 2 consecutive groups: per tensor, 2 cuMemMap + 1 cuMemSetAccess
     assert fake.names().count("cuMemMap") == 8 and fake.names().count("cuMemSetAccess") == 4
-    cache.free(a)                                              # deferred: nothing unmapped
+    cache.allocator.free(a)                                              # deferred: nothing unmapped
     assert "cuMemUnmap" not in fake.names()
-    cache.allocate(b, 100)
+    cache.allocator.allocate(b, 100)
     fake.launch()                                              # a kernel may be reading
     c = Sequence(2, "c", [1] * 3000, 8)
-    cache.allocate(c, 3000)              # 3 groups: the 2 in the pool + b's page left over from a (reclaimed)
+    cache.allocator.allocate(c, 3000)              # 3 groups: the 2 in the pool + b's page left over from a (reclaimed)
     names = fake.names()
     assert "cuMemUnmap" in names and names[names.index("cuMemUnmap") - 1] == "cuCtxSynchronize"
     cache.check_invariants()

@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 from kvlab.common.errors import DriverError
-from kvlab.vmm.dlpack import byte_tensor
-from kvlab.vmm.driver import PartialCall, Region, VirtualMemory
+from kvlab.vmm.drivers.base import VirtualMemory
+from kvlab.vmm.drivers.dlpack import byte_tensor
+from kvlab.vmm.drivers.types import PartialCall, Region
 
 log = logging.getLogger("kvlab.vmm")
 
