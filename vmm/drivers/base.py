@@ -38,7 +38,7 @@ class VirtualMemory(ABC):
     `merges`: whether neighbouring mappings of consecutive pool pages coalesce into one OS mapping (Linux VMAs
     do; CUDA mappings do not). `mapping_limit`: the most mappings this driver may create (None: no limit).
 
-    About 30 methods, on purpose: 9 are the OS seam each driver implements (`granularity`, `_os_*`); the public
+    36 methods, on purpose: 9 are the OS seam each driver implements (`granularity`, `_os_*`); the public
     calls all read and write the same books (page tables, pool map counts, stats) and check every request against
     them before the OS sees it, so splitting them would only make those books public. Repairs after a failed
     mirrored call and teardown are composed parts (`repair`, `teardown`)."""
