@@ -21,6 +21,15 @@ class VMMStorage(Storage):
         self._step: tuple[ContiguousMetadata, torch.Tensor] | None = None   # this step's metadata, token slots
         self.build_dispatcher(shape, "contiguous", kernel)
 
+    @property
+    def k_caches(self) -> list[torch.Tensor]:
+        """K per layer, [num_slots, max_len, H_kv, D] (benchmarks write contexts straight into them)."""
+        return self.views.k
+
+    @property
+    def v_caches(self) -> list[torch.Tensor]:
+        return self.views.v
+
     def prepare(self, items: list[BatchItem]) -> ContiguousMetadata:
         slots, readable = self.allocator.rows(items, check=self.check)
         device = self.shape.device
