@@ -213,7 +213,7 @@ def exercise_views(vm: Any, region: Any) -> dict[str, bool]:
 
 
 def part_cuda_vmm(dry: bool) -> dict[str, Any]:
-    from kvlab.vmm.cuda import CudaVirtualMemory
+    from kvlab.vmm.drivers.cuda import CudaVirtualMemory
     vm = CudaVirtualMemory(0, driver=load_fake_driver() if dry else None)
     drv = vm.drv
     recommended = drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
@@ -378,7 +378,7 @@ def part_unmapped_access(dry: bool) -> dict[str, Any]:
     if dry:
         return {"ran": False, "note": "needs a GPU: a CPU cannot take a CUDA page fault"}
     import torch
-    from kvlab.vmm.cuda import CudaVirtualMemory
+    from kvlab.vmm.drivers.cuda import CudaVirtualMemory
     vm = CudaVirtualMemory(0)
     region = vm.reserve(2 * vm.page_size)
     vm.create_pool(1)

@@ -238,7 +238,7 @@ API_CASES = [
 
 
 def _host_driver(page_size: int):
-    from kvlab.vmm.host import HostVirtualMemory
+    from kvlab.vmm.drivers.host import HostVirtualMemory
     return HostVirtualMemory(page_size)
 
 
@@ -255,7 +255,7 @@ def test_api_raises_a_specific_error(case, make, exc, phrases, files):
 def test_cuda_page_size_off_the_granularity_is_rounded_up_and_logged(caplog):
     """Via the recording fake: 3 MiB on a 2 MiB-granularity device becomes 4 MiB, with a warning saying so
     (a logged fallback, not an error: the config layer cannot know the device's granularity)."""
-    from kvlab.vmm.cuda import CudaVirtualMemory
+    from kvlab.vmm.drivers.cuda import CudaVirtualMemory
     fake = FakeCudaDriver(granularity=2 * 1024**2)
     with caplog.at_level(logging.WARNING, logger="kvlab.vmm"):
         driver = CudaVirtualMemory(0, page_size=3 * 1024**2, driver=fake)

@@ -20,8 +20,8 @@ from kvlab.common.config import make_config
 from kvlab.common.errors import DriverError, OutOfKVCache
 from kvlab.common.kv.seam import KVShape
 from kvlab.common.sequence import Sequence
-from kvlab.vmm.backend import VMMKVCache
-from kvlab.vmm.cuda import CudaVirtualMemory
+from kvlab.vmm.build import build_vmm
+from kvlab.vmm.drivers.cuda import CudaVirtualMemory
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", "TRITON_INTERPRET": "1",
@@ -52,7 +52,8 @@ CORRUPT = """
 
     backend, corruption, check = sys.argv[1], sys.argv[2], sys.argv[3] == "on"
     torch.manual_seed(0)
-    cache = create_cache(backend_config(backend, check_invariants=check), SHAPE).allocator
+    kv = create_cache(backend_config(backend, check_invariants=check), SHAPE)
+    cache, storage = kv.allocator, kv.storage
     kernel_calls = []
 
     class Spy:   # counts kernel launches, delegates everything else
@@ -63,24 +64,24 @@ CORRUPT = """
             return self.inner.run(*args)
         def __getattr__(self, name):
             return getattr(self.inner, name)
-    cache.dispatcher = Spy(cache.dispatcher)
+    storage.dispatcher = Spy(storage.dispatcher)
     seq = Sequence(1, "1", list(range(3, 40)), max_tokens=8)
     cache.allocate(seq, 37)
 
     def step(start, n):
-        meta = cache.prepare([BatchItem(seq, start, n)])
+        meta = storage.prepare([BatchItem(seq, start, n)])
         for layer in range(SHAPE.num_layers):
-            cache.attention(layer, torch.randn(n, 4, 32), torch.randn(n, 2, 32), torch.randn(n, 2, 32), meta, 0.2)
+            storage.attention(layer, torch.randn(n, 4, 32), torch.randn(n, 2, 32), torch.randn(n, 2, 32), meta, 0.2)
         seq.num_computed_tokens = start + n
 
     step(0, 37)
     calls_before = len(kernel_calls)
     if corruption == "unmapped-page":          # a page unmapped behind the cache's back (driver != books)
-        region, offset = cache._place[0]
-        slot = cache.slots[cache._slot_of[1]]
-        cache.driver.unmap(region, offset + slot.index * cache.geo.row_bytes, 1)
+        region, offset = cache.ranges.places[0]
+        slot = cache.snapshot()["slot_of"][1]
+        cache.driver.unmap(region, offset + slot * cache.geo.row_bytes, 1)
     elif corruption == "held-past-pages":      # the books claim tokens no page backs
-        cache.slots[cache._slot_of[1]].held = cache.geo.max_len
+        cache.table.of(1).held = cache.geo.max_len
     elif corruption == "block-out-of-pool":    # a block table entry outside the pool
         cache.seqs[1].table[0] = cache.pool.num_blocks + 1000
     seq.append_token(5)
@@ -213,7 +214,8 @@ def cuda_workload(fake: FakeCudaDriver) -> dict:
     and once every sequence was freed, and what leaked."""
     result = {"error": None, "books": "ok", "device": "ok", "phase": "start-up"}
     try:
-        cache = VMMKVCache(CUDA_CONFIG, CUDA_SHAPE, accounting_only=True, driver=CudaVirtualMemory(0, driver=fake))
+        cache = build_vmm(CUDA_CONFIG, CUDA_SHAPE, accounting_only=True,
+                          driver=CudaVirtualMemory(0, driver=fake)).allocator
     except DriverError as exc:
         result["error"] = str(exc)
         result["leaks"] = fake.leaks()

@@ -32,7 +32,7 @@ MiB = 2**20
 @pytest.fixture
 def cuda_vm():
     pytest.importorskip("cuda.bindings.driver")
-    from kvlab.vmm.cuda import CudaVirtualMemory
+    from kvlab.vmm.drivers.cuda import CudaVirtualMemory
     vm = CudaVirtualMemory(0)
     yield vm
     gc.collect()
@@ -75,12 +75,12 @@ def test_mapping_consumes_device_memory_reported_by_mem_get_info(cuda_vm):
 
 
 def vmm_cache(num_seqs: int, dtype: str):
-    from kvlab.vmm.backend import VMMKVCache
+    from kvlab.vmm.build import build_vmm
     shape = KVShape(num_layers=1, num_kv_heads=2, head_dim=64, num_q_heads=4, dtype=dtype, device="cuda")
     config = make_config(backend="vmm", device="cuda", dtype=dtype, page_size=2 * MiB, max_num_seqs=num_seqs,
                           max_model_len=1024, kv_cache_bytes=2 * num_seqs * 2 * 2 * MiB,
                           max_num_batched_tokens=4096)
-    return VMMKVCache(config, shape)
+    return build_vmm(config, shape)
 
 
 def causal_reference(q, k, v, scale):
@@ -103,11 +103,11 @@ def test_vmm_cache_prefill_then_decode_on_cuda(dtype):
         steps = [[BatchItem(s, 0, s.num_tokens) for s in seqs], [BatchItem(s, s.num_tokens, 1) for s in seqs]]
         for items in steps:
             for it in items:
-                cache.allocate(it.seq, it.context_len)
-            meta = cache.prepare(items)
+                cache.allocator.allocate(it.seq, it.context_len)
+            meta = cache.storage.prepare(items)
             total = sum(it.num_tokens for it in items)
             q, k, v = (torch.randn(total, h, 64, generator=g, device="cuda").to(torch_dtype) for h in (4, 2, 2))
-            out = cache.attention(0, q, k, v, meta, scale)
+            out = cache.storage.attention(0, q, k, v, meta, scale)
             start = 0
             for it in items:
                 keys, values = history[it.seq.seq_id]

@@ -8,6 +8,7 @@ import sys
 import textwrap
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,10 +18,10 @@ from kvlab.common.attention.contiguous import contiguous_attention_sdpa
 from kvlab.common.attention.metadata import BatchItem
 from kvlab.common.config import EngineConfig, make_config
 from kvlab.common.errors import ConfigError, DriverError, OutOfKVCache, RequestError
-from kvlab.common.kv.seam import KVShape
+from kvlab.common.kv.seam import KVCache, KVShape
 from kvlab.common.sequence import Sequence
-from kvlab.vmm.backend import VMMKVCache
-from kvlab.vmm.host import HostVirtualMemory
+from kvlab.vmm.build import build_vmm
+from kvlab.vmm.drivers.host import HostVirtualMemory
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = 4096
@@ -39,9 +40,9 @@ def config(groups: int = 16, **overrides) -> EngineConfig:
 def make_cache():
     caches = []
 
-    def make(groups: int = 16, shape: KVShape = SHAPE, accounting_only: bool = False, **overrides) -> VMMKVCache:
+    def make(groups: int = 16, shape: KVShape = SHAPE, accounting_only: bool = False, **overrides) -> KVCache:
         extra = {k: overrides.pop(k) for k in ("single_range", "driver") if k in overrides}
-        cache = VMMKVCache(config(groups, **overrides), shape, accounting_only=accounting_only, **extra)
+        cache = build_vmm(config(groups, **overrides), shape, accounting_only=accounting_only, **extra)
         caches.append(cache)
         return cache
     yield make
@@ -51,35 +52,42 @@ def make_cache():
             cache.close()
 
 
+def slots(cache: KVCache) -> list[SimpleNamespace]:
+    """Each slot as the allocator's snapshot shows it (index, seq_id, held, groups)."""
+    return [SimpleNamespace(**s) for s in cache.allocator.snapshot()["slots"]]
+
+
 def seq(i: int, n: int) -> Sequence:
     return Sequence(i, str(i), list(range(n)), max_tokens=64)
 
 
-def step(cache: VMMKVCache, items: list[BatchItem], layer: int = 0, seed: int = 0, shape: KVShape = SHAPE):
+def step(cache: KVCache, items: list[BatchItem], layer: int = 0, seed: int = 0, shape: KVShape = SHAPE):
     """allocate + prepare + attention on one layer with random q/k/v; returns (meta, q, k, v, out)."""
     for it in items:
-        cache.allocate(it.seq, it.context_len)
-    meta = cache.prepare(items)
+        cache.allocator.allocate(it.seq, it.context_len)
+    meta = cache.storage.prepare(items)
     g = torch.Generator().manual_seed(seed)
     t = meta.num_tokens
     q = torch.randn(t, shape.num_q_heads, shape.head_dim, generator=g)
     k = torch.randn(t, shape.num_kv_heads, shape.head_dim, generator=g)
     v = torch.randn(t, shape.num_kv_heads, shape.head_dim, generator=g)
-    out = cache.attention(layer, q, k, v, meta, 0.25)
+    out = cache.storage.attention(layer, q, k, v, meta, 0.25)
     for it in items:
         it.seq.num_computed_tokens = it.context_len
     return meta, q, k, v, out
 
 
-def reference(cache: VMMKVCache, meta, q, layer: int = 0) -> torch.Tensor:
-    return contiguous_reference(q, cache.k_caches[layer], cache.v_caches[layer], meta.slots, meta.query_lens,
+def reference(cache: KVCache, meta, q, layer: int = 0) -> torch.Tensor:
+    views = cache.storage.views
+    return contiguous_reference(q, views.k[layer], views.v[layer], meta.slots, meta.query_lens,
                                 meta.context_lens, 0.25).float()
 
 
-def pool_page(cache: VMMKVCache, tensor: int, slot: int, page: int) -> bytes:
+def pool_page(cache: KVCache, tensor: int, slot: int, page: int) -> bytes:
     """The bytes of a slot's page read straight from the memfd (not through any mapping)."""
-    group = cache.slots[slot].groups[page]
-    return os.pread(cache.driver.fd, PAGE, cache.driver.pool_offset(tensor * cache.geo.num_groups + group))
+    group = slots(cache)[slot].groups[page]
+    driver = cache.allocator.driver
+    return os.pread(driver.fd, PAGE, driver.pool_offset(tensor * cache.allocator.geo.num_groups + group))
 
 
 def as_tokens(raw: bytes, shape: KVShape = SHAPE) -> torch.Tensor:
@@ -92,7 +100,7 @@ def test_kv_written_by_attention_is_in_the_memfd_pages(make_cache):
     s = seq(0, 40)
     meta, q, k, v, out = step(cache, [BatchItem(s, 0, 40)], layer=1)
     slot = int(meta.slots[0])
-    assert len(cache.slots[slot].groups) == 2
+    assert len(slots(cache)[slot].groups) == 2
     k_tensor, v_tensor = 1, SHAPE.num_layers + 1                      # K_1 and V_1
     assert torch.equal(as_tokens(pool_page(cache, k_tensor, slot, 0)), k[:TPP])
     assert torch.equal(as_tokens(pool_page(cache, k_tensor, slot, 1))[:40 - TPP], k[TPP:])
@@ -100,23 +108,39 @@ def test_kv_written_by_attention_is_in_the_memfd_pages(make_cache):
     torch.testing.assert_close(out, reference(cache, meta, q, layer=1), rtol=1e-5, atol=1e-5)
 
 
+def test_garbage_in_fresh_pages_never_reaches_the_output(make_cache):
+    """Fresh device pages are not zeroed (cuMemCreate): with every pool page full of NaN before the first write,
+    prefill and padded decode groups still match a reference that reads only the written tokens."""
+    cache = make_cache()
+    driver = cache.allocator.driver
+    os.pwrite(driver.fd, b"\xff" * (driver.stats.pool_pages * PAGE), 0)   # 0xffffffff: a float32 NaN
+    a, b, c, d = seq(0, 40), seq(1, 5), seq(2, 33), seq(3, 20)
+    meta, q, *_, out = step(cache, [BatchItem(a, 0, 40), BatchItem(b, 0, 5), BatchItem(c, 0, 33),
+                                    BatchItem(d, 0, 20)])
+    torch.testing.assert_close(out, reference(cache, meta, q), rtol=1e-5, atol=1e-5)
+    for s in (a, b, c, d):
+        s.append_token(1)
+    meta, q, *_, out = step(cache, [BatchItem(s, s.num_tokens - 1, 1) for s in (a, b, c, d)], seed=1)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, reference(cache, meta, q), rtol=1e-5, atol=1e-5)
+
+
 def test_pages_map_exactly_when_a_sequence_crosses_a_page_boundary(make_cache):
     cache = make_cache()
     s = seq(0, 1)
     calls = []
     for n in range(1, 4 * TPP + 1):
-        cache.allocate(s, n)
+        cache.allocator.allocate(s, n)
         s.num_computed_tokens = n
         calls.append(cache.stats().extra["pages_mapped"])
-        assert len(cache.slots[0].groups) == -(-n // TPP)
+        assert len(slots(cache)[0].groups) == -(-n // TPP)
     grew = [n + 1 for n in range(1, len(calls)) if calls[n] != calls[n - 1]]
     assert grew == [TPP + 1, 2 * TPP + 1, 3 * TPP + 1]
     assert calls[-1] == 4 * TENSORS
     # consecutive pool pages merge: per tensor one VMA for the row plus one for the unmapped rest of the range
     assert cache.stats().num_mappings == 2 * TENSORS
-    with pytest.raises(OutOfKVCache, match="at most"):
-        cache.allocate(s, 4 * TPP + 1)
-    assert not cache.can_allocate(s, 4 * TPP + 1)
+    assert cache.allocator.allocate(s, 4 * TPP + 1) is None   # no room: refused, nothing changed
+    assert cache.allocator.allocate(s, 4 * TPP + 1) is None
 
 
 def test_attention_matches_the_reference_for_mixed_batches(make_cache):
@@ -145,8 +169,8 @@ def test_contiguous_kernel_on_random_batches(dtype):
 def test_token_straddling_pages_uses_a_page_aligned_row_stride(make_cache):
     shape = KVShape(num_layers=1, num_kv_heads=3, head_dim=64, num_q_heads=9)   # 768 B: 5 tokens per page
     cache = make_cache(shape=shape, kv_cache_bytes=32 * 2 * PAGE, max_model_len=23)
-    assert cache.tokens_per_unit == 5 and cache.geo.max_len == 25
-    assert cache.k_caches[0].stride(0) * 4 == 5 * PAGE
+    assert cache.allocator.tokens_per_unit == 5 and cache.allocator.geo.max_len == 25
+    assert cache.storage.views.k[0].stride(0) * 4 == 5 * PAGE
     s = seq(0, 23)
     meta, q, *_, out = step(cache, [BatchItem(s, 0, 23)], shape=shape)
     torch.testing.assert_close(out, reference(cache, meta, q), rtol=1e-5, atol=1e-5)
@@ -154,9 +178,9 @@ def test_token_straddling_pages_uses_a_page_aligned_row_stride(make_cache):
 
 def test_geometry_errors_are_config_errors():
     with pytest.raises(ConfigError, match="smaller than one token"):
-        VMMKVCache(config(page_size=4096), KVShape(1, 16, 128, 16))
+        build_vmm(config(page_size=4096), KVShape(1, 16, 128, 16))
     with pytest.raises(ConfigError, match="holds no page group"):
-        VMMKVCache(config(kv_cache_bytes=PAGE), SHAPE)
+        build_vmm(config(kv_cache_bytes=PAGE), SHAPE)
 
 
 # -- slots, stale pages, reclamation ------------------------------------------------------------------------------
@@ -165,7 +189,7 @@ def test_a_free_slot_keeps_its_pages_for_the_next_request(make_cache):
     a = seq(0, 3 * TPP)
     step(cache, [BatchItem(a, 0, 3 * TPP)])
     mapped = cache.stats().mapped_bytes
-    cache.free(a)
+    cache.allocator.free(a)
     st = cache.stats()
     assert st.mapped_bytes == mapped and st.unmap_calls == 0           # deferred: nothing unmapped
     assert st.used_units == 0 and st.free_units == 16 and st.extra["reclaimable_units"] == 3
@@ -183,42 +207,40 @@ def test_slot_choice_prefers_the_stale_slot_that_covers_the_request(make_cache):
     for s in seqs:
         step(cache, [BatchItem(s, 0, s.num_tokens)])
     for s in seqs:
-        cache.free(s)
+        cache.allocator.free(s)
     big = seq(9, 2 * TPP + 3)                                        # needs 3 pages: slot 1 has exactly 3
-    cache.allocate(big, big.num_tokens)
-    assert cache._slot_of[9] == 1
+    cache.allocator.allocate(big, big.num_tokens)
+    assert cache.allocator.snapshot()["slot_of"][9] == 1
     small = seq(10, TPP)                                             # needs 1: slot 0 has exactly 1
-    cache.allocate(small, TPP)
-    assert cache._slot_of[10] == 0
+    cache.allocator.allocate(small, TPP)
+    assert cache.allocator.snapshot()["slot_of"][10] == 0
 
 
 def test_reclamation_under_pressure(make_cache):
     cache = make_cache(groups=6)
     a, b = seq(0, 4 * TPP), seq(1, 4 * TPP)
     step(cache, [BatchItem(a, 0, 4 * TPP)])
-    cache.free(a)                                                    # 4 stale pages in slot 0
-    cache.allocate(seq(5, TPP), TPP)                                 # takes slot 0 (covering), 3 pages left over
-    assert cache.num_free_units() == 5
+    cache.allocator.free(a)                                                    # 4 stale pages in slot 0
+    cache.allocator.allocate(seq(5, TPP), TPP)                       # takes slot 0 (covering), 3 pages left over
+    assert cache.allocator.num_free_units() == 5
     meta, q, *_, out = step(cache, [BatchItem(b, 0, 4 * TPP)], seed=3)   # 2 from the pool + 2 reclaimed
     st = cache.stats()
     assert st.extra["reclaimed_units"] == 2 and st.unmap_calls == TENSORS   # one tail unmap per tensor
     assert st.free_units == 1 and st.used_units == 5
     torch.testing.assert_close(out, reference(cache, meta, q), rtol=1e-5, atol=1e-5)
     c = seq(2, 2 * TPP)
-    assert not cache.can_allocate(c, 2 * TPP)
-    with pytest.raises(OutOfKVCache, match="needs 2 more pages but 1"):
-        cache.allocate(c, 2 * TPP)
-    assert not cache.holds(c)                                        # a refused request claims no slot
+    assert cache.allocator.allocate(c, 2 * TPP) is None
+    assert cache.allocator.allocate(c, 2 * TPP) is None   # no room: refused, nothing changed
+    assert not cache.allocator.holds(c)                                        # a refused request claims no slot
 
 
 def test_no_free_slot_means_no_admission(make_cache):
     cache = make_cache(max_num_seqs=2)
     for i in range(2):
-        cache.allocate(seq(i, 1), 1)
+        cache.allocator.allocate(seq(i, 1), 1)
     late = seq(2, 1)
-    assert cache.num_free_units() > 1 and not cache.can_allocate(late, 1)
-    with pytest.raises(OutOfKVCache, match="no free vmm slot"):
-        cache.allocate(late, 1)
+    assert cache.allocator.num_free_units() > 1 and cache.allocator.allocate(late, 1) is None
+    assert cache.allocator.allocate(late, 1) is None   # no room: refused, nothing changed
 
 
 def test_a_failed_mapping_leaves_the_books_balanced(make_cache):
@@ -237,9 +259,9 @@ def test_a_failed_mapping_leaves_the_books_balanced(make_cache):
     s = seq(0, 50)
     driver.fail_at = 2                                               # the 3rd of 4 tensors fails
     with pytest.raises(DriverError, match="injected"):
-        cache.allocate(s, 50)
+        cache.allocator.allocate(s, 50)
     cache.check_invariants()
-    assert cache.num_free_units() == 16 and driver.stats.mapped_pages == 0 and not cache.holds(s)
+    assert cache.allocator.num_free_units() == 16 and driver.stats.mapped_pages == 0 and not cache.allocator.holds(s)
     step(cache, [BatchItem(s, 0, 50)])                               # and it works afterwards
 
 
@@ -251,44 +273,46 @@ def test_fork_shares_pages_and_copies_a_shared_page_on_write(make_cache):
     before = cache.stats()
     child = seq(1, 40)
     child.num_computed_tokens = 40
-    cache.fork(parent, child)
-    p, c = cache.slots[0], cache.slots[cache._slot_of[1]]
-    assert c.groups == p.groups and cache.num_free_units() == before.free_units   # shared, nothing new
+    cache.allocator.fork(parent, child)
+    p, c = slots(cache)[0], slots(cache)[cache.allocator.snapshot()["slot_of"][1]]
+    assert c.groups == p.groups and cache.allocator.num_free_units() == before.free_units   # shared, nothing new
     assert cache.stats().mapped_bytes == before.mapped_bytes
-    k_parent = cache.k_caches[0][0, :40].clone()
-    assert torch.equal(cache.k_caches[0][c.index, :40], k_parent)   # the child sees the parent's KV
+    k_parent = cache.storage.views.k[0][0, :40].clone()
+    assert torch.equal(cache.storage.views.k[0][c.index, :40], k_parent)   # the child sees the parent's KV
 
     child.append_token(7)
-    assert cache.units_needed(child, 41) == 1                         # page 1 is shared and will be written
+    assert cache.allocator.units_needed(child, 41) == 1                         # page 1 is shared and will be written
     meta, q, k, _, out = step(cache, [BatchItem(child, 40, 1)], seed=9)
     assert cache.stats().cow_copies == 1
+    p, c = slots(cache)[p.index], slots(cache)[c.index]
     assert c.groups[0] == p.groups[0] and c.groups[1] != p.groups[1]
-    assert torch.equal(cache.k_caches[0][c.index, :40], k_parent)   # copied before the write
-    assert torch.equal(cache.k_caches[0][c.index, 40], k[0])
-    assert torch.equal(cache.k_caches[0][0, :40], k_parent)         # the parent is unchanged
-    assert not torch.equal(cache.k_caches[0][0, 40], k[0])
+    assert torch.equal(cache.storage.views.k[0][c.index, :40], k_parent)   # copied before the write
+    assert torch.equal(cache.storage.views.k[0][c.index, 40], k[0])
+    assert torch.equal(cache.storage.views.k[0][0, :40], k_parent)         # the parent is unchanged
+    assert not torch.equal(cache.storage.views.k[0][0, 40], k[0])
     torch.testing.assert_close(out, reference(cache, meta, q), rtol=1e-5, atol=1e-5)
     child_page = as_tokens(pool_page(cache, 0, c.index, 1))
     assert torch.equal(child_page[40 - TPP], k[0])                   # the copy is a different pool page
     assert not torch.equal(as_tokens(pool_page(cache, 0, 0, 1))[40 - TPP], k[0])
 
     parent.append_token(8)
-    assert cache.units_needed(parent, 41) == 0                        # page 1 is the parent's alone now
+    assert cache.allocator.units_needed(parent, 41) == 0                        # page 1 is the parent's alone now
     step(cache, [BatchItem(parent, 40, 1)])
     assert cache.stats().cow_copies == 1
-    cache.free(child)
-    assert cache._refs[p.groups[0]] == 1 and c.groups == []          # a free slot never keeps shared pages
+    cache.allocator.free(child)
+    c = slots(cache)[c.index]
+    assert cache.allocator.snapshot()["refs"][p.groups[0]] == 1 and c.groups == []   # a free slot keeps no shared page
 
 
 def test_fork_needs_a_slot_and_a_parent(make_cache):
     cache = make_cache(max_num_seqs=2)
     a, b = seq(0, 10), seq(1, 10)
     with pytest.raises(RequestError, match="holds no vmm slot"):
-        cache.fork(a, b)
-    cache.allocate(a, 10)
-    cache.allocate(b, 10)
+        cache.allocator.fork(a, b)
+    cache.allocator.allocate(a, 10)
+    cache.allocator.allocate(b, 10)
     with pytest.raises(OutOfKVCache, match="no free vmm slot"):
-        cache.fork(a, seq(2, 10))
+        cache.allocator.fork(a, seq(2, 10))
 
 
 # -- swap -------------------------------------------------------------------------------------------------------
@@ -296,23 +320,21 @@ def test_swap_round_trip(make_cache):
     cache = make_cache(max_num_seqs=1)
     s = seq(0, 45)
     step(cache, [BatchItem(s, 0, 45)])
-    saved = [c[0, :45].clone() for c in cache.k_caches + cache.v_caches]
-    cache.swap_out(s)
-    assert not cache.holds(s) and cache.num_free_units() == 16
+    saved = [c[0, :45].clone() for c in cache.storage.views.k + cache.storage.views.v]
+    cache.allocator.swap_out(s)
+    assert not cache.allocator.holds(s) and cache.allocator.num_free_units() == 16
     assert cache.stats().swapped_out_bytes == 45 * SHAPE.bytes_per_token
     other = seq(1, 60)
     step(cache, [BatchItem(other, 0, 60)], seed=4)                   # overwrite the same slot's pages
-    with pytest.raises(OutOfKVCache, match="no free vmm slot"):
-        cache.swap_in(s)
-    assert not cache.can_swap_in(s)
-    cache.free(other)
-    assert cache.can_swap_in(s)
-    cache.swap_in(s)
-    assert cache.holds(s) and cache.stats().swapped_in_bytes == 45 * SHAPE.bytes_per_token
-    for c, data in zip(cache.k_caches + cache.v_caches, saved):
+    assert cache.allocator.swap_in(s) is False   # no room: refused, nothing changed
+    assert cache.allocator.swap_in(s) is False
+    cache.allocator.free(other)
+    assert cache.allocator.swap_in(s) is True
+    assert cache.allocator.holds(s) and cache.stats().swapped_in_bytes == 45 * SHAPE.bytes_per_token
+    for c, data in zip(cache.storage.views.k + cache.storage.views.v, saved):
         assert torch.equal(c[0, :45], data)
     with pytest.raises(RequestError, match="not swapped out"):
-        cache.swap_in(s)
+        cache.allocator.swap_in(s)
 
 
 # -- background mapping ---------------------------------------------------------------------------------------
@@ -344,13 +366,13 @@ def test_a_background_mapping_error_reaches_the_caller(make_cache):
             return super()._os_map(addr, first_page, num_pages)
     cache = make_cache(driver=WorkerFails(PAGE), background_mapping=True)
     s = seq(0, TPP - 1)
-    cache.allocate(s, TPP - 1)                                       # close to a boundary: maps ahead
+    cache.allocator.allocate(s, TPP - 1)                                       # close to a boundary: maps ahead
     s.num_computed_tokens = TPP - 1
     with pytest.raises(DriverError, match="injected in the worker"):
-        cache.allocate(s, TPP)
+        cache.allocator.allocate(s, TPP)
     cache.check_invariants()
-    assert len(cache.slots[0].groups) == 1
-    cache.allocate(s, TPP + 1)                                       # the caller maps it itself
+    assert len(slots(cache)[0].groups) == 1
+    cache.allocator.allocate(s, TPP + 1)                                       # the caller maps it itself
 
 
 @pytest.mark.parametrize("single_range", [False, True])
@@ -365,15 +387,15 @@ def test_accounting_mode_keeps_the_same_books(make_cache, single_range):
         for op, i, n in script:
             s = seqs.setdefault(i, seq(i, max(n, 1)))
             if op == "alloc":
-                cache.allocate(s, n)
+                cache.allocator.allocate(s, n)
                 if i != 3:
                     s.num_computed_tokens = n
             elif op == "fork":
                 child = seqs.setdefault(n, seq(n, 70))
                 child.num_computed_tokens = s.num_computed_tokens
-                cache.fork(s, child)
+                cache.allocator.fork(s, child)
             else:
-                getattr(cache, op)(s)
+                getattr(cache.allocator, op)(s)
             cache.check_invariants()
     r, a = real.stats(), acct.stats()
     for name in ("used_units", "free_units", "mapped_bytes", "num_mappings", "map_calls", "unmap_calls",
@@ -388,11 +410,11 @@ def test_accounting_mode_books_a_page_group_once_not_per_tensor(make_cache):
     someone reads them (here: never, until the end)."""
     cache = make_cache(groups=8, accounting_only=True, check_invariants=False)
     for i in range(3):
-        cache.allocate(seq(i, 50), 50)
-    cache.free(seq(0, 50))
-    cache.allocate(seq(3, 120), 120)                                  # reclaims the stale slot's pages
-    regions = [region for region, _ in cache.tensors.place]
-    assert cache.tensors.mirror.ledger is not None and all(not r.pages for r in regions)
+        cache.allocator.allocate(seq(i, 50), 50)
+    cache.allocator.free(seq(0, 50))
+    cache.allocator.allocate(seq(3, 120), 120)                                  # reclaims the stale slot's pages
+    regions = [region for region, _ in cache.allocator.ranges.places]
+    assert cache.allocator.ranges.mirror.ledger is not None and all(not r.pages for r in regions)
     assert cache.stats().mapped_bytes == 8 * TENSORS * PAGE              # every count is kept all the same
     assert sum(len(r.mapped) for r in regions) == 8 * TENSORS            # read: written out now
     cache.check_invariants()
@@ -431,13 +453,13 @@ def test_best_fit_claim_is_the_scan_rule():
 
 
 def test_single_range_comes_from_the_config(make_cache):
-    assert len(make_cache(vmm_single_range=True).driver.regions) == 1
-    assert len(make_cache(vmm_single_range=True, single_range=False).driver.regions) == TENSORS
+    assert len(make_cache(vmm_single_range=True).allocator.driver.regions) == 1
+    assert len(make_cache(vmm_single_range=True, single_range=False).allocator.driver.regions) == TENSORS
 
 
 def test_single_range_layout(make_cache):
     cache = make_cache(single_range=True)
-    assert len(cache.driver.regions) == 1
+    assert len(cache.allocator.driver.regions) == 1
     s = seq(0, 70)
     meta, q, *_, out = step(cache, [BatchItem(s, 0, 70)], layer=1)
     torch.testing.assert_close(out, reference(cache, meta, q, layer=1), rtol=1e-5, atol=1e-5)
@@ -447,17 +469,17 @@ def test_single_range_layout(make_cache):
 def test_prepare_refuses_unallocated_positions(make_cache):
     cache = make_cache()
     s = seq(0, 40)
-    cache.allocate(s, 20)
+    cache.allocator.allocate(s, 20)
     with pytest.raises(RequestError, match="allocate"):
-        cache.prepare([BatchItem(s, 0, 40)])
+        cache.storage.prepare([BatchItem(s, 0, 40)])
     with pytest.raises(RequestError, match="holds no vmm slot"):
-        cache.prepare([BatchItem(seq(1, 3), 0, 3)])
+        cache.storage.prepare([BatchItem(seq(1, 3), 0, 3)])
 
 
 def test_close_refuses_while_a_caller_holds_a_view(make_cache):
     cache = make_cache()
-    cache.allocate(seq(0, 10), 10)
-    row = cache.k_caches[0][0]
+    cache.allocator.allocate(seq(0, 10), 10)
+    row = cache.storage.views.k[0][0]
     with pytest.raises(DriverError, match="still alive"):
         cache.close()
     del row
@@ -469,12 +491,12 @@ def test_prepare_promises_reads_up_to_the_last_page_the_held_tokens_need(make_ca
     cache = make_cache()
     a = seq(0, 3 * TPP)
     step(cache, [BatchItem(a, 0, 3 * TPP)])
-    cache.free(a)                                                    # slot 0 keeps 3 parked pages
+    cache.allocator.free(a)                                                    # slot 0 keeps 3 parked pages
     b, c, d = seq(1, 5), seq(2, TPP + 1), seq(3, 10)
-    cache.allocate(b, 5)                                             # b takes the stale slot
-    cache.allocate(d, 2 * TPP + 1)                                   # held past this step's context
+    cache.allocator.allocate(b, 5)                                             # b takes the stale slot
+    cache.allocator.allocate(d, 2 * TPP + 1)                                   # held past this step's context
     meta, *_ = step(cache, [BatchItem(b, 0, 5), BatchItem(c, 0, TPP + 1), BatchItem(d, 0, 10)])
-    assert int(meta.slots[0]) == 0 and len(cache.slots[0].groups) == 3
+    assert int(meta.slots[0]) == 0 and len(slots(cache)[0].groups) == 3
     # b's parked pages are reclaimable by any allocate, so they are not promised; d's held pages are
     assert meta.readable_lens.tolist() == [TPP, 2 * TPP, 3 * TPP]
     assert meta.readable_lens.dtype == torch.int64
@@ -486,30 +508,31 @@ def test_the_kernel_never_reads_past_a_readable_length_and_unmapped_pages_fault(
     one's unmapped page is SIGSEGV. tests/test_vmm_kernels.py runs many such batches."""
     script = textwrap.dedent(f"""
         import torch
-        from kvlab.common.config import EngineConfig
+        from kvlab.common.config import make_config
         from kvlab.common.attention.metadata import BatchItem
-        from kvlab.common.kv.seam import KVShape
+        from kvlab.common.kv.seam import KVCache, KVShape
         from kvlab.common.sequence import Sequence
-        from kvlab.vmm.backend import VMMKVCache
+        from kvlab.vmm.build import build_vmm
         shape = KVShape(2, 2, 16, 4)
-        cache = VMMKVCache(make_config(backend="vmm", page_size={PAGE}, kv_cache_bytes=64 * 4 * {PAGE},
+        cache = build_vmm(make_config(backend="vmm", page_size={PAGE}, kv_cache_bytes=64 * 4 * {PAGE},
                                         max_num_seqs=4, max_model_len=8 * {TPP}), shape)
         long, short, same = (Sequence(i, str(i), [0] * n, 4) for i, n in enumerate((5 * {TPP}, 3, 3)))
         items = [BatchItem(long, 0, long.num_tokens), BatchItem(short, 0, 3), BatchItem(same, 0, 3)]
         for it in items:
-            cache.allocate(it.seq, it.context_len)
-        meta = cache.prepare(items)
+            cache.allocator.allocate(it.seq, it.context_len)
+        meta = cache.storage.prepare(items)
         t = meta.num_tokens
-        cache.attention(0, torch.randn(t, 4, 16), torch.randn(t, 2, 16), torch.randn(t, 2, 16), meta, 0.25)
+        cache.storage.attention(0, torch.randn(t, 4, 16), torch.randn(t, 2, 16), torch.randn(t, 2, 16), meta, 0.25)
         for s in (long, short, same):
             s.num_computed_tokens = s.num_tokens
             s.append_token(1)
-            cache.allocate(s, s.num_tokens)
+            cache.allocator.allocate(s, s.num_tokens)
         items = [BatchItem(s, s.num_tokens - 1, 1) for s in (long, short, same)]
-        meta = cache.prepare(items)
-        out = cache.attention(0, torch.randn(3, 4, 16), torch.randn(3, 2, 16), torch.randn(3, 2, 16), meta, 0.25)
+        meta = cache.storage.prepare(items)
+        q, k, v = torch.randn(3, 4, 16), torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+        out = cache.storage.attention(0, q, k, v, meta, 0.25)
         print("decode ok", bool(torch.isfinite(out).all()), flush=True)
-        print(float(cache.k_caches[0][1, 2 * {TPP}].sum()), flush=True)    # short's third page: never mapped
+        print(float(cache.storage.views.k[0][1, 2 * {TPP}].sum()), flush=True)    # short's third page: never mapped
         print("survived", flush=True)
     """)
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=180,
@@ -525,14 +548,14 @@ def test_stats_report_the_mapping_work(make_cache):
     assert st.backend == "vmm" and st.unit_name == "page" and st.tokens_per_unit == TPP
     assert st.mapped_bytes == 3 * TENSORS * PAGE and st.extra["pages"] == 3 * TENSORS
     assert st.num_mappings == 2 * TENSORS and st.map_calls == TENSORS and st.map_seconds > 0
-    assert st.reserved_bytes == TENSORS * 4 * cache.geo.row_bytes and st.allocator_seconds > 0
+    assert st.reserved_bytes == TENSORS * 4 * cache.allocator.geo.row_bytes and st.allocator_seconds > 0
     assert st.live_tokens == 70 and st.used_units == 3
 
 
 def test_prefix_caching_is_reported_unsupported(make_cache, caplog):
     cache = make_cache(enable_prefix_caching=True)
     assert "not supported" in caplog.text
-    assert cache.allocate(seq(0, 10), 10) == 0
+    assert cache.allocator.allocate(seq(0, 10), 10) == 0
     assert cache.stats().extra["prefix_caching"] == "unsupported"
 
 
@@ -581,34 +604,37 @@ def test_random_operations_keep_every_invariant(make_cache, accounting_only):
             if op == "new":
                 s = seq(next_id, rng.randint(1, 3 * TPP))
                 next_id += 1
-                cache.allocate(s, s.num_tokens)
+                if cache.allocator.allocate(s, s.num_tokens) is None:
+                    raise OutOfKVCache("refused")
                 s.num_computed_tokens = s.num_tokens
                 live.append(s)
             elif op == "grow" and live:
                 s = rng.choice(live)
-                n = min(s.num_computed_tokens + rng.randint(1, TPP), cache.geo.max_len)
-                cache.allocate(s, n)
+                n = min(s.num_computed_tokens + rng.randint(1, TPP), cache.allocator.geo.max_len)
+                if cache.allocator.allocate(s, n) is None:
+                    raise OutOfKVCache("refused")
                 s.num_computed_tokens = n
             elif op == "fork" and live:
                 parent = rng.choice(live)
                 child = seq(next_id, parent.num_computed_tokens)
                 next_id += 1
                 child.num_computed_tokens = parent.num_computed_tokens
-                cache.fork(parent, child)
+                cache.allocator.fork(parent, child)
                 live.append(child)
             elif op == "free" and live:
-                cache.free(live.pop(rng.randrange(len(live))))
+                cache.allocator.free(live.pop(rng.randrange(len(live))))
             elif op == "swap_out" and live:
                 s = live.pop(rng.randrange(len(live)))
-                cache.swap_out(s)
+                cache.allocator.swap_out(s)
                 swapped.append(s)
             elif op == "swap_in" and swapped:
                 s = swapped[0]
-                cache.swap_in(s)
+                if not cache.allocator.swap_in(s):
+                    raise OutOfKVCache("refused")
                 live.append(swapped.pop(0))
         except OutOfKVCache:
             pass
         cache.check_invariants()
-        assert all(cache.holds(s) for s in live) and not any(cache.holds(s) for s in swapped)
+        assert all(cache.allocator.holds(s) for s in live) and not any(cache.allocator.holds(s) for s in swapped)
     st = cache.stats()
     assert st.cow_copies > 0 and st.extra["reclaimed_units"] > 0 and st.swapped_in_bytes > 0

@@ -13,13 +13,14 @@ from fakes.fake_cuda_driver import (
     OK,
     OUT_OF_MEMORY,
     FakeCudaDriver,
+    torch_interop,
 )
 from kvlab.common.config import make_config
 from kvlab.common.errors import DriverError
 from kvlab.common.kv.seam import KVShape
 from kvlab.common.sequence import Sequence
-from kvlab.vmm.backend import VMMKVCache
-from kvlab.vmm.cuda import CudaSpan, CudaVirtualMemory
+from kvlab.vmm.build import build_vmm
+from kvlab.vmm.drivers.cuda import CudaVirtualMemory
 
 MiB = 1024**2
 GRAN = 2 * MiB
@@ -333,14 +334,67 @@ def test_discarded_pages_are_created_again_when_mapped(vm, fake):
     assert len(fake.handles) == 2 and len(fake.mappings) == 2
 
 
-def test_views_are_cuda_array_interface_spans(vm):
+def test_views_over_an_unmapped_reservation_query_no_pointer(vm, fake, monkeypatch):
+    """Issue 18: the cache builds its views before any page is mapped. With torch behaving as on a GPU (a
+    `__cuda_array_interface__` makes it query the pointer, which fails on an unmapped reservation), the view is
+    built all the same: through DLPack with the device stated, and the driver is never asked about the pointer."""
+    torch_interop(monkeypatch, fake)
+    region = vm.reserve(2 * GRAN)
+    with pytest.raises(RuntimeError, match="cudaPointerGetAttributes"):   # the failure the fake reproduces
+        torch.as_tensor(ViewHolderWithInterface(region.base))
+    queries = fake.names().count("cuPointerGetAttribute")
+    view = vm.tensor_view(region, torch.float16, (4, 8), offset=64)
+    assert view.shape == (4, 8) and view.dtype == torch.float16
+    assert fake.names().count("cuPointerGetAttribute") == queries
+
+
+class ViewHolderWithInterface:
+    """What the driver used to hand torch (a regression would build views this way)."""
+
+    def __init__(self, ptr: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (128,), "typestr": "|u1", "data": (ptr, False), "strides": None,
+                                         "version": 3}
+
+
+def test_dlpack_views_share_memory_and_keep_their_holder_until_the_last_view_goes():
+    import ctypes
+    import gc
+    import weakref
+
+    from kvlab.vmm.drivers.dlpack import byte_tensor
+    buf, gone = (ctypes.c_uint8 * 64)(), []
+
+    class Holder:
+        pass
+    holder = Holder()
+    weakref.finalize(holder, gone.append, True)
+    raw = byte_tensor(ctypes.addressof(buf), 64, torch.device("cpu"), holder)
+    del holder
+    view = raw.view(torch.float32)[2:]
+    del raw
+    gc.collect()
+    assert not gone                                  # a view is still alive
+    view[0] = 1.0
+    assert bytes(buf[8:12]) == torch.tensor([1.0]).numpy().tobytes()   # zero-copy
+    del view
+    gc.collect()
+    assert gone == [True]
+    with pytest.raises(ValueError, match="cuda:N"):
+        byte_tensor(ctypes.addressof(buf), 64, torch.device("cuda"), None)
+
+
+def test_fresh_device_pages_are_garbage_not_zeros(vm, fake):
+    """cuMemCreate memory is not zeroed (issue 18): neither a new page nor one created again after a discard."""
     region = vm.reserve(GRAN)
-    span = CudaSpan(region, region.base + 64, 128)
-    assert span.__cuda_array_interface__ == {"shape": (128,), "typestr": "|u1", "data": (region.base + 64, False),
-                                             "strides": None, "version": 3}
-    if not torch.cuda.is_available():   # a CPU build of torch cannot wrap device memory: a clear error
-        with pytest.raises(DriverError, match="cuda:0"):
-            vm.tensor_view(region, torch.float16, (16,))
+    vm.create_pool(1)
+    vm.map(region, 0, 0)
+    first = fake.read(region.base, 64)
+    assert first != bytes(64)
+    vm.unmap(region, 0)
+    vm.discard(0)
+    vm.map(region, 0, 0)                              # created again: new garbage
+    again = fake.read(region.base, 64)
+    assert again != bytes(64) and again != first
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
@@ -355,17 +409,17 @@ def test_cache_growth_reclaim_and_close_through_the_cuda_driver(fake):
     cfg = make_config(backend="vmm", device="cuda", page_size=GRAN, kv_cache_bytes=4 * 4 * GRAN,
                        max_num_seqs=2, max_model_len=4096, max_num_batched_tokens=4096)
     shape = KVShape(num_layers=2, num_kv_heads=8, head_dim=128, num_q_heads=8, dtype="float16", device="cuda")
-    cache = VMMKVCache(cfg, shape, accounting_only=True, driver=CudaVirtualMemory(0, driver=fake))
-    assert cache.tokens_per_unit == 1024 and cache.num_total_units() == 4
+    cache = build_vmm(cfg, shape, accounting_only=True, driver=CudaVirtualMemory(0, driver=fake))
+    assert cache.allocator.tokens_per_unit == 1024 and cache.allocator.num_total_units() == 4
     a, b = Sequence(0, "a", [1] * 2000, 8), Sequence(1, "b", [1] * 100, 8)
-    cache.allocate(a, 2000)              # 2 consecutive groups: per tensor, 2 cuMemMap + 1 cuMemSetAccess
+    cache.allocator.allocate(a, 2000)              # 2 consecutive groups: per tensor, 2 cuMemMap + 1 cuMemSetAccess
     assert fake.names().count("cuMemMap") == 8 and fake.names().count("cuMemSetAccess") == 4
-    cache.free(a)                                              # deferred: nothing unmapped
+    cache.allocator.free(a)                                              # deferred: nothing unmapped
     assert "cuMemUnmap" not in fake.names()
-    cache.allocate(b, 100)
+    cache.allocator.allocate(b, 100)
     fake.launch()                                              # a kernel may be reading
     c = Sequence(2, "c", [1] * 3000, 8)
-    cache.allocate(c, 3000)              # 3 groups: the 2 in the pool + b's page left over from a (reclaimed)
+    cache.allocator.allocate(c, 3000)              # 3 groups: the 2 in the pool + b's page left over from a (reclaimed)
     names = fake.names()
     assert "cuMemUnmap" in names and names[names.index("cuMemUnmap") - 1] == "cuCtxSynchronize"
     cache.check_invariants()

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 from kvlab.common.errors import DriverError
-from kvlab.vmm.accounting import AccountingVirtualMemory
-from kvlab.vmm.host import POOL_NAME, HostVirtualMemory, max_map_count
-from kvlab.vmm.mirror import TornMirror
+from kvlab.vmm.drivers.accounting import AccountingVirtualMemory
+from kvlab.vmm.drivers.host import POOL_NAME, HostVirtualMemory, max_map_count
+from kvlab.vmm.drivers.types import TornMirror
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,7 +123,7 @@ def test_unmapped_pages_really_are_unmapped():
     """Reading an unmapped page kills the process with SIGSEGV, through a raw address and through the view."""
     script = textwrap.dedent("""
         import ctypes, sys, torch
-        from kvlab.vmm.host import HostVirtualMemory
+        from kvlab.vmm.drivers.host import HostVirtualMemory
         vm = HostVirtualMemory(page_size=65536)
         region = vm.reserve(4 * 65536)
         vm.create_pool(4)
@@ -432,25 +432,25 @@ def cow_cache(driver: HostVirtualMemory):
     from kvlab.common.config import make_config
     from kvlab.common.kv.seam import KVShape
     from kvlab.common.sequence import Sequence
-    from kvlab.vmm.backend import VMMKVCache
+    from kvlab.vmm.build import build_vmm
     shape = KVShape(num_layers=2, num_kv_heads=2, head_dim=32, num_q_heads=4)      # 16 tokens per 4 KiB page
-    cache = VMMKVCache(make_config(backend="vmm", page_size=4096, kv_cache_bytes=8 * 4 * 4096, max_model_len=64,
-                                    max_num_seqs=4), shape, driver=driver)
+    cache = build_vmm(make_config(backend="vmm", page_size=4096, kv_cache_bytes=8 * 4 * 4096, max_model_len=64,
+                                   max_num_seqs=4), shape, driver=driver)
     parent = Sequence(0, "a", list(range(20)), 8)
-    cache.allocate(parent, 20)
+    cache.allocator.allocate(parent, 20)
     parent.num_computed_tokens = 20
-    for t, kv in enumerate(cache.k_caches + cache.v_caches):
-        kv[cache.table.of(0).index, :20] = t + 1.0
+    for t, kv in enumerate(cache.storage.views.k + cache.storage.views.v):
+        kv[cache.allocator.snapshot()["slot_of"][0], :20] = t + 1.0
     child = Sequence(1, "c", list(range(20)), 8)
     child.num_computed_tokens = 20
-    cache.fork(parent, child)
+    cache.allocator.fork(parent, child)
     child.append_token(7)
     return cache, child
 
 
 def child_kv(cache) -> list[float]:
-    slot = cache.table.of(1).index
-    return [float(kv[slot, :20].mean()) for kv in cache.k_caches + cache.v_caches]
+    slot = cache.allocator.snapshot()["slot_of"][1]
+    return [float(kv[slot, :20].mean()) for kv in cache.storage.views.k + cache.storage.views.v]
 
 
 def test_a_failed_copy_on_write_keeps_the_shared_page_its_data_and_the_pool():
@@ -458,14 +458,14 @@ def test_a_failed_copy_on_write_keeps_the_shared_page_its_data_and_the_pool():
     tensor 0 unmapped while the slot still listed the page."""
     driver = FlakyHost(page_size=4096)
     cache, child = cow_cache(driver)
-    free = cache.num_free_units()
+    free = cache.allocator.num_free_units()
     driver.fail_next("unmap", 1)
     with pytest.raises(DriverError, match="injected unmap failure"):
-        cache.allocate(child, 21)                             # writes into the shared page 1: copy-on-write
-    assert cache.num_free_units() == free and cache.stats().cow_copies == 0
+        cache.allocator.allocate(child, 21)                             # writes into the shared page 1: copy-on-write
+    assert cache.allocator.num_free_units() == free and cache.stats().cow_copies == 0
     cache.check_invariants()                                  # the pool, the slots and every tensor agree
     assert child_kv(cache) == [1.0, 2.0, 3.0, 4.0]            # still reads the parent's page
-    cache.allocate(child, 21)                                 # and the copy works once the OS does
+    cache.allocator.allocate(child, 21)                                 # and the copy works once the OS does
     assert cache.stats().cow_copies == 1 and child_kv(cache) == [1.0, 2.0, 3.0, 4.0]
     cache.check_invariants()
     cache.close()
@@ -477,13 +477,13 @@ def test_a_copy_on_write_whose_undo_fails_is_reported_torn_and_freeing_clears_it
     driver.fail_next("unmap", 1)
     driver.fail_next("map", 0)                                # mapping tensor 0 back fails as well
     with pytest.raises(TornMirror, match="close the cache"):
-        cache.allocate(child, 21)
+        cache.allocator.allocate(child, 21)
     with pytest.raises(AssertionError, match="tensor 0 is not mapped"):
         cache.check_invariants()                              # a kernel never runs on it
     assert cache.stats().extra["torn_pages"] == 1
-    for region, _ in cache.tensors.place:
+    for region, _ in cache.allocator.ranges.places:
         assert region.mapped == kernel_pages(region, 4096)
-    cache.free(child)                                         # its torn page is cleared, not parked
+    cache.allocator.free(child)                                         # its torn page is cleared, not parked
     cache.check_invariants()
     assert cache.stats().extra["torn_pages"] == 0
     cache.close()

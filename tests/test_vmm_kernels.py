@@ -208,44 +208,47 @@ def test_mixed_decode_on_a_real_host_vm_cache_never_touches_an_unmapped_page():
     script = textwrap.dedent("""
         import random, torch
         from fakes.reference import contiguous_reference
-        from kvlab.common.config import EngineConfig
+        from kvlab.common.config import make_config
         from kvlab.common.attention.metadata import BatchItem
         from kvlab.common.kv.seam import KVShape
         from kvlab.common.sequence import Sequence
-        from kvlab.vmm.backend import VMMKVCache
+        from kvlab.vmm.build import build_vmm
         torch.set_num_threads(1)
         shape, tpp = KVShape(2, 2, 16, 4), 32
-        cache = VMMKVCache(make_config(backend="vmm", page_size=4096, kv_cache_bytes=96 * 4 * 4096,
+        cache = build_vmm(make_config(backend="vmm", page_size=4096, kv_cache_bytes=96 * 4 * 4096,
                                         max_num_seqs=10, max_model_len=8 * tpp, max_num_batched_tokens=512,
                                         check_invariants=True), shape)
         rng, g = random.Random(0), torch.Generator().manual_seed(0)
+        def slot_of(seq_id):
+            snap = cache.allocator.snapshot()
+            return snap["slots"][snap["slot_of"][seq_id]]
         stale = Sequence(99, "99", [0] * (6 * tpp), 8)                   # leaves 6 parked pages in its slot
-        cache.allocate(stale, 6 * tpp)
-        cache.free(stale)
+        cache.allocator.allocate(stale, 6 * tpp)
+        cache.allocator.free(stale)
         lengths = [3, 5, 30, 31, 32, 33, 40, 64, 65, 5 * tpp]
         seqs = [Sequence(i, str(i), [0] * n, 64) for i, n in enumerate(lengths)]
         def run(items):
             for it in items:
-                cache.allocate(it.seq, it.context_len)
-            meta = cache.prepare(items)
+                cache.allocator.allocate(it.seq, it.context_len)
+            meta = cache.storage.prepare(items)
             t = meta.num_tokens
             q = torch.randn(t, 4, 16, generator=g)
-            out = cache.attention(0, q, torch.randn(t, 2, 16, generator=g), torch.randn(t, 2, 16, generator=g),
-                                  meta, 0.25)
-            ref = contiguous_reference(q, cache.k_caches[0], cache.v_caches[0], meta.slots, meta.query_lens,
-                                       meta.context_lens, 0.25)
+            k, v = torch.randn(t, 2, 16, generator=g), torch.randn(t, 2, 16, generator=g)
+            out = cache.storage.attention(0, q, k, v, meta, 0.25)
+            views = cache.storage.views
+            ref = contiguous_reference(q, views.k[0], views.v[0], meta.slots, meta.query_lens, meta.context_lens, 0.25)
             err = float((out.double() - ref).abs().max())
             assert err < 1e-5, err
             for it in items:
                 it.seq.num_computed_tokens = it.context_len
             return meta
         run([BatchItem(s, 0, s.num_tokens) for s in seqs])
-        assert len(cache.table.of(0).groups) == 6                        # seq 0 took the stale slot
+        assert len(slot_of(0)["groups"]) == 6                        # seq 0 took the stale slot
         groups = lengths_seen = 0
         for step in range(40):
             if step == 10:                                               # free slots in the middle
                 for s in seqs[2:4]:
-                    cache.free(s)
+                    cache.allocator.free(s)
                 seqs = seqs[:2] + seqs[4:]
             live = [s for s in seqs if s.num_tokens < 8 * tpp]
             for s in live:
@@ -258,10 +261,10 @@ def test_mixed_decode_on_a_real_host_vm_cache_never_touches_an_unmapped_page():
             assert torch.equal(meta.readable_lens, pages_end), (meta.readable_lens, meta.context_lens)
         print("batches ok", groups, lengths_seen, flush=True)
         short = seqs[1]
-        slot = cache.table.of(short.seq_id)
+        slot = slot_of(short.seq_id)
         readable = -(-short.num_tokens // tpp) * tpp
-        assert len(slot.groups) * tpp == readable, (len(slot.groups), readable)
-        print(float(cache.k_caches[0][slot.index, readable].sum()), flush=True)   # first unmapped token
+        assert len(slot["groups"]) * tpp == readable, (len(slot["groups"]), readable)
+        print(float(cache.storage.views.k[0][slot["index"], readable].sum()), flush=True)   # first unmapped token
         print("survived", flush=True)
     """)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}

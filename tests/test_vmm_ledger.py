@@ -7,9 +7,9 @@ import random
 
 import pytest
 from kvlab.common.errors import DriverError
-from kvlab.vmm.accounting import AccountingVirtualMemory
-from kvlab.vmm.driver import VirtualMemory
-from kvlab.vmm.host import HostVirtualMemory
+from kvlab.vmm.drivers.accounting import AccountingVirtualMemory
+from kvlab.vmm.drivers.base import VirtualMemory
+from kvlab.vmm.drivers.host import HostVirtualMemory
 
 PAGE = 4096
 STATS = ("mapped_pages", "num_mappings", "map_calls", "unmap_calls", "pages_mapped", "pages_unmapped")

@@ -1,4 +1,4 @@
-"""How the vmm cache is laid out: page size, pages per slot, slots and page groups; and which driver backs it.
+"""How the vmm cache is laid out: page size, pages per slot, slots and page groups.
 
 Per layer, K and V are virtual tensors [num_slots, max_len, H_kv, D] (2L tensors in all); a slot is one row
 of every tensor, `pages_per_slot` pages long. A page group (the cache's unit) is one page in each tensor.
@@ -8,10 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
 from kvlab.common.errors import ConfigError
-from kvlab.vmm.accounting import AccountingVirtualMemory
-from kvlab.vmm.driver import VirtualMemory
 
 if TYPE_CHECKING:
     from kvlab.common.config import EngineConfig
@@ -57,17 +54,3 @@ def make_geometry(config: EngineConfig, shape: KVShape, page_size: int) -> Geome
                           f"{page_size} B pages); raise kv_cache_bytes or lower page_size")
     return Geometry(page_size, tpp, -(-config.max_model_len // tpp), config.max_num_seqs, tensors, groups)
 
-
-def make_driver(device: str, page_size: int, accounting_only: bool) -> VirtualMemory:
-    kind = device.split(":")[0]
-    if accounting_only:
-        return AccountingVirtualMemory(page_size, merges=kind == "cpu")
-    if kind == "cpu":
-        from kvlab.vmm.host import HostVirtualMemory
-        return HostVirtualMemory(page_size)
-    if kind == "cuda":
-        from kvlab.vmm.cuda import CudaVirtualMemory
-        index = int(device.split(":")[1]) if ":" in device else (
-            torch.cuda.current_device() if torch.cuda.is_available() else 0)
-        return CudaVirtualMemory(index, page_size)
-    raise ConfigError(f"unknown device {device!r} for the vmm backend; use cpu or cuda[:N]")

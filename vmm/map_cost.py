@@ -12,7 +12,7 @@ import statistics
 import time
 
 import torch
-from kvlab.vmm.host import HostVirtualMemory
+from kvlab.vmm.drivers.host import HostVirtualMemory
 
 KiB, MiB = 1024, 1024**2
 SIZES = {4 * KiB: 4096, 64 * KiB: 2048, 2 * MiB: 256}   # page size -> pages measured

@@ -27,7 +27,7 @@ class VMMOptions:
 
 
 def build(config, shape, accounting_only):
-    from kvlab.vmm.backend import build_vmm
+    from kvlab.vmm.build import build_vmm
     return build_vmm(config, shape, accounting_only)
 
 

@@ -28,7 +28,7 @@ def label(nbytes: int) -> str:
 
 
 def host_map_unmap(page_size: int, rounds: int, quick: bool) -> dict[str, Timing | float]:
-    from kvlab.vmm.host import HostVirtualMemory
+    from kvlab.vmm.drivers.host import HostVirtualMemory
     pages = 8 if quick else max(8, min(256, MAPPED_BYTES // page_size))
     driver = HostVirtualMemory(page_size)
     try:

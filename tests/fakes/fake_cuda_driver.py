@@ -8,14 +8,24 @@ takes exactly a reservation with nothing mapped in it. Errors the real driver re
 misuse the real driver would NOT catch (cuCtxCreate, unmapping while kernels may still run, i.e. without a
 cuCtxSynchronize since access was granted) raises AssertionError.
 
+Physical memory is never zeroed (cuMemCreate memory is not): each handle's bytes are garbage, drawn from the
+handle's number, and `read(ptr, n)` returns what a mapped address holds. `cuPointerGetAttribute` fails on an address
+no mapping covers, as the real one does on an unmapped reservation; `torch_interop` makes torch's CUDA tensor
+factories behave as they do on a GPU (gpu-apis.md §1.6), so a view over a reservation built through a pointer query
+fails here as it would there.
+
 `calls` records (name, thread id) in order; `fail(name, ...)` injects a CUresult or an exception; `leaks()` lists
 what was acquired and not given back."""
 from __future__ import annotations
 
+import ctypes
+import random
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from cuda.bindings import driver as _real
 
 CUresult = _real.CUresult
@@ -31,6 +41,7 @@ CUmemAllocationHandleType = _real.CUmemAllocationHandleType
 CUmemAllocationGranularity_flags = _real.CUmemAllocationGranularity_flags
 CUmemAccess_flags = _real.CUmemAccess_flags
 CUdevice_attribute = _real.CUdevice_attribute
+CUpointer_attribute = _real.CUpointer_attribute
 
 OK = CUresult.CUDA_SUCCESS
 INVALID_VALUE = CUresult.CUDA_ERROR_INVALID_VALUE
@@ -65,6 +76,7 @@ class FakeCudaDriver:
         CUmemAllocationType, CUmemLocationType, CUmemAllocationHandleType)
     CUmemAllocationGranularity_flags, CUmemAccess_flags, CUdevice_attribute = (
         CUmemAllocationGranularity_flags, CUmemAccess_flags, CUdevice_attribute)
+    CUpointer_attribute = CUpointer_attribute
 
     def __init__(self, granularity: int = 2 * MiB, num_devices: int = 1, memory_bytes: int = 1 << 34,
                  vmm_supported: bool = True) -> None:
@@ -80,6 +92,7 @@ class FakeCudaDriver:
         self.reservations: dict[int, int] = {}          # ptr -> size
         self.handles: dict[int, int] = {}               # live handle -> size
         self.mappings: dict[int, Mapping] = {}          # mapped ptr -> mapping
+        self.memory: dict[int, bytearray] = {}          # handle -> its bytes, garbage until written (made on read)
         self.work_pending = False                       # access granted / kernel launched since last sync
         self._next_ptr = 0x7F00_0000_0000
         self._next_handle = 1
@@ -105,6 +118,15 @@ class FakeCudaDriver:
 
     def primary_context(self, dev: int) -> int:
         return 0x1000 + dev
+
+    def read(self, ptr: int, n: int) -> bytes:
+        """The n bytes a mapped address holds (within one mapping): garbage until something writes them."""
+        base = next((p for p, m in self.mappings.items() if p <= ptr and ptr + n <= p + m.size), None)
+        if base is None:
+            raise AssertionError(f"read of {n} bytes at {ptr:#x}: not inside one mapping (the device would fault)")
+        mapping = self.mappings[base]
+        data = self.memory.setdefault(mapping.handle, bytearray(random.Random(mapping.handle).randbytes(mapping.size)))
+        return bytes(data[ptr - base:ptr - base + n])
 
     # -- plumbing -----------------------------------------------------------------------------------------
     def _enter(self, name: str) -> Any:
@@ -259,7 +281,7 @@ class FakeCudaDriver:
         if sum(self.handles.values()) + size > self.memory_bytes:
             return (OUT_OF_MEMORY, None)
         h, self._next_handle = self._next_handle, self._next_handle + 1
-        self.handles[h] = size
+        self.handles[h] = size   # not zeroed: its bytes are garbage (`read`)
         return (OK, CUmemGenericAllocationHandle(h))
 
     def cuMemRelease(self, handle: Any):
@@ -273,6 +295,7 @@ class FakeCudaDriver:
         if any(m.handle == h for m in self.mappings.values()):
             assert not self.work_pending, "cuMemRelease of a mapped handle while kernels may run: synchronise first"
         del self.handles[h]   # a still-mapped handle's memory is freed when it is unmapped
+        self.memory.pop(h, None)
         return (OK,)
 
     def cuMemMap(self, ptr: Any, size: int, offset: int, handle: Any, flags: int):
@@ -326,3 +349,63 @@ class FakeCudaDriver:
         for q in inside:
             del self.mappings[q]
         return (OK,)
+
+    # -- pointer queries ----------------------------------------------------------------------------------
+    def cuPointerGetAttribute(self, attribute: Any, ptr: Any):
+        """Only mapped memory has attributes: on a bare reservation the real driver fails too."""
+        if (r := self._enter("cuPointerGetAttribute")) is not None:
+            return r + (None,)
+        if (err := self._need_context()) is not None:
+            return (err, None)
+        if not self._mapped_in(int(ptr), 1):
+            return (INVALID_VALUE, None)
+        if attribute == CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL:
+            return (OK, 0)
+        return (OK, int(ptr))
+
+
+def _dlpack_device(capsule: Any) -> tuple[int, int, int]:
+    """(device type, device index, bytes) of a one-dimensional uint8 "dltensor" capsule, read without consuming it."""
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    # DLManagedTensor starts with DLTensor: data, device {type, id}, ndim, dtype {code, bits, lanes}, shape
+    words = ctypes.cast(get(capsule, b"dltensor"), ctypes.POINTER(ctypes.c_int32))
+    shape = ctypes.cast(get(capsule, b"dltensor") + 24, ctypes.POINTER(ctypes.POINTER(ctypes.c_int64))).contents
+    return words[2], words[3], shape[0]
+
+
+def _release_capsule(capsule: Any) -> None:
+    """What torch does when the last tensor over a capsule's memory goes: call the producer's deleter."""
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    address = get(capsule, b"dltensor")
+    deleter = ctypes.cast(address + 48 + 8, ctypes.POINTER(ctypes.CFUNCTYPE(None, ctypes.c_void_p))).contents
+    deleter(address)
+
+
+def torch_interop(monkeypatch: Any, fake: FakeCudaDriver) -> None:
+    """Make torch.as_tensor and torch.from_dlpack treat CUDA memory as torch does on a GPU, returning meta tensors:
+    `__cuda_array_interface__` makes torch query the pointer (`cudaPointerGetAttributes`: here the fake's
+    cuPointerGetAttribute), which fails on an unmapped reservation; a kDLCUDA capsule states its device, so nothing
+    is queried. The capsule's deleter runs when the returned tensor is collected."""
+    as_tensor, from_dlpack = torch.as_tensor, torch.from_dlpack
+
+    def fake_as_tensor(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        cai = getattr(data, "__cuda_array_interface__", None)
+        if cai is None:
+            return as_tensor(data, *args, **kwargs)
+        err, _ = fake.cuPointerGetAttribute(CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, cai["data"][0])
+        if int(err) != 0:
+            raise RuntimeError(f"CUDA error: invalid argument (cudaPointerGetAttributes on {cai['data'][0]:#x})")
+        return torch.empty(cai["shape"], dtype=torch.uint8, device="meta")
+
+    def fake_from_dlpack(capsule: Any) -> torch.Tensor:
+        kind, _, nbytes = _dlpack_device(capsule)
+        if kind != 2:   # kDLCUDA
+            return from_dlpack(capsule)
+        tensor = torch.empty(nbytes, dtype=torch.uint8, device="meta")
+        weakref.finalize(tensor, _release_capsule, capsule)
+        return tensor
+
+    monkeypatch.setattr(torch, "as_tensor", fake_as_tensor)
+    monkeypatch.setattr(torch, "from_dlpack", fake_from_dlpack)

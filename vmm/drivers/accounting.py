@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 from kvlab.common.errors import DriverError
-from kvlab.vmm.driver import Region, VirtualMemory
-from kvlab.vmm.ledger import MirrorLedger
-from kvlab.vmm.mirror import Mirror
+from kvlab.vmm.drivers.base import VirtualMemory
+from kvlab.vmm.drivers.ledger import MirrorLedger
+from kvlab.vmm.drivers.types import Mirror, Region
 
 log = logging.getLogger("kvlab.vmm")
 
@@ -17,7 +17,7 @@ log = logging.getLogger("kvlab.vmm")
 class AccountingVirtualMemory(VirtualMemory):
     """Same bookkeeping, no memory: addresses are invented, maps cost nothing, views are refused.
 
-    A mirror is booked once for all its places (vmm/ledger.py): its ranges' tables, mapping counts and the pool
+    A mirror is booked once for all its places (vmm/drivers/ledger.py): its ranges' tables, mapping counts and the pool
     page counts are brought up to date when read. A direct map or unmap on one of its ranges ends that (logged,
     counted in `per_place_fallbacks`): from then on the mirror is booked place by place."""
 

@@ -46,14 +46,3 @@ def count_vmas(pages: dict[int, int], size: int) -> int:
     edges = {e for v in pages for e in (v, v + 1) if 1 <= e < size}
     return 1 + sum(boundary(pages.get(e - 1), pages.get(e)) for e in edges)
 
-
-def runs(indices: list[int], pages: dict[int, int] | None = None) -> list[tuple[int, int]]:
-    """Sorted indices -> (start, length) runs of consecutive values (that, given `pages`, map consecutive pool
-    pages)."""
-    out: list[tuple[int, int]] = []
-    for i in indices:
-        if out and out[-1][0] + out[-1][1] == i and (pages is None or pages[i] == pages[i - 1] + 1):
-            out[-1] = (out[-1][0], out[-1][1] + 1)
-        else:
-            out.append((i, 1))
-    return out

@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 from kvlab.common.errors import DriverError
-from kvlab.vmm.driver import Region, VirtualMemory
+from kvlab.vmm.drivers.base import VirtualMemory
+from kvlab.vmm.drivers.types import Region
 
 PROT_NONE, PROT_READ, PROT_WRITE = 0x0, 0x1, 0x2
 MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS = 0x1, 0x2, 0x10, 0x20

@@ -1,4 +1,9 @@
-"""Moving page groups between the pool and slot rows, mapping them in every tensor through the driver.
+"""The pages of the vmm cache: which page groups are in the pool and how many slots map each (`PagePool`), and
+moving them between the pool and slot rows, mapped in every tensor through the driver (`SlotPages`), with the
+counters those moves keep (`PageCounters`).
+
+Group g is pool page t*G + g of tensor t, so groups with consecutive ids are consecutive pool pages in every
+tensor: taking runs of consecutive groups lets neighbouring mappings merge (host VMAs).
 
 A slot grows by taking groups from the pool (contiguous after its last page when possible); a fork child maps
 its parent's groups (shared, copy-on-write); a write to a shared page first gives the writer its own copy.
@@ -13,29 +18,128 @@ every tensor; check_invariants reports it, and the cache must be closed.
 from __future__ import annotations
 
 import logging
+from array import array
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvlab.common.errors import DriverError, OutOfKVCache
-from kvlab.vmm.mirror import TornMirror
+from kvlab.vmm.drivers.types import Mirror, TornMirror
 
 if TYPE_CHECKING:
-    from kvlab.vmm.driver import VirtualMemory
+    from kvlab.vmm.drivers.base import VirtualMemory
     from kvlab.vmm.geometry import Geometry
-    from kvlab.vmm.page_pool import PagePool
     from kvlab.vmm.slots import Slot, SlotTable
-    from kvlab.vmm.tensors import VirtualTensors
+    from kvlab.vmm.views import PageData
 
 log = logging.getLogger("kvlab.vmm")
 
 
+@dataclass(slots=True)
+class PageCounters:
+    cow_copies: int = 0            # shared pages copied for a writer
+    swapped_out_bytes: int = 0
+    swapped_in_bytes: int = 0
+    reclaimed_units: int = 0       # pages unmapped to make room (stale slots, pages mapped ahead)
+    lookahead_pages: int = 0       # pages the background mapper mapped ahead of need
+    lookahead_skipped: int = 0     # background jobs that found the pool empty
+    torn_pages: int = 0            # pages waiting to be cleared after a TornMirror
+
+
+class PagePool:
+    """Free flags and per-group slot counts (forks share groups copy-on-write)."""
+
+    def __init__(self, num_groups: int) -> None:
+        self.num_groups = num_groups
+        self.free = bytearray(b"\x01") * num_groups   # 1 = group in the pool, unmapped
+        self.num_free = num_groups
+        self.refs = array("i", [0]) * num_groups      # slots mapping each group
+        self.num_shared = 0                           # groups more than one slot maps (0: no copy-on-write)
+
+    def take(self, count: int, prefer: int | None) -> list[int]:
+        """Prefer the groups right after `prefer`, then the first run of `count` free groups, then any."""
+        taken: list[int] = []
+
+        def take(g: int) -> None:
+            self.free[g] = 0
+            taken.append(g)
+        g = prefer if prefer is not None else self.num_groups
+        while len(taken) < count and g < self.num_groups and self.free[g]:
+            take(g)
+            g += 1
+        rest = count - len(taken)
+        start = self.free.find(b"\x01" * rest) if rest else -1
+        for g in range(start, start + rest) if start >= 0 else ():
+            take(g)
+        while len(taken) < count:
+            take(self.free.find(b"\x01"))
+        self.num_free -= count
+        return taken
+
+    def own(self, groups: Iterable[int]) -> None:
+        """Groups just taken are now mapped by one slot."""
+        for g in groups:
+            self.refs[g] = 1
+
+    def share(self, groups: Iterable[int]) -> None:
+        refs = self.refs
+        for g in groups:
+            refs[g] += 1
+            self.num_shared += refs[g] == 2
+
+    def unshare(self, g: int) -> None:
+        """A slot stops mapping a shared group; the other slots still map it."""
+        self.refs[g] -= 1
+        self.num_shared -= self.refs[g] == 1
+
+    def is_shared(self, g: int) -> bool:
+        return self.refs[g] > 1
+
+    def put_back(self, groups: Iterable[int]) -> None:
+        """One slot fewer maps each group; a group no slot maps returns to the pool."""
+        refs = self.refs
+        for g in groups:
+            refs[g] -= 1
+            if refs[g] == 0:
+                self.free[g] = 1
+                self.num_free += 1
+            elif refs[g] == 1:
+                self.num_shared -= 1
+
+    def return_untaken(self, groups: Iterable[int]) -> None:
+        """After a failed mapping: groups taken but never owned go back to the pool."""
+        for g in groups:
+            if self.refs[g] == 0 and not self.free[g]:
+                self.free[g] = 1
+                self.num_free += 1
+
+    def check(self, slots: list[Slot]) -> None:
+        refs = [0] * self.num_groups
+        for slot in slots:
+            assert len(set(slot.groups)) == len(slot.groups), f"slot {slot.index} maps a group twice"
+            for g in slot.groups:
+                refs[g] += 1
+        assert list(self.refs) == refs, "page refcounts differ from the slots mapping them"
+        for g in range(self.num_groups):
+            assert bool(self.free[g]) == (refs[g] == 0), f"group {g}: free flag and mappings disagree"
+        assert self.num_free == sum(self.free), "free-page count drifted"
+        assert self.num_shared == sum(1 for r in refs if r > 1), "shared-page count drifted"
+
+
 class SlotPages:
-    def __init__(self, geo: Geometry, driver: VirtualMemory, tensors: VirtualTensors, pool: PagePool,
-                 table: SlotTable, counters: dict[str, int]) -> None:
-        self.geo, self.driver, self.tensors = geo, driver, tensors
+    """Moves of page groups; every map and unmap is one mirrored driver call for all 2L tensors."""
+
+    def __init__(self, geo: Geometry, driver: VirtualMemory, mirror: Mirror, data: PageData, pool: PagePool,
+                 table: SlotTable) -> None:
+        self.geo, self.driver, self.mirror, self.data = geo, driver, mirror, data
         self.pool, self.table = pool, table
-        self.counters = counters
+        self.counters = PageCounters()
         self.torn: set[tuple[int, int]] = set()   # (slot, page) maybe not mapped alike in every tensor (TornMirror)
-        counters.setdefault("torn_pages", 0)       # len(torn): pages waiting to be cleared
+        self._row_bytes, self._page_size = geo.row_bytes, geo.page_size
+
+    def _at(self, slot: int, page: int) -> int:
+        """Where page `page` of slot `slot` sits inside each tensor."""
+        return slot * self._row_bytes + page * self._page_size
 
     def shared_pages(self, slot: Slot, start: int, end: int) -> list[int]:
         """Pages of `slot` that writes to positions [start, end) touch and another slot also maps."""
@@ -58,11 +162,11 @@ class SlotPages:
             return False
         count = min(target - len(slot.groups), self.pool.num_free)
         if count <= 0:
-            self.counters["lookahead_skipped"] += 1
+            self.counters.lookahead_skipped += 1
             log.debug("background mapping skipped for slot %d: the pool is empty", index)
             return False
         self._extend(slot, self.pool.take(count, _after_last(slot)))
-        self.counters["lookahead_pages"] += count
+        self.counters.lookahead_pages += count
         return True
 
     def share(self, source: Slot, target: Slot) -> None:
@@ -80,15 +184,15 @@ class SlotPages:
             prefer = slot.groups[j - 1] + 1 if j else None
             new = self._obtain(1, slot, keep=self.geo.pages_for(end), prefer=prefer)[0]
             try:
-                saved = self.tensors.save_page(slot.index, j)
-                self.tensors.unmap(slot.index, j, 1)
+                saved = self.data.save_page(slot.index, j)
+                self.driver.unmap_mirrored(self.mirror, self._at(slot.index, j), 1)
             except BaseException as exc:
                 self.pool.return_untaken([new])   # the slot still lists `old`
                 if isinstance(exc, TornMirror):
                     self._mark_torn(slot, j, 1)
                 raise
             try:
-                self.tensors.map(slot.index, j, new, 1)
+                self.driver.map_mirrored(self.mirror, self._at(slot.index, j), new, 1)
             except TornMirror:
                 self._take_copy(slot, j, old, new)   # partly mapped: the slot lists the copy
                 self._mark_torn(slot, j, 1)
@@ -98,8 +202,8 @@ class SlotPages:
                 self._map_back(slot, j, old, exc)
                 raise
             self._take_copy(slot, j, old, new)
-            self.tensors.restore_page(slot.index, j, saved)
-            self.counters["cow_copies"] += 1
+            self.data.restore_page(slot.index, j, saved)
+            self.counters.cow_copies += 1
 
     def _take_copy(self, slot: Slot, j: int, old: int, new: int) -> None:
         self.pool.unshare(old)
@@ -109,7 +213,7 @@ class SlotPages:
     def _map_back(self, slot: Slot, j: int, old: int, exc: BaseException) -> None:
         """Map the shared page `old` back at page j after its copy failed to map."""
         try:
-            self.tensors.map(slot.index, j, old, 1)
+            self.driver.map_mirrored(self.mirror, self._at(slot.index, j), old, 1)
         except DriverError as undo:
             self._mark_torn(slot, j, 1)
             raise TornMirror(f"copy-on-write of slot {slot.index} page {j} failed ({exc}) and mapping the shared page "
@@ -137,21 +241,21 @@ class SlotPages:
         torn = [(slot.index, j) for j in range(first, end) if (slot.index, j) in self.torn] if self.torn else []
         try:
             if torn:
-                self.tensors.clear(slot.index, first, count)
+                self.driver.clear_mirrored(self.mirror, self._at(slot.index, first), count)
             else:
-                self.tensors.unmap(slot.index, first, count)
+                self.driver.unmap_mirrored(self.mirror, self._at(slot.index, first), count)
         except TornMirror:
             self._mark_torn(slot, first, count)
             raise
         if torn:
             self.torn.difference_update(torn)
-            self.counters["torn_pages"] = len(self.torn)
+            self.counters.torn_pages = len(self.torn)
         self.pool.put_back(slot.groups[first:])
         del slot.groups[first:]
 
     def _mark_torn(self, slot: Slot, first: int, count: int) -> None:
         self.torn.update((slot.index, j) for j in range(first, first + count))
-        self.counters["torn_pages"] = len(self.torn)
+        self.counters.torn_pages = len(self.torn)
 
     # -- taking from the pool -----------------------------------------------------------------------------
     def _extend(self, slot: Slot, new: list[int]) -> None:
@@ -185,7 +289,7 @@ class SlotPages:
         if n > 0:
             with self.table.accounting(slot):
                 self.drop_tail(slot, n)
-            self.counters["reclaimed_units"] += n
+            self.counters.reclaimed_units += n
         return max(n, 0)
 
     # -- driver calls -------------------------------------------------------------------------------------
@@ -197,7 +301,7 @@ class SlotPages:
         try:
             for start, n in group_runs(groups):
                 mapped = start + n
-                self.tensors.map(slot.index, first + start, groups[start], n)
+                self.driver.map_mirrored(self.mirror, self._at(slot.index, first + start), groups[start], n)
         except TornMirror:
             self._mark_torn(slot, first + start, n)
             raise
@@ -219,7 +323,7 @@ class SlotPages:
         mapped (all up to the run whose unmap failed)."""
         for start, n in reversed(group_runs(groups[:mapped])):
             try:
-                self.tensors.unmap(slot.index, first + start, n)
+                self.driver.unmap_mirrored(self.mirror, self._at(slot.index, first + start), n)
             except DriverError as exc:
                 if isinstance(exc, TornMirror):
                     self._mark_torn(slot, first + start, n)

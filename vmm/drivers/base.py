@@ -2,9 +2,11 @@
 
 `VirtualMemory` keeps every piece of bookkeeping (what is mapped where, mapping counts, limits, timings) and
 validates each request before the OS/driver sees it; subclasses only make the real calls:
-vmm/host.py (mmap + memfd), vmm/cuda.py (CUDA VMM driver API) and vmm/accounting.py (no memory, the
-simulator's mode). Places always mapped in lockstep (the cache's 2L tensors) are mapped through vmm/mirror.py;
-`release`/`close` come from vmm/teardown.py. Not thread-safe: the cache serialises every call under its lock.
+vmm/drivers/host.py (mmap + memfd), vmm/drivers/cuda.py (CUDA VMM driver API) and vmm/drivers/accounting.py (no
+memory, the simulator's mode). Places always mapped in lockstep (the cache's 2L tensors) are mapped with one
+`map_mirrored` call; a composed `MirrorRepair` (vmm/drivers/mirror.py) undoes a failed one, and a composed
+`Teardown` (vmm/drivers/teardown.py) does `release`/`close`. Not thread-safe: the cache serialises every call
+under its lock.
 
 When a call fails the books still say exactly what is mapped: `map`/`unmap` book the pages an OS call got through
 before failing (`PartialCall`), the mirrored calls undo the places already done (all or nothing), and `release`/
@@ -17,74 +19,29 @@ import time
 import weakref
 from abc import ABC, abstractmethod
 from array import array
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 import torch
 from kvlab.common.errors import DriverError
-from kvlab.vmm.mirror import MirroredMaps
-from kvlab.vmm.teardown import Teardown
-from kvlab.vmm.vmas import map_delta, unmap_delta
+from kvlab.vmm.drivers.mirror import MirrorRepair
+from kvlab.vmm.drivers.teardown import Teardown
+from kvlab.vmm.drivers.types import DriverStats, Mirror, PartialCall, Region
+from kvlab.vmm.drivers.vmas import map_delta, unmap_delta
+
+__all__ = ["DriverStats", "Mirror", "PartialCall", "Region", "VirtualMemory"]
 
 
-class PartialCall(DriverError):
-    """Raised by `_os_map`/`_os_unmap` when a call failed after its first `pages_done` pages took effect (and could
-    not be undone); any other exception from them means no page changed."""
-
-    def __init__(self, message: str, pages_done: int) -> None:
-        super().__init__(message)
-        self.pages_done = pages_done
-
-
-@dataclass(slots=True)
-class Region:
-    """A reserved virtual range: `mapped` holds the pool page mapped at each mapped VA page index, `segments`
-    its OS mappings (host: VMAs incl. PROT_NONE gaps; cuda: mapped pages). Read them through these names: an
-    accounting driver may bring them up to date only when they are read (`pending`, vmm/ledger.py)."""
-    base: int
-    nbytes: int
-    pages: dict[int, int] = field(default_factory=dict)
-    vmas: int = 1
-    live_views: int = 0          # tensor views still alive (weakref.finalize on what each view keeps alive)
-    released: bool = False
-    orphan_release: Callable[[Region], None] | None = None   # set when its driver died first
-    pending: Callable[[], None] | None = None                # brings `pages` and `vmas` up to date
-
-    @property
-    def mapped(self) -> dict[int, int]:
-        if self.pending is not None:
-            self.pending()
-        return self.pages
-
-    @property
-    def segments(self) -> int:
-        if self.pending is not None:
-            self.pending()
-        return self.vmas
-
-
-@dataclass(slots=True)
-class DriverStats:
-    reserved_bytes: int = 0
-    pool_pages: int = 0
-    mapped_pages: int = 0        # VA pages currently mapped (a shared pool page counts once per mapping)
-    num_mappings: int = 0        # host: VMAs of our ranges; cuda: cuMemMap mappings
-    map_calls: int = 0           # OS/driver calls made to map
-    unmap_calls: int = 0
-    map_seconds: float = 0.0
-    unmap_seconds: float = 0.0
-    pages_mapped: int = 0        # cumulative pages mapped / unmapped (per-page cost = seconds / pages)
-    pages_unmapped: int = 0
-    discarded_pages: int = 0     # pool pages whose memory was given back
-    release_retries: int = 0     # unmaps tried again, page by page, after failing while releasing a range
-
-
-class VirtualMemory(MirroredMaps, Teardown, ABC):
+class VirtualMemory(ABC):
     """Reserve -> create pool -> map/unmap pool pages at page-aligned offsets -> tensor views -> release/close.
 
     `merges`: whether neighbouring mappings of consecutive pool pages coalesce into one OS mapping (Linux VMAs
-    do; CUDA mappings do not). `mapping_limit`: the most mappings this driver may create (None: no limit)."""
+    do; CUDA mappings do not). `mapping_limit`: the most mappings this driver may create (None: no limit).
+
+    36 methods, on purpose: 9 are the OS seam each driver implements (`granularity`, `_os_*`); the public
+    calls all read and write the same books (page tables, pool map counts, stats) and check every request against
+    them before the OS sees it, so splitting them would only make those books public. Repairs after a failed
+    mirrored call and teardown are composed parts (`repair`, `teardown`)."""
 
     name = "abstract"
     merges = True
@@ -96,6 +53,8 @@ class VirtualMemory(MirroredMaps, Teardown, ABC):
         self.regions: list[Region] = []
         self.pool_maps = array("i")          # VA mappings of each pool page
         self.closed = False
+        self.repair = MirrorRepair(self)
+        self.teardown = Teardown(self)
 
     # -- what subclasses implement ------------------------------------------------------------------------
     @abstractmethod
@@ -201,6 +160,74 @@ class VirtualMemory(MirroredMaps, Teardown, ABC):
         self.stats.unmap_calls += calls
         self._book_unmap(region, first, num_pages, delta)
 
+    # -- places mapped in lockstep (the cache's 2L tensors) -------------------------------------------------
+    def mirror(self, places: list[tuple[Region, int]], span: int, pool_stride: int) -> Mirror:
+        """Declare places (range, offset) of `span` bytes each that are always mapped in lockstep."""
+        self._check_open()
+        if span <= 0 or span % self.page_size or pool_stride < 0:
+            raise DriverError(f"a mirror needs a whole number of pages per place, not {span} bytes")
+        for region, offset in places:
+            self._va_page(region, offset, span // self.page_size)
+        spans = sorted((id(r), off) for r, off in places)
+        if any(a == c and d < b + span for (a, b), (c, d) in pairwise(spans)):
+            raise DriverError("mirrored places overlap; give each its own span")
+        return Mirror(tuple(places), span, pool_stride)
+
+    def map_mirrored(self, mirror: Mirror, offset: int, page: int, num_pages: int = 1) -> None:
+        """Map pool pages [page + i * stride, +num_pages) at `offset` of every place i; all or nothing (a failure
+        unmaps the places already mapped)."""
+        self._check_mirror_offset(mirror, offset, num_pages)
+        self._check_pool(page, num_pages + (len(mirror.places) - 1) * mirror.pool_stride, len(self.pool_maps))
+        before = []
+        for region, base in mirror.places:   # refuse before any place changes
+            va = self._va_page(region, base + offset, num_pages)
+            self._check_unmapped(region, va, num_pages)
+            before.append((region, va, {}))
+        try:
+            for i, (region, base) in enumerate(mirror.places):
+                self.map(region, base + offset, page + i * mirror.pool_stride, num_pages)
+        except BaseException as exc:
+            self.repair.undo(exc, "map", offset, num_pages, before)
+            raise
+
+    def unmap_mirrored(self, mirror: Mirror, offset: int, num_pages: int = 1) -> None:
+        """Unmap [offset, + num_pages pages) of every place; all or nothing (a failure maps the places already
+        unmapped again: the pool pages kept their data)."""
+        self._check_mirror_offset(mirror, offset, num_pages)
+        before = []
+        for region, base in mirror.places:   # refuse before any place changes
+            va = self._va_page(region, base + offset, num_pages)
+            self._check_mapped(region, va, num_pages)
+            pages = region.mapped
+            before.append((region, va, {i: pages[i] for i in range(va, va + num_pages)}))
+        try:
+            for region, base in mirror.places:
+                self.unmap(region, base + offset, num_pages)
+        except BaseException as exc:
+            self.repair.undo(exc, "unmap", offset, num_pages, before)
+            raise
+
+    def clear_mirrored(self, mirror: Mirror, offset: int, num_pages: int = 1) -> None:
+        """Unmap whatever is mapped at [offset, + num_pages pages) of each place: the way out of a TornMirror."""
+        self._check_mirror_offset(mirror, offset, num_pages)
+        places = [(region, self._va_page(region, base + offset, num_pages)) for region, base in mirror.places]
+        self.repair.clear(places, offset, num_pages)
+
+    def _check_mirror_offset(self, mirror: Mirror, offset: int, num_pages: int) -> None:
+        self._check_open()
+        if offset % self.page_size or num_pages < 1 or offset < 0 or offset + num_pages * self.page_size > mirror.span:
+            raise DriverError(f"offset {offset} (+{num_pages} pages of {self.page_size} B) is not page-aligned "
+                              f"inside a {mirror.span}-byte mirrored place")
+
+    # -- the end of a range, of the driver (vmm/drivers/teardown.py) ---------------------------------------
+    def release(self, region: Region) -> None:
+        """Unmap what is still mapped and free the reservation; refused while a view of it is alive."""
+        self.teardown.release(region)
+
+    def close(self) -> None:
+        """Release every range and the pool. Idempotent; refused (nothing released) while views are alive."""
+        self.teardown.close()
+
     def _map_delta(self, region: Region, first: int, num_pages: int, page: int) -> int:
         if not num_pages:
             return 0
@@ -248,7 +275,9 @@ class VirtualMemory(MirroredMaps, Teardown, ABC):
 
     # -- pool memory and views ----------------------------------------------------------------------------
     def discard(self, page: int, num_pages: int = 1) -> None:
-        """Give the memory of unmapped pool pages back to the OS/driver; they read as zeros when mapped again."""
+        """Give the memory of unmapped pool pages back to the OS/driver. Their contents are undefined when mapped
+        again: the host's memfd happens to give zeros, CUDA's cuMemCreate does not zero. Nothing may rely on it:
+        kernels read only up to each sequence's written length."""
         self._check_open()
         if any(self.pool_maps[page:page + num_pages]):
             raise DriverError(f"cannot discard pool pages [{page}, {page + num_pages}): some are mapped")

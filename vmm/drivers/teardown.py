@@ -4,19 +4,18 @@ by page), every range is freed, and then one `DriverError` sums up what failed a
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 from kvlab.common.errors import DriverError
-from kvlab.vmm.vmas import runs
-
-if TYPE_CHECKING:
-    from kvlab.vmm.driver import Region
+from kvlab.vmm.drivers.types import Books, Region, runs
 
 log = logging.getLogger("kvlab.vmm")
 
 
 class Teardown:
-    """`release` and `close` of `VirtualMemory` (vmm/driver.py), built on its `unmap`, `_os_release`, `_os_close`."""
+    """`release` and `close` of a driver (vmm/drivers/base.py), built on its `unmap`, `_os_release`, `_os_close`."""
+
+    def __init__(self, driver: Books) -> None:
+        self.driver = driver
 
     def release(self, region: Region) -> None:
         """Unmap what is still mapped and free the reservation. Refused while a tensor view of it is alive.
@@ -24,7 +23,7 @@ class Teardown:
         fail; then one DriverError sums up what failed and what is still held."""
         if region.released:
             return
-        live = self.live_views(region)
+        live = self.driver.live_views(region)
         if live:
             raise DriverError(f"{live} tensor view(s) of the range at {region.base:#x} are still alive; "
                               "drop every view before releasing it")
@@ -37,15 +36,15 @@ class Teardown:
     def _release(self, region: Region) -> list[DriverError]:
         errors = self._unmap_all(region)
         try:
-            self._os_release(region)
+            self.driver._os_release(region)
         except DriverError as exc:
             return errors + [exc]
         for start, count in runs(sorted(region.pages)):   # still mapped after failed unmaps: gone with the range
-            self._book_unmap(region, start, count, 0)
+            self.driver._book_unmap(region, start, count, 0)
         region.released = True
-        self.regions.remove(region)
-        self.stats.reserved_bytes -= region.nbytes
-        self.stats.num_mappings -= region.vmas
+        self.driver.regions.remove(region)
+        self.driver.stats.reserved_bytes -= region.nbytes
+        self.driver.stats.num_mappings -= region.vmas
         return errors
 
     def _unmap_all(self, region: Region) -> list[DriverError]:
@@ -54,17 +53,17 @@ class Teardown:
         errors: list[DriverError] = []
         for start, count in runs(sorted(region.mapped)):
             try:
-                self.unmap(region, start * self.page_size, count)
+                self.driver.unmap(region, start * self.driver.page_size, count)
             except DriverError as exc:
                 errors.append(exc)
         left = sorted(region.pages)
         if left:
-            self.stats.release_retries += 1
+            self.driver.stats.release_retries += 1
             log.warning("releasing the range at %#x: %d page(s) failed to unmap (%s); trying them once more, page "
                         "by page", region.base, len(left), errors[0])
         for i in left:
             try:
-                self.unmap(region, i * self.page_size)
+                self.driver.unmap(region, i * self.driver.page_size)
             except DriverError as exc:
                 errors.append(exc)
         return errors
@@ -81,21 +80,21 @@ class Teardown:
     def close(self) -> None:
         """Release every range and the pool. Idempotent; refused (nothing released) while views are alive. Goes
         on past failures (see `release`) and then raises one DriverError that sums them up."""
-        if self.closed:
+        if self.driver.closed:
             return
-        live = self.live_views()
+        live = self.driver.live_views()
         if live:
             raise DriverError(f"{live} tensor view(s) are still alive; drop them before closing the driver")
         errors = []
-        for region in list(self.regions):   # keep releasing the rest, then report every failure at once
+        for region in list(self.driver.regions):   # keep releasing the rest, then report every failure at once
             errors += self._release(region)
         try:
-            self._os_close()
+            self.driver._os_close()
         except DriverError as exc:
             errors.append(exc)
-        self.closed = True
+        self.driver.closed = True
         if errors:
-            ranges, pages = len(self.regions), self.stats.mapped_pages
+            ranges, pages = len(self.driver.regions), self.driver.stats.mapped_pages
             held = (f"still held: {ranges} range(s) with {pages} mapped page(s)" if ranges or pages
                     else "every range was released in the end")
-            raise self._summary(f"closing the {self.name} virtual-memory driver", errors, held)
+            raise self._summary(f"closing the {self.driver.name} virtual-memory driver", errors, held)

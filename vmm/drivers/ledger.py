@@ -1,4 +1,4 @@
-"""The accounting driver's books for a mirror (places mapped in lockstep, vmm/mirror.py): one page table for all
+"""The accounting driver's books for a mirror (places mapped in lockstep, vmm/drivers/base.py): one page table for all
 places instead of one per place, so a map or unmap of a run costs the same for 2 tensors or 64.
 
 Every place holds the same pages, so the OS mappings inside each place change alike (times the number of
@@ -9,13 +9,10 @@ from __future__ import annotations
 
 from array import array
 from collections import Counter
-from typing import TYPE_CHECKING
 
 from kvlab.common.errors import DriverError
-from kvlab.vmm.vmas import boundary, count_vmas, map_delta, unmap_delta
-
-if TYPE_CHECKING:
-    from kvlab.vmm.mirror import Mirror
+from kvlab.vmm.drivers.types import Mirror
+from kvlab.vmm.drivers.vmas import boundary, count_vmas, map_delta, unmap_delta
 
 
 class MirrorLedger:

@@ -18,7 +18,9 @@ from typing import Any
 
 import torch
 from kvlab.common.errors import DriverError
-from kvlab.vmm.driver import PartialCall, Region, VirtualMemory
+from kvlab.vmm.drivers.base import VirtualMemory
+from kvlab.vmm.drivers.dlpack import byte_tensor
+from kvlab.vmm.drivers.types import PartialCall, Region
 
 log = logging.getLogger("kvlab.vmm")
 
@@ -37,15 +39,13 @@ def as_int(handle: Any) -> int:
     return 0 if handle is None else int(handle)
 
 
-class CudaSpan:
-    """What torch.as_tensor reads: a byte range in `__cuda_array_interface__` (v3). Holds the region so the
-    reservation outlives every tensor built from it."""
-    __slots__ = ("__cuda_array_interface__", "__weakref__", "region")
+class ViewHolder:
+    """Kept alive by torch while any tensor over the range lives (the DLPack deleter drops it); holds the region so
+    the reservation outlives every view."""
+    __slots__ = ("__weakref__", "region")
 
-    def __init__(self, region: Region, ptr: int, nbytes: int) -> None:
+    def __init__(self, region: Region) -> None:
         self.region = region
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
-                                         "strides": None, "version": 3}
 
 
 class CudaVirtualMemory(VirtualMemory):
@@ -237,13 +237,15 @@ class CudaVirtualMemory(VirtualMemory):
         self._release_handles(gone)
 
     def _os_view(self, region: Region, offset: int, nbytes: int) -> tuple[torch.Tensor, Any]:
-        span = CudaSpan(region, region.base + offset, nbytes)
+        """Through DLPack with the device stated, never `__cuda_array_interface__`: that makes torch query the
+        pointer, which fails while the range's first page is unmapped (gpu-apis.md §1.6, issue 18)."""
+        holder = ViewHolder(region)
         try:
-            tensor = torch.as_tensor(span, device=torch.device("cuda", self.device))
+            tensor = byte_tensor(region.base + offset, nbytes, torch.device("cuda", self.device), holder)
         except Exception as exc:
-            raise DriverError(f"torch.as_tensor over __cuda_array_interface__ failed on cuda:{self.device}: "
+            raise DriverError(f"torch.from_dlpack over the range at {region.base:#x} failed on cuda:{self.device}: "
                               f"{type(exc).__name__}: {exc}") from exc
-        return tensor, span
+        return tensor, holder
 
     def _os_close(self) -> None:
         """Release every handle (a handle still mapped after a failed unmap is freed when that unmap happens,

@@ -1,0 +1,31 @@
+"""Building a vmm cache: the one place that tells the accounting mode (the simulator) from a real one. Accounting
+is the accounting driver (no memory), `NoViews` and the seam's `NullStorage`; the classes never ask which."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvlab.common.kv.seam import KVCache, KVShape, NullStorage
+from kvlab.vmm.allocator import VMMAllocator
+from kvlab.vmm.drivers.factory import make_driver
+from kvlab.vmm.storage import VMMStorage
+from kvlab.vmm.views import KVViews, NoViews
+
+if TYPE_CHECKING:
+    from kvlab.common.config import EngineConfig
+    from kvlab.vmm.drivers.base import VirtualMemory
+
+
+def build_vmm(config: EngineConfig, shape: KVShape, accounting_only: bool = False,
+              driver: VirtualMemory | None = None, single_range: bool | None = None) -> KVCache:
+    """`driver`: one already made (tests: a failing or a fake-backed one); else the device's, or the accounting
+    driver when `accounting_only`."""
+    driver = driver or make_driver(shape.device, config.options_of("vmm").page_size, accounting_only)
+    allocator = VMMAllocator(config, shape, driver, NoViews if accounting_only else KVViews, single_range)
+    if accounting_only:
+        return KVCache(allocator=allocator, storage=NullStorage(), shape=shape)
+    try:
+        storage = VMMStorage(allocator, allocator.data, shape, config.kernel, config.check_invariants)
+    except BaseException:
+        allocator.close()
+        raise
+    return KVCache(allocator=allocator, storage=storage, shape=shape)

@@ -1,0 +1,23 @@
+"""Which virtual-memory driver backs a vmm cache: the accounting driver (no memory) for the simulator, the host
+driver on cpu, the CUDA driver on cuda[:N]."""
+from __future__ import annotations
+
+import torch
+from kvlab.common.errors import ConfigError
+from kvlab.vmm.drivers.accounting import AccountingVirtualMemory
+from kvlab.vmm.drivers.base import VirtualMemory
+
+
+def make_driver(device: str, page_size: int, accounting_only: bool) -> VirtualMemory:
+    kind = device.split(":")[0]
+    if accounting_only:
+        return AccountingVirtualMemory(page_size, merges=kind == "cpu")
+    if kind == "cpu":
+        from kvlab.vmm.drivers.host import HostVirtualMemory
+        return HostVirtualMemory(page_size)
+    if kind == "cuda":
+        from kvlab.vmm.drivers.cuda import CudaVirtualMemory
+        index = int(device.split(":")[1]) if ":" in device else (
+            torch.cuda.current_device() if torch.cuda.is_available() else 0)
+        return CudaVirtualMemory(index, page_size)
+    raise ConfigError(f"unknown device {device!r} for the vmm backend; use cpu or cuda[:N]")

@@ -1,0 +1,111 @@
+"""The plain data the virtual-memory drivers share: a reserved range (`Region`), mirrored places (`Mirror`), the
+counters (`DriverStats`), the two partial-failure errors, and `Books`, what the composed parts (vmm/drivers/mirror.py,
+vmm/drivers/teardown.py) need of a driver. A leaf: it imports nothing of vmm."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kvlab.common.errors import DriverError
+
+
+class PartialCall(DriverError):
+    """Raised by `_os_map`/`_os_unmap` when a call failed after its first `pages_done` pages took effect (and could
+    not be undone); any other exception from them means no page changed."""
+
+    def __init__(self, message: str, pages_done: int) -> None:
+        super().__init__(message)
+        self.pages_done = pages_done
+
+
+class TornMirror(DriverError):
+    """A mirrored call failed and so did its undo: its places no longer match (the books say what each maps)."""
+
+
+@dataclass(slots=True)
+class Region:
+    """A reserved virtual range: `mapped` holds the pool page mapped at each mapped VA page index, `segments`
+    its OS mappings (host: VMAs incl. PROT_NONE gaps; cuda: mapped pages). Read them through these names: an
+    accounting driver may bring them up to date only when they are read (`pending`, vmm/drivers/ledger.py)."""
+    base: int
+    nbytes: int
+    pages: dict[int, int] = field(default_factory=dict)
+    vmas: int = 1
+    live_views: int = 0          # tensor views still alive (weakref.finalize on what each view keeps alive)
+    released: bool = False
+    orphan_release: Callable[[Region], None] | None = None   # set when its driver died first
+    pending: Callable[[], None] | None = None                # brings `pages` and `vmas` up to date
+
+    @property
+    def mapped(self) -> dict[int, int]:
+        if self.pending is not None:
+            self.pending()
+        return self.pages
+
+    @property
+    def segments(self) -> int:
+        if self.pending is not None:
+            self.pending()
+        return self.vmas
+
+
+@dataclass(slots=True, eq=False)
+class Mirror:
+    """Places mapped in lockstep (the vmm cache's 2L tensors): every map or unmap applies at the same offset in
+    each place, and place i maps pool page `page + i * pool_stride` where place 0 maps `page`."""
+    places: tuple[tuple[Region, int], ...]   # (range, byte offset of the place in it)
+    span: int                                # bytes per place
+    pool_stride: int
+    ledger: Any = None                       # accounting drivers: a MirrorLedger, the books kept once for all places
+
+
+@dataclass(slots=True)
+class DriverStats:
+    reserved_bytes: int = 0
+    pool_pages: int = 0
+    mapped_pages: int = 0        # VA pages currently mapped (a shared pool page counts once per mapping)
+    num_mappings: int = 0        # host: VMAs of our ranges; cuda: cuMemMap mappings
+    map_calls: int = 0           # OS/driver calls made to map
+    unmap_calls: int = 0
+    map_seconds: float = 0.0
+    unmap_seconds: float = 0.0
+    pages_mapped: int = 0        # cumulative pages mapped / unmapped (per-page cost = seconds / pages)
+    pages_unmapped: int = 0
+    discarded_pages: int = 0     # pool pages whose memory was given back
+    release_retries: int = 0     # unmaps tried again, page by page, after failing while releasing a range
+
+
+class Books(Protocol):
+    """What a driver offers its composed parts (package-private: they are part of the driver): checked, booked
+    map/unmap, its ranges and counters, booking an unmap the OS did implicitly, and the two OS calls that end a
+    range and the driver."""
+    name: str
+    page_size: int
+    stats: DriverStats
+    regions: list[Region]
+    closed: bool
+
+    def map(self, region: Region, offset: int, page: int, num_pages: int = 1) -> None: ...
+
+    def unmap(self, region: Region, offset: int, num_pages: int = 1) -> None: ...
+
+    def live_views(self, region: Region | None = None) -> int: ...
+
+    def _book_unmap(self, region: Region, first: int, num_pages: int, delta: int) -> None: ...
+
+    def _os_release(self, region: Region) -> None: ...
+
+    def _os_close(self) -> None: ...
+
+
+def runs(indices: list[int], pages: dict[int, int] | None = None) -> list[tuple[int, int]]:
+    """Sorted indices -> (start, length) runs of consecutive values (that, given `pages`, map consecutive pool
+    pages)."""
+    out: list[tuple[int, int]] = []
+    for i in indices:
+        if out and out[-1][0] + out[-1][1] == i and (pages is None or pages[i] == pages[i - 1] + 1):
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((i, 1))
+    return out

@@ -1,0 +1,130 @@
+"""The 2L virtual tensors (K_0..K_{L-1}, then V_0..V_{L-1}): their reserved address ranges (`Ranges`), and the
+K/V views over them (`KVViews`) or none (`NoViews`, the accounting mode, whose driver has no memory).
+
+Tensor t lives at `places[t] = (region, offset)`: its own reserved range, or one slice of a single range shared
+by all (`single_range`). Slot s, page j of tensor t is the page at offset + s * row_bytes + j * page_size. The
+views are built before any page is mapped and never read memory (vmm/drivers/dlpack.py on CUDA).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from kvlab.common.kv.seam import KVShape
+    from kvlab.vmm.drivers.base import VirtualMemory
+    from kvlab.vmm.drivers.types import Mirror, Region
+    from kvlab.vmm.geometry import Geometry
+    from kvlab.vmm.slots import Slot
+
+
+@dataclass(slots=True)
+class Ranges:
+    """Where the 2L tensors live, and the mirror that maps a page group in all of them with one call."""
+    places: list[tuple[Region, int]]
+    mirror: Mirror
+
+    @classmethod
+    def reserve(cls, driver: VirtualMemory, geo: Geometry, single_range: bool) -> Ranges:
+        if single_range:
+            whole = driver.reserve(geo.num_tensors * geo.tensor_bytes)
+            places = [(whole, t * geo.tensor_bytes) for t in range(geo.num_tensors)]
+        else:
+            places = [(driver.reserve(geo.tensor_bytes), 0) for _ in range(geo.num_tensors)]
+        return cls(places, driver.mirror(places, geo.tensor_bytes, geo.num_groups))
+
+    def check_mapped(self, driver: VirtualMemory, geo: Geometry, slots: list[Slot]) -> None:
+        """Every page the slots claim is mapped by the driver at the right pool page, and no other."""
+        total = 0
+        for slot in slots:
+            for j, g in enumerate(slot.groups):
+                for t, (region, offset) in enumerate(self.places):
+                    va = (offset + slot.index * geo.row_bytes + j * geo.page_size) // geo.page_size
+                    assert region.mapped.get(va) == t * geo.num_groups + g, \
+                        f"slot {slot.index} page {j} tensor {t} is not mapped to group {g}"
+            total += len(slot.groups) * geo.num_tensors
+        assert driver.stats.mapped_pages == total, "the driver maps pages no slot accounts for"
+
+
+class PageData(Protocol):
+    """What the allocator needs of the K/V bytes: copy-on-write copies a page, swap copies a slot's tokens."""
+
+    def save_page(self, slot: int, page: int) -> list[torch.Tensor]: ...
+
+    def restore_page(self, slot: int, page: int, saved: list[torch.Tensor]) -> None: ...
+
+    def copy_out(self, slot: int, tokens: int) -> torch.Tensor | None: ...
+
+    def copy_in(self, slot: int, data: torch.Tensor | None) -> None: ...
+
+    def drop(self) -> None: ...
+
+
+class NoViews:
+    """The accounting mode's K/V: none. Copies copy nothing and swapped sequences keep no data."""
+
+    def __init__(self, *_: object) -> None:   # built like KVViews (driver, geometry, shape, ranges)
+        pass
+
+    def save_page(self, slot: int, page: int) -> list[torch.Tensor]:
+        return []
+
+    def restore_page(self, slot: int, page: int, saved: list[torch.Tensor]) -> None:
+        pass
+
+    def copy_out(self, slot: int, tokens: int) -> None:
+        return None
+
+    def copy_in(self, slot: int, data: torch.Tensor | None) -> None:
+        pass
+
+    def drop(self) -> None:
+        pass
+
+
+class KVViews:
+    """Zero-copy views over the ranges: `k[layer]`, `v[layer]` [num_slots, max_len, H_kv, D], and each tensor as
+    raw bytes (copy-on-write copies pages)."""
+
+    def __init__(self, driver: VirtualMemory, geo: Geometry, shape: KVShape, ranges: Ranges) -> None:
+        self.geo, self.shape = geo, shape
+        dims = (geo.num_slots, geo.max_len, shape.num_kv_heads, shape.head_dim)
+        strides = (geo.row_bytes // shape.itemsize, shape.num_kv_heads * shape.head_dim, shape.head_dim, 1)
+        views = [driver.tensor_view(region, shape.torch_dtype, dims, strides, offset)
+                 for region, offset in ranges.places]
+        self.k, self.v = views[:shape.num_layers], views[shape.num_layers:]
+        self.page_bytes = [driver.tensor_view(region, torch.uint8, (geo.tensor_bytes,), offset=offset)
+                           for region, offset in ranges.places]
+
+    def drop(self) -> None:
+        """The driver refuses to close while a view is alive."""
+        self.k, self.v, self.page_bytes = [], [], []
+
+    def _page_span(self, slot: int, page: int) -> slice:
+        start = slot * self.geo.row_bytes + page * self.geo.page_size
+        return slice(start, start + self.geo.page_size)
+
+    def save_page(self, slot: int, page: int) -> list[torch.Tensor]:
+        """The bytes of one page in every tensor."""
+        return [b[self._page_span(slot, page)].clone() for b in self.page_bytes]
+
+    def restore_page(self, slot: int, page: int, saved: list[torch.Tensor]) -> None:
+        for b, data in zip(self.page_bytes, saved):
+            b[self._page_span(slot, page)].copy_(data)
+
+    def copy_out(self, slot: int, tokens: int) -> torch.Tensor:
+        """The first `tokens` tokens of a slot in every tensor, on the host: [2L, tokens, H_kv, D]."""
+        s = self.shape
+        pin = s.device.startswith("cuda") and torch.cuda.is_available()
+        data = torch.empty((self.geo.num_tensors, tokens, s.num_kv_heads, s.head_dim), dtype=s.torch_dtype,
+                           pin_memory=pin)
+        for t, cache in enumerate(self.k + self.v):
+            data[t].copy_(cache[slot, :tokens])
+        return data
+
+    def copy_in(self, slot: int, data: torch.Tensor | None) -> None:
+        tokens = data.shape[1]
+        for t, cache in enumerate(self.k + self.v):
+            cache[slot, :tokens].copy_(data[t], non_blocking=True)
