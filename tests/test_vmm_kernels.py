@@ -21,7 +21,7 @@ from kvlab.common.attention.metadata import BatchItem, ContiguousMetadata, base_
 from kvlab.common.config import make_config
 from kvlab.common.errors import RequestError
 from kvlab.common.kv.seam import KVShape
-from kvlab.common.reserve.backend import ReserveKVCache
+from kvlab.common.reserve.backend import build_reserve
 from kvlab.common.sequence import Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -183,12 +183,13 @@ def test_non_finite_garbage_past_a_context_is_recomputed_not_returned(caplog):
 def test_reserve_metadata_bounds_reads_by_the_region():
     shape = KVShape(num_layers=1, num_kv_heads=2, head_dim=16, num_q_heads=4)
     for mode, expected in (("max", [64, 64, 64]), ("oracle", [13, 30, 60])):
-        cache = ReserveKVCache(make_config(backend="reserve", reserve_mode=mode, max_model_len=64,
-                                            kv_cache_bytes=8 * 64 * shape.bytes_per_token, max_num_seqs=4,
-                                            max_num_batched_tokens=256), shape)
+        kv = build_reserve(make_config(backend="reserve", reserve_mode=mode, max_model_len=64,
+                                       kv_cache_bytes=8 * 64 * shape.bytes_per_token, max_num_seqs=4,
+                                       max_num_batched_tokens=256), shape)
+        cache = kv.storage
         seqs = [Sequence(i, str(i), [0] * n, max_tokens=m) for i, (n, m) in enumerate(((5, 8), (20, 10), (40, 20)))]
         for s in seqs:
-            cache.allocate(s, s.num_tokens)
+            kv.allocator.allocate(s, s.num_tokens)
         meta = cache.prepare([BatchItem(s, s.num_tokens - 1, 1) for s in seqs])
         assert meta.readable_lens.tolist() == expected
         g = torch.Generator().manual_seed(0)
