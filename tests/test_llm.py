@@ -144,7 +144,7 @@ def test_eos_and_stop_tokens(small_vocab_model, backend):
 
 @torch.inference_mode()
 def brute_force_beam(model, prompt, width, max_tokens, stop, n):
-    """The beam semantics of common/beam.py, re-implemented over cache-free full forwards."""
+    """The beam semantics of common/sched/beam.py, re-implemented over cache-free full forwards."""
     def logprobs(tokens):
         return torch.log_softmax(model.reference_forward(torch.tensor([prompt + tokens]))[0, -1], -1).tolist()
 
@@ -248,7 +248,7 @@ def test_beams_that_cannot_fit_at_once_take_turns(small_vocab_model, backend):
     out = run(tight)
     assert out["0"].error is None and [c.token_ids for c in out["0"].outputs] == [c.token_ids for c in want]
     assert out["1"].error is None and len(out["1"].outputs[0].token_ids) == 12
-    assert tight.scheduler.stats.idle_beam_releases > 0
+    assert tight.scheduler_stats().idle_beam_releases > 0
     assert tight.cache_stats().used_units == 0
 
 
