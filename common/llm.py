@@ -54,7 +54,8 @@ class LLM:
         try:
             self._check_open()
             if self.engine.has_unfinished():
-                raise RequestError("generate() was called while another generate() is running on this LLM")
+                raise RequestError("this LLM's engine holds requests added through llm.engine: step them to the "
+                                   "end or abort them before generate()")
             return self._run(prompts, params, use_tqdm)
         finally:
             self._busy.release()
