@@ -12,19 +12,21 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvlab.common.errors import RequestError
+from kvlab.common.errors import KvlabError, RequestError
 from kvlab.common.kv.seam import CacheStats, create_cache
 from kvlab.common.metrics import MetricsRecorder, RunMetrics
 from kvlab.common.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from kvlab.common.request import Request, SchedulerOutput
+from kvlab.common.request import Request, SchedulerOutput, SchedulerStats
 from kvlab.common.sampling_params import SamplingParams
-from kvlab.common.scheduler import Scheduler
+from kvlab.common.sched.scheduler import Scheduler
 
 if TYPE_CHECKING:
     from kvlab.common.config import EngineConfig
     from kvlab.common.kv.seam import KVCache
+    from kvlab.common.sequence import Sequence
 
 
 class Runner(Protocol):
@@ -66,6 +68,7 @@ class Engine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
         """Queue one request; raises RequestError if it is invalid. Returns its id."""
+        self._check_open()
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -79,6 +82,11 @@ class Engine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("this model has no tokenizer: pass prompts as lists of token ids")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise RequestError(f"the prompt is not valid Unicode text ({exc.reason} at character "
+                                   f"{exc.start}): remove lone surrogates") from None
             return prompt, list(self.tokenizer.encode(prompt))
         if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
                                                             for t in prompt):
@@ -92,13 +100,27 @@ class Engine:
     def abort(self, request_id: str) -> bool:
         return self.scheduler.abort(str(request_id))
 
+    def abort_all(self, request_ids: Iterable[str]) -> None:
+        """Abort these requests and discard every output not yet returned: the engine is left empty of them."""
+        for request_id in request_ids:
+            self.scheduler.abort(str(request_id))
+        self.scheduler.pop_finished()
+
     def has_unfinished(self) -> bool:
         """Requests still running, or finished ones whose output the next step() returns."""
-        return self.scheduler.has_unfinished() or bool(self.scheduler.finished)
+        return self.scheduler.has_unfinished() or self.scheduler.has_finished()
+
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self.scheduler.requests)
+
+    def running_sequences(self) -> list[Sequence]:
+        """The sequences holding KV now, oldest admission first (a copy)."""
+        return list(self.scheduler.running)
 
     # -- the loop -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One iteration; returns the requests that finished (or failed) in it."""
+        self._check_open()
         clock = self.runner.clock
         t0, w0 = clock(), time.perf_counter()
         out = self.scheduler.schedule()
@@ -145,8 +167,20 @@ class Engine:
     def metrics(self) -> RunMetrics:
         return self.recorder.result(self.config.backend, self.scheduler.stats)
 
+    def scheduler_stats(self) -> SchedulerStats:
+        """The scheduler's counters since the engine was built (preemptions, swaps, fork fallbacks...)."""
+        return self.scheduler.stats
+
     def cache_stats(self) -> CacheStats:
         return self.cache.stats()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise KvlabError("this engine is closed (its KV cache is released): build a new one")
 
     def close(self) -> None:
         if not self._closed:

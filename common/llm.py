@@ -5,16 +5,22 @@ SamplingParams, empty prompt list, empty prompt, prompt + max_tokens > max_model
 without a tokenizer, token ids outside the vocabulary) raise RequestError before anything runs; a request
 the KV cache can never hold comes back alone with finish_reason "error" and `RequestOutput.error` set,
 while the others complete.
+
+Threads: one generate() runs at a time; a concurrent call raises RequestError at once (the engine is never
+driven by two threads). close() from another thread during a run stops that run at its next step (it
+raises KvlabError, its requests aborted) and returns once the cache is released; generate() after close()
+raises KvlabError.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence as Seq
 from typing import Any
 
 import torch
 from kvlab.common.config import make_config
 from kvlab.common.engine import Engine
-from kvlab.common.errors import RequestError
+from kvlab.common.errors import KvlabError, RequestError
 from kvlab.common.kv.seam import CacheStats
 from kvlab.common.metrics import RunMetrics
 from kvlab.common.outputs import RequestOutput
@@ -30,6 +36,8 @@ class LLM:
             torch.set_num_threads(self.config.threads)
         self.engine = Engine.from_config(self.config)
         self._metrics: RunMetrics | None = None
+        self._busy = threading.Lock()          # held by the one running generate()
+        self._closing = False
 
     @property
     def tokenizer(self) -> Any:
@@ -41,23 +49,33 @@ class LLM:
         """One RequestOutput per prompt, in prompt order."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
-        engine = self.engine
-        if engine.has_unfinished():
+        if not self._busy.acquire(blocking=False):
             raise RequestError("generate() was called while another generate() is running on this LLM")
+        try:
+            self._check_open()
+            if self.engine.has_unfinished():
+                raise RequestError("this LLM's engine holds requests added through llm.engine: step them to the "
+                                   "end or abort them before generate()")
+            return self._run(prompts, params, use_tqdm)
+        finally:
+            self._busy.release()
+
+    def _run(self, prompts: list, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
         engine.reset_metrics()
         index = self._add_all(prompts, params)
         results: list[RequestOutput | None] = [None] * len(prompts)
         bar = _progress(len(prompts), use_tqdm)
         try:
             while engine.has_unfinished():
+                self._check_open()
                 for output in engine.step():
                     results[index[output.request_id]] = output
                     if bar is not None:
                         bar.update(1)
         except BaseException:                  # interrupted: leave the engine empty and reusable
-            for request_id in index:
-                engine.abort(request_id)
-            engine.scheduler.pop_finished()
+            if not engine.closed:
+                engine.abort_all(index)
             raise
         finally:
             if bar is not None:
@@ -65,17 +83,22 @@ class LLM:
         self._metrics = engine.metrics()
         return results
 
+    def _check_open(self) -> None:
+        if self._closing:
+            raise KvlabError("this LLM is closed (close() was called): build a new LLM to generate again")
+
     def _add_all(self, prompts: list, params: list[SamplingParams]) -> dict[str, int]:
-        """Add every request, or none: a RequestError names the prompt and leaves the engine empty."""
+        """Add every request, or none: on any error the added ones are aborted and the engine is left empty; a
+        RequestError names the prompt."""
         index: dict[str, int] = {}
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 index[self.engine.add_request(prompt, p)] = i
-        except RequestError as exc:
-            for request_id in index:
-                self.engine.abort(request_id)
-            self.engine.scheduler.pop_finished()
-            raise RequestError(f"prompt {len(index)}: {exc}") from None
+        except BaseException as exc:
+            self.engine.abort_all(index)
+            if isinstance(exc, RequestError):
+                raise RequestError(f"prompt {len(index)}: {exc}") from None
+            raise
         return index
 
     def cache_stats(self) -> CacheStats:
@@ -88,7 +111,11 @@ class LLM:
         return self._metrics
 
     def close(self) -> None:
-        self.engine.close()
+        """Release the KV cache. A generate() running in another thread stops at its next step (it raises
+        KvlabError); close() waits for that, then releases. Closing twice is harmless."""
+        self._closing = True
+        with self._busy:
+            self.engine.close()
 
     def __enter__(self) -> LLM:
         return self

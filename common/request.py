@@ -3,12 +3,16 @@ step's output, and the scheduler's counters."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from kvlab.common.attention.metadata import BatchItem
-from kvlab.common.beam import BeamState
 from kvlab.common.sampling_params import SamplingParams
+from kvlab.common.sched.beam import BeamState
 from kvlab.common.sequence import Sequence
+
+if TYPE_CHECKING:
+    from kvlab.common.sched.groups import SequenceGroup
 
 Sample = tuple[int, float]          # (token id, log-probability)
 
@@ -47,9 +51,8 @@ class Request:
     arrival_time: float
     stop_ids: frozenset[int]
     seqs: list[Sequence] = field(default_factory=list)      # parallel sampling: index = sample index
-    pending_forks: int = 0                                  # children still to fork at the first sample
-    beam: BeamState | None = None
-    generators: list[torch.Generator] | None = None         # seeded requests: one per sample
+    beam: BeamState | None = None                           # beam search: live beams, candidates, hypotheses
+    group: SequenceGroup | None = None                      # its sampling, fork, idle and park rules
     num_running: int = 0
     num_preemptions: int = 0
     first_token_time: float | None = None

@@ -120,12 +120,13 @@ def measure(config: Any, model: Any, prompts: list[list[int]], outputs: list[int
                       SamplingParams(beam_width=width, n=1, temperature=0.0, max_tokens=out_len, ignore_eos=True))
             engine.add_request(prompt, params)
         engine.reset_metrics()
-        cache, sched = engine.cache, engine.scheduler
+        cache = engine.cache
         while engine.has_unfinished():
             engine.step()
             s = cache.stats()
             tpu = s.tokens_per_unit
-            alone = sum(-(-q.num_computed_tokens // tpu) for q in sched.running if cache.allocator.holds(q))
+            alone = sum(-(-q.num_computed_tokens // tpu) for q in engine.running_sequences()
+                        if cache.allocator.holds(q))
             if alone:
                 held += s.used_units
                 unshared += alone

@@ -126,7 +126,7 @@ def test_abort_mid_run_frees_everything(backend, mode):
         ids = [e.add_request(p, sp) for p, sp in zip(prompts, params)]
         for _ in range(8):
             e.step()
-        assert e.scheduler.running
+        assert e.running_sequences()
         for request_id in ids:
             e.abort(request_id)
         e.step()

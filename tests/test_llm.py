@@ -3,12 +3,16 @@ from __future__ import annotations
 
 import itertools
 import json
+import sys
+import threading
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kvlab.common.config import make_config
 from kvlab.common.engine import Engine
-from kvlab.common.errors import ConfigError, RequestError
+from kvlab.common.errors import ConfigError, KvlabError, RequestError
 from kvlab.common.model import LlamaForCausalLM, ModelConfig
 
 from kvlab import LLM, SamplingParams
@@ -109,6 +113,117 @@ def test_string_prompt_without_tokenizer_is_rejected(small_vocab_model):
         engine.add_request("hello")
 
 
+# -- threads and the lifecycle (issue 20: items 1, 6 and 10) -----------------------------------------------
+
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+THREAD_PROMPTS = [[1, 2, 3], [4, 5], [7, 8, 9, 10], [11]]
+
+
+@pytest.fixture(scope="module")
+def shared_llms():
+    """One LLM per backend, with the single-threaded greedy answer for every THREAD_PROMPTS prompt."""
+    llms = {b: LLM("tiny", backend=b, check_invariants=True, reserve_mode="oracle", **SMALL) for b in BACKENDS}
+    want = {b: [o.outputs[0].token_ids for o in llm.generate(THREAD_PROMPTS, GREEDY)] for b, llm in llms.items()}
+    yield llms, want
+    for llm in llms.values():
+        llm.close()
+
+
+@settings(max_examples=6, deadline=None)
+@given(backend=st.sampled_from(BACKENDS), threads=st.integers(2, 4),
+       picks=st.lists(st.lists(st.integers(0, len(THREAD_PROMPTS) - 1), min_size=1, max_size=3),
+                      min_size=4, max_size=4))
+def test_concurrent_generate_gets_correct_outputs_or_a_clean_request_error(shared_llms, backend, threads, picks):
+    llms, want = shared_llms
+    llm, barrier, results = llms[backend], threading.Barrier(threads), [None] * threads
+
+    def call(t: int) -> None:
+        barrier.wait()
+        try:
+            results[t] = [o.outputs[0].token_ids for o in llm.generate([THREAD_PROMPTS[i] for i in picks[t]],
+                                                                       GREEDY)]
+        except RequestError as exc:
+            results[t] = exc
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)                  # switch threads as often as possible
+    try:
+        workers = [threading.Thread(target=call, args=(t,)) for t in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(60)
+    finally:
+        sys.setswitchinterval(interval)
+    for t, got in enumerate(results):
+        if isinstance(got, RequestError):
+            assert "another generate() is running" in str(got)
+        else:
+            assert got == [want[backend][i] for i in picks[t]], f"thread {t} got wrong tokens"
+    assert not llm.engine.has_unfinished()
+    assert llm.cache_stats().used_units == 0
+    assert llm.generate(THREAD_PROMPTS[0], GREEDY)[0].outputs[0].token_ids == want[backend][0]
+
+
+def test_a_bad_prompt_after_a_good_one_leaves_the_llm_usable(tiny_llm):
+    with pytest.raises(RequestError, match="prompt 1: .*surrogate"):
+        tiny_llm.generate(["ok", "\ud800"], GREEDY)
+    assert not tiny_llm.engine.has_unfinished() and tiny_llm.cache_stats().used_units == 0
+    assert len(tiny_llm.generate(["ok"], GREEDY)[0].outputs[0].token_ids) == 4
+
+
+def test_any_error_while_adding_prompts_is_cleaned_up(tiny_llm, monkeypatch):
+    real = tiny_llm.engine.tokenize
+
+    def tokenize(prompt):
+        if prompt == "boom":
+            raise RuntimeError("tokenizer broke")
+        return real(prompt)
+
+    monkeypatch.setattr(tiny_llm.engine, "tokenize", tokenize)
+    with pytest.raises(RuntimeError, match="tokenizer broke"):
+        tiny_llm.generate(["ok", "fine", "boom"], GREEDY)
+    assert not tiny_llm.engine.has_unfinished() and tiny_llm.cache_stats().used_units == 0
+    assert len(tiny_llm.generate(["ok"], GREEDY)[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_generate_after_close_is_a_clear_error(backend):
+    llm = LLM("tiny", backend=backend, reserve_mode="oracle", **SMALL)
+    llm.generate([[1, 2, 3]], GREEDY)
+    llm.close()
+    with pytest.raises(KvlabError, match="closed"):
+        llm.generate([[1, 2, 3]], GREEDY)
+    with pytest.raises(KvlabError, match="closed"):
+        llm.engine.step()
+    llm.close()                                  # twice is harmless
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_close_from_another_thread_stops_the_run_with_a_clear_error(backend, monkeypatch):
+    llm = LLM("tiny", backend=backend, reserve_mode="oracle", **SMALL)
+    stepped, real_step, caught = threading.Event(), llm.engine.step, []
+
+    def step():
+        stepped.set()
+        return real_step()
+
+    def run_long() -> None:
+        try:
+            llm.generate([[1, 2, 3]] * 4, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+        except BaseException as exc:             # noqa: BLE001 - the test inspects what came out
+            caught.append(exc)
+
+    monkeypatch.setattr(llm.engine, "step", step)
+    worker = threading.Thread(target=run_long)
+    worker.start()
+    assert stepped.wait(60)
+    llm.close()                                  # waits for the run to stop, then releases the cache
+    worker.join(60)
+    assert len(caught) == 1 and type(caught[0]) is KvlabError and "closed" in str(caught[0]), caught
+    assert llm.engine.closed
+
+
 # -- stop conditions ---------------------------------------------------------------------------------------
 
 @torch.inference_mode()
@@ -144,7 +259,7 @@ def test_eos_and_stop_tokens(small_vocab_model, backend):
 
 @torch.inference_mode()
 def brute_force_beam(model, prompt, width, max_tokens, stop, n):
-    """The beam semantics of common/beam.py, re-implemented over cache-free full forwards."""
+    """The beam semantics of common/sched/beam.py, re-implemented over cache-free full forwards."""
     def logprobs(tokens):
         return torch.log_softmax(model.reference_forward(torch.tensor([prompt + tokens]))[0, -1], -1).tolist()
 
@@ -248,7 +363,7 @@ def test_beams_that_cannot_fit_at_once_take_turns(small_vocab_model, backend):
     out = run(tight)
     assert out["0"].error is None and [c.token_ids for c in out["0"].outputs] == [c.token_ids for c in want]
     assert out["1"].error is None and len(out["1"].outputs[0].token_ids) == 12
-    assert tight.scheduler.stats.idle_beam_releases > 0
+    assert tight.scheduler_stats().idle_beam_releases > 0
     assert tight.cache_stats().used_units == 0
 
 

@@ -8,7 +8,8 @@ Semantics (the brute-force test in tests/test_llm.py re-implements them independ
 - beams reaching max_tokens become hypotheses ("length");
 - search ends when no beam is live, or when W hypotheses exist and the best live beam cannot beat the W-th
   best of them (exact without a length penalty: scores only decrease).
-The scheduler applies the result to the cache: parents with several children fork, parents with none free.
+BeamGroup (common/sched/groups.py) applies the result to the cache: parents with several children fork,
+parents with none free.
 """
 from __future__ import annotations
 

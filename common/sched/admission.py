@@ -1,0 +1,71 @@
+"""Admission: swapped sequences come back first (FCFS), then waiting ones are admitted FCFS (parked beams are
+passed over) while max_num_seqs has slots for their request and the cache can hold this step's chunk and
+still keep the watermark free. The watermark applies only to a request with nothing running while something
+else runs: a lone request is never blocked by it, and a recomputing sibling of running work is growth."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvlab.common.sched.groups import add_item
+
+if TYPE_CHECKING:
+    from kvlab.common.kv.seam import Allocator
+    from kvlab.common.request import Request, SchedulerOutput, SchedulerStats
+    from kvlab.common.sched.queues import Queues
+
+
+class Admission:
+    def __init__(self, cache: Allocator, queues: Queues, stats: SchedulerStats, watermark: float) -> None:
+        self.cache = cache
+        self.queues = queues
+        self.stats = stats
+        self.watermark_units = int(watermark * cache.num_total_units())
+
+    def watermark(self, req: Request) -> int:
+        """Free units a (re)admission must leave: none when nothing runs (a lone request is never blocked)
+        or when the request already runs (a sibling of admitted work grows it, like decode growth)."""
+        return self.watermark_units if self.queues.running and req.num_running == 0 else 0
+
+    def swap_in(self, out: SchedulerOutput, budget: int) -> int:
+        cache, queues = self.cache, self.queues
+        while queues.swapped and budget > 0:
+            seq = queues.swapped[0]
+            req = queues.req_of[seq.seq_id]
+            if not queues.has_slots(req):
+                break
+            if not cache.swap_in(seq, self.watermark(req)):
+                break
+            queues.swapped.popleft()
+            queues.enter_running(seq, req)
+            out.swapped_in.append(seq)
+            self.stats.swap_ins += 1
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n > 0 and cache.allocate(seq, seq.num_computed_tokens + n) is not None:
+                add_item(out, req, seq, seq.num_computed_tokens, n)
+                budget -= n
+        return budget
+
+    def admit(self, out: SchedulerOutput, budget: int) -> None:
+        cache, queues = self.cache, self.queues
+        while budget > 0:
+            seq = queues.next_waiting()
+            if seq is None:
+                break
+            req = queues.req_of[seq.seq_id]
+            if not queues.has_slots(req):
+                break
+            target = seq.num_computed_tokens + min(seq.num_tokens - seq.num_computed_tokens, budget)
+            hit = cache.allocate(seq, target, self.watermark(req))
+            if hit is None:
+                break
+            queues.waiting.remove(seq)               # the head, unless parked beams precede it
+            queues.enter_running(seq, req)
+            if hit:
+                seq.num_computed_tokens = max(seq.num_computed_tokens, min(hit, seq.num_tokens - 1))
+            start = seq.num_computed_tokens
+            if target <= start:              # the prefix hit covered this chunk: take the next one
+                target = start + min(seq.num_tokens - start, budget)
+                if cache.allocate(seq, target) is None:
+                    continue
+            add_item(out, req, seq, start, target - start)
+            budget -= target - start

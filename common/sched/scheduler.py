@@ -1,0 +1,209 @@
+"""One scheduler for every backend: iteration-level (continuous) batching over the Allocator seam.
+
+Each step (vLLM v1 style, `num_computed_tokens` chases `num_tokens`):
+1. running sequences, oldest admission first, get their next tokens (a decode token, or the next chunk of a
+   prefill/recompute) within the `max_num_batched_tokens` budget; one that cannot grow preempts the most
+   recently admitted running sequence (possibly itself) by recompute or swap (`preemption_mode`);
+2. if nothing was preempted: swapped sequences come back first (FCFS), then waiting ones are admitted FCFS
+   while the cache can hold this step's chunk and still keep the watermark free (only for requests with
+   nothing running while something else runs: a lone request is never blocked by it, and a recomputing
+   sibling of running work is growth, not admission).
+Requests with n > 1 prefill the prompt once and fork n - 1 children (cache.fork) at the first sample; beam
+search requests fork and free beams each step (common/sched/beam.py). A beam that has proposed its candidates
+is idle until every live sibling has (a sibling preempted, or whose fork fell back to recompute, catches up
+first); its candidates depend only on its tokens, so they survive preemption. Progress guarantee: idle
+beams' KV is released (newest first) before any working sequence is preempted, and at a stall; a released
+idle beam is parked: admission passes it over until its group's next step. Working sequences are preempted
+one at a time, newest admitted first (vLLM's rule; a beam's surviving siblings keep their shared KV). So
+idle beams never block the work their group waits for, a group needs only one beam resident at a time, and
+the oldest working sequence computes every step: it is the victim only alone, and then it fails.
+Failure policy: invalid requests raise RequestError at add time; a request the cache can never hold
+(longer than `cache.max_tokens_per_seq()`, or a sequence unable to grow alone) fails alone, finish_reason
+"error", logged at INFO only: the caller reports it through the request's output.
+Parts (common/sched/): queues.Queues (where each sequence is, slot accounting), admission.Admission (step 2),
+preemption.Preemption (making room, stalls), lifecycle.Lifecycle (append, fork, finish, fail, abort) and
+groups (SingleGroup, ParallelGroup, BeamGroup: each request's sampling, fork, idle and park rules). The data
+handed out is in common/request.py.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvlab.common.errors import RequestError
+from kvlab.common.request import Request, Sample, SampleSpec, SchedulerOutput, SchedulerStats
+from kvlab.common.sampling_params import SamplingParams
+from kvlab.common.sched.admission import Admission
+from kvlab.common.sched.groups import add_item, make_group
+from kvlab.common.sched.lifecycle import Lifecycle
+from kvlab.common.sched.preemption import Preemption
+from kvlab.common.sched.queues import Queues
+from kvlab.common.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from kvlab.common.config import EngineConfig
+    from kvlab.common.kv.seam import Allocator
+
+RUNNING = SequenceStatus.RUNNING
+
+
+class Scheduler:
+    """Wires the parts; owns request intake (add, abort) and the two halves of a step (schedule, update)."""
+
+    def __init__(self, config: EngineConfig, cache: Allocator, eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.config = config
+        self.cache = cache
+        self.eos = frozenset(eos_token_ids)
+        self.stats = SchedulerStats()
+        self.queues = Queues(config.max_num_seqs)
+        self.life = Lifecycle(cache, self.queues, self.stats)
+        self.admission = Admission(cache, self.queues, self.stats, config.watermark)
+        self.preemption = Preemption(cache, self.queues, self.life, self.stats, config.preemption_mode)
+
+    # -- read-only views (tests, experiments and the engine read them) -------------------------------------
+    @property
+    def running(self) -> list[Sequence]:
+        return self.queues.running
+
+    @property
+    def waiting(self):
+        return self.queues.waiting
+
+    @property
+    def swapped(self):
+        return self.queues.swapped
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        return self.queues.requests
+
+    @property
+    def req_of(self) -> dict[int, Request]:
+        return self.queues.req_of
+
+    # -- requests -------------------------------------------------------------------------------------------
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+            arrival_time: float = 0.0, prompt: str | None = None) -> Request:
+        """Queue a request. Raises RequestError for what is wrong with the request itself; a request the
+        cache cannot hold fails alone (it is returned finished with an error by the next pop_finished)."""
+        self._validate(request_id, prompt_token_ids, params)
+        stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos)
+        req = Request(request_id, params, list(prompt_token_ids), prompt, arrival_time, stop)
+        req.group = make_group(req, self.life)
+        seq = self.queues.new_seq(req, prompt_token_ids)
+        if req.beam:
+            req.beam.live.append(seq)
+        self.queues.requests[request_id] = req
+        self.stats.prompt_tokens += len(prompt_token_ids)
+        limit = self.cache.max_tokens_per_seq()
+        if seq.final_len > limit:
+            self.life.fail(req, f"request {request_id} needs {seq.final_len} tokens of KV cache but the "
+                                f"{self.cache.name} cache holds at most {limit} per sequence "
+                                f"(kv_cache_bytes={self.config.kv_cache_bytes}): raise kv_cache_bytes or lower "
+                                f"max_tokens")
+        else:
+            self.queues.waiting.append(seq)
+        return req
+
+    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        params.validate()
+        if request_id in self.queues.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        if not prompt:
+            raise RequestError(f"request {request_id}: the prompt is empty; give at least one token")
+        if len(prompt) + params.max_tokens > self.config.max_model_len:
+            raise RequestError(f"request {request_id}: prompt ({len(prompt)} tokens) + max_tokens "
+                               f"({params.max_tokens}) exceeds max_model_len ({self.config.max_model_len}); "
+                               f"shorten the prompt, lower max_tokens or raise max_model_len")
+        if params.width > self.config.max_num_seqs:
+            raise RequestError(f"request {request_id}: needs {params.width} sequences at once but "
+                               f"max_num_seqs is {self.config.max_num_seqs}")
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request and free everything it holds. False if it is unknown or already finished."""
+        req = self.queues.requests.get(request_id)
+        if req is None:
+            return False
+        self.life.drop(req, "abort", emit=False)    # an aborted request produces no output
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.queues.requests)
+
+    def has_finished(self) -> bool:
+        """Finished requests not yet collected by pop_finished()."""
+        return bool(self.queues.finished)
+
+    def pop_finished(self) -> list[Request]:
+        return self.queues.pop_finished()
+
+    # -- schedule -------------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        queues = self.queues
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted and not out.swapped_out:
+            budget = self.admission.swap_in(out, budget)
+            if not queues.swapped:
+                self.admission.admit(out, budget)
+        if not (out.items or out.preempted or out.swapped_out or out.failed) and queues.requests:
+            self.preemption.break_stall(out)
+        if queues.dirty:                 # a preemption or failure may have hit an already scheduled item
+            queues.dirty = False
+            out.items = [it for it in out.items if it.seq.status is RUNNING]
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Running sequences, oldest admission first, get their next tokens; one that cannot grow makes room."""
+        running, cache = self.queues.running, self.cache
+        i = 0
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            n = seq.num_tokens - seq.num_computed_tokens
+            if n == 0:                       # a beam waiting for its siblings
+                i += 1
+                continue
+            n = min(n, budget)
+            target = seq.num_computed_tokens + n
+            if cache.allocate(seq, target) is None:
+                i -= self.preemption.make_room(seq, target, i, out)
+                if seq.status is not RUNNING:
+                    continue
+            add_item(out, self.queues.req_of[seq.seq_id], seq, seq.num_computed_tokens, n)
+            budget -= n
+            i += 1
+        return budget
+
+    # -- update ---------------------------------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: dict[int, int | list[Sample]], now: float | None = None
+               ) -> None:
+        """Apply one step's results. `sampled[seq_id]` is a list of (token, logprob) for each item that needs
+        logits, or a bare token id (a runner without logits: every requested sample gets it, logprob 0)."""
+        if now is not None:
+            self.life.now = now
+        stats = self.stats
+        for item in out.items:
+            seq = item.seq
+            if seq.status is not RUNNING:
+                continue
+            seq.num_computed_tokens = item.context_len
+            stats.computed_tokens += item.num_tokens
+            if not item.needs_logits:
+                continue
+            spec = out.specs[seq.seq_id]
+            self.queues.req_of[seq.seq_id].group.on_samples(seq, _samples(sampled, seq, spec), spec)
+        self.queues.prune_running()
+
+    def check_invariants(self) -> None:
+        self.queues.check_invariants(self.cache)
+
+
+def _samples(sampled: dict, seq: Sequence, spec: SampleSpec) -> list[Sample]:
+    value = sampled.get(seq.seq_id)
+    if value is None:
+        raise RuntimeError(f"the runner returned no sample for sequence {seq.seq_id} (it needed logits)")
+    if isinstance(value, int):
+        return [(value, 0.0)] * spec.num_samples
+    if not value or (not spec.beam and len(value) != spec.num_samples):
+        raise RuntimeError(f"the runner returned {len(value)} samples for sequence {seq.seq_id}, "
+                           f"{spec.num_samples} were requested")
+    return value
