@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 from kvlab.common.config import EngineConfig, make_config
 from kvlab.common.errors import ConfigError, KvlabError
 
-SUBCOMMANDS = ("generate", "bench", "simulate", "fallbacks", "sharing")
+SUBCOMMANDS = ("generate", "bench", "simulate", "fallbacks", "sharing", "serve")
 # CLI flag -> EngineConfig field; each is optional and, when given, overrides the TOML file.
 ENGINE_FLAGS = ("model", "backend", "block_size", "page_size", "kv_cache_bytes", "watermark", "preemption_mode",
                 "max_num_seqs", "max_num_batched_tokens", "max_model_len", "dtype", "device", "kernel", "seed",
