@@ -36,11 +36,16 @@ class Decoding:
         cut = self._stop_at(full, len(s.text))
         if cut is not None:
             full, s.finish_reason = full[:cut], "stop"
-        elif full.endswith(REPLACEMENT) and not final:
-            full = full[:-1]                        # maybe a partial UTF-8 character: wait for the next token
+        elif not final:
+            full = full[:len(full) - self._held(full)]
         delta = full[len(s.text):] if full.startswith(s.text) else ""
         s.text += delta
         return new_ids, delta
+
+    def _held(self, text: str) -> int:
+        """Characters to hold back: a maybe-partial UTF-8 character, or the start of a stop string."""
+        held = max((k for x in self.stop for k in range(1, len(x)) if text.endswith(x[:k])), default=0)
+        return max(held, 1 if text.endswith(REPLACEMENT) else 0)
 
     def _stop_at(self, text: str, sent: int) -> int | None:
         start = max(0, sent - max((len(x) for x in self.stop), default=0))
