@@ -14,6 +14,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from datetime import datetime
@@ -89,7 +90,13 @@ def server_counter(url: str, name: str) -> float:
     return float(m.group(1)) if m else math.nan
 
 
+def exit_on_sigterm(sig: int, frame) -> None:
+    raise SystemExit(128 + sig)          # unwinds through kvlab_server, which stops the child: no orphan
+
+
 def run_sweep(args: argparse.Namespace) -> int:
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, exit_on_sigterm)
     rates = parse_rates(args.request_rates or [str(args.request_rate)])
     out = Path(args.out or Path("results") / datetime.now().strftime("%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
