@@ -100,7 +100,11 @@ async def generate(server: Server, request: Request, chat: bool) -> Response:
     if not server.loop.submit(rid, prompt, sub.params, sink):
         raise ApiError(429, f"the waiting queue is full ({server.loop.max_waiting} requests); retry later",
                        kind="rate_limit_error")
-    first = await events.get()
+    try:
+        first = await events.get()
+    except asyncio.CancelledError:                             # the client left before the engine took it
+        server.loop.abort(rid)
+        raise
     if first[0] == "rejected":
         raise ApiError(400, first[1], "prompt" if "prompt" in first[1] else None)
     n_prompt = len(prompt) if isinstance(prompt, list) else 0

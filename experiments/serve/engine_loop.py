@@ -102,6 +102,10 @@ class EngineLoop:
             except KvlabError as e:
                 sink(("rejected", str(e)))
                 return
+            except Exception as e:                     # a request must not kill the engine thread
+                log.exception("add_request failed")
+                sink(("rejected", f"{type(e).__name__}: {e}"))
+                return
             self.live[rid] = Live(sink, [0] * params.n)
             sink(("accepted",))
         elif cmd[0] == "abort":
