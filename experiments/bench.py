@@ -71,6 +71,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--no-progress", action="store_true")
     cli.add_engine_flags(p, skip=("backend",))
     p.set_defaults(run=run)
+    from kvlab.experiments.serve import bench_cli  # `kvlab bench serve ...`: the HTTP load generator
+    bench_cli.add_parser(p.add_subparsers(dest="bench_mode", metavar="MODE"))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,0 +1,214 @@
+"""The FastAPI app: OpenAI completions and chat completions (JSON or SSE), models, health, metrics.
+
+Every error a request can cause is answered in the OpenAI shape; nothing a client sends reaches the engine
+thread unvalidated, and the engine thread is the only one that touches the engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from kvlab.experiments.serve import protocol
+from kvlab.experiments.serve.chat import renderer
+from kvlab.experiments.serve.decoding import Decoding
+from kvlab.experiments.serve.engine_loop import EngineLoop
+from kvlab.experiments.serve.protocol import ApiError, Submission
+
+DISCONNECT_POLL_S = 0.25
+
+
+class Server:
+    """What the handlers share: the engine loop, its metrics and the tokenizer (read-only here)."""
+
+    def __init__(self, loop: EngineLoop, model_name: str, tokenizer: Any) -> None:
+        self.loop, self.model_name, self.tokenizer = loop, model_name, tokenizer
+        self.render_chat = renderer(tokenizer)
+
+
+def create_app(server: Server) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await asyncio.to_thread(server.loop.stop)        # aborts in-flight work and frees all KV
+
+    app = FastAPI(title="kvlab", lifespan=lifespan)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception) -> JSONResponse:
+        err = ApiError(500, f"internal error: {type(e).__name__}: {e}", kind="internal_server_error")
+        return JSONResponse(err.body(), status_code=500)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not server.loop.is_alive():
+            raise ApiError(503, "the engine thread is not running", kind="service_unavailable")
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": 0,
+                                            "owned_by": "kvlab"}]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server.loop.metrics.text(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(server, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate(server, request, chat=True)
+
+    return app
+
+
+async def read_json(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"malformed JSON body: {e}") from None
+
+
+async def generate(server: Server, request: Request, chat: bool) -> Response:
+    sub = protocol.parse(await read_json(request), chat, server.render_chat)
+    prompt = sub.prompt
+    if isinstance(prompt, str) and server.tokenizer is not None:
+        prompt = list(server.tokenizer.encode(prompt))      # tokenized here, off the engine thread
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    events: asyncio.Queue = asyncio.Queue()
+    aloop = asyncio.get_running_loop()
+
+    def sink(event: tuple) -> None:
+        with contextlib.suppress(RuntimeError):                # the event loop is already closed
+            aloop.call_soon_threadsafe(events.put_nowait, event)
+
+    if not server.loop.is_alive():
+        raise ApiError(503, "the server is shutting down", kind="service_unavailable")
+    if not server.loop.submit(rid, prompt, sub.params, sink):
+        raise ApiError(429, f"the waiting queue is full ({server.loop.max_waiting} requests); retry later",
+                       kind="rate_limit_error")
+    try:
+        first = await events.get()
+    except asyncio.CancelledError:                             # the client left before the engine took it
+        server.loop.abort(rid)
+        raise
+    if first[0] == "rejected":
+        raise ApiError(400, first[1], "prompt" if "prompt" in first[1] else None)
+    n_prompt = len(prompt) if isinstance(prompt, list) else 0
+    resp = Response_(server, sub, rid, n_prompt, events)
+    if sub.stream:
+        return StreamingResponse(resp.stream(), media_type="text/event-stream")
+    return JSONResponse(await resp.collect(request))
+
+
+class Response_:
+    """One request's events -> OpenAI JSON or SSE chunks."""
+
+    def __init__(self, server: Server, sub: Submission, rid: str, n_prompt: int, events: asyncio.Queue) -> None:
+        self.server, self.sub, self.rid, self.n_prompt, self.events = server, sub, rid, n_prompt, events
+        self.dec = Decoding(server.tokenizer, sub.params.n, sub.stop)
+        self.created = int(time.time())
+        self.done = False
+        self.error: str | None = None
+        self.extra: dict[str, Any] = {}
+
+    # -- events ---------------------------------------------------------------------------------------------
+    def apply(self, event: tuple) -> list[tuple[int, list[int], str]]:
+        """Update state; return (sample, ids, text) pieces to send."""
+        pieces = []
+        if event[0] == "tokens":
+            for i, ids in enumerate(event[1]):
+                if ids:
+                    pieces.append((i, *self.dec.add(i, ids)))
+            if self.dec.all_stopped():
+                self.server.loop.abort(self.rid)              # every sample hit a stop string
+        elif event[0] == "done":
+            self.done = True
+            out = event[1]
+            for i in range(len(self.dec.samples)):
+                ids, text = self.dec.add(i, [], final=True)
+                if text:
+                    pieces.append((i, ids, text))
+                reason = out.outputs[i].finish_reason if out is not None and i < len(out.outputs) else "abort"
+                self.dec.finish(i, reason)
+            if out is not None:
+                self.n_prompt = len(out.prompt_token_ids)
+                self.error = out.error
+                if out.metrics is not None:
+                    self.extra = {"num_preemptions": out.metrics.num_preemptions,
+                                  "engine_ttft_s": out.metrics.ttft}
+        return pieces
+
+    def usage(self) -> dict[str, int]:
+        n_out = sum(len(s.token_ids) for s in self.dec.samples)
+        return {"prompt_tokens": self.n_prompt, "completion_tokens": n_out, "total_tokens": self.n_prompt + n_out}
+
+    # -- non-streaming ----------------------------------------------------------------------------------------
+    async def collect(self, request: Request) -> dict[str, Any]:
+        try:
+            while not self.done:
+                try:
+                    event = await asyncio.wait_for(self.events.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        break
+                    continue
+                self.apply(event)
+        finally:
+            if not self.done:
+                self.server.loop.abort(self.rid)
+        if self.error is not None:
+            raise ApiError(500, f"the request failed: {self.error}", kind="internal_server_error")
+        choices = [self.choice(i, s.text, s.finish_reason) | {"token_ids": s.token_ids}
+                   for i, s in enumerate(self.dec.samples)]
+        return {"id": self.rid, "object": "chat.completion" if self.sub.chat else "text_completion",
+                "created": self.created, "model": self.model(), "choices": choices, "usage": self.usage(),
+                "kvlab": self.extra}
+
+    def model(self) -> str:
+        return self.sub.model or self.server.model_name
+
+    def choice(self, i: int, text: str, reason: str | None, delta: bool = False) -> dict[str, Any]:
+        if not self.sub.chat:
+            return {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+        key = "delta" if delta else "message"
+        body = {"content": text} if delta and text == "" and reason else {"role": "assistant", "content": text}
+        return {"index": i, key: body, "logprobs": None, "finish_reason": reason}
+
+    # -- streaming --------------------------------------------------------------------------------------------
+    def chunk(self, choices: list[dict[str, Any]], usage: dict | None = None) -> str:
+        body = {"id": self.rid, "object": "chat.completion.chunk" if self.sub.chat else "text_completion",
+                "created": self.created, "model": self.model(), "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return f"data: {json.dumps(body)}\n\n"
+
+    async def stream(self) -> AsyncIterator[str]:
+        try:
+            while not self.done:
+                for i, ids, text in self.apply(await self.events.get()):
+                    yield self.chunk([self.choice(i, text, None, delta=True) | {"token_ids": ids}])
+            if self.error is not None:
+                err = ApiError(500, f"the request failed: {self.error}", kind="internal_server_error")
+                yield f"data: {json.dumps(err.body())}\n\n"
+            yield self.chunk([self.choice(i, "", s.finish_reason, delta=True) | {"token_ids": []}
+                              for i, s in enumerate(self.dec.samples)])
+            if self.sub.include_usage:
+                yield self.chunk([], self.usage())
+            yield "data: [DONE]\n\n"
+        finally:
+            if not self.done:                                  # the client went away: free its KV now
+                self.server.loop.abort(self.rid)

@@ -1,0 +1,71 @@
+"""What the load generator sends: prompt token ids and output lengths, seeded.
+
+- seed: the seed article's length distribution (experiments.workload), scaled by --scale;
+- random: uniform lengths, --input-len / --output-len +- --range-ratio;
+- trace:FILE.jsonl: one {"timestamp", "input_length", "output_length"[, "hash_ids"]} per line; timestamps (ms,
+  as Mooncake traces) replace the drawn arrivals.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from kvlab.common.errors import ConfigError
+from kvlab.experiments.workload import seed_lengths
+
+LOW_TOKEN = 3                      # ids below are pad/bos/eos in kvlab's tokenizers
+
+
+@dataclass(slots=True)
+class LoadRequest:
+    prompt: list[int]
+    output_len: int
+    timestamp: float | None = None   # seconds from the start (traces only)
+
+
+def build(spec: str, n: int, seed: int, vocab_size: int, scale: float = 1 / 8, max_len: int = 4096,
+          input_len: int = 64, output_len: int = 32, range_ratio: float = 0.0) -> list[LoadRequest]:
+    rng = np.random.default_rng(seed)
+    if spec == "seed":
+        p, o = seed_lengths(rng, n, max_len, scale)
+        lengths = list(zip(p.tolist(), o.tolist()))
+        stamps = [None] * n
+    elif spec == "random":
+        lengths = [(uniform(rng, input_len, range_ratio), uniform(rng, output_len, range_ratio)) for _ in range(n)]
+        stamps = [None] * n
+    elif spec.startswith("trace:"):
+        rows = read_trace(spec[len("trace:"):], n)
+        lengths = [(r["input_length"], r["output_length"]) for r in rows]
+        t0 = rows[0]["timestamp"]
+        stamps = [(r["timestamp"] - t0) / 1000 for r in rows]
+    else:
+        raise ConfigError(f"unknown --dataset {spec!r}: use seed, random or trace:FILE.jsonl")
+    return [LoadRequest(rng.integers(LOW_TOKEN, vocab_size, max(1, int(pl))).tolist(), max(1, int(ol)), ts)
+            for (pl, ol), ts in zip(lengths, stamps)]
+
+
+def uniform(rng: np.random.Generator, mean: int, ratio: float) -> int:
+    lo, hi = max(1, int(mean * (1 - ratio))), max(1, int(mean * (1 + ratio)))
+    return int(rng.integers(lo, hi + 1))
+
+
+def read_trace(path: str, limit: int) -> list[dict]:
+    if not Path(path).is_file():
+        raise ConfigError(f"trace file {path} does not exist")
+    rows = []
+    for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            rows.append({"timestamp": float(row["timestamp"]), "input_length": int(row["input_length"]),
+                         "output_length": int(row["output_length"])})
+        except (ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"{path}:{lineno}: need {{timestamp, input_length, output_length}}: {e}") from None
+        if len(rows) >= limit:
+            break
+    if not rows:
+        raise ConfigError(f"trace file {path} holds no requests")
+    return rows

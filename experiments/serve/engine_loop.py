@@ -1,0 +1,161 @@
+"""The engine thread: the only thread that touches the Engine. Requests arrive through a thread-safe inbox;
+after every step each request's new tokens go back through its `sink` (a thread-safe callable).
+
+Events a sink receives, in order: ("accepted",) or ("rejected", message); then ("tokens", [new ids per sample])
+any number of times; then ("done", RequestOutput | None) once (None: aborted, or the server is stopping).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvlab.common.errors import KvlabError
+from kvlab.common.sampling_params import SamplingParams
+from kvlab.experiments.serve import engine_view
+
+log = logging.getLogger("kvlab.serve")
+IDLE_WAIT_S = 0.05
+Sink = Callable[[tuple], None]
+
+
+@dataclass(slots=True)
+class Live:
+    sink: Sink
+    sent: list[int] = field(default_factory=list)       # tokens already sent, per sample
+
+
+class EngineLoop:
+    def __init__(self, engine: Any, metrics: Any, max_waiting: int) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.max_waiting = max_waiting
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.live: dict[str, Live] = {}               # engine thread only
+        self.pending = 0                               # submitted, not yet taken by the engine thread
+        self.waiting = 0                               # the scheduler's waiting queue after the last step
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="kvlab-engine", daemon=True)
+
+    # -- any thread -----------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.thread.start()
+
+    def is_alive(self) -> bool:
+        return self.thread.is_alive() and not self.stopping.is_set()
+
+    def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams, sink: Sink) -> bool:
+        """False when the waiting queue is full (the caller answers 429)."""
+        with self.lock:
+            if self.pending + self.waiting >= self.max_waiting:
+                return False
+            self.pending += 1
+        self.inbox.put(("add", request_id, prompt, params, sink))
+        return True
+
+    def abort(self, request_id: str) -> None:
+        self.inbox.put(("abort", request_id))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort everything in flight, close the engine (frees all KV) and join the thread."""
+        self.stopping.set()
+        self.inbox.put(("wake",))
+        if self.thread.is_alive():
+            self.thread.join(timeout)
+
+    # -- engine thread --------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self.stopping.is_set():
+                self._drain(block=not self.engine.has_unfinished())
+                if self.engine.has_unfinished() and not self.stopping.is_set():
+                    self._step()
+        except Exception:                              # a bug in the engine: fail every request, keep no KV
+            log.exception("engine thread failed; aborting every request")
+        finally:
+            self._shutdown()
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self.inbox.get(timeout=IDLE_WAIT_S) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(cmd)
+            try:
+                cmd = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, cmd: tuple) -> None:
+        if cmd[0] == "add":
+            _, rid, prompt, params, sink = cmd
+            with self.lock:
+                self.pending -= 1
+            try:
+                self.engine.add_request(prompt, params, request_id=rid)
+            except KvlabError as e:
+                sink(("rejected", str(e)))
+                return
+            except Exception as e:                     # a request must not kill the engine thread
+                log.exception("add_request failed")
+                sink(("rejected", f"{type(e).__name__}: {e}"))
+                return
+            self.live[rid] = Live(sink, [0] * params.n)
+            sink(("accepted",))
+        elif cmd[0] == "abort":
+            live = self.live.pop(cmd[1], None)
+            if live is not None:
+                self.engine.abort(cmd[1])
+                self.metrics.on_abort()
+                live.sink(("done", None))
+                self._publish()
+
+    def _step(self) -> None:
+        finished = self.engine.step()
+        for rid, live in self.live.items():
+            tokens = engine_view.partial_tokens(self.engine, rid)
+            if tokens is not None:
+                self._send_new(live, tokens)
+        now = time.perf_counter()
+        for out in finished:
+            live = self.live.pop(out.request_id, None)
+            if live is not None:
+                self._send_new(live, [c.token_ids for c in out.outputs])
+                live.sink(("done", out))
+            self.metrics.on_finished(out, now)
+        self._publish()
+
+    def _publish(self) -> None:
+        running, waiting, swapped = engine_view.queue_depths(self.engine)
+        with self.lock:
+            self.waiting = waiting
+        self.metrics.on_step(self.engine, running, waiting, swapped, force=not self.engine.has_unfinished())
+
+    @staticmethod
+    def _send_new(live: Live, tokens: list[list[int]]) -> None:
+        new = [t[live.sent[i]:] for i, t in enumerate(tokens)]      # samples fork lazily: maybe fewer than n
+        if any(new):
+            for i, t in enumerate(tokens):
+                live.sent[i] = len(t)
+            live.sink(("tokens", new))
+
+    def _shutdown(self) -> None:
+        self.stopping.set()
+        for rid, live in list(self.live.items()):
+            self.engine.abort(rid)
+            live.sink(("done", None))
+        self.live.clear()
+        while True:                                    # requests that never reached the engine
+            try:
+                cmd = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] == "add":
+                cmd[4](("rejected", "the server is shutting down"))
+        self.engine.close()

@@ -1,0 +1,278 @@
+"""kvlab serve end to end: a real uvicorn server on a free loopback port, driven by the official openai client."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+from kvlab.common.config import make_config
+from kvlab.common.engine import Engine
+from kvlab.common.sampling_params import SamplingParams
+from kvlab.common.tokenizer import ByteTokenizer
+from kvlab.experiments.serve.app import Server, create_app
+from kvlab.experiments.serve.decoding import Decoding
+from kvlab.experiments.serve.engine_loop import EngineLoop
+from kvlab.experiments.serve.prom import ServerMetrics
+
+from kvlab import LLM
+
+openai = pytest.importorskip("openai")       # a dev dependency (pyproject [dev])
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = {"model": "tiny", "backend": "vmm"}
+
+
+class LiveServer:
+    """uvicorn in a thread on a free 127.0.0.1 port; always stopped (bounded) by the fixture."""
+
+    def __init__(self, max_waiting: int = 1024) -> None:
+        engine = Engine.from_config(make_config(**CONFIG))
+        self.loop = EngineLoop(engine, ServerMetrics("vmm"), max_waiting)
+        self.loop.start()
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        app = create_app(Server(self.loop, "tiny", engine.tokenizer))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+        self.loop.stop()
+        self.sock.close()
+        assert not self.thread.is_alive()
+
+    def client(self):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", timeout=60, max_retries=0)
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+
+
+@pytest.fixture(scope="module")
+def live():
+    s = LiveServer()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    llm = LLM(**CONFIG)
+    yield llm
+    llm.close()
+
+
+def greedy(max_tokens: int = 8) -> dict:
+    return {"max_tokens": max_tokens, "temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+def test_completion_chat_and_stream(live):
+    c = live.client()
+    r = c.completions.create(model="tiny", prompt="hello", **greedy(5))
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
+    chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], **greedy(4))
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 4
+    chunks = list(c.completions.create(model="tiny", prompt="hello", stream=True,
+                                       stream_options={"include_usage": True}, **greedy(5)))
+    assert chunks[-1].usage.completion_tokens == 5 and chunks[-1].choices == []
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == r.choices[0].text
+    models = c.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    assert httpx.get(live.url + "/health").status_code == 200
+
+
+def test_greedy_stream_equals_plain_equals_generate(live, reference):
+    c = live.client()
+    prompt = "The quick brown fox"
+    plain = c.completions.create(model="tiny", prompt=prompt, **greedy(12)).choices[0].token_ids
+    streamed = [t for ch in c.completions.create(model="tiny", prompt=prompt, stream=True, **greedy(12))
+                for t in ch.choices[0].token_ids]
+    offline = reference.generate(prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert streamed == plain == offline[0].outputs[0].token_ids
+
+
+def test_token_id_prompt_and_n2(live):
+    c = live.client()
+    r = c.completions.create(model="tiny", prompt=[1, 80, 81, 82], n=2, max_tokens=6, seed=7,
+                             extra_body={"ignore_eos": True})
+    assert sorted(ch.index for ch in r.choices) == [0, 1]
+    assert all(len(ch.token_ids) == 6 for ch in r.choices) and r.usage.completion_tokens == 12
+    streamed = list(c.completions.create(model="tiny", prompt=[1, 80, 81, 82], n=2, max_tokens=6, seed=7,
+                                         stream=True, extra_body={"ignore_eos": True}))
+    by_index = {0: [], 1: []}
+    for ch in streamed:
+        for choice in ch.choices:
+            by_index[choice.index] += choice.token_ids
+    assert [by_index[0], by_index[1]] == [r.choices[0].token_ids, r.choices[1].token_ids]
+
+
+def test_stop_string_cuts_text_across_tokens():
+    tok = ByteTokenizer(1024, add_bos=False)
+    dec = Decoding(tok, 1, ["wor"])
+    sent = [dec.add(0, [t])[1] for t in tok.encode("hello world")]
+    assert "".join(sent) == "hello " and dec.samples[0].finish_reason == "stop" and dec.all_stopped()
+
+
+def wait_for(cond, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_client_disconnect_frees_kv(live):
+    aborted = live.metric("kvlab_requests_aborted_total")
+    body = {"model": "tiny", "prompt": "disconnect me", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=30) as h, h.stream("POST", live.url + "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        assert live.metric("kvlab_kv_units_used") > 0
+    assert wait_for(lambda: live.metric("kvlab_requests_aborted_total") == aborted + 1)
+    assert wait_for(lambda: live.metric("kvlab_kv_units_used") == 0)
+
+
+def test_fifty_concurrent_clients(live, reference):
+    prompts = [f"client {i}: " + "x" * (i % 7) for i in range(50)]
+    c = live.client()
+    ask = lambda p: c.completions.create(model="tiny", prompt=p, **greedy(4)).choices[0].token_ids
+    with ThreadPoolExecutor(50) as pool:
+        got = list(pool.map(ask, prompts))
+    want = [o.outputs[0].token_ids for o in
+            reference.generate(prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))]
+    assert got == want
+
+
+BAD_BODIES = [
+    b"{not json",
+    b"[1, 2]",
+    json.dumps({"prompt": ""}).encode(),
+    json.dumps({"prompt": 5}).encode(),
+    json.dumps({"prompt": "x", "max_tokens": 0}).encode(),
+    json.dumps({"prompt": "x", "max_tokens": "ten"}).encode(),
+    json.dumps({"prompt": "x", "temperature": -1}).encode(),
+    json.dumps({"prompt": "x", "top_p": 0}).encode(),
+    json.dumps({"prompt": "x", "top_k": 0}).encode(),
+    json.dumps({"prompt": "x", "n": 0}).encode(),
+    json.dumps({"prompt": "x", "stop_token_ids": [-1]}).encode(),
+    json.dumps({"prompt": "x", "max_tokens": 100000}).encode(),          # too long for max_model_len
+    json.dumps({"prompt": [1, 10 ** 9]}).encode(),                          # token id outside the vocabulary
+    json.dumps({"prompt": "x", "stream": "yes"}).encode(),
+    json.dumps({"prompt": "x", "stream_options": {"include_usage": True}}).encode(),
+    json.dumps({"prompt": "x", "ignore_eos": 1}).encode(),
+    json.dumps({"prompt": "x", "stop": [""]}).encode(),
+]
+
+
+def test_bad_requests_get_openai_400_while_good_one_runs(live):
+    c = live.client()
+    with ThreadPoolExecutor(1) as pool:
+        good = pool.submit(lambda: c.completions.create(model="tiny", prompt="good", **greedy(40)))
+        for body in BAD_BODIES:
+            r = httpx.post(live.url + "/v1/completions", content=body, timeout=10,
+                           headers={"content-type": "application/json"})
+            assert r.status_code == 400, (body, r.text)
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["message"], body
+        bad_chat = httpx.post(live.url + "/v1/chat/completions", json={"messages": []}, timeout=10)
+        assert bad_chat.status_code == 400 and bad_chat.json()["error"]["param"] == "messages"
+        assert good.result(60).usage.completion_tokens == 40
+    assert httpx.get(live.url + "/health").status_code == 200
+
+
+def test_full_waiting_queue_is_429():
+    s = LiveServer(max_waiting=0)
+    try:
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "x"}, timeout=10)
+        assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+    finally:
+        s.stop()
+
+
+def memfd_count() -> int:
+    count = 0
+    for f in Path("/proc/self/fd").iterdir():
+        try:
+            count += "memfd" in os.readlink(f)
+        except OSError:                         # the fd of the listing itself, closed meanwhile
+            pass
+    return count
+
+
+def children_of(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def test_sigterm_during_load_exits_zero():
+    memfds = memfd_count()
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "kvlab.experiments.cli", "serve", "--model", "tiny",
+                             "--backend", "vmm", "--port", "0"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        url = re.search(r"http://\S+", line).group(0)
+        assert wait_for(lambda: _healthy(url), 30)
+        body = {"model": "tiny", "prompt": "load", "max_tokens": 500, "ignore_eos": True}
+        pool = ThreadPoolExecutor(8)
+        futures = [pool.submit(_post_quietly, url, body) for _ in range(8)]
+        assert wait_for(lambda: _running(url) > 0, 20)
+        kids = children_of(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, proc.stderr.read()
+        for f in futures:
+            f.result(30)                       # every client got an answer or a closed connection
+        pool.shutdown()
+        assert not [k for k in kids if Path(f"/proc/{k}").exists()]
+        assert memfd_count() == memfds
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _running(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=5).text
+    return float(re.search(r"^kvlab_num_requests_running (\S+)$", text, re.M).group(1))
+
+
+def _post_quietly(url: str, body: dict) -> int:
+    try:
+        return httpx.post(url + "/v1/completions", json=body, timeout=30).status_code
+    except httpx.HTTPError:
+        return -1
