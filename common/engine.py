@@ -117,6 +117,19 @@ class Engine:
         """The sequences holding KV now, oldest admission first (a copy)."""
         return list(self.scheduler.running)
 
+    def queue_depths(self) -> tuple[int, int, int]:
+        """(running, waiting, swapped) sequences."""
+        s = self.scheduler
+        return len(s.running), len(s.waiting), len(s.swapped)
+
+    def partial_tokens(self, request_id: str) -> list[list[int]] | None:
+        """The output tokens of an unfinished request so far, one list per sample (a copy); None when the engine
+        no longer holds it or it is a beam search (whose beams are not final until the end)."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None or req.beam is not None:
+            return None
+        return [list(s.output_token_ids) for s in req.seqs]
+
     # -- the loop -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One iteration; returns the requests that finished (or failed) in it."""

@@ -16,7 +16,6 @@ from typing import Any
 
 from kvlab.common.errors import KvlabError
 from kvlab.common.sampling_params import SamplingParams
-from kvlab.experiments.serve import engine_view
 
 log = logging.getLogger("kvlab.serve")
 IDLE_WAIT_S = 0.05
@@ -119,7 +118,7 @@ class EngineLoop:
     def _step(self) -> None:
         finished = self.engine.step()
         for rid, live in self.live.items():
-            tokens = engine_view.partial_tokens(self.engine, rid)
+            tokens = self.engine.partial_tokens(rid)
             if tokens is not None:
                 self._send_new(live, tokens)
         now = time.perf_counter()
@@ -132,7 +131,7 @@ class EngineLoop:
         self._publish()
 
     def _publish(self) -> None:
-        running, waiting, swapped = engine_view.queue_depths(self.engine)
+        running, waiting, swapped = self.engine.queue_depths()
         with self.lock:
             self.waiting = waiting
         self.metrics.on_step(self.engine, running, waiting, swapped, force=not self.engine.has_unfinished())

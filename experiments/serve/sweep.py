@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 from kvlab.common.errors import ConfigError
-from kvlab.experiments.serve.bench_cli import bench_once
+from kvlab.experiments.serve.load_run import bench_once
 
 log = logging.getLogger("kvlab.bench.serve")
 START_TIMEOUT_S = 120

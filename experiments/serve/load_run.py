@@ -1,0 +1,42 @@
+"""One measured load run against an OpenAI-compatible server: the plan (prompts and arrivals, from the flags and
+seed only) and the vLLM-named result. Shared by `kvlab bench serve` and the paired sweep."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+from typing import Any
+
+from kvlab.common.errors import ConfigError
+from kvlab.experiments.serve import datasets, latency
+from kvlab.experiments.serve.arrivals import arrival_times
+from kvlab.experiments.serve.client import run_load
+
+
+def load_plan(args: argparse.Namespace, rate: float) -> tuple[list[datasets.LoadRequest], list[float]]:
+    """Prompts and arrivals depend only on the flags and seed: every backend and rerun gets the same."""
+    reqs = datasets.build(args.dataset, args.num_prompts, args.seed, args.vocab_size, scale=args.scale,
+                          input_len=args.input_len, output_len=args.output_len, range_ratio=args.range_ratio)
+    if reqs[0].timestamp is not None:
+        return reqs, [r.timestamp for r in reqs]
+    return reqs, arrival_times(len(reqs), rate, args.burstiness, args.seed).tolist()
+
+
+def bench_once(args: argparse.Namespace, base_url: str, rate: float, model: str | None = None) -> dict[str, Any]:
+    try:
+        percentiles = tuple(float(p) for p in args.metric_percentiles)
+    except ValueError:
+        raise ConfigError(f"bad --metric-percentiles {args.metric_percentiles}: numbers like 50,90,99") from None
+    slos = latency.parse_goodput(args.goodput)
+    reqs, arrivals = load_plan(args, rate)
+    records, duration, peak = asyncio.run(run_load(base_url, reqs, arrivals, args.max_concurrency,
+                                                   model if model is not None else args.model))
+    result = latency.summarize(records, duration, slos, tuple(args.percentile_metrics), percentiles, peak)
+    result.update({"request_rate": rate, "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
+                   "num_prompts": args.num_prompts, "dataset": args.dataset, "seed": args.seed,
+                   "errors": sorted({r.error for r in records if r.error})[:5]})
+    return result
+
+
+def format_result(r: dict[str, Any]) -> str:
+    keys = [k for k in r if isinstance(r[k], (int, float)) and not isinstance(r[k], bool)]
+    return "\n".join(f"{k:<32} {r[k]:.3f}" if isinstance(r[k], float) else f"{k:<32} {r[k]}" for k in keys)
