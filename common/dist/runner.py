@@ -111,7 +111,8 @@ class TPRunner:
         steps = max(self.steps, 1)
         comm = self.broadcast_s + self.timer.allreduce_s
         return {"tp_steps": self.steps, "broadcast_us": 1e6 * self.broadcast_s / steps,
-                "allreduce_us": 1e6 * self.timer.allreduce_s / steps, "allreduces_per_step": self.timer.allreduces / steps,
+                "allreduce_us": 1e6 * self.timer.allreduce_s / steps,
+                "allreduces_per_step": self.timer.allreduces / steps,
                 "step_us": 1e6 * self.step_s / steps, "comm_share": comm / self.step_s if self.step_s else 0.0}
 
     def reset_comm_stats(self) -> None:

@@ -115,9 +115,8 @@ class SafetensorsReader:
     (name, dim, start, stop, shape read) for tests."""
 
     def __init__(self, path: Path) -> None:
-        from safetensors import safe_open
-
         from kvlab.common.loader import safetensors_files
+        from safetensors import safe_open
         self.handles = [safe_open(str(f), framework="pt", device="cpu") for f in safetensors_files(path)]
         self.where = {name: h for h in self.handles for name in h.keys()  # noqa: SIM118
                       if not name.endswith(IGNORED_SUFFIXES)}
