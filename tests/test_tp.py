@@ -164,6 +164,20 @@ def test_killed_rank_is_one_line_and_leaves_nothing():
 
 
 @pytest.mark.slow
+def test_ctrl_c_tears_down_every_rank():
+    import _thread
+    import threading
+    with LLM(tensor_parallel_size=2, **tight("paged")) as llm:
+        pid = llm.engine.runner.rank_infos()[1]["pid"]
+        threading.Timer(1.0, _thread.interrupt_main).start()
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(PROMPTS * 20, GREEDY)
+        assert not multiprocessing.active_children()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+@pytest.mark.slow
 def test_close_tears_down_every_rank():
     llm = LLM(tensor_parallel_size=2, **tight("paged"))
     pid = llm.engine.runner.rank_infos()[1]["pid"]

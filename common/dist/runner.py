@@ -94,7 +94,10 @@ class TPRunner:
         except TensorParallelError:
             raise
         except BaseException as e:     # Ctrl-C included: the ranks are out of step now, so tear them all down
-            raise self.failure(e) from (None if isinstance(e, Exception) else e)
+            error = self.failure(e)
+            if error is e:
+                raise
+            raise error from None
         self.step_s += time.perf_counter() - start
         self.steps += 1
         return sampled
