@@ -42,6 +42,7 @@ class EngineConfig:
     threads: int = 0                     # torch threads; 0 = leave torch's default
     enable_prefix_caching: bool = False
     check_invariants: bool = False       # debug: verify mapped coverage before every kernel call
+    tensor_parallel_size: int = 1        # ranks sharding the model and KV heads (common/dist/)
     options: dict[str, Any] = field(default_factory=dict)   # backend name -> its options dataclass
 
     def __post_init__(self) -> None:
@@ -83,7 +84,8 @@ class EngineConfig:
 
 
 def validate(cfg: EngineConfig) -> None:
-    check_positive(cfg, "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
+    check_positive(cfg, "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                   "tensor_parallel_size")
     check_types(cfg)
     if cfg.backend not in REGISTRY.names():
         raise ConfigError(f"unknown backend {cfg.backend!r}; choose one of: {', '.join(REGISTRY.names())}")

@@ -53,8 +53,12 @@ class Engine:
     def from_model(cls, config: EngineConfig, model: Any, tokenizer: Any = None, **kwargs: Any) -> Engine:
         """Real cache + TorchRunner around an already built model."""
         from kvlab.common.runner import TorchRunner
-        cache = create_cache(config, model.kv_shape(config.dtype, config.device))
-        runner = TorchRunner(model, cache.storage, seed=config.seed, max_model_len=config.max_model_len)
+        if config.tensor_parallel_size > 1:      # tensor parallelism: spawned ranks, see common/dist/
+            from kvlab.common.dist.runner import build_tp
+            cache, runner = build_tp(config, model)
+        else:
+            cache = create_cache(config, model.kv_shape(config.dtype, config.device))
+            runner = TorchRunner(model, cache.storage, seed=config.seed, max_model_len=config.max_model_len)
         c = model.config
         return cls(config, cache, runner, tokenizer, c.eos_token_ids, c.vocab_size, **kwargs)
 
@@ -198,4 +202,8 @@ class Engine:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self.cache.close()
+            try:
+                self.cache.close()
+            finally:
+                if hasattr(self.runner, "close"):    # e.g. the tensor-parallel runner's ranks
+                    self.runner.close()

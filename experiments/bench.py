@@ -238,15 +238,20 @@ def bench_backend(name: str, plan: BenchPlan, model: Any, tokenizer: Any, label:
     try:
         warm_up(engine, plan)
         engine.reset_metrics()
+        comm_stats = getattr(engine.runner, "comm_stats", None)      # tensor parallelism (common/dist/)
+        if comm_stats is not None:
+            engine.runner.reset_comm_stats()
         t0 = engine.runner.clock()
         outputs = drive(engine, plan, t0, bar_for(label or name, len(plan.requests), progress))
         m = engine.metrics()
         stats = engine.cache_stats()
+        comm = comm_stats() if comm_stats is not None else None
     finally:
         engine.close()
     row = {k: getattr(m, k) for k in RUN_KEYS}
     row["cache"] = {k: v for k, v in stats.to_dict().items() if k != "extra"}
     row["cache_extra"] = stats.extra
+    row["tp_comm"] = comm
     row["bytes_per_token"] = engine.cache.shape.bytes_per_token
     row["timeline"] = {**m.timeline, "time": [t - t0 for t in m.timeline["time"]]}
     row["output_ids"] = [outputs[i] for i in range(len(plan.requests))]
@@ -324,6 +329,10 @@ def side_by_side(runs: list[dict[str, Any]]) -> str:
         ("kernel fallbacks", lambda r: str(len(r["kernel_fallbacks"]))),
         ("outputs = first backend", lambda r: f"{r['outputs_match_first']}/{r['num_requests']}"),
     ]
+    if any(r.get("tp_comm") for r in runs):       # tensor parallelism: rank 0's communication per step
+        rows.append(("TP bcast + allreduce us/step", lambda r: "-" if not r.get("tp_comm") else
+                     f"{r['tp_comm']['broadcast_us']:,.0f} + {r['tp_comm']['allreduce_us']:,.0f} "
+                     f"({pct(r['tp_comm']['comm_share'])} of {r['tp_comm']['step_us']:,.0f})"))
     body = [[label, *(f(r) for r in runs)] for label, f in rows]
     return table(["", *(r["backend"] for r in runs)], body)
 

@@ -22,7 +22,8 @@ SUBCOMMANDS = ("generate", "bench", "simulate", "fallbacks", "sharing", "serve")
 # CLI flag -> EngineConfig field; each is optional and, when given, overrides the TOML file. Backends' own
 # options (block_size, page_size, ...) get their flags from their options dataclasses (see backend_flags).
 GENERIC_FLAGS = ("model", "backend", "kv_cache_bytes", "watermark", "preemption_mode", "max_num_seqs",
-                 "max_num_batched_tokens", "max_model_len", "dtype", "device", "kernel", "seed", "threads")
+                 "max_num_batched_tokens", "max_model_len", "dtype", "device", "kernel", "seed", "threads",
+                 "tensor_parallel_size")
 SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "kb": 1000, "m": 1024**2, "mib": 1024**2, "mb": 1000**2,
               "g": 1024**3, "gib": 1024**3, "gb": 1000**3, "t": 1024**4, "tib": 1024**4, "tb": 1000**4}
 
@@ -100,6 +101,7 @@ def add_engine_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> 
         "max_model_len": {"type": int}, "dtype": {}, "device": {},
         "kernel": {"help": "attention kernel: auto or a registry name"},
         "seed": {"type": int}, "threads": {"type": int, "help": "torch threads (0 = torch default)"},
+        "tensor_parallel_size": {"type": int, "help": "ranks sharding the model and KV heads (CPU: gloo)"},
     }
     for name, kw in flags.items():
         if name not in skip:

@@ -1,0 +1,99 @@
+"""A worker rank (1..tp-1): load this rank's shard, build this rank's own KV-cache backend, then follow rank
+0's messages: replay each step's allocation ops, prepare the batch over the mirror sequences and run the
+shard's forward (its all-reduces pair with rank 0's). Any failure is reported as (rank, one line)."""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from kvlab.common.dist.group import Groups, destroy_groups, die_with_parent, init_groups, rank_device
+from kvlab.common.dist.message import Mirror
+from kvlab.common.dist.shard import CommTimer, SafetensorsReader, build_shard, model_reader
+
+
+def worker_main(rank: int, tp: int, port: int, config: Any, errors: Any) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)        # Ctrl-C is rank 0's to handle: it tears us down
+    die_with_parent()
+    torch.set_num_threads(config.threads or max(1, (os.cpu_count() or 1) // tp))
+    cache = None
+    try:
+        groups = init_groups(rank, tp, port, config.device)
+        model = load_shard(config, rank, tp, groups)
+        cache = rank_cache(config, model, rank)
+        serve(rank, model, cache, groups)
+    except BaseException as e:  # noqa: BLE001 (report anything, then exit non-zero)
+        from kvlab.common.weights import first_line
+        errors.put((rank, f"{type(e).__name__}: {first_line(e)}"))
+        errors.close()
+        errors.join_thread()
+        sys.exit(1)
+    finally:
+        if cache is not None:
+            cache.close()
+        destroy_groups()
+
+
+def load_shard(config: Any, rank: int, tp: int, groups: Groups):
+    """HF directories: read only this rank's slices. Presets and GGUF: load whole, keep this rank's shard."""
+    device = rank_device(config.device, rank)
+    path = Path(str(config.model)).expanduser()
+    if path.is_dir():
+        from kvlab.common.loader import config_from_hf, read_json
+        model_config = config_from_hf(read_json(path / "config.json"), path / "config.json")
+        read = SafetensorsReader(path)
+    else:
+        from kvlab.common.loader import load_model
+        full, _ = load_model(config.model, config.dtype, "cpu", config.seed)
+        model_config, read = full.config, model_reader(full)
+    model = build_shard(model_config, rank, tp, read, config.dtype, device, groups.device, CommTimer())
+    model.ensure_rope_len(config.max_model_len)
+    return model
+
+
+def rank_cache(config: Any, model: Any, rank: int):
+    """This rank's own backend instance over its KV heads, with its share of the KV budget."""
+    from kvlab.common.kv.seam import create_cache
+    per_rank = config.replace(kv_cache_bytes=config.kv_cache_bytes // config.tensor_parallel_size)
+    device = rank_device(config.device, rank)
+    return create_cache(per_rank, model.kv_shape(config.dtype, device))
+
+
+def rank_info(cache: Any) -> dict[str, Any]:
+    """What rank 0 gathers to compare ranks: an allocator digest and this rank's KV bytes."""
+    import hashlib
+    import json
+    snap = json.dumps(cache.allocator.snapshot(), sort_keys=True, default=repr)
+    stats = cache.stats()
+    return {"pid": os.getpid(), "digest": hashlib.sha256(snap.encode()).hexdigest(),
+            "free_units": cache.allocator.num_free_units(), "total_units": cache.allocator.num_total_units(),
+            "bytes_per_token": cache.shape.bytes_per_token, "reserved_bytes": stats.reserved_bytes,
+            "mapped_bytes": stats.mapped_bytes}
+
+
+def serve(rank: int, model: Any, cache: Any, groups: Groups) -> None:
+    mirror = Mirror(cache.allocator)
+    while True:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=groups.control)
+        kind, msg = box[0]
+        items = mirror.apply(msg)
+        if kind == "stop":
+            return
+        if kind == "info":
+            dist.all_gather_object([None] * dist.get_world_size(), rank_info(cache), group=groups.control)
+        elif items:
+            forward(model, cache, items)
+
+
+def forward(model: Any, cache: Any, items: list) -> None:
+    meta = cache.storage.prepare(items)
+    meta.logits_indices = meta.logits_indices[:0]        # rank 0 samples: skip the LM head here
+    ids = [t for it in items for t in it.seq.token_ids[it.start:it.context_len]]
+    input_ids = torch.tensor(ids, dtype=torch.int64, device=model.device)
+    with torch.inference_mode():
+        model.forward(input_ids, meta.input_positions, cache.storage, meta)
