@@ -21,6 +21,7 @@ from typing import Any
 from kvlab.common.config import EngineConfig
 from kvlab.common.errors import ConfigError
 from kvlab.experiments import cli
+from kvlab.experiments.report import workload_changes
 from kvlab.experiments.workload import Request, build_workload, parse_workload, prompt_token_ids, scaled
 
 log = logging.getLogger("kvlab.bench")
@@ -48,6 +49,7 @@ class BenchPlan:
     prompts: list[list[int]]
     warmup: int
     out_dir: Path
+    changes: list[str]               # every transformation applied to the workload, printed in the header
 
 
 # -- CLI ------------------------------------------------------------------------------------------------------
@@ -59,8 +61,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--num-requests", type=int, default=DEFAULT_REQUESTS)
     p.add_argument("--workload", type=cli.arg_type(parse_workload), default=parse_workload("seed"),
                    help="seed | fixed:P:O | uniform:PLO-PHI:OLO-OHI | trace:FILE.jsonl")
-    p.add_argument("--scale", type=float, default=DEFAULT_SCALE, help="multiply every length (seed: 1/8)")
-    p.add_argument("--max-len", type=int, default=4096, help="max prompt + output before --scale")
+    p.add_argument("--scale", type=float, default=None,
+                   help="multiply every length (default: 1/8 for the seed workload, 1 for any other)")
+    p.add_argument("--max-len", type=int, default=4096, help="max prompt + output before --scale (synthetic kinds)")
     p.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second (0: all at once)")
     p.add_argument("--warmup", type=int, default=WARMUP_REQUESTS, help="warm-up requests per backend run")
     p.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
@@ -125,8 +128,8 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def make_plan(args: argparse.Namespace, model: Any) -> BenchPlan:
-    spec = dataclasses.replace(args.workload, num_requests=args.num_requests, scale=args.scale, max_len=args.max_len,
-                               rate=args.rate, seed=args.seed if args.seed is not None else 0)
+    spec = dataclasses.replace(args.workload, num_requests=args.num_requests, scale=default_scale(args),
+                               max_len=args.max_len, rate=args.rate, seed=args.seed if args.seed is not None else 0)
     requests = build_workload(spec)
     longest = max(r.total_len for r in requests)
     probe = cli.engine_config(args, backend=args.backends[0])
@@ -136,7 +139,16 @@ def make_plan(args: argparse.Namespace, model: Any) -> BenchPlan:
                for b in args.backends}
     prompts = prompt_token_ids(requests, model.config.vocab_size, seed=spec.seed)
     out = Path(args.out) if args.out else Path("results") / datetime.now().strftime("%Y%m%d-%H%M%S")
-    return BenchPlan(list(args.backends), configs, requests, prompts, args.warmup, out)
+    changes = workload_changes(spec, scale_given=args.scale is not None, default_scale=DEFAULT_SCALE)
+    return BenchPlan(list(args.backends), configs, requests, prompts, args.warmup, out, changes)
+
+
+def default_scale(args: argparse.Namespace) -> float:
+    """--scale when given; else 1/8 for the built-in seed distribution (CPU-sized) and 1 for anything the user
+    supplied (a trace, fixed or uniform lengths): user data is never transformed unless asked."""
+    if args.scale is not None:
+        return args.scale
+    return DEFAULT_SCALE if args.workload.kind == "seed" else 1.0
 
 
 def backend_defaults(args: argparse.Namespace, backend: str) -> dict[str, Any]:
@@ -187,6 +199,7 @@ def describe(plan: BenchPlan, model: Any) -> str:
          f"{', '.join(plan.backends)}"),
         (f"workload: {len(plan.requests)} requests, prompts {min(p)}-{max(p)} (mean {sum(p) / len(p):.0f}), "
          f"outputs {min(o)}-{max(o)} (mean {sum(o) / len(o):.0f}), greedy, ignore_eos"),
+        f"workload changes: {'; '.join(plan.changes) or 'none'}",
         (f"KV budget {c.kv_cache_bytes / 2**20:.1f} MiB = {c.kv_cache_bytes // shape.bytes_per_token:,} tokens "
          f"({shape.bytes_per_token:,} B/token); reserve holds {reserve_seqs} x {c.max_model_len} tokens; "
          f"block {c.options_of('paged').block_size} tokens, page {c.options_of('vmm').page_size // 1024} KiB "

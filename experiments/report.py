@@ -58,3 +58,24 @@ def write_csv(path: str | Path, rows: list[dict[str, Any]]) -> None:
         for row in rows:
             writer.writerow({k: (v if isinstance(v, (int, float, str)) or v is None else repr(v))
                              for k, v in row.items()})
+
+
+def workload_changes(spec: Any, scale_given: bool, default_scale: float = 1.0) -> list[str]:
+    """Every transformation a run applies to its workload, in words, for the run's header (none is silent)."""
+    changes = []
+    if spec.scale != 1:
+        why = "--scale" if scale_given else f"default for {spec.kind}; --scale 1 keeps the lengths"
+        changes.append(f"every length x{spec.scale:g} ({why})")
+    if spec.kind == "trace":
+        total = sum(1 for line in Path(spec.trace).read_text().splitlines() if line.strip())
+        if total > spec.num_requests:
+            changes.append(f"first {spec.num_requests} of the trace's {total} requests (--num-requests)")
+    else:
+        limit = max(1, round(spec.max_len * spec.scale))
+        changes.append(f"prompts cut so prompt + output <= {limit} (--max-len {spec.max_len}"
+                       f"{f' x {spec.scale:g}' if spec.scale != 1 else ''})")
+    return changes
+
+
+def changes_line(spec: Any, scale_given: bool, default_scale: float = 1.0) -> str:
+    return f"workload changes: {'; '.join(workload_changes(spec, scale_given, default_scale)) or 'none'}"

@@ -16,6 +16,7 @@ from typing import Any
 
 from kvlab.common.errors import ConfigError
 from kvlab.experiments import cli
+from kvlab.experiments.report import changes_line
 from kvlab.experiments.workload import WorkloadSpec, build_workload, parse_workload, prompt_token_ids
 
 ARTICLE = {"parallel": (0.061, 0.098), "beam": (0.376, 0.552)}
@@ -63,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
     spec = dataclasses.replace(args.workload, num_requests=args.num_requests, scale=args.scale,
                                seed=args.seed if args.seed is not None else 0)
     requests = build_workload(spec)
+    print(changes_line(spec, scale_given=args.scale != 1.0))
     probe = cli.engine_config(args, backend=args.backends[0])
     torch.set_num_threads(probe.threads or 1)
     model, _ = load_model(probe.model, probe.dtype, probe.device, probe.seed)

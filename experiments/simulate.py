@@ -13,6 +13,7 @@ from kvlab.common.config import load_toml
 from kvlab.common.errors import ConfigError
 from kvlab.common.kv.registry import get_backend
 from kvlab.experiments import cli
+from kvlab.experiments.report import changes_line
 from kvlab.experiments.roofline import HARDWARE, hardware, model_spec
 from kvlab.experiments.simulation import SimCase, SimRow, SimSettings, policies, policy_backend, run_cases
 from kvlab.experiments.workload import build_workload, parse_workload
@@ -85,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
     if args.seeds < 1:
         raise ConfigError(f"--seeds must be >= 1, got {args.seeds}")
     settings = settings_from_args(args)
+    print(changes_line(settings.workload, scale_given=args.scale != 1.0))
     t0 = time.perf_counter()
     if args.preset == "seed" and args.seeds > 1:
         from kvlab.experiments import seed_article
