@@ -50,6 +50,7 @@ class BenchPlan:
     warmup: int
     out_dir: Path
     changes: list[str]               # every transformation applied to the workload, printed in the header
+    x_axis: str = "step"             # plots: engine step or wall seconds
 
 
 # -- CLI ------------------------------------------------------------------------------------------------------
@@ -71,6 +72,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--out", metavar="DIR", help="results directory (default results/<timestamp>)")
     p.add_argument("--suite", choices=["perf"],
                    help="run the performance suite (python -m kvlab.experiments.perf) instead")
+    p.add_argument("--plot-x", choices=["step", "time"], default="step",
+                   help="x axis of batch.png and kv_memory.png: engine step (default) or wall seconds")
     p.add_argument("--no-progress", action="store_true")
     cli.add_engine_flags(p, skip=("backend",))
     p.set_defaults(run=run)
@@ -140,7 +143,8 @@ def make_plan(args: argparse.Namespace, model: Any) -> BenchPlan:
     prompts = prompt_token_ids(requests, model.config.vocab_size, seed=spec.seed)
     out = Path(args.out) if args.out else Path("results") / datetime.now().strftime("%Y%m%d-%H%M%S")
     changes = workload_changes(spec, scale_given=args.scale is not None, default_scale=DEFAULT_SCALE)
-    return BenchPlan(list(args.backends), configs, requests, prompts, args.warmup, out, changes)
+    return BenchPlan(list(args.backends), configs, requests, prompts, args.warmup, out, changes,
+                     getattr(args, "plot_x", "step"))
 
 
 def default_scale(args: argparse.Namespace) -> float:
@@ -222,10 +226,17 @@ def run_rounds(plan: BenchPlan, model: Any, tokenizer: Any, repeats: int, progre
     return [median_run(runs[b]) for b in plan.backends]
 
 
+TIMED_KEYS = ("output_tokens_per_s", "total_tokens_per_s", "ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90",
+              "allocator_seconds", "allocator_share", "scheduler_seconds", "wall_seconds")
+
+
 def median_run(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median-throughput run, with every timed figure of every repeat beside it (`repeats`) so each can
+    be reported with its spread."""
     ordered = sorted(rows, key=lambda r: r["output_tokens_per_s"])
     chosen = dict(ordered[(len(ordered) - 1) // 2])
     chosen["repeats_output_tokens_per_s"] = [r["output_tokens_per_s"] for r in rows]
+    chosen["repeats"] = {k: [r.get(k) for r in rows] for k in TIMED_KEYS}
     chosen["outputs_stable_across_repeats"] = all(r["output_ids"] == rows[0]["output_ids"] for r in rows)
     return chosen
 
@@ -308,26 +319,33 @@ def mark_matching_outputs(runs: list[dict[str, Any]]) -> None:
 # -- report ---------------------------------------------------------------------------------------------------
 
 def side_by_side(runs: list[dict[str, Any]]) -> str:
-    from kvlab.experiments.report import fmt, pct, table
+    """Deterministic figures once; every timed figure as `median [min-max]` over the repeats; then, per
+    backend against the first, whether their throughput runs overlap."""
+    from kvlab.experiments.report import fmt, pct, table, verdict, with_spread
     ms = lambda v: "-" if v is None else f"{1000 * v:.1f}"
+    timed = lambda key, f=fmt: lambda r: with_spread(r.get("repeats", {}).get(key) or [r[key]], f)
     rows = [
-        ("output tok/s (median)", lambda r: fmt(r["output_tokens_per_s"])),
+        ("output tok/s median [min-max]", timed("output_tokens_per_s")),
         ("  every run", lambda r: " ".join(f"{v:,.0f}" for v in r["repeats_output_tokens_per_s"])),
         ("mean batch (max)", lambda r: f"{r['mean_batch']:.1f} ({r['max_batch']})"),
         ("KV utilisation", lambda r: pct(r["kv_utilization"])),
         ("preemptions", lambda r: fmt(r["preemptions"])),
-        ("TTFT p50 / p90 ms", lambda r: f"{ms(r['ttft_p50'])} / {ms(r['ttft_p90'])}"),
-        ("TPOT p50 / p90 ms", lambda r: f"{ms(r['tpot_p50'])} / {ms(r['tpot_p90'])}"),
-        ("allocator s (share)", lambda r: f"{r['allocator_seconds']:.3f} ({pct(r['allocator_share'])})"),
-        ("scheduler s", lambda r: f"{r['scheduler_seconds']:.2f}"),
-        ("wall s / steps", lambda r: f"{r['wall_seconds']:.1f} / {r['num_steps']}"),
+        ("TTFT p50 ms", timed("ttft_p50", ms)),
+        ("TPOT p50 ms", timed("tpot_p50", ms)),
+        ("allocator share", timed("allocator_share", pct)),
+        ("scheduler s", timed("scheduler_seconds", lambda v: f"{v:.2f}")),
+        ("wall s", timed("wall_seconds", lambda v: f"{v:.1f}")),
+        ("steps", lambda r: fmt(r["num_steps"])),
         ("peak units used", lambda r: f"{r['peak_used_units']:,}/{r['total_units']:,} {r['unit_name']}s"),
         ("kernels (prefill, decode)", lambda r: ", ".join(r["kernels"].get(p, "-") for p in ("prefill", "decode"))),
         ("kernel fallbacks", lambda r: str(len(r["kernel_fallbacks"]))),
         ("outputs = first backend", lambda r: f"{r['outputs_match_first']}/{r['num_requests']}"),
     ]
     body = [[label, *(f(r) for r in runs)] for label, f in rows]
-    return table(["", *(r["backend"] for r in runs)], body)
+    first = runs[0]
+    verdicts = [verdict(r["backend"], r["repeats_output_tokens_per_s"], first["backend"],
+                        first["repeats_output_tokens_per_s"]) for r in runs[1:]]
+    return "\n".join([table(["", *(r["backend"] for r in runs)], body), "", *verdicts])
 
 
 def write_results(plan: BenchPlan, runs: list[dict[str, Any]]) -> None:
@@ -342,14 +360,18 @@ def write_results(plan: BenchPlan, runs: list[dict[str, Any]]) -> None:
     write_csv(out / "results.csv", [{k: v for k, v in r.items() if k not in ("timeline", "cache_extra", "cache")}
                                     for r in slim])
     names = [r["backend"] for r in runs]
+    spread = [(min(r["repeats_output_tokens_per_s"]), max(r["repeats_output_tokens_per_s"])) for r in runs]
     bar_chart(out / "throughput.png", names, [r["output_tokens_per_s"] for r in runs], "output tokens / s",
-              "Throughput")
-    line_chart(out / "batch.png", [Series(r["backend"], r["timeline"]["time"], r["timeline"]["running"])
-                                   for r in runs], "seconds", "running sequences", "Running batch")
+              f"Throughput: median of {len(runs[0]['repeats_output_tokens_per_s'])} runs, bars min-max", spread)
+    by_step = plan.x_axis == "step"      # step index: identical schedules draw identical lines
+    xs = lambda r: list(range(len(r["timeline"]["time"]))) if by_step else r["timeline"]["time"]
+    xlabel = "engine step" if by_step else "seconds"
+    line_chart(out / "batch.png", [Series(r["backend"], xs(r), r["timeline"]["running"]) for r in runs],
+               xlabel, "running sequences", "Running batch")
     mib = lambda r, key: [v * r["bytes_per_token"] / 2**20 for v in r["timeline"][key]]
     memory = []
     for i, r in enumerate(runs):
-        t = r["timeline"]["time"]
-        memory.append(Series(f"{r['backend']} allocated", t, mib(r, "allocated_token_slots"), color=f"C{i}"))
-        memory.append(Series(f"{r['backend']} live", t, mib(r, "live_tokens"), color=f"C{i}", linestyle=":"))
-    line_chart(out / "kv_memory.png", memory, "seconds", "KV MiB", "KV memory held by sequences (dotted: live)")
+        memory.append(Series(f"{r['backend']} allocated", xs(r), mib(r, "allocated_token_slots"), color=f"C{i}",
+                             linestyle="-"))
+        memory.append(Series(f"{r['backend']} live", xs(r), mib(r, "live_tokens"), color=f"C{i}", linestyle=":"))
+    line_chart(out / "kv_memory.png", memory, xlabel, "KV MiB", "KV memory held by sequences (dotted: live)")

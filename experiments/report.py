@@ -79,3 +79,36 @@ def workload_changes(spec: Any, scale_given: bool, default_scale: float = 1.0) -
 
 def changes_line(spec: Any, scale_given: bool, default_scale: float = 1.0) -> str:
     return f"workload changes: {'; '.join(workload_changes(spec, scale_given, default_scale)) or 'none'}"
+
+
+# -- spread across repeats -------------------------------------------------------------------------------------
+
+def median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def with_spread(values: Sequence[float | None], formatter=fmt) -> str:
+    """`median [min-max]` over repeats; just the value for one repeat."""
+    known = [v for v in values if v is not None]
+    if not known:
+        return "-"
+    if len(known) == 1:
+        return formatter(known[0])
+    return f"{formatter(median(known))} [{formatter(min(known))}-{formatter(max(known))}]"
+
+
+def verdict(name_a: str, a: Sequence[float], name_b: str, b: Sequence[float], unit: str = "tok/s") -> str:
+    """Plain words on two backends' repeated runs: a difference is claimed only when every run of one beats every
+    run of the other (disjoint ranges; by chance 1 time in 10 with 3 runs each, less with more), otherwise
+    it says there is no significant difference."""
+    if len(a) < 3 or len(b) < 3:       # with 2 runs each, disjoint ranges happen by chance 1 time in 3
+        return (f"{name_a} vs {name_b}: too few runs to tell ({', '.join(map(fmt, a))} vs {', '.join(map(fmt, b))} "
+                f"{unit}); use --repeats 3 or more")
+    ranges = f"{name_a} {fmt(min(a))}-{fmt(max(a))}, {name_b} {fmt(min(b))}-{fmt(max(b))} {unit} over {len(a)} runs"
+    if min(a) > max(b) or min(b) > max(a):
+        fast, slow = (name_a, name_b) if min(a) > max(b) else (name_b, name_a)
+        ratio = max(median(a), median(b)) / max(min(median(a), median(b)), 1e-12)
+        return f"{fast} faster than {slow} in every run, x{ratio:.2f} by median ({ranges})"
+    return f"{name_a} vs {name_b}: no significant difference, the runs overlap ({ranges})"
