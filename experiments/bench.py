@@ -14,14 +14,13 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from kvlab.common.config import EngineConfig
 from kvlab.common.errors import ConfigError
 from kvlab.experiments import cli
-from kvlab.experiments.report import workload_changes
+from kvlab.experiments.report import results_dir, workload_changes
 from kvlab.experiments.workload import Request, build_workload, parse_workload, prompt_token_ids, scaled
 
 log = logging.getLogger("kvlab.bench")
@@ -141,7 +140,7 @@ def make_plan(args: argparse.Namespace, model: Any) -> BenchPlan:
     configs = {b: cli.engine_config(args, backend=b, **defaults, **backend_defaults(args, b))
                for b in args.backends}
     prompts = prompt_token_ids(requests, model.config.vocab_size, seed=spec.seed)
-    out = Path(args.out) if args.out else Path("results") / datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = results_dir(args.out)
     changes = workload_changes(spec, scale_given=args.scale is not None, default_scale=DEFAULT_SCALE)
     return BenchPlan(list(args.backends), configs, requests, prompts, args.warmup, out, changes,
                      getattr(args, "plot_x", "step"))
@@ -304,8 +303,8 @@ def drive(engine: Any, plan: BenchPlan, t0: float, bar: Any) -> dict[int, list[i
 def bar_for(name: str, total: int, enabled: bool):
     if not enabled:
         return None
-    from tqdm import tqdm
-    return tqdm(total=total, desc=f"{name:>12}", unit="req", leave=True)
+    from kvlab.experiments.report import progress_bar
+    return progress_bar(total=total, desc=f"{name:>12}", unit="req", leave=True)
 
 
 def mark_matching_outputs(runs: list[dict[str, Any]]) -> None:

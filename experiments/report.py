@@ -112,3 +112,32 @@ def verdict(name_a: str, a: Sequence[float], name_b: str, b: Sequence[float], un
         ratio = max(median(a), median(b)) / max(min(median(a), median(b)), 1e-12)
         return f"{fast} faster than {slow} in every run, x{ratio:.2f} by median ({ranges})"
     return f"{name_a} vs {name_b}: no significant difference, the runs overlap ({ranges})"
+
+
+# -- progress --------------------------------------------------------------------------------------------------
+
+LOG_INTERVAL_S = 30.0     # a log that is not a terminal gets one progress line this often, not one per update
+
+
+def progress_bar(iterable: Any = None, **kwargs: Any):
+    """tqdm that redraws in place on a terminal and writes a line at most every LOG_INTERVAL_S into a log
+    (a redirected stderr), so long runs are never silent and never flood a file."""
+    import sys
+
+    from tqdm import tqdm
+    if not sys.stderr.isatty():
+        kwargs = {"mininterval": LOG_INTERVAL_S, "maxinterval": LOG_INTERVAL_S * 2, "ascii": True, **kwargs}
+    return tqdm(iterable, **kwargs)
+
+
+def results_dir(out: str | Path | None, suffix: str = "") -> Path:
+    """--out, or results/<timestamp><suffix>/ (a new directory: a run in the same second gets -2, -3...)."""
+    if out:
+        return Path(out)
+    import time
+    base = Path("results") / (time.strftime("%Y%m%d-%H%M%S") + suffix)
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path

@@ -291,8 +291,8 @@ def _measure(rows, threads, repeats, grid_values, progress, device, cc) -> dict[
     def bar(jobs, desc):
         if not progress:
             return jobs
-        from tqdm import tqdm
-        return tqdm(jobs, desc=desc, leave=False)
+        from kvlab.experiments.report import progress_bar
+        return progress_bar(jobs, desc=desc, leave=False)
 
     timer = Timer(repeats, device)
     dtypes = ("float32", "bfloat16") if device == "cpu" else ("float32", "float16", "bfloat16")
