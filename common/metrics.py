@@ -70,8 +70,12 @@ class RunMetrics:
     num_steps: int = 0
     timeline: dict[str, list] = field(default_factory=dict)
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    def to_dict(self, timeline: bool = False) -> dict[str, Any]:
+        """Every figure as plain data; the per-step timeline (one entry per step) only when asked."""
+        d = dataclasses.asdict(self)
+        if not timeline:
+            d.pop("timeline")
+        return d
 
 
 class MetricsRecorder:

@@ -20,7 +20,7 @@ from typing import Any
 from kvlab.common.config import EngineConfig
 from kvlab.common.errors import ConfigError
 from kvlab.experiments import cli
-from kvlab.experiments.report import results_dir, workload_changes
+from kvlab.experiments.report import results_dir, threads_label, workload_changes
 from kvlab.experiments.workload import Request, build_workload, parse_workload, prompt_token_ids, scaled
 
 log = logging.getLogger("kvlab.bench")
@@ -84,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
     check_args(args)
     probe = cli.engine_config(args, backend=args.backends[0])
-    torch.set_num_threads(probe.threads or 1)
+    if probe.threads:
+        torch.set_num_threads(probe.threads)
     model, tokenizer = load(probe)
     plan = make_plan(args, model)
     print(describe(plan, model))
@@ -174,7 +175,6 @@ def bench_defaults(args: argparse.Namespace, probe: EngineConfig, shape: Any, ma
         "max_num_seqs": DEFAULT_MAX_NUM_SEQS,
         "max_num_batched_tokens": max(2048, max_len, DEFAULT_MAX_NUM_SEQS),
         "kv_cache_bytes": RESERVE_SEQS * max_len * shape.bytes_per_token,
-        "threads": 1,
     }
     if "page_size" not in given:     # same grain as the paged blocks: compare mechanisms, not granularity
         grain = probe.options_of("paged").block_size * shape.bytes_per_token_per_layer
@@ -198,7 +198,7 @@ def describe(plan: BenchPlan, model: Any) -> str:
     reserve_seqs = c.kv_cache_bytes // shape.bytes_per_token // c.max_model_len
     watermarks = ", ".join(f"{b} {plan.configs[b].watermark:g}" for b in plan.backends)
     lines = [
-        (f"kvlab bench: model {c.model} ({c.dtype}, {c.device}, {c.threads} thread(s)), backends "
+        (f"kvlab bench: model {c.model} ({c.dtype}, {c.device}, {threads_label(c.threads)}), backends "
          f"{', '.join(plan.backends)}"),
         (f"workload: {len(plan.requests)} requests, prompts {min(p)}-{max(p)} (mean {sum(p) / len(p):.0f}), "
          f"outputs {min(o)}-{max(o)} (mean {sum(o) / len(o):.0f}), greedy, ignore_eos"),

@@ -28,6 +28,7 @@ def add_parser(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvlab.common.llm import LLM
     from kvlab.common.sampling_params import SamplingParams
+    from kvlab.experiments.report import threads_label
     config = cli.engine_config(args)
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.sample_seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
@@ -45,7 +46,8 @@ def run(args: argparse.Namespace) -> int:
         if args.stats:
             m = llm.metrics()
             print(f"{config.backend}: {m.output_tokens} tokens in {m.wall_seconds:.2f} s "
-                  f"({m.output_tokens_per_s:.1f} tok/s), kernels {m.kernels}", file=sys.stderr)
+                  f"({m.output_tokens_per_s:.1f} tok/s, {threads_label(config.threads)}), kernels {m.kernels}",
+                  file=sys.stderr)
     finally:
         llm.close()
     return 0

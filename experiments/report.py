@@ -141,3 +141,11 @@ def results_dir(out: str | Path | None, suffix: str = "") -> Path:
         n += 1
         path = base.with_name(f"{base.name}-{n}")
     return path
+
+
+def threads_label(threads: int) -> str:
+    """`1 thread`, `4 threads`, or torch's own count when the config says 0."""
+    if not threads:
+        import torch
+        return f"{torch.get_num_threads()} threads (torch default)"
+    return f"{threads} thread{'s' if threads != 1 else ''}"

@@ -16,7 +16,7 @@ from typing import Any
 
 from kvlab.common.errors import ConfigError
 from kvlab.experiments import cli
-from kvlab.experiments.report import changes_line, progress_bar, results_dir
+from kvlab.experiments.report import changes_line, progress_bar, results_dir, threads_label
 from kvlab.experiments.workload import WorkloadSpec, build_workload, parse_workload, prompt_token_ids
 
 ARTICLE = {"parallel": (0.061, 0.098), "beam": (0.376, 0.552)}
@@ -69,7 +69,9 @@ def run(args: argparse.Namespace) -> int:
     requests = build_workload(spec)
     print(changes_line(spec, scale_given=args.scale != 1.0))
     probe = cli.engine_config(args, backend=args.backends[0])
-    torch.set_num_threads(probe.threads or 1)
+    if probe.threads:
+        torch.set_num_threads(probe.threads)
+    print(f"kvlab sharing: model {probe.model} ({probe.dtype}, {probe.device}, {threads_label(probe.threads)})")
     model, _ = load_model(probe.model, probe.dtype, probe.device, probe.seed)
     prompts = prompt_token_ids(requests, model.config.vocab_size, spec.seed)
     outputs = [r.output_len for r in requests]
@@ -124,7 +126,7 @@ def sharing_config(args: argparse.Namespace, backend: str, model: Any, requests:
     block = args.block_size or 16
     seqs = len(requests) * width * (2 if backend == "vmm" else 1)   # beam search keeps 2x candidates briefly
     defaults = {"max_model_len": longest, "max_num_seqs": seqs,
-                    "max_num_batched_tokens": max(2048, seqs), "watermark": 0.0, "threads": 1,
+                    "max_num_batched_tokens": max(2048, seqs), "watermark": 0.0,
                     "kv_cache_bytes": 2 * seqs * (longest + block) * shape.bytes_per_token}
     if args.page_size is None:
         defaults["page_size"] = -(-block * shape.bytes_per_token_per_layer // 4096) * 4096

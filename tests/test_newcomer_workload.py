@@ -35,3 +35,10 @@ def test_every_transformation_is_named(tmp_path):
     assert any("first 2 of the trace's 5" in c for c in changes)
     seed = workload_changes(WorkloadSpec(kind="seed", scale=0.125, max_len=4096), scale_given=False)
     assert any("default for seed" in c for c in seed) and any("<= 512" in c for c in seed)
+
+
+def test_metrics_to_dict_leaves_the_timeline_out_unless_asked():
+    from kvlab.common.metrics import RunMetrics
+    m = RunMetrics(backend="paged", timeline={"time": [0.0, 1.0], "running": [1, 2]})
+    assert "timeline" not in m.to_dict()
+    assert m.to_dict(timeline=True)["timeline"]["running"] == [1, 2]
