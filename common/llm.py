@@ -12,6 +12,7 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 import torch
+from kvlab.common.capacity import warn_capacity
 from kvlab.common.config import make_config
 from kvlab.common.engine import Engine
 from kvlab.common.errors import RequestError
@@ -29,6 +30,7 @@ class LLM:
         if self.config.threads:
             torch.set_num_threads(self.config.threads)
         self.engine = Engine.from_config(self.config)
+        warn_capacity(self.config, self.engine.cache)
         self._metrics: RunMetrics | None = None
 
     @property

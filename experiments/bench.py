@@ -221,7 +221,7 @@ def run_rounds(plan: BenchPlan, model: Any, tokenizer: Any, repeats: int, progre
     for round_ in range(repeats):
         for name in plan.backends:
             label = name if repeats == 1 else f"{name} {round_ + 1}/{repeats}"
-            runs[name].append(bench_backend(name, plan, model, tokenizer, label, progress))
+            runs[name].append(bench_backend(name, plan, model, tokenizer, label, progress, warn=round_ == 0))
     return [median_run(runs[b]) for b in plan.backends]
 
 
@@ -243,10 +243,13 @@ def median_run(rows: list[dict[str, Any]]) -> dict[str, Any]:
 # -- one backend ----------------------------------------------------------------------------------------------
 
 def bench_backend(name: str, plan: BenchPlan, model: Any, tokenizer: Any, label: str = "",
-                  progress: bool = True) -> dict[str, Any]:
+                  progress: bool = True, warn: bool = True) -> dict[str, Any]:
+    from kvlab.common.capacity import warn_capacity
     from kvlab.common.engine import Engine
     config = plan.configs[name]
     engine = Engine.from_model(config, model, tokenizer)
+    if warn:
+        warn_capacity(config, engine.cache)
     try:
         warm_up(engine, plan)
         engine.reset_metrics()
