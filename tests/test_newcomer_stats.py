@@ -22,3 +22,18 @@ def test_disjoint_runs_name_the_faster_backend():
 def test_too_few_runs_claims_nothing():
     text = verdict("vmm", [1400.0, 1500.0], "paged", [1000.0, 1100.0])
     assert "too few runs" in text and "faster" not in text
+
+
+def test_perf_goal_within_noise_is_not_met():
+    from kvlab.experiments.perf.harness import Goal, Result
+    from kvlab.experiments.perf.report import table
+    from kvlab.experiments.perf.report import verdict as perf_verdict
+    goal = Goal(">=", 1.5)
+    straddles = Result("attention", "ratio", 1.55, "x", goal, detail={"per_repeat": [1.43, 1.55, 1.62]})
+    clears = Result("attention", "ratio", 1.8, "x", goal, detail={"per_repeat": [1.7, 1.8, 1.9]})
+    misses = Result("attention", "ratio", 1.2, "x", goal, detail={"per_repeat": [1.1, 1.2, 1.3]})
+    assert perf_verdict(straddles) == "within noise 2/3"
+    assert perf_verdict(clears) == "met 3/3"
+    assert perf_verdict(misses) == "MISSED 0/3"
+    assert perf_verdict(Result("a", "b", 2.0, "x", goal)) == "met (median only)"
+    assert "1.43-1.62" in table([straddles])
