@@ -1,6 +1,5 @@
 """The docs' bench sample is replaced between its markers only, and says how it was made."""
 import pytest
-
 from kvlab.experiments import regenerate_docs as rd
 
 
