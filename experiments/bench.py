@@ -175,6 +175,7 @@ def bench_defaults(args: argparse.Namespace, probe: EngineConfig, shape: Any, ma
         "max_num_seqs": DEFAULT_MAX_NUM_SEQS,
         "max_num_batched_tokens": max(2048, max_len, DEFAULT_MAX_NUM_SEQS),
         "kv_cache_bytes": RESERVE_SEQS * max_len * shape.bytes_per_token,
+        "threads": 1,                # the config default too; named here so a TOML value still wins
     }
     if "page_size" not in given:     # same grain as the paged blocks: compare mechanisms, not granularity
         grain = probe.options_of("paged").block_size * shape.bytes_per_token_per_layer
