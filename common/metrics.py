@@ -76,8 +76,12 @@ class RunMetrics:
     timeline: dict[str, list] = field(default_factory=dict)
     timeline_dropped: int = 0                  # oldest timeline rows dropped to keep it bounded
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    def to_dict(self, timeline: bool = False) -> dict[str, Any]:
+        """Every figure as plain data; the per-step timeline (one entry per step) only when asked."""
+        d = dataclasses.asdict(self)
+        if not timeline:
+            d.pop("timeline")
+        return d
 
 
 class MetricsRecorder:

@@ -14,13 +14,13 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from kvlab.common.config import EngineConfig
 from kvlab.common.errors import ConfigError
 from kvlab.experiments import cli
+from kvlab.experiments.report import results_dir, threads_label, workload_changes
 from kvlab.experiments.workload import Request, build_workload, parse_workload, prompt_token_ids, scaled
 
 log = logging.getLogger("kvlab.bench")
@@ -48,6 +48,8 @@ class BenchPlan:
     prompts: list[list[int]]
     warmup: int
     out_dir: Path
+    changes: list[str]               # every transformation applied to the workload, printed in the header
+    x_axis: str = "step"             # plots: engine step or wall seconds
 
 
 # -- CLI ------------------------------------------------------------------------------------------------------
@@ -59,8 +61,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--num-requests", type=int, default=DEFAULT_REQUESTS)
     p.add_argument("--workload", type=cli.arg_type(parse_workload), default=parse_workload("seed"),
                    help="seed | fixed:P:O | uniform:PLO-PHI:OLO-OHI | trace:FILE.jsonl")
-    p.add_argument("--scale", type=float, default=DEFAULT_SCALE, help="multiply every length (seed: 1/8)")
-    p.add_argument("--max-len", type=int, default=4096, help="max prompt + output before --scale")
+    p.add_argument("--scale", type=float, default=None,
+                   help="multiply every length (default: 1/8 for the seed workload, 1 for any other)")
+    p.add_argument("--max-len", type=int, default=4096, help="max prompt + output before --scale (synthetic kinds)")
     p.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second (0: all at once)")
     p.add_argument("--warmup", type=int, default=WARMUP_REQUESTS, help="warm-up requests per backend run")
     p.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
@@ -68,6 +71,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--out", metavar="DIR", help="results directory (default results/<timestamp>)")
     p.add_argument("--suite", choices=["perf"],
                    help="run the performance suite (python -m kvlab.experiments.perf) instead")
+    p.add_argument("--plot-x", choices=["step", "time"], default="step",
+                   help="x axis of batch.png and kv_memory.png: engine step (default) or wall seconds")
     p.add_argument("--no-progress", action="store_true")
     cli.add_engine_flags(p, skip=("backend",))
     p.set_defaults(run=run)
@@ -81,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
     check_args(args)
     probe = cli.engine_config(args, backend=args.backends[0])
-    torch.set_num_threads(probe.threads or 1)
+    if probe.threads:
+        torch.set_num_threads(probe.threads)
     model, tokenizer = load(probe)
     plan = make_plan(args, model)
     print(describe(plan, model))
@@ -127,8 +133,8 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def make_plan(args: argparse.Namespace, model: Any) -> BenchPlan:
-    spec = dataclasses.replace(args.workload, num_requests=args.num_requests, scale=args.scale, max_len=args.max_len,
-                               rate=args.rate, seed=args.seed if args.seed is not None else 0)
+    spec = dataclasses.replace(args.workload, num_requests=args.num_requests, scale=default_scale(args),
+                               max_len=args.max_len, rate=args.rate, seed=args.seed if args.seed is not None else 0)
     requests = build_workload(spec)
     longest = max(r.total_len for r in requests)
     probe = cli.engine_config(args, backend=args.backends[0])
@@ -138,8 +144,18 @@ def make_plan(args: argparse.Namespace, model: Any) -> BenchPlan:
                for b in args.backends}
     check_budgets(configs, shape)
     prompts = prompt_token_ids(requests, model.config.vocab_size, seed=spec.seed)
-    out = Path(args.out) if args.out else Path("results") / datetime.now().strftime("%Y%m%d-%H%M%S")
-    return BenchPlan(list(args.backends), configs, requests, prompts, args.warmup, out)
+    out = results_dir(args.out)
+    changes = workload_changes(spec, scale_given=args.scale is not None, default_scale=DEFAULT_SCALE)
+    return BenchPlan(list(args.backends), configs, requests, prompts, args.warmup, out, changes,
+                     getattr(args, "plot_x", "step"))
+
+
+def default_scale(args: argparse.Namespace) -> float:
+    """--scale when given; else 1/8 for the built-in seed distribution (CPU-sized) and 1 for anything the user
+    supplied (a trace, fixed or uniform lengths): user data is never transformed unless asked."""
+    if args.scale is not None:
+        return args.scale
+    return DEFAULT_SCALE if args.workload.kind == "seed" else 1.0
 
 
 def check_budgets(configs: dict[str, EngineConfig], shape: Any) -> None:
@@ -170,7 +186,7 @@ def bench_defaults(args: argparse.Namespace, probe: EngineConfig, shape: Any, ma
         "max_num_seqs": DEFAULT_MAX_NUM_SEQS,
         "max_num_batched_tokens": max(2048, max_len, DEFAULT_MAX_NUM_SEQS),
         "kv_cache_bytes": RESERVE_SEQS * max_len * shape.bytes_per_token,
-        "threads": 1,
+        "threads": 1,                # the config default too; named here so a TOML value still wins
     }
     if "page_size" not in given:     # same grain as the paged blocks: compare mechanisms, not granularity
         grain = probe.options_of("paged").block_size * shape.bytes_per_token_per_layer
@@ -194,10 +210,11 @@ def describe(plan: BenchPlan, model: Any) -> str:
     reserve_seqs = c.kv_cache_bytes // shape.bytes_per_token // c.max_model_len
     watermarks = ", ".join(f"{b} {plan.configs[b].watermark:g}" for b in plan.backends)
     lines = [
-        (f"kvlab bench: model {c.model} ({c.dtype}, {c.device}, {c.threads} thread(s)), backends "
+        (f"kvlab bench: model {c.model} ({c.dtype}, {c.device}, {threads_label(c.threads)}), backends "
          f"{', '.join(plan.backends)}"),
         (f"workload: {len(plan.requests)} requests, prompts {min(p)}-{max(p)} (mean {sum(p) / len(p):.0f}), "
          f"outputs {min(o)}-{max(o)} (mean {sum(o) / len(o):.0f}), greedy, ignore_eos"),
+        f"workload changes: {'; '.join(plan.changes) or 'none'}",
         (f"KV budget {c.kv_cache_bytes / 2**20:.1f} MiB = {c.kv_cache_bytes // shape.bytes_per_token:,} tokens "
          f"({shape.bytes_per_token:,} B/token); reserve holds {reserve_seqs} x {c.max_model_len} tokens; "
          f"block {c.options_of('paged').block_size} tokens, page {c.options_of('vmm').page_size // 1024} KiB "
@@ -216,14 +233,21 @@ def run_rounds(plan: BenchPlan, model: Any, tokenizer: Any, repeats: int, progre
     for round_ in range(repeats):
         for name in plan.backends:
             label = name if repeats == 1 else f"{name} {round_ + 1}/{repeats}"
-            runs[name].append(bench_backend(name, plan, model, tokenizer, label, progress))
+            runs[name].append(bench_backend(name, plan, model, tokenizer, label, progress, warn=round_ == 0))
     return [median_run(runs[b]) for b in plan.backends]
 
 
+TIMED_KEYS = ("output_tokens_per_s", "total_tokens_per_s", "ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90",
+              "allocator_seconds", "allocator_share", "scheduler_seconds", "wall_seconds")
+
+
 def median_run(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median-throughput run, with every timed figure of every repeat beside it (`repeats`) so each can
+    be reported with its spread."""
     ordered = sorted(rows, key=lambda r: r["output_tokens_per_s"])
     chosen = dict(ordered[(len(ordered) - 1) // 2])
     chosen["repeats_output_tokens_per_s"] = [r["output_tokens_per_s"] for r in rows]
+    chosen["repeats"] = {k: [r.get(k) for r in rows] for k in TIMED_KEYS}
     chosen["outputs_stable_across_repeats"] = all(r["output_ids"] == rows[0]["output_ids"] for r in rows)
     return chosen
 
@@ -231,10 +255,13 @@ def median_run(rows: list[dict[str, Any]]) -> dict[str, Any]:
 # -- one backend ----------------------------------------------------------------------------------------------
 
 def bench_backend(name: str, plan: BenchPlan, model: Any, tokenizer: Any, label: str = "",
-                  progress: bool = True) -> dict[str, Any]:
+                  progress: bool = True, warn: bool = True) -> dict[str, Any]:
+    from kvlab.common.capacity import warn_capacity
     from kvlab.common.engine import Engine
     config = plan.configs[name]
     engine = Engine.from_model(config, model, tokenizer)
+    if warn:
+        warn_capacity(config, engine.cache)
     try:
         warm_up(engine, plan)
         engine.reset_metrics()
@@ -296,8 +323,8 @@ def drive(engine: Any, plan: BenchPlan, t0: float, bar: Any) -> dict[int, list[i
 def bar_for(name: str, total: int, enabled: bool):
     if not enabled:
         return None
-    from tqdm import tqdm
-    return tqdm(total=total, desc=f"{name:>12}", unit="req", leave=True)
+    from kvlab.experiments.report import progress_bar
+    return progress_bar(total=total, desc=f"{name:>12}", unit="req", leave=True)
 
 
 def mark_matching_outputs(runs: list[dict[str, Any]]) -> None:
@@ -311,19 +338,23 @@ def mark_matching_outputs(runs: list[dict[str, Any]]) -> None:
 # -- report ---------------------------------------------------------------------------------------------------
 
 def side_by_side(runs: list[dict[str, Any]]) -> str:
-    from kvlab.experiments.report import fmt, pct, table
+    """Deterministic figures once; every timed figure as `median [min-max]` over the repeats; then, per
+    backend against the first, whether their throughput runs overlap."""
+    from kvlab.experiments.report import fmt, pct, table, verdict, with_spread
     ms = lambda v: "-" if v is None else f"{1000 * v:.1f}"
+    timed = lambda key, f=fmt: lambda r: with_spread(r.get("repeats", {}).get(key) or [r[key]], f)
     rows = [
-        ("output tok/s (median)", lambda r: fmt(r["output_tokens_per_s"])),
+        ("output tok/s median [min-max]", timed("output_tokens_per_s")),
         ("  every run", lambda r: " ".join(f"{v:,.0f}" for v in r["repeats_output_tokens_per_s"])),
         ("mean batch (max)", lambda r: f"{r['mean_batch']:.1f} ({r['max_batch']})"),
         ("KV utilisation", lambda r: pct(r["kv_utilization"])),
         ("preemptions", lambda r: fmt(r["preemptions"])),
-        ("TTFT p50 / p90 ms", lambda r: f"{ms(r['ttft_p50'])} / {ms(r['ttft_p90'])}"),
-        ("TPOT p50 / p90 ms", lambda r: f"{ms(r['tpot_p50'])} / {ms(r['tpot_p90'])}"),
-        ("allocator s (share)", lambda r: f"{r['allocator_seconds']:.3f} ({pct(r['allocator_share'])})"),
-        ("scheduler s", lambda r: f"{r['scheduler_seconds']:.2f}"),
-        ("wall s / steps", lambda r: f"{r['wall_seconds']:.1f} / {r['num_steps']}"),
+        ("TTFT p50 ms", timed("ttft_p50", ms)),
+        ("TPOT p50 ms", timed("tpot_p50", ms)),
+        ("allocator share", timed("allocator_share", pct)),
+        ("scheduler s", timed("scheduler_seconds", lambda v: f"{v:.2f}")),
+        ("wall s", timed("wall_seconds", lambda v: f"{v:.1f}")),
+        ("steps", lambda r: fmt(r["num_steps"])),
         ("peak units used", lambda r: f"{r['peak_used_units']:,}/{r['total_units']:,} {r['unit_name']}s"),
         ("kernels (prefill, decode)", lambda r: ", ".join(r["kernels"].get(p, "-") for p in ("prefill", "decode"))),
         ("kernel fallbacks", lambda r: str(len(r["kernel_fallbacks"]))),
@@ -334,7 +365,10 @@ def side_by_side(runs: list[dict[str, Any]]) -> str:
                      f"{r['tp_comm']['broadcast_us']:,.0f} + {r['tp_comm']['allreduce_us']:,.0f} "
                      f"({pct(r['tp_comm']['comm_share'])} of {r['tp_comm']['step_us']:,.0f})"))
     body = [[label, *(f(r) for r in runs)] for label, f in rows]
-    return table(["", *(r["backend"] for r in runs)], body)
+    first = runs[0]
+    verdicts = [verdict(r["backend"], r["repeats_output_tokens_per_s"], first["backend"],
+                        first["repeats_output_tokens_per_s"]) for r in runs[1:]]
+    return "\n".join([table(["", *(r["backend"] for r in runs)], body), "", *verdicts])
 
 
 def write_results(plan: BenchPlan, runs: list[dict[str, Any]]) -> None:
@@ -349,14 +383,18 @@ def write_results(plan: BenchPlan, runs: list[dict[str, Any]]) -> None:
     write_csv(out / "results.csv", [{k: v for k, v in r.items() if k not in ("timeline", "cache_extra", "cache")}
                                     for r in slim])
     names = [r["backend"] for r in runs]
+    spread = [(min(r["repeats_output_tokens_per_s"]), max(r["repeats_output_tokens_per_s"])) for r in runs]
     bar_chart(out / "throughput.png", names, [r["output_tokens_per_s"] for r in runs], "output tokens / s",
-              "Throughput")
-    line_chart(out / "batch.png", [Series(r["backend"], r["timeline"]["time"], r["timeline"]["running"])
-                                   for r in runs], "seconds", "running sequences", "Running batch")
+              f"Throughput: median of {len(runs[0]['repeats_output_tokens_per_s'])} runs, bars min-max", spread)
+    by_step = plan.x_axis == "step"      # step index: identical schedules draw identical lines
+    xs = lambda r: list(range(len(r["timeline"]["time"]))) if by_step else r["timeline"]["time"]
+    xlabel = "engine step" if by_step else "seconds"
+    line_chart(out / "batch.png", [Series(r["backend"], xs(r), r["timeline"]["running"]) for r in runs],
+               xlabel, "running sequences", "Running batch")
     mib = lambda r, key: [v * r["bytes_per_token"] / 2**20 for v in r["timeline"][key]]
     memory = []
     for i, r in enumerate(runs):
-        t = r["timeline"]["time"]
-        memory.append(Series(f"{r['backend']} allocated", t, mib(r, "allocated_token_slots"), color=f"C{i}"))
-        memory.append(Series(f"{r['backend']} live", t, mib(r, "live_tokens"), color=f"C{i}", linestyle=":"))
-    line_chart(out / "kv_memory.png", memory, "seconds", "KV MiB", "KV memory held by sequences (dotted: live)")
+        memory.append(Series(f"{r['backend']} allocated", xs(r), mib(r, "allocated_token_slots"), color=f"C{i}",
+                             linestyle="-"))
+        memory.append(Series(f"{r['backend']} live", xs(r), mib(r, "live_tokens"), color=f"C{i}", linestyle=":"))
+    line_chart(out / "kv_memory.png", memory, xlabel, "KV MiB", "KV memory held by sequences (dotted: live)")

@@ -100,7 +100,7 @@ def add_engine_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> 
         "max_num_seqs": {"type": int}, "max_num_batched_tokens": {"type": int},
         "max_model_len": {"type": int}, "dtype": {}, "device": {},
         "kernel": {"help": "attention kernel: auto or a registry name"},
-        "seed": {"type": int}, "threads": {"type": int, "help": "torch threads (0 = torch default)"},
+        "seed": {"type": int}, "threads": {"type": int, "help": "torch threads (default 1; 0 = torch default)"},
         "tensor_parallel_size": {"type": int, "help": "ranks sharding the model and KV heads (CPU: gloo)"},
     }
     for name, kw in flags.items():

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import sys
 from typing import Any
 
@@ -25,19 +27,34 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(run=run)
 
 
+@contextlib.contextmanager
+def quiet_capacity():
+    logger = logging.getLogger("kvlab.capacity")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def run(args: argparse.Namespace) -> int:
     from kvlab.common.llm import LLM
     from kvlab.common.sampling_params import SamplingParams
+    from kvlab.experiments.report import threads_label
     config = cli.engine_config(args)
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.sample_seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
                             beam_width=args.beam_width)
-    llm = LLM(**config.to_dict())
+    with quiet_capacity():        # a failed request is one line alone; the warnings follow a run that worked
+        llm = LLM(**config.to_dict())
     try:
         (output,) = llm.generate(args.prompt, params)
         if output.error:
             from kvlab.common.errors import RequestError
             raise RequestError(output.error)
+        from kvlab.common.capacity import warn_capacity
+        warn_capacity(llm.config, llm.engine.cache)
         many = len(output.outputs) > 1
         for c in output.outputs:
             text = c.text if c.text is not None else " ".join(map(str, c.token_ids))
@@ -45,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
         if args.stats:
             m = llm.metrics()
             print(f"{config.backend}: {m.output_tokens} tokens in {m.wall_seconds:.2f} s "
-                  f"({m.output_tokens_per_s:.1f} tok/s), kernels {m.kernels}", file=sys.stderr)
+                  f"({m.output_tokens_per_s:.1f} tok/s, {threads_label(config.threads)}), kernels {m.kernels}",
+                  file=sys.stderr)
     finally:
         llm.close()
     return 0

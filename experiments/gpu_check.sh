@@ -17,4 +17,5 @@ else py=python3
 fi
 script=experiments/gpu_check.py
 if [ "${1:-}" = "--first-contact" ]; then shift; script=experiments/first_contact.py; fi
+echo "gpu_check: using $py" >&2
 exec timeout --kill-after=5 475 "$py" "$script" "$@"

@@ -58,3 +58,94 @@ def write_csv(path: str | Path, rows: list[dict[str, Any]]) -> None:
         for row in rows:
             writer.writerow({k: (v if isinstance(v, (int, float, str)) or v is None else repr(v))
                              for k, v in row.items()})
+
+
+def workload_changes(spec: Any, scale_given: bool, default_scale: float = 1.0) -> list[str]:
+    """Every transformation a run applies to its workload, in words, for the run's header (none is silent)."""
+    changes = []
+    if spec.scale != 1:
+        why = "--scale" if scale_given else f"default for {spec.kind}; --scale 1 keeps the lengths"
+        changes.append(f"every length x{spec.scale:g} ({why})")
+    if spec.kind == "trace":
+        total = sum(1 for line in Path(spec.trace).read_text().splitlines() if line.strip())
+        if total > spec.num_requests:
+            changes.append(f"first {spec.num_requests} of the trace's {total} requests (--num-requests)")
+    else:
+        limit = max(1, round(spec.max_len * spec.scale))
+        changes.append(f"prompts cut so prompt + output <= {limit} (--max-len {spec.max_len}"
+                       f"{f' x {spec.scale:g}' if spec.scale != 1 else ''})")
+    return changes
+
+
+def changes_line(spec: Any, scale_given: bool, default_scale: float = 1.0) -> str:
+    return f"workload changes: {'; '.join(workload_changes(spec, scale_given, default_scale)) or 'none'}"
+
+
+# -- spread across repeats -------------------------------------------------------------------------------------
+
+def median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def with_spread(values: Sequence[float | None], formatter=fmt) -> str:
+    """`median [min-max]` over repeats; just the value for one repeat."""
+    known = [v for v in values if v is not None]
+    if not known:
+        return "-"
+    if len(known) == 1:
+        return formatter(known[0])
+    return f"{formatter(median(known))} [{formatter(min(known))}-{formatter(max(known))}]"
+
+
+def verdict(name_a: str, a: Sequence[float], name_b: str, b: Sequence[float], unit: str = "tok/s") -> str:
+    """Plain words on two backends' repeated runs: a difference is claimed only when every run of one beats every
+    run of the other (disjoint ranges; by chance 1 time in 10 with 3 runs each, less with more), otherwise
+    it says there is no significant difference."""
+    if len(a) < 3 or len(b) < 3:       # with 2 runs each, disjoint ranges happen by chance 1 time in 3
+        return (f"{name_a} vs {name_b}: too few runs to tell ({', '.join(map(fmt, a))} vs {', '.join(map(fmt, b))} "
+                f"{unit}); use --repeats 3 or more")
+    ranges = f"{name_a} {fmt(min(a))}-{fmt(max(a))}, {name_b} {fmt(min(b))}-{fmt(max(b))} {unit} over {len(a)} runs"
+    if min(a) > max(b) or min(b) > max(a):
+        fast, slow = (name_a, name_b) if min(a) > max(b) else (name_b, name_a)
+        ratio = max(median(a), median(b)) / max(min(median(a), median(b)), 1e-12)
+        return f"{fast} faster than {slow} in every run, x{ratio:.2f} by median ({ranges})"
+    return f"{name_a} vs {name_b}: no significant difference, the runs overlap ({ranges})"
+
+
+# -- progress --------------------------------------------------------------------------------------------------
+
+LOG_INTERVAL_S = 30.0     # a log that is not a terminal gets one progress line this often, not one per update
+
+
+def progress_bar(iterable: Any = None, **kwargs: Any):
+    """tqdm that redraws in place on a terminal and writes a line at most every LOG_INTERVAL_S into a log
+    (a redirected stderr), so long runs are never silent and never flood a file."""
+    import sys
+
+    from tqdm import tqdm
+    if not sys.stderr.isatty():
+        kwargs = {"mininterval": LOG_INTERVAL_S, "maxinterval": LOG_INTERVAL_S * 2, "ascii": True, **kwargs}
+    return tqdm(iterable, **kwargs)
+
+
+def results_dir(out: str | Path | None, suffix: str = "") -> Path:
+    """--out, or results/<timestamp><suffix>/ (a new directory: a run in the same second gets -2, -3...)."""
+    if out:
+        return Path(out)
+    import time
+    base = Path("results") / (time.strftime("%Y%m%d-%H%M%S") + suffix)
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
+
+
+def threads_label(threads: int) -> str:
+    """`1 thread`, `4 threads`, or torch's own count when the config says 0."""
+    if not threads:
+        import torch
+        return f"{torch.get_num_threads()} threads (torch default)"
+    return f"{threads} thread{'s' if threads != 1 else ''}"

@@ -16,6 +16,7 @@ from typing import Any
 
 from kvlab.common.errors import ConfigError
 from kvlab.experiments import cli
+from kvlab.experiments.report import changes_line, progress_bar, results_dir, threads_label
 from kvlab.experiments.workload import WorkloadSpec, build_workload, parse_workload, prompt_token_ids
 
 ARTICLE = {"parallel": (0.061, 0.098), "beam": (0.376, 0.552)}
@@ -48,7 +49,10 @@ def add_parser(subparsers: Any) -> None:
                    help=f"default {ALPACA_LIKE} (Alpaca-like); seed | fixed:P:O | uniform:PLO-PHI:OLO-OHI | "
                         "trace:FILE.jsonl")
     p.add_argument("--scale", type=float, default=1.0, help="multiply every length")
-    p.add_argument("--json", metavar="PATH", help='write {"rows": [...]} to PATH')
+    p.add_argument("--out", metavar="DIR", help="results directory (default results/<timestamp>/): rows.json, "
+                                                   "report.txt")
+    p.add_argument("--json", metavar="PATH", help='write {"rows": [...]} to PATH only (no results directory)')
+    p.add_argument("--no-progress", action="store_true")
     cli.add_engine_flags(p, skip=("backend",))
     p.set_defaults(run=run)
 
@@ -63,22 +67,45 @@ def run(args: argparse.Namespace) -> int:
     spec = dataclasses.replace(args.workload, num_requests=args.num_requests, scale=args.scale,
                                seed=args.seed if args.seed is not None else 0)
     requests = build_workload(spec)
+    print(changes_line(spec, scale_given=args.scale != 1.0))
     probe = cli.engine_config(args, backend=args.backends[0])
-    torch.set_num_threads(probe.threads or 1)
+    if probe.threads:
+        torch.set_num_threads(probe.threads)
+    print(f"kvlab sharing: model {probe.model} ({probe.dtype}, {probe.device}, {threads_label(probe.threads)})")
     model, _ = load_model(probe.model, probe.dtype, probe.device, probe.seed)
     prompts = prompt_token_ids(requests, model.config.vocab_size, spec.seed)
     outputs = [r.output_len for r in requests]
     rows = []
-    for backend in args.backends:
-        for mode in args.modes:
-            for width in widths:
-                config = sharing_config(args, backend, model, requests, width)
-                rows.append(measure(config, model, prompts, outputs, mode, width))
-    print(report(rows, spec, probe.model))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"rows": [asdict(r) for r in rows]}, indent=1))
-        print(f"rows written to {args.json}")
+    jobs = [(b, m, w) for b in args.backends for m in args.modes for w in widths]
+    bar = None if args.no_progress else progress_bar(total=len(jobs), desc="sharing", unit="run")
+    for backend, mode, width in jobs:
+        config = sharing_config(args, backend, model, requests, width)
+        rows.append(measure(config, model, prompts, outputs, mode, width))
+        if bar is not None:
+            bar.set_postfix_str(f"{backend} {mode} {width}")
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    text = report(rows, spec, probe.model)
+    print(text)
+    save(args, rows, text)
     return 0
+
+
+def save(args: argparse.Namespace, rows: list[SharingRow], text: str) -> None:
+    """--json PATH alone, else rows.json and report.txt in --out or results/<timestamp>/."""
+    payload = json.dumps({"rows": [asdict(r) for r in rows]}, indent=1)
+    if args.json and not args.out:
+        Path(args.json).write_text(payload)
+        print(f"rows written to {args.json}")
+        return
+    out = results_dir(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "rows.json").write_text(payload)
+    (out / "report.txt").write_text(text + "\n")
+    if args.json:
+        Path(args.json).write_text(payload)
+    print(f"results in {out}/ (rows.json, report.txt)")
 
 
 def parse_widths(values: list[str]) -> list[int]:
@@ -99,7 +126,7 @@ def sharing_config(args: argparse.Namespace, backend: str, model: Any, requests:
     block = args.block_size or 16
     seqs = len(requests) * width * (2 if backend == "vmm" else 1)   # beam search keeps 2x candidates briefly
     defaults = {"max_model_len": longest, "max_num_seqs": seqs,
-                    "max_num_batched_tokens": max(2048, seqs), "watermark": 0.0, "threads": 1,
+                    "max_num_batched_tokens": max(2048, seqs), "watermark": 0.0,
                     "kv_cache_bytes": 2 * seqs * (longest + block) * shape.bytes_per_token}
     if args.page_size is None:
         defaults["page_size"] = -(-block * shape.bytes_per_token_per_layer // 4096) * 4096

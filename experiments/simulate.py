@@ -13,6 +13,7 @@ from kvlab.common.config import load_toml
 from kvlab.common.errors import ConfigError
 from kvlab.common.kv.registry import get_backend
 from kvlab.experiments import cli
+from kvlab.experiments.report import changes_line, results_dir
 from kvlab.experiments.roofline import HARDWARE, hardware, model_spec
 from kvlab.experiments.simulation import SimCase, SimRow, SimSettings, policies, policy_backend, run_cases
 from kvlab.experiments.workload import build_workload, parse_workload
@@ -48,8 +49,11 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--max-num-seqs", type=int, help="cap the batch (default: unbounded, as the article)")
     p.add_argument("--max-num-batched-tokens", type=int, help="per-step token budget (default: unbounded)")
     p.add_argument("--jobs", type=int, default=2, help="worker processes for independent runs")
-    p.add_argument("--json", metavar="PATH", help='write {"rows": [...]} to PATH')
-    p.add_argument("--plot", metavar="PNG", help="running batch over simulated time, one line per run")
+    p.add_argument("--out", metavar="DIR", help="results directory (default results/<timestamp>/): rows.json, "
+                                                   "batch.png, report.txt")
+    p.add_argument("--json", metavar="PATH", help='write {"rows": [...]} to PATH only (no results directory)')
+    p.add_argument("--plot", metavar="PNG", help="running batch over simulated time to PNG only (no results directory)")
+    p.add_argument("--no-save", action="store_true", help="print only; write no files")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(run=run)
 
@@ -64,7 +68,19 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
     model_spec(args.model)
     build_workload(spec)
     return SimSettings(workload=spec, hardware=args.hardware, model=args.model, model_prefill=args.model_prefill,
-                       mfu=args.mfu, engine=engine, timeline_every=5 if args.plot else 0)
+                       mfu=args.mfu, engine=engine, timeline_every=5 if wants_plot(args) else 0)
+
+
+def wants_plot(args: argparse.Namespace) -> bool:
+    return bool(args.plot) or not (args.json or args.no_save)
+
+
+def output_paths(args: argparse.Namespace) -> tuple[Path | None, str | None, str | None]:
+    """(results dir, rows JSON, plot PNG): explicit --json/--plot paths alone, else results/<timestamp>/."""
+    if args.no_save or ((args.json or args.plot) and not args.out):
+        return None, args.json, args.plot
+    out = results_dir(args.out)
+    return out, args.json or str(out / "rows.json"), args.plot or str(out / "batch.png")
 
 
 def cases_from_args(args: argparse.Namespace) -> list[SimCase]:
@@ -85,31 +101,50 @@ def run(args: argparse.Namespace) -> int:
     if args.seeds < 1:
         raise ConfigError(f"--seeds must be >= 1, got {args.seeds}")
     settings = settings_from_args(args)
+    print(changes_line(settings.workload, scale_given=args.scale != 1.0))
     t0 = time.perf_counter()
     if args.preset == "seed" and args.seeds > 1:
         from kvlab.experiments import seed_article
-        print(seed_article.spread(settings, args.seeds, args.jobs, not args.no_progress))
+        text = seed_article.spread(settings, args.seeds, args.jobs, not args.no_progress)
+        print(text)
         print(f"\n{time.perf_counter() - t0:.1f} s host time")
+        save_report(args, text)
         return 0
     if args.preset == "seed":
         from kvlab.experiments import seed_article
         cases = seed_article.cases()
         rows = run_cases(cases, settings, args.jobs, not args.no_progress)
-        print(seed_article.report(cases, rows, settings))
+        text = seed_article.report(cases, rows, settings)
+        print(text)
         plotted = list({c.key: r for c, r in zip(cases, rows) if c.key in seed_article.PLOTTED}.values())
     else:
         cases = cases_from_args(args)
         rows = plotted = run_cases(cases, settings, args.jobs, not args.no_progress)
-        print(plain_report(rows, settings))
+        text = plain_report(rows, settings)
+        print(text)
     print(f"\n{len({c.key for c in cases})} simulations in {time.perf_counter() - t0:.1f} s host time "
           f"(longest {max(r.wall_seconds for r in rows):.1f} s)")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"rows": [r.to_json() for r in rows]}, indent=1))
-        print(f"rows written to {args.json}")
-    if args.plot:
-        plot_batches(args.plot, plotted)
-        print(f"plot written to {args.plot}")
+    out, json_path, plot_path = output_paths(args)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "report.txt").write_text(text + "\n")
+    if json_path:
+        Path(json_path).write_text(json.dumps({"rows": [r.to_json() for r in rows]}, indent=1))
+        print(f"rows written to {json_path}")
+    if plot_path:
+        plot_batches(plot_path, plotted)
+        print(f"plot written to {plot_path}")
+    if out is not None:
+        print(f"results in {out}/ (report.txt, rows.json, batch.png)")
     return 0
+
+
+def save_report(args: argparse.Namespace, text: str) -> None:
+    out = output_paths(args)[0]
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "report.txt").write_text(text + "\n")
+        print(f"report written to {out / 'report.txt'}")
 
 
 def plain_report(rows: list[SimRow], settings: SimSettings) -> str:

@@ -230,8 +230,8 @@ def run_cases(cases: list[SimCase], settings: SimSettings, jobs: int = 1, progre
 def _progress(total: int, enabled: bool):
     if not enabled:
         return None
-    from tqdm import tqdm
-    return tqdm(total=total, desc="simulate", unit="run", leave=False)
+    from kvlab.experiments.report import progress_bar
+    return progress_bar(total=total, desc="simulate", unit="run", leave=False)
 
 
 # -- CLI ------------------------------------------------------------------------------------------------------

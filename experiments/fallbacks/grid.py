@@ -126,8 +126,8 @@ def decide_rows(scenario: Scenario, backend: str, head_dim: int, dtype: str, blo
 def run_grid(grid: Grid, scenarios: list[Scenario], progress: bool = False) -> list[Row]:
     jobs = [(s, b, *p) for s in scenarios for b in BACKEND_LAYOUTS for p in grid_points(grid, b)]
     if progress:
-        from tqdm import tqdm
-        jobs = tqdm(jobs, desc="deciding", unit="config", leave=False)
+        from kvlab.experiments.report import progress_bar
+        jobs = progress_bar(jobs, desc="deciding", unit="config", leave=False)
     return [row for job in jobs for row in decide_rows(*job)]
 
 

@@ -62,8 +62,11 @@ def plot_heatmap(rows: list[Row], path: Path, gqa: int = PANEL_GQA) -> Path:
         ax.set_yticks(range(len(labels)), labels, fontsize=7)
         ax.set_xlabel("block size (tokens)")
         ax.set_title(f"{title}\nGQA {gqa}", fontsize=9)
-    handles = [Patch(color=KERNEL_STYLE[k][1], label=f"{KERNEL_STYLE[k][0]} = {k}") for k in kernels]
-    fig.legend(handles=handles, loc="lower center", ncol=len(kernels), fontsize=8,
+    shown = {r.kernel for scenario, phase, _ in panels for line in panel_matrix(rows, scenario, phase, gqa)[2]
+             for r in line if r is not None}
+    # the legend lists only the kernels that appear in some panel
+    handles = [Patch(color=KERNEL_STYLE[k][1], label=f"{KERNEL_STYLE[k][0]} = {k}") for k in kernels if k in shown]
+    fig.legend(handles=handles, loc="lower center", ncol=max(1, len(handles)), fontsize=8,
                title="* = runs a padded head_dim kernel")
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     fig.savefig(path, dpi=110)

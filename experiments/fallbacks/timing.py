@@ -168,9 +168,9 @@ def enable_triton_interpreter(device: str) -> str | None:
     if device != "cpu" or os.environ.get("TRITON_INTERPRET") == "1":
         return None
     if "kvlab.paged.kernels.triton_paged" in sys.modules:
-        return "triton_paged was imported without TRITON_INTERPRET=1; set it before running to time it here"
-    os.environ["TRITON_INTERPRET"] = "1"
-    return "set TRITON_INTERPRET=1 to time triton_paged in the interpreter (tiny shape only)"
+        return "triton_paged was loaded before kvlab could switch on the Triton interpreter, so it is not timed"
+    os.environ["TRITON_INTERPRET"] = "1"      # kvlab's own doing: nothing for the user to set
+    return None
 
 
 class Timer:
@@ -291,8 +291,8 @@ def _measure(rows, threads, repeats, grid_values, progress, device, cc) -> dict[
     def bar(jobs, desc):
         if not progress:
             return jobs
-        from tqdm import tqdm
-        return tqdm(jobs, desc=desc, leave=False)
+        from kvlab.experiments.report import progress_bar
+        return progress_bar(jobs, desc=desc, leave=False)
 
     timer = Timer(repeats, device)
     dtypes = ("float32", "bfloat16") if device == "cpu" else ("float32", "float16", "bfloat16")
@@ -302,7 +302,44 @@ def _measure(rows, threads, repeats, grid_values, progress, device, cc) -> dict[
     return {"device": device, "compute_capability": cc, "threads": threads, "repeats": repeats,
             "shapes": {k: asdict(v) for k, v in SHAPES.items()},
             "tiny_shapes": {k: asdict(v) for k, v in TINY.items()},
-            "notes": notes, "timings": timer.results, "fallback_costs": costs, "scenario": scenario}
+            "notes": notes, "timings": timer.results, "fallback_costs": costs, "scenario": scenario,
+            "comparisons": chosen_against_others(timer.results, rows, scenario)}
+
+
+SAME = 1.10        # closer than this ratio reads as "about as fast": timings here move by ~10% between runs
+
+
+def chosen_against_others(timings: list[dict[str, Any]], rows: list[Row], scenario: str) -> list[dict[str, Any]]:
+    """Every timed kernel against the one the registry chooses at the same point and shape, so a machine where
+    nothing is displaced still shows whether the choice is the fastest that runs here."""
+    chosen = {(r.layout, r.phase, r.head_dim, r.dtype): r.kernel for r in rows
+              if r.scenario == scenario and r.block_size in (None, BLOCK_SIZE)}
+    ok = [t for t in timings if "median_ms" in t]
+    out = []
+    for t in ok:
+        pick = chosen.get((t["layout"], t["phase"], t["head_dim"], t["dtype"]))
+        if pick is None or t["kernel"] == pick:
+            continue
+        ref = next((c for c in ok if c["kernel"] == pick and all(c[k] == t[k] for k in (
+            "layout", "phase", "head_dim", "dtype", "batch", "context", "query"))), None)
+        if ref is not None:
+            out.append({"layout": t["layout"], "phase": t["phase"], "head_dim": t["head_dim"], "dtype": t["dtype"],
+                        "shape": f"{t['batch']}x{t['context']}", "chosen": pick, "chosen_ms": ref["median_ms"],
+                        "other": t["kernel"], "other_ms": t["median_ms"]})
+    return out
+
+
+def comparison_line(c: dict[str, Any]) -> str:
+    a, b = c["chosen_ms"], c["other_ms"]
+    ratio = max(a, b) / max(min(a, b), 1e-12)
+    if ratio < SAME:
+        words = f"about as fast as each other (within {SAME - 1:.0%})"
+    elif a < b:
+        words = f"the chosen {c['chosen']} is faster, x{ratio:.2f}"
+    else:
+        words = f"{c['other']} is faster than the chosen {c['chosen']}, x{ratio:.2f}"
+    return (f"  {c['layout']} {c['phase']} d{c['head_dim']} {c['dtype']} ({c['shape']}): {c['chosen']} "
+            f"{a:.3f} ms, {c['other']} {b:.3f} ms: {words}")
 
 
 # -- printing ------------------------------------------------------------------------------------------------
@@ -331,6 +368,10 @@ def format_timings(result: dict[str, Any]) -> str:
         cost = f"{c['cost']:.2f}x" if c["cost"] is not None else "n/a"
         lines.append(f"  {c['backend']} {c['phase']}: {c['chosen']} instead of {c['displaced']} "
                      f"({c['decisions']} decisions, e.g. {c['at']}): {cost}; {c['why']}")
+    comparisons = result.get("comparisons", [])
+    if comparisons:
+        lines.append("Chosen kernel against every other kernel that runs here (same point, same shape)")
+        lines += [comparison_line(c) for c in comparisons]
     return "\n".join(lines)
 
 

@@ -146,7 +146,8 @@ def share_rows(settings: Settings) -> list[Result]:
         t = Timing.of(shares)
         rows.append(Result(FAMILY, f"{backend}: allocator share of step time", t.median, "%", SHARE_GOAL,
                            note=f"allocator {1e3 * sorted(seconds)[len(seconds) // 2]:.1f} ms per run",
-                           detail={"runs_percent": shares, "allocator_seconds": seconds}))
+                           detail={"runs_percent": shares, "per_repeat": shares,
+                                   "allocator_seconds": seconds}))
     return rows
 
 

@@ -20,7 +20,16 @@ from kvlab.common.attention.metadata import AttentionMetadata, BatchItem
 from kvlab.common.config import make_config
 from kvlab.common.kv.seam import KVCache, KVShape, create_cache
 from kvlab.common.sequence import Sequence
-from kvlab.experiments.perf.harness import Goal, Result, Settings, Timing, interleaved, ratio, timing_detail
+from kvlab.experiments.perf.harness import (
+    Goal,
+    Result,
+    Settings,
+    Timing,
+    interleaved,
+    paired_ratios,
+    ratio,
+    timing_detail,
+)
 
 FAMILY = "attention"
 GOAL = Goal(">=", 1.5)
@@ -149,7 +158,8 @@ def rows_for(case: Case, timings: dict[str, Timing], kernels: dict[str, str], er
                    detail={**timing_detail(timings[name]), "contexts": case.contexts()}) for name in timings]
     rows.append(Result(FAMILY, f"paged gather / vmm views, {label}",
                        ratio(timings["paged"].median, timings["vmm"].median), "x", GOAL,
-                       note="decode step time, one layer", detail={"max_abs_diff": err}))
+                       note="decode step time, one layer",
+                       detail={"max_abs_diff": err, **paired_ratios(timings["paged"], timings["vmm"])}))
     return rows
 
 

@@ -15,6 +15,7 @@ from kvlab.experiments.perf.harness import (
     Result,
     Settings,
     interleaved,
+    paired_ratios,
     ratio,
     timing_detail,
     tiny_kv_bytes_per_token,
@@ -96,5 +97,6 @@ def run(settings: Settings) -> list[Result]:
     rows.append(Result(FAMILY, "vmm / paged, decode-heavy long context", ratio(timings["paged"].median,
                        timings["vmm"].median), "x", GOAL,
                        note=f"{w.num_requests} requests, prompts {w.prompt_low}-{w.prompt_high}, "
-                            f"{w.output_len} output tokens each"))
+                            f"{w.output_len} output tokens each",
+                       detail=paired_ratios(timings["paged"], timings["vmm"])))
     return rows

@@ -97,7 +97,14 @@ class Settings:
 
 
 def timing_detail(t: Timing) -> dict[str, Any]:
-    return {"median_s": t.median, "p90_s": t.p90, "repeats": t.repeats}
+    return {"median_s": t.median, "p90_s": t.p90, "repeats": t.repeats, "samples_s": t.samples}
+
+
+def paired_ratios(numerator: Timing, denominator: Timing) -> dict[str, Any]:
+    """Per-repeat ratios of two interleaved timings (round i against round i), for the report's spread and
+    its count of repeats that met the goal."""
+    pairs = zip(numerator.samples, denominator.samples)
+    return {"per_repeat": [n / d for n, d in pairs if n > 0 and d > 0]}
 
 
 def ratio(numerator: float, denominator: float) -> float | None:

@@ -40,7 +40,8 @@ def run(settings: Settings) -> list[Result]:
         wall = Timing.of([r[0] for r in runs])
         per_item = Timing.of([r[1] / max(r[2], 1) for r in runs])
         rows.append(Result(FAMILY, f"{n}-request seed simulation, {case.label}", wall.median, "s", GOAL,
-                           note=f"{runs[0][2]:,} scheduled sequence-steps", detail=timing_detail(wall)))
+                           note=f"{runs[0][2]:,} scheduled sequence-steps",
+                           detail={**timing_detail(wall), "per_repeat": wall.samples}))
         rows.append(Result(FAMILY, f"scheduler overhead per sequence per step, {case.label}",
                            per_item.median * 1e6, "us", note="schedule() + update() wall time / batch items",
                            detail=timing_detail(per_item)))

@@ -15,6 +15,7 @@ from kvlab.experiments.perf.harness import (
     Result,
     Settings,
     interleaved,
+    paired_ratios,
     ratio,
     timing_detail,
     tiny_kv_bytes_per_token,
@@ -111,5 +112,6 @@ def run(settings: Settings) -> list[Result]:
         rows.append(Result(FAMILY, f"engine ({backend}): useful tokens/s", tps, "tok/s",
                            detail={**shape, **timing_detail(timings[backend])}))
         rows.append(Result(FAMILY, f"engine ({backend}) / hf generate", ratio(tps, hf_tps), "x", GOAL,
-                           note="useful output tokens/s, same weights and requests"))
+                           note="useful output tokens/s, same weights and requests",
+                           detail=paired_ratios(timings["hf"], timings[backend])))
     return rows

@@ -1,0 +1,30 @@
+"""Every experiment writes its files to results/<timestamp>/ by default and says where; progress never floods a log."""
+import io
+
+from kvlab.experiments.cli import main
+from kvlab.experiments.report import progress_bar, results_dir
+
+
+def test_simulate_writes_a_results_directory_by_default(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["simulate", "--policies", "paged", "--num-requests", "20", "--no-progress", "--jobs", "1"]) == 0
+    (out,) = (tmp_path / "results").iterdir()
+    assert {p.name for p in out.iterdir()} == {"rows.json", "batch.png", "report.txt"}
+    assert f"results in {out.relative_to(tmp_path)}/" in capsys.readouterr().out
+
+
+def test_results_dir_never_reuses_a_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    first = results_dir(None)
+    first.mkdir(parents=True)
+    assert results_dir(None) != first
+    assert results_dir("given") == tmp_path.joinpath("given").relative_to(tmp_path)
+
+
+def test_progress_in_a_log_writes_rarely(monkeypatch):
+    log = io.StringIO()
+    bar = progress_bar(total=1000, file=log)
+    for _ in range(1000):
+        bar.update(1)
+    bar.close()
+    assert log.getvalue().count("\r") < 5
