@@ -3,12 +3,12 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.kvlab-installed
-# Where torch comes from. The default is the CPU wheel from PyTorch's CPU index, whatever the machine's default
-# index serves (on many machines that is the multi-GB CUDA build). On an NVIDIA machine:
-#   make TORCH_INDEX=https://download.pytorch.org/whl/cu128        (or TORCH_INDEX= for your default index)
+# Where torch comes from: the pinned TORCH_SPEC from the machine's default index (on kvlab's CPU machines that is
+# the local CPU wheel). Where the default index would serve the multi-GB CUDA build, point TORCH_INDEX at
+# PyTorch's CPU wheel index:  make TORCH_INDEX=https://download.pytorch.org/whl/cpu
 # TORCH_SPEC may also name a local wheel file.
 TORCH_SPEC  ?= torch==2.13.0
-TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
 
 .PHONY: run test test-slow lint smollm2 docs clean
 
