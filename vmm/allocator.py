@@ -265,7 +265,7 @@ class VMMAllocator(Allocator):
 
     def snapshot(self) -> dict[str, Any]:
         """Plain data: the geometry, each slot (owner, held tokens, page groups), group reference counts, swapped
-        sequences (tokens), in-flight background jobs, what the driver maps in each tensor's place (VA page -> pool
+        sequences (tokens), in-flight background jobs, what the driver maps in each tensor's place (page -> pool
         page) and its mapping counts, all read at once under the lock."""
         with self._lock:   # the background mapper changes the books under this lock
             geo = self.geo
@@ -278,7 +278,7 @@ class VMMAllocator(Allocator):
                 "refs": list(self.pool.refs),
                 "swapped": {sid: kv.tokens for sid, kv in self.swapped.items()},
                 "pending": sorted(self.mapper.pending),
-                "places": [{"base": region.base, "offset": offset, "mapped": dict(region.mapped)}
+                "places": [{"offset": offset, "mapped": dict(region.mapped)}   # no addresses: ranks compare it
                            for region, offset in self.ranges.places],
                 "reclaimable_units": self.table.excess,
                 "driver": {"mapped_pages": self.driver.stats.mapped_pages, "pool_maps": list(self.driver.pool_maps)},
