@@ -16,7 +16,7 @@ from kvlab.common.kv.seam import KVShape
 from kvlab.common.model import ModelConfig
 
 if TYPE_CHECKING:
-    from kvlab.common.scheduler import SchedulerOutput
+    from kvlab.common.request import SchedulerOutput
 
 
 @dataclass(frozen=True, slots=True)

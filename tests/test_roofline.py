@@ -1,7 +1,7 @@
 import pytest
 from kvlab.common.attention.metadata import BatchItem
 from kvlab.common.errors import ConfigError
-from kvlab.common.scheduler import SchedulerOutput
+from kvlab.common.request import SchedulerOutput
 from kvlab.common.sequence import Sequence
 from kvlab.experiments.roofline import RooflineCost, RooflineRunner, hardware, model_spec
 
