@@ -36,6 +36,9 @@ class Runner(Protocol):
 
 
 class Engine:
+    """The loop (add_request, step, abort) and what callers may see of it. 21 methods: the loop is five; the rest
+    are the read-only views the LLM API, the server and the experiments need, so none reaches into the scheduler."""
+
     def __init__(self, config: EngineConfig, cache: KVCache, runner: Runner, tokenizer: Any = None,
                  eos_token_ids: tuple[int, ...] = (), vocab_size: int | None = None,
                  timeline_every: int = 1) -> None:

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 
 
 class ReserveAllocator(Allocator):
+    """Regions in one token arena. 20 methods: the seam's 14 and the region bookkeeping they share."""
+
     name = "reserve"
     unit_name = "token"
     tokens_per_unit = 1
