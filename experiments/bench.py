@@ -129,7 +129,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
     check_int_range("--warmup", args.warmup, 0, MAX_REQUESTS)
     check_int_range("--repeats", args.repeats, 1, 1000)
-    workload.check_spec(workload_spec(args))
+    workload.build_workload(workload_spec(args))     # every length and arrival checked before the model loads
     cli.check_output_path(args.out, "--out", directory=True)
 
 

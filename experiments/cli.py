@@ -166,7 +166,7 @@ def check_output_path(path: str | None, flag: str, directory: bool = False) -> N
     if not directory and p.is_dir():
         raise ConfigError(f"{flag} {path}: is a directory; give a file path")
     if not directory and not p.parent.is_dir():
-        raise ConfigError(f"{flag} {path}: directory {p.parent} does not exist")
+        raise ConfigError(f"{flag} {path}: No such file or directory ({p.parent} does not exist)")
     target = p if directory else p.parent
     created = [d for d in (target, *target.parents) if not d.exists()]
     try:
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad is not None:
         print(f"kvlab: error: argument {bad} is not valid UTF-8 text", file=sys.stderr)
         return 2
-    command = "kvlab"
+    command = f"kvlab {argv[0]}" if argv and argv[0] in SUBCOMMANDS else "kvlab"
     try:
         parser = build_parser()
         try:
