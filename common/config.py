@@ -8,6 +8,7 @@ still work and go to the backend that declares them.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 from kvlab.common.errors import ConfigError
 from kvlab.common.kv.options import check_choice, check_positive, check_types
 from kvlab.common.kv.registry import REGISTRY
+from kvlab.common.limits import MAX_MODEL_LEN, MAX_SEED, check_int_range, max_threads
 
 try:
     import tomllib
@@ -23,6 +25,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("float32", "float16", "bfloat16")
+DEVICE = re.compile(r"cpu|cuda(:[0-9]+)?")
 
 
 @dataclass(slots=True)
@@ -94,15 +97,19 @@ def validate(cfg: EngineConfig) -> None:
     check_choice("dtype", cfg.dtype, DTYPES)
     if not 0.0 <= cfg.watermark < 1.0:
         raise ConfigError(f"watermark must be a fraction in [0, 1), got {cfg.watermark!r}")
-    if not cfg.device.startswith(("cpu", "cuda")):
+    if not DEVICE.fullmatch(cfg.device):
         raise ConfigError(f"unknown device {cfg.device!r}; use cpu or cuda[:N]")
     if cfg.threads < 0:
         raise ConfigError(f"threads must be >= 0 (0 keeps torch's default), got {cfg.threads!r}")
+    check_int_range("threads", cfg.threads, 0, max_threads(), " (at most 4 per CPU)")
+    check_int_range("seed", cfg.seed, 0, MAX_SEED)
+    check_int_range("max_model_len", cfg.max_model_len, 1, MAX_MODEL_LEN, " (tokens per sequence)")
     if cfg.max_num_batched_tokens < cfg.max_num_seqs:
         raise ConfigError(f"max_num_batched_tokens ({cfg.max_num_batched_tokens}) must be >= max_num_seqs "
                           f"({cfg.max_num_seqs}) so every running sequence can decode in one step")
-    for opts in cfg.options.values():
+    for name, opts in cfg.options.items():
         opts.validate()
+        check_types(opts, where=f"{name}.")    # also for a backend whose validate() forgets it
 
 
 def split_overrides(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
@@ -117,7 +124,9 @@ def split_overrides(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, d
             generic[key] = value
         elif key in owner:
             per_backend.setdefault(owner[key], {})[key] = value
-        elif key in REGISTRY.names() and isinstance(value, dict):
+        elif key in REGISTRY.names():
+            if not isinstance(value, dict):
+                raise ConfigError(f"{key} must be a table of {key} options ([{key}] in TOML), got {value!r}")
             per_backend.setdefault(key, {}).update(value)
         else:
             unknown.append(key)
@@ -141,7 +150,10 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not UTF-8 text") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
-    values = dict(data.pop("engine", {}))
+    engine = data.pop("engine", {})
+    if not isinstance(engine, dict):
+        raise ConfigError(f"config file {path}: engine must be a table ([engine]), got {engine!r}")
+    values = dict(engine)
     values.update(data)
     return values
 

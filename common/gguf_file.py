@@ -12,7 +12,7 @@ import torch
 from kvlab.common.errors import ModelLoadError
 from kvlab.common.model import LlamaForCausalLM, ModelConfig
 from kvlab.common.tokenizer import BPETokenizer
-from kvlab.common.weights import assign_weights, first_line, make_config
+from kvlab.common.weights import assign_weights, check_fits, first_line, make_config
 
 log = logging.getLogger("kvlab.common.loader")
 
@@ -29,6 +29,7 @@ def load_gguf(path: Path, dtype: str = "float32", device: str = "cpu"):
     meta = GGUFMeta(reader, path)
     tensor_names = {t.name for t in reader.tensors}
     config = config_from_gguf(meta, tensor_names)
+    check_fits(config, dtype, device, path)
     model = LlamaForCausalLM(config, dtype=dtype, device=device)
     assign_weights(model, iter_gguf_tensors(reader, config, path), path)
     return model.eval(), gguf_tokenizer(meta)
@@ -65,23 +66,36 @@ def config_from_gguf(meta: GGUFMeta, tensor_names: set[str]) -> ModelConfig:
     if "rope_freqs.weight" in tensor_names or meta.get(f"{arch}.rope.scaling.type", "none") != "none":
         raise ModelLoadError(f"{meta.path}: GGUF rope scaling is not supported; use the HF checkpoint")
     hidden, heads = meta.need(f"{arch}.embedding_length"), meta.need(f"{arch}.attention.head_count")
+    for key, value in (("embedding_length", hidden), ("attention.head_count", heads)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ModelLoadError(f"{meta.path}: GGUF {arch}.{key} must be a positive integer, got {value!r}")
     head_dim = meta.get(f"{arch}.attention.key_length", hidden // heads)
     if meta.get(f"{arch}.rope.dimension_count", head_dim) != head_dim:
         raise ModelLoadError(f"{meta.path}: partial RoPE (rope.dimension_count != head_dim) is not supported")
     tokens = meta.get("tokenizer.ggml.tokens")
+    check_block_count(meta, meta.need(f"{arch}.block_count"), tensor_names)
     return make_config(
         meta.path,
         vocab_size=meta.get(f"{arch}.vocab_size") or (len(tokens) if tokens else None),
         hidden_size=hidden, intermediate_size=meta.need(f"{arch}.feed_forward_length"),
         num_layers=meta.need(f"{arch}.block_count"), num_heads=heads,
         num_kv_heads=meta.get(f"{arch}.attention.head_count_kv", heads), head_dim=head_dim,
-        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(meta.need(f"{arch}.attention.layer_norm_rms_epsilon")),
+        rope_theta=meta.get(f"{arch}.rope.freq_base", 10000.0),
+        rms_norm_eps=meta.need(f"{arch}.attention.layer_norm_rms_epsilon"),
         tie_word_embeddings="output.weight" not in tensor_names,
         max_position_embeddings=meta.need(f"{arch}.context_length"),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
     )
+
+
+def check_block_count(meta: GGUFMeta, declared: Any, tensor_names: set[str]) -> None:
+    """The header's block_count must match the blocks whose tensors the file holds (a 100 KB file that
+    declares 10**6 blocks would otherwise build 10**6 layers before any weight is read)."""
+    present = {name.split(".")[1] for name in tensor_names if name.startswith("blk.")}
+    if isinstance(declared, int) and not isinstance(declared, bool) and declared != len(present):
+        raise ModelLoadError(f"{meta.path}: GGUF block_count is {declared:,} but the file holds tensors for "
+                             f"{len(present):,} block(s)")
 
 
 def gguf_to_hf_name(name: str) -> str | None:
@@ -126,8 +140,14 @@ def gguf_tokenizer(meta: GGUFMeta):
         why = "no tokenizer metadata" if kind is None else f"tokenizer.ggml.model {kind!r} is not supported (gpt2 only)"
         log.warning("%s: %s; loading without a tokenizer", meta.path, why)
         return None
-    return BPETokenizer.from_gguf_vocab(
-        tokens=meta.need("tokenizer.ggml.tokens"), merges=meta.need("tokenizer.ggml.merges"),
-        token_types=meta.get("tokenizer.ggml.token_type"), bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
-        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)))
+    try:
+        return BPETokenizer.from_gguf_vocab(
+            tokens=meta.need("tokenizer.ggml.tokens"), merges=meta.need("tokenizer.ggml.merges"),
+            token_types=meta.get("tokenizer.ggml.token_type"), bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)))
+    except ModelLoadError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own types for bad vocab/merges
+        raise ModelLoadError(f"{meta.path}: the embedded GGUF tokenizer is malformed "
+                             f"({type(e).__name__}: {first_line(e)})") from None

@@ -15,7 +15,7 @@ from kvlab.common.kv.seam import TORCH_DTYPES
 from kvlab.common.model import LLAMA3_ROPE_KEYS, LlamaForCausalLM, ModelConfig
 from kvlab.common.presets import PRESETS, load_preset
 from kvlab.common.tokenizer import BPETokenizer
-from kvlab.common.weights import assign_weights, first_line, make_config
+from kvlab.common.weights import assign_weights, check_device, check_fits, first_line, make_config
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,7 @@ def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "float32", d
         dtype = {v: k for k, v in TORCH_DTYPES.items()}[dtype]
     if dtype not in TORCH_DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}; choose one of: {', '.join(TORCH_DTYPES)}")
+    check_device(device)
     name = str(name_or_path)
     if name in PRESETS:
         return load_preset(name, dtype, device, seed)
@@ -60,6 +61,7 @@ def missing_path_kind(name: str) -> str | None:
 
 def load_hf_dir(path: Path, dtype: str, device: str):
     config = config_from_hf(read_json(path / "config.json"), path / "config.json")
+    check_fits(config, dtype, device, path)
     model = LlamaForCausalLM(config, dtype=dtype, device=device)
     assign_weights(model, iter_safetensors(path), path)
     return model.eval(), hf_tokenizer(path, config)
@@ -90,21 +92,30 @@ def config_from_hf(cfg: dict[str, Any], source: Path) -> ModelConfig:
             raise ModelLoadError(f"{source}: missing {key!r}")
         return cfg[key]
 
-    heads = need("num_attention_heads")
+    def size(key: str, value: Any = None) -> int:
+        value = need(key) if value is None else value
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ModelLoadError(f"{source}: {key} must be a positive integer, got {value!r}")
+        return value
+
+    heads, hidden = size("num_attention_heads"), size("hidden_size")
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise ModelLoadError(f"{source}: rope_scaling must be an object (or null), got {rope!r}")
+    eos = cfg.get("eos_token_id")
     return make_config(
         source,
-        vocab_size=need("vocab_size"), hidden_size=need("hidden_size"),
-        intermediate_size=need("intermediate_size"), num_layers=need("num_hidden_layers"),
-        num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or need("hidden_size") // heads,
-        rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+        vocab_size=size("vocab_size"), hidden_size=hidden,
+        intermediate_size=size("intermediate_size"), num_layers=size("num_hidden_layers"),
+        num_heads=heads, num_kv_heads=size("num_key_value_heads", cfg.get("num_key_value_heads") or heads),
+        head_dim=size("head_dim", cfg.get("head_dim") or hidden // heads),
+        rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
         rope_scaling=hf_rope_scaling(rope, source),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        max_position_embeddings=size("max_position_embeddings", cfg.get("max_position_embeddings", 2048)),
         bos_token_id=cfg.get("bos_token_id"),
-        eos_token_id=tuple(e) if isinstance(e := cfg.get("eos_token_id"), list) else e,
+        eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
     )
 
 
@@ -128,7 +139,7 @@ def safetensors_files(path: Path) -> list[Path]:
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ModelLoadError(f"{index}: no 'weight_map'")
-        files = [path / name for name in dict.fromkeys(weight_map.values())]
+        files = [shard_path(path, name, index) for name in dict.fromkeys(weight_map.values())]
         for f in files:
             if not f.is_file():
                 raise ModelLoadError(f"{f} not found (a shard listed in {index.name})")
@@ -137,6 +148,16 @@ def safetensors_files(path: Path) -> list[Path]:
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors weights (other checkpoint formats are not supported)")
     return files
+
+
+def shard_path(path: Path, name: Any, index: Path) -> Path:
+    """A shard named by the index: a plain file name inside the model directory, never `../` or absolute."""
+    if not isinstance(name, str) or not name:
+        raise ModelLoadError(f"{index}: weight_map values must be file names, got {name!r}")
+    file = (path / name).resolve()
+    if not file.is_relative_to(path.resolve()):
+        raise ModelLoadError(f"{index}: shard {name!r} lies outside the model directory {path}")
+    return path / name
 
 
 def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor, Path]]:

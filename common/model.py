@@ -21,6 +21,11 @@ if TYPE_CHECKING:
     from kvlab.common.attention.metadata import AttentionMetadata
     from kvlab.common.kv.seam import KVCache
 
+# Far beyond any released Llama (405B: 126 layers, 128 heads, vocab 128k); a corrupt header past these would
+# build millions of modules before memory runs out.
+SANE_MAXIMA = {"num_layers": 1024, "num_heads": 1024, "num_kv_heads": 1024, "head_dim": 4096,
+               "vocab_size": 2**24, "hidden_size": 2**17, "intermediate_size": 2**20,
+               "max_position_embeddings": 2**24}
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -47,15 +52,30 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ModelLoadError(f"model config: {name} must be a positive integer, got {value!r}")
+        for name, limit in SANE_MAXIMA.items():
+            if getattr(self, name) > limit:
+                raise ModelLoadError(f"model config: {name} {getattr(self, name):,} exceeds the sane maximum "
+                                     f"{limit:,}")
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(f"model config: num_heads {self.num_heads} is not a multiple of "
                                  f"num_kv_heads {self.num_kv_heads}")
         if self.head_dim % 2:
             raise ModelLoadError(f"model config: head_dim {self.head_dim} must be even for RoPE")
+        for name in ("rope_theta", "rms_norm_eps"):
+            if not is_positive_number(getattr(self, name)):
+                raise ModelLoadError(f"model config: {name} must be a positive finite number, "
+                                     f"got {getattr(self, name)!r}")
         if self.rope_scaling is not None:
+            if not isinstance(self.rope_scaling, dict):
+                raise ModelLoadError(f"model config: rope_scaling must be a table of numbers, "
+                                     f"got {self.rope_scaling!r}")
             missing = [k for k in LLAMA3_ROPE_KEYS if k not in self.rope_scaling]
             if missing:
                 raise ModelLoadError(f"model config: llama3 rope_scaling lacks {', '.join(missing)}")
+            bad = [k for k in LLAMA3_ROPE_KEYS if not is_positive_number(self.rope_scaling[k])]
+            if bad:
+                raise ModelLoadError(f"model config: rope_scaling {bad[0]} must be a positive finite number, "
+                                     f"got {self.rope_scaling[bad[0]]!r}")
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -73,6 +93,11 @@ class ModelConfig:
         per_layer = attn + 3 * d * i + 2 * d
         head = 0 if self.tie_word_embeddings else self.vocab_size * d
         return self.vocab_size * d + self.num_layers * per_layer + d + head
+
+
+def is_positive_number(value: object) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and value > 0)
 
 
 # -- RoPE -----------------------------------------------------------------------------------------------

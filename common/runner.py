@@ -13,6 +13,7 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
+from kvlab.common.errors import ConfigError, ModelLoadError
 from kvlab.common.sampler import Sample, Sampler
 
 if TYPE_CHECKING:
@@ -29,6 +30,7 @@ class TorchRunner:
         self.device = model.device
         self.sampler = Sampler(seed, self.device)
         if max_model_len is not None:
+            check_model_len(max_model_len, model.config.max_position_embeddings)
             model.ensure_rope_len(max_model_len)
 
     def clock(self) -> float:
@@ -43,8 +45,18 @@ class TorchRunner:
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         with torch.inference_mode():
             logits = self.model.forward(input_ids, meta.input_positions, self.cache, meta)
+        if not torch.isfinite(logits).all():
+            raise ModelLoadError("the model produced non-finite logits (NaN or Inf): its weights are corrupt or "
+                                 "overflow the dtype; check the checkpoint or use float32")
         rows = [it.seq.seq_id for it in items if it.needs_logits]
         if not rows:
             return {}
         samples = self.sampler(logits, [out.specs[sid] for sid in rows])
         return dict(zip(rows, samples))
+
+
+def check_model_len(max_model_len: int, max_positions: int) -> None:
+    """RoPE past the positions a model was trained for gives garbage, not an error: refuse it up front."""
+    if max_model_len > max_positions:
+        raise ConfigError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+                          f"{max_positions}; lower max_model_len")

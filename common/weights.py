@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from kvlab.common.errors import ModelLoadError
+from kvlab.common.errors import ConfigError, ModelLoadError
+from kvlab.common.limits import fmt_bytes, ram_bytes
 from kvlab.common.model import LlamaForCausalLM, ModelConfig
 
 log = logging.getLogger("kvlab.common.loader")
@@ -50,6 +51,42 @@ def make_config(source: Path, **fields: Any) -> ModelConfig:
         return ModelConfig(**fields)
     except ModelLoadError as e:
         raise ModelLoadError(f"{source}: {e}") from None
+
+
+def model_bytes(config: ModelConfig, dtype: str) -> int:
+    """Host/device memory a model of `config` takes: its parameters plus the RoPE cos/sin tables."""
+    size = 4 if dtype == "float32" else 2
+    rope = 2 * config.max_position_embeddings * config.head_dim * size
+    return config.num_params * size + rope
+
+
+def check_fits(config: ModelConfig, dtype: str, device: str, source: Path | str) -> None:
+    """Refuse a model that cannot fit in memory before a single parameter is allocated (a 100 KB file can
+    declare 10**6 layers or a 3e8-token context)."""
+    need = model_bytes(config, dtype)
+    if device.startswith("cuda"):
+        import torch
+        index = torch.device(device).index or 0
+        limit, where = torch.cuda.get_device_properties(index).total_memory, f"{device}'s memory"
+    else:
+        limit, where = ram_bytes(), "this machine's RAM"
+    if need > limit:
+        raise ModelLoadError(f"{source}: the model needs {fmt_bytes(need)} ({config.num_params:,} parameters, "
+                             f"{config.max_position_embeddings:,} positions in {dtype}), more than {where} "
+                             f"({fmt_bytes(limit)})")
+
+
+def check_device(device: str) -> None:
+    """A CUDA device that exists (config validation checks only the spelling)."""
+    if not device.startswith("cuda"):
+        return
+    import torch
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = int(device.partition(":")[2] or 0)
+    if count == 0:
+        raise ConfigError(f"device {device!r}: no CUDA GPU is available here (torch sees none); use --device cpu")
+    if index >= count:
+        raise ConfigError(f"device {device!r}: only {count} CUDA device(s) here (cuda:0..cuda:{count - 1})")
 
 
 def first_line(e: BaseException) -> str:

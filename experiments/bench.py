@@ -19,7 +19,8 @@ from typing import Any
 
 from kvlab.common.config import EngineConfig
 from kvlab.common.errors import ConfigError
-from kvlab.experiments import cli
+from kvlab.common.limits import MAX_REQUESTS, check_int_range
+from kvlab.experiments import cli, workload
 from kvlab.experiments.report import results_dir, threads_label, workload_changes
 from kvlab.experiments.workload import Request, build_workload, parse_workload, prompt_token_ids, scaled
 
@@ -90,11 +91,15 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(probe.threads)
     model, tokenizer = load(probe)
     plan = make_plan(args, model)
+    check_model_lens(plan.configs, model)
     print(describe(plan, model))
     runs = run_rounds(plan, model, tokenizer, args.repeats, progress=not args.no_progress)
     mark_matching_outputs(runs)
     print()
     print(side_by_side(runs))
+    note = agreement_note(plan, runs)
+    if note:
+        print(note)
     write_results(plan, runs)
     print(f"\nresults in {plan.out_dir}/ (results.json, results.csv, throughput.png, batch.png, kv_memory.png)")
     return 0
@@ -130,11 +135,26 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--warmup must be >= 0, got {args.warmup}")
     if args.repeats < 1:
         raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
+    check_int_range("--warmup", args.warmup, 0, MAX_REQUESTS)
+    check_int_range("--repeats", args.repeats, 1, 1000)
+    workload.build_workload(workload_spec(args))     # every length and arrival checked before the model loads
+    cli.check_output_path(args.out, "--out", directory=True)
+
+
+def workload_spec(args: argparse.Namespace) -> workload.WorkloadSpec:
+    return dataclasses.replace(args.workload, num_requests=args.num_requests, scale=default_scale(args),
+                               max_len=args.max_len, rate=args.rate, seed=args.seed if args.seed is not None else 0)
+
+
+def check_model_lens(configs: dict[str, EngineConfig], model: Any) -> None:
+    """Every backend's max_model_len within the model's positions, before any cache is built."""
+    from kvlab.common.runner import check_model_len
+    for config in configs.values():
+        check_model_len(config.max_model_len, model.config.max_position_embeddings)
 
 
 def make_plan(args: argparse.Namespace, model: Any) -> BenchPlan:
-    spec = dataclasses.replace(args.workload, num_requests=args.num_requests, scale=default_scale(args),
-                               max_len=args.max_len, rate=args.rate, seed=args.seed if args.seed is not None else 0)
+    spec = workload_spec(args)
     requests = build_workload(spec)
     longest = max(r.total_len for r in requests)
     probe = cli.engine_config(args, backend=args.backends[0])
@@ -369,6 +389,18 @@ def side_by_side(runs: list[dict[str, Any]]) -> str:
     verdicts = [verdict(r["backend"], r["repeats_output_tokens_per_s"], first["backend"],
                         first["repeats_output_tokens_per_s"]) for r in runs[1:]]
     return "\n".join([table(["", *(r["backend"] for r in runs)], body), "", *verdicts])
+
+
+def agreement_note(plan: BenchPlan, runs: list[dict[str, Any]]) -> str:
+    """Below fp32 the backends' kernels reduce in different orders, so greedy tokens may differ (not a bug,
+    docs/reliability.md "Mixed precision"): say how often they agree instead of implying they must."""
+    dtype = plan.configs[plan.backends[0]].dtype
+    if dtype == "float32" or len(runs) < 2:
+        return ""
+    rates = ", ".join(f"{r['backend']} {r['outputs_match_first']}/{r['num_requests']} "
+                      f"({100 * r['outputs_match_first'] / max(1, r['num_requests']):.0f}%)" for r in runs[1:])
+    return (f"{dtype}: greedy outputs equal to {runs[0]['backend']}'s: {rates}; below float32 the kernels' "
+            "reduction order may change a token (expected, see docs/reliability.md)")
 
 
 def write_results(plan: BenchPlan, runs: list[dict[str, Any]]) -> None:

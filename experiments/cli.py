@@ -6,17 +6,21 @@ and any bad flag value, becomes one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import logging
 import re
 import sys
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NoReturn
 
 from kvlab.common.config import EngineConfig, make_config
 from kvlab.common.errors import ConfigError, KvlabError
 from kvlab.common.kv.registry import REGISTRY, backend_names
+from kvlab.common.limits import check_fits_in_ram
 
 SUBCOMMANDS = ("generate", "bench", "simulate", "fallbacks", "sharing", "serve")
 # CLI flag -> EngineConfig field; each is optional and, when given, overrides the TOML file. Backends' own
@@ -112,7 +116,9 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
     """Defaults < --config FILE < explicit flags < `overrides` (the subcommand's fixed choices)."""
     values = {k: getattr(args, k, None) for k in engine_flag_names()}
     values.update({k: v for k, v in overrides.items() if v is not None})
-    return make_config(getattr(args, "config", None), **values)
+    config = make_config(getattr(args, "config", None), **values)
+    check_physical_budget(config)
+    return config
 
 
 def missing_subcommand(name: str, reason: str):
@@ -150,19 +156,77 @@ def first_line(e: BaseException) -> str:
     return text.splitlines()[0]
 
 
+def check_output_path(path: str | None, flag: str, directory: bool = False) -> None:
+    """Before a run starts: `path` can be written (a file in an existing writable directory, or a directory
+    that exists or can be created), so results are never lost at the end of a long run. Probed by writing,
+    since permission bits say little to root or on read-only mounts; the probe leaves nothing behind."""
+    if path is None:
+        return
+    p = Path(path)
+    if directory and p.exists() and not p.is_dir():
+        raise ConfigError(f"{flag} {path}: exists and is not a directory")
+    if not directory and p.is_dir():
+        raise ConfigError(f"{flag} {path}: is a directory; give a file path")
+    if not directory and not p.parent.is_dir():
+        raise ConfigError(f"{flag} {path}: No such file or directory ({p.parent} does not exist)")
+    target = p if directory else p.parent
+    created = [d for d in (target, *target.parents) if not d.exists()]
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=target):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
+    finally:
+        for d in created:
+            with contextlib.suppress(OSError):
+                d.rmdir()
+
+
+def check_physical_budget(config: EngineConfig) -> None:
+    """A real (not accounting-only) cache backs kv_cache_bytes with memory: on the CPU that is RAM. A virtual
+    reservation may exceed it; the physical pool may not."""
+    if config.device == "cpu":
+        check_fits_in_ram(f"kv_cache_bytes {config.kv_cache_bytes:,}", config.kv_cache_bytes,
+                          "lower --kv-cache-bytes")
+
+
+def undecodable_argument(argv: list[str]) -> str | None:
+    """The first argument that is not valid UTF-8 (Python keeps such bytes as lone surrogates)."""
+    for arg in argv:
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError:
+            return ascii(arg)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    bad = undecodable_argument(argv)
+    if bad is not None:
+        print(f"kvlab: error: argument {bad} is not valid UTF-8 text", file=sys.stderr)
+        return 2
+    command = f"kvlab {argv[0]}" if argv and argv[0] in SUBCOMMANDS else "kvlab"
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:                      # -h (0) or a usage error (2, already printed)
-        return int(e.code or 0)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(name)s: %(levelname)s: %(message)s")
-    try:
+        parser = build_parser()
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as e:                      # -h (0) or a usage error (2, already printed)
+            return int(e.code or 0)
+        command = f"kvlab {args.command}"
+        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                            format="%(name)s: %(levelname)s: %(message)s")
         return int(args.run(args) or 0)
     except (KvlabError, OSError) as e:        # OSError: an unwritable --out/--json path, a missing file
-        print(f"kvlab {args.command}: error: {first_line(e)}", file=sys.stderr)
+        if isinstance(e.__context__, KeyboardInterrupt):      # releasing after Ctrl-C failed: the interrupt wins
+            print(f"{command}: interrupted (and releasing failed: {first_line(e)})", file=sys.stderr)
+            return 130
+        print(f"{command}: error: {first_line(e)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:                 # every `with`/`finally` on the way out has released its engine
+        print(f"{command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ ARTICLE = {"parallel": (0.061, 0.098), "beam": (0.376, 0.552)}
 # Alpaca's mean lengths (Kwon et al., Table 1: 19.31 in, 58.45 out), as uniform ranges around them
 ALPACA_LIKE = "uniform:10-30:30-90"
 WIDTHS = tuple(range(2, 9))
+MAX_WIDTH = 64
 
 
 @dataclass(slots=True)
@@ -61,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from kvlab.common.loader import load_model
     widths = parse_widths(args.widths)
+    cli.check_output_path(args.json, "--json")
     for mode in args.modes:
         if mode not in ARTICLE:
             raise ConfigError(f"unknown sharing mode {mode!r}; choose parallel or beam")
@@ -115,6 +117,9 @@ def parse_widths(values: list[str]) -> list[int]:
         raise ConfigError(f"--widths must be integers, got {','.join(values)}") from None
     if any(w < 2 for w in widths):
         raise ConfigError("--widths must all be >= 2 (1 shares nothing)")
+    if any(w > MAX_WIDTH for w in widths):
+        raise ConfigError(f"--widths must all be <= {MAX_WIDTH} (beam search costs grow with width squared), "
+                          f"got {max(widths)}")
     return widths
 
 

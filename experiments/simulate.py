@@ -9,14 +9,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvlab.common import limits
 from kvlab.common.config import load_toml
 from kvlab.common.errors import ConfigError
 from kvlab.common.kv.registry import get_backend
+from kvlab.common.limits import MAX_BUDGET_GB, MAX_MODEL_LEN, check_finite, check_int_range
 from kvlab.experiments import cli
 from kvlab.experiments.report import changes_line, results_dir
 from kvlab.experiments.roofline import HARDWARE, hardware, model_spec
 from kvlab.experiments.simulation import SimCase, SimRow, SimSettings, policies, policy_backend, run_cases
 from kvlab.experiments.workload import build_workload, parse_workload
+
+PAGED_BYTES_PER_BLOCK = 160      # measured: 2**20 accounting-only blocks take ~145 MiB
 
 
 def add_parser(subparsers: Any) -> None:
@@ -92,6 +96,29 @@ def cases_from_args(args: argparse.Namespace) -> list[SimCase]:
     return cases
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Every value bounded before a worker starts or a cache is sized; output paths writable before the run."""
+    check_finite("--budget-gb", args.budget_gb, strict=True, high=MAX_BUDGET_GB)
+    check_finite("--watermark", args.watermark, high=0.999)
+    check_finite("--mfu", args.mfu, strict=True, high=1.0)
+    check_int_range("--jobs", args.jobs, 1, limits.max_threads(), " (at most 4 per CPU)")
+    check_int_range("--seeds", args.seeds, 1, 1000)
+    check_int_range("--block-size", args.block_size, 1, MAX_MODEL_LEN)
+    check_paged_bookkeeping(args)
+    cli.check_output_path(args.json, "--json")
+    cli.check_output_path(args.plot, "--plot")
+
+
+def check_paged_bookkeeping(args: argparse.Namespace) -> None:
+    """Accounting-only caches allocate no KV, but the paged block pool keeps ~160 B of books per block."""
+    if "paged" not in args.policies and args.preset != "seed":
+        return
+    block_size = 16 if args.preset == "seed" else args.block_size     # the seed tables' smallest block
+    blocks = args.budget_gb * 1e9 / (block_size * model_spec(args.model).kv_shape().bytes_per_token)
+    limits.check_fits_in_ram(f"--budget-gb {args.budget_gb:g} ({blocks:.3g} paged blocks of {block_size} tokens)",
+                      blocks * PAGED_BYTES_PER_BLOCK, "lower --budget-gb or raise --block-size")
+
+
 def run(args: argparse.Namespace) -> int:
     if args.worked_example:
         from kvlab.experiments.worked_example import print_worked_example
@@ -100,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
             return 0
     if args.seeds < 1:
         raise ConfigError(f"--seeds must be >= 1, got {args.seeds}")
+    check_args(args)
     settings = settings_from_args(args)
     print(changes_line(settings.workload, scale_given=args.scale != 1.0))
     t0 = time.perf_counter()

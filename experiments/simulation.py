@@ -9,9 +9,12 @@ watermark; paged and vmm use the case's.
 """
 from __future__ import annotations
 
+import multiprocessing
+import signal
 import time
 from collections import deque
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -214,8 +217,8 @@ def run_cases(cases: list[SimCase], settings: SimSettings, jobs: int = 1, progre
     bar = _progress(len(unique), progress)
     done: dict[tuple, SimRow] = {}
     if jobs > 1 and len(unique) > 1:
-        with ProcessPoolExecutor(min(jobs, len(unique))) as pool:
-            for case, row in zip(unique, pool.map(_run_case_job, [(c, settings) for c in unique])):
+        with worker_pool(min(jobs, len(unique))) as pool:
+            for case, row in zip(unique, pool.imap(_run_case_job, [(c, settings) for c in unique])):
                 done[case.key] = row
                 bar and bar.update(1)
     else:
@@ -225,6 +228,26 @@ def run_cases(cases: list[SimCase], settings: SimSettings, jobs: int = 1, progre
     if bar:
         bar.close()
     return [done[c.key] for c in cases]
+
+
+def _ignore_sigint() -> None:
+    """Workers leave Ctrl-C to the parent, which terminates them (no KeyboardInterrupt trace per worker)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@contextmanager
+def worker_pool(processes: int) -> Iterator[Any]:
+    """A process pool whose workers are terminated, not awaited, when the parent is interrupted or fails: a
+    Ctrl-C stops every worker at once and leaves no orphan behind."""
+    pool = multiprocessing.get_context().Pool(processes, initializer=_ignore_sigint)
+    try:
+        yield pool
+        pool.close()
+    except BaseException:
+        pool.terminate()
+        raise
+    finally:
+        pool.join()
 
 
 def _progress(total: int, enabled: bool):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 from kvlab.common.errors import ConfigError
+from kvlab.common.limits import MAX_MODEL_LEN, MAX_REQUESTS, MAX_SEED, MAX_SPAN_S, check_finite, check_int_range
 
 Z95 = 1.6448536269514722          # standard normal 95th percentile
 SEED_MAX_LEN = 4096               # the article's maximum total length (prompt + output)
@@ -126,11 +127,27 @@ def poisson_arrivals(rng: np.random.Generator, n: int, rate: float) -> np.ndarra
     return np.cumsum(rng.exponential(1.0 / rate, n))
 
 
-def build_workload(spec: WorkloadSpec) -> list[Request]:
-    if spec.num_requests <= 0:
+def check_spec(spec: WorkloadSpec) -> None:
+    """Every number of a workload finite and bounded before anything is drawn or allocated: a NaN or tiny
+    rate would put arrivals at NaN or years away (a run that never ends), a huge scale or count exhausts RAM."""
+    if not isinstance(spec.num_requests, int) or spec.num_requests <= 0:
         raise ConfigError(f"num_requests must be positive, got {spec.num_requests}")
-    if spec.scale <= 0:
+    check_int_range("num_requests", spec.num_requests, 1, MAX_REQUESTS)
+    check_int_range("seed", spec.seed, 0, MAX_SEED)
+    if not isinstance(spec.scale, (int, float)) or not spec.scale > 0:
         raise ConfigError(f"length scale must be positive, got {spec.scale}")
+    check_finite("length scale", spec.scale, strict=True)
+    if not isinstance(spec.max_len, int) or isinstance(spec.max_len, bool):
+        raise ConfigError(f"max_len must be an integer, got {spec.max_len!r}")
+    check_finite("rate (requests per second)", spec.rate)
+    if spec.rate > 0 and spec.num_requests / spec.rate > MAX_SPAN_S:
+        raise ConfigError(f"rate {spec.rate:g}/s spreads {spec.num_requests} requests over ~"
+                          f"{spec.num_requests / spec.rate:.3g} s, more than the maximum {MAX_SPAN_S:g} s (a week); "
+                          "raise --rate (0 = all at once)")
+
+
+def build_workload(spec: WorkloadSpec) -> list[Request]:
+    check_spec(spec)
     if spec.kind == "trace":
         return load_trace(spec.trace, spec.num_requests, spec.scale)
     rng = np.random.default_rng(spec.seed)
@@ -140,6 +157,10 @@ def build_workload(spec: WorkloadSpec) -> list[Request]:
         p, o = uniform_lengths(rng, spec)
     else:
         raise ConfigError(f"unknown workload kind {spec.kind!r}; choose seed, fixed, uniform or trace")
+    longest = int((p + o).max())
+    if longest > MAX_MODEL_LEN:
+        raise ConfigError(f"scale {spec.scale:g} gives requests of {longest:,} tokens, more than the maximum "
+                          f"{MAX_MODEL_LEN:,}; lower --scale or --max-len")
     arrivals = poisson_arrivals(rng, spec.num_requests, spec.rate)
     return [Request(int(a), int(b), float(t)) for a, b, t in zip(p, o, arrivals)]
 
@@ -170,18 +191,29 @@ def load_trace(path: str | Path | None, limit: int | None = None, scale: float =
     """JSONL, one {"prompt_len", "output_len"[, "arrival_s"]} per line; `limit` keeps the first requests."""
     if path is None or not Path(path).is_file():
         raise ConfigError(f"trace file {path} does not exist")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"trace file {path} is not UTF-8 text") from None
     requests: list[Request] = []
-    for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
-            p, o = scaled(int(row["prompt_len"]), scale), scaled(int(row["output_len"]), scale)
+            raw = (int(row["prompt_len"]), int(row["output_len"]))
             arrival = float(row.get("arrival_s", 0.0))
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, OverflowError) as e:
             raise ConfigError(f"{path}:{lineno}: need {{prompt_len, output_len[, arrival_s]}}: {e}") from None
-        if p < 1 or o < 1 or arrival < 0:
-            raise ConfigError(f"{path}:{lineno}: lengths must be >= 1 and arrival_s >= 0")
+        if min(raw) < 1 or max(raw) > MAX_MODEL_LEN:
+            raise ConfigError(f"{path}:{lineno}: lengths must be in [1, {MAX_MODEL_LEN:,}], got prompt_len "
+                              f"{raw[0]}, output_len {raw[1]}")
+        if not (math.isfinite(arrival) and 0 <= arrival <= MAX_SPAN_S):
+            raise ConfigError(f"{path}:{lineno}: arrival_s must be a finite number in [0, {MAX_SPAN_S:g}] s, "
+                              f"got {arrival!r}")
+        p, o = scaled(raw[0], scale), scaled(raw[1], scale)
+        if p + o > MAX_MODEL_LEN:
+            raise ConfigError(f"{path}:{lineno}: scaled length {p + o:,} exceeds the maximum {MAX_MODEL_LEN:,} tokens")
         requests.append(Request(p, o, arrival))
         if limit is not None and len(requests) >= limit:
             break

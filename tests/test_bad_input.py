@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,7 @@ from kvlab.common.llm import LLM
 from kvlab.common.loader import load_model
 from kvlab.common.sampling_params import SamplingParams
 from kvlab.experiments.cli import main
+from kvlab.experiments.workload import load_trace
 from safetensors.torch import save_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,11 +120,12 @@ CLI_CASES = [
 
 
 def cli_argv(argv: list[str], files: dict[str, Path]) -> list[str]:
-    def fill(arg: str) -> str:
-        if arg.startswith("{") and arg.endswith("}"):
-            name = arg[1:-1]
-            return str(files[name]) if name in files else str(next(iter(files.values())).parent / name)
-        return arg
+    def path_of(m: re.Match) -> str:
+        name = m.group(1)
+        return str(files[name]) if name in files else str(next(iter(files.values())).parent / name)
+
+    def fill(arg: str) -> str:      # {name} anywhere in an argument: a fixture file (or a missing one beside them)
+        return re.sub(r"\{([^{}]+)\}", path_of, arg)
     if argv and argv[0].startswith("!"):
         head = [argv[0][1:]] if argv[0] != "!" else []
         return head + [fill(a) for a in argv[1:]]
@@ -351,3 +354,283 @@ def test_bad_requests_added_mid_run_fail_alone(backend, llms):
     assert done[impossible].error and "holds at most 64" in done[impossible].error
     assert all(done[r].error is None and len(done[r].outputs[0].token_ids) == 8 for r in good)
     assert engine.cache.stats().used_units == 0
+
+
+# == round 2 (issue 20): hangs, unbounded sizes, config types, tracebacks, late validation, smaller items ========
+def write_llama_gguf(path: Path, blocks: int = 1, heads: int = 2, context: int = 64, merges: list[str] | None = None
+                     ) -> None:
+    """A complete one-layer llama GGUF (hidden 8, 2 heads, 1 KV head, vocab 6) with a gpt2 tokenizer; the header
+    may lie (blocks, heads, context) or the merges may be broken."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    hidden, ff, kv, tokens = 8, 16, 1, ["a", "b", "ab", "c", "<s>", "</s>"]
+    writer.add_block_count(blocks)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ff)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv)
+    writer.add_context_length(context)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_merges(["a b"] if merges is None else merges)
+    writer.add_token_types([1, 1, 1, 1, 3, 3])
+    hd = hidden // max(heads, 1)
+    full = lambda *shape: np.full(shape, 0.01, dtype=np.float32)   # noqa: E731
+    writer.add_tensor("token_embd.weight", full(len(tokens), hidden))
+    writer.add_tensor("output_norm.weight", full(hidden))
+    for name, shape in (("attn_norm", (hidden,)), ("attn_q", (heads * hd, hidden)), ("attn_k", (kv * hd, hidden)),
+                        ("attn_v", (kv * hd, hidden)), ("attn_output", (hidden, heads * hd)), ("ffn_norm", (hidden,)),
+                        ("ffn_gate", (ff, hidden)), ("ffn_up", (ff, hidden)), ("ffn_down", (hidden, ff))):
+        writer.add_tensor(f"blk.0.{name}.weight", full(*shape))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+HF_TINY = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+           "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1}
+HF_BROKEN = {
+    "hf_string_size": {"hidden_size": "32"}, "hf_zero_heads": {"num_attention_heads": 0},
+    "hf_string_rope_scaling": {"rope_scaling": "llama3"}, "hf_string_rope_theta": {"rope_theta": "10000"},
+    "hf_float_vocab": {"vocab_size": 1e12}, "hf_huge_vocab": {"vocab_size": 10**12},
+    "hf_million_layers": {"num_hidden_layers": 10**6}, "hf_nan_eps": {"rms_norm_eps": math.nan},
+    "hf_bool_heads": {"num_attention_heads": True},
+    "hf_llama3_string_factor": {"rope_scaling": {"rope_type": "llama3", "factor": "8", "low_freq_factor": 1,
+                                                 "high_freq_factor": 4, "original_max_position_embeddings": 64}},
+    "hf_beyond_ram": {"hidden_size": 65536, "intermediate_size": 2**20, "num_hidden_layers": 1000,
+                      "num_attention_heads": 512, "num_key_value_heads": 8},
+}
+TRACES = {
+    "nan_arrival.jsonl": '{"prompt_len": 8, "output_len": 4, "arrival_s": NaN}\n',
+    "inf_arrival.jsonl": '{"prompt_len": 8, "output_len": 4, "arrival_s": Infinity}\n',
+    "late_arrival.jsonl": '{"prompt_len": 8, "output_len": 4, "arrival_s": 1e12}\n',
+    "negative_length.jsonl": '{"prompt_len": -5, "output_len": 4}\n',
+    "zero_output.jsonl": '{"prompt_len": 5, "output_len": 0}\n',
+    "huge_length.jsonl": '{"prompt_len": 1000000000000, "output_len": 4}\n',
+    "inf_length.jsonl": '{"prompt_len": Infinity, "output_len": 4}\n',
+}
+TOMLS = {
+    "string_bool.toml": 'check_invariants = "false"\n', "vmm_string_bool.toml": '[vmm]\nbackground_mapping = "no"\n',
+    "int_bool.toml": "enable_prefix_caching = 1\n", "int_device.toml": "device = 1\n",
+    "int_engine.toml": "engine = 5\n", "int_backend_table.toml": "paged = 5\n", "int_dtype.toml": "dtype = 32\n",
+    "huge_seed.toml": "seed = 1180591620717411303424\n", "string_budget.toml": 'kv_cache_bytes = "64MiB"\n',
+}
+
+
+@pytest.fixture(scope="module")
+def files2(files) -> dict[str, Path]:
+    root = next(iter(files.values())).parent / "round2"
+    root.mkdir()
+    for name, override in HF_BROKEN.items():
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps({**HF_TINY, **override}))
+    for name, shards in {"hf_shard_escape": "../outside.safetensors", "hf_shard_absolute": "/etc/passwd"}.items():
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(HF_TINY))
+        index = {"weight_map": {"lm_head.weight": shards}}
+        (root / name / "model.safetensors.index.json").write_text(json.dumps(index))
+    for name, kw in {"gguf_zero_heads": {"heads": 0}, "gguf_huge_context": {"context": 300_000_000},
+                     "gguf_million_blocks": {"blocks": 10**6}, "gguf_bad_merges": {"merges": ["zz qq"]},
+                     "gguf_empty_merge": {"merges": [""]}}.items():
+        write_llama_gguf(root / f"{name}.gguf", **kw)
+    for name, text in {**TRACES, **TOMLS}.items():
+        (root / name).write_text(text)
+    (root / "latin1.toml").write_bytes(b"seed = 0 # caf\xe9\n")
+    (root / "latin1.jsonl").write_bytes(b'{"prompt_len": 8, "output_len": 4} \xe9\n')
+    (root / "a_file").write_text("x")
+    return {**files, **{p.name: p for p in root.iterdir()}}
+
+
+NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA GPU")
+SIM = ["!simulate", "--no-progress", "--num-requests", "20"]
+BENCH = ["!bench", "--no-progress", "--num-requests", "2"]
+# (category, case, argv as in CLI_CASES, key phrases of the one stderr line)
+ROUND2_CLI_CASES = [
+    ("hang", "simulate NaN rate", [*SIM, "--rate", "nan"], ["rate (requests per second) must be a finite number"]),
+    ("hang", "simulate infinite rate", [*SIM, "--rate", "inf"], ["rate (requests per second) must be a finite"]),
+    ("hang", "simulate negative rate", [*SIM, "--rate", "-3"], ["must be a finite number >= 0, got -3"]),
+    ("hang", "simulate absurdly low rate", [*SIM, "--rate", "1e-9"], ["more than the maximum 604800 s", "--rate"]),
+    ("hang", "bench NaN rate", [*BENCH, "--rate", "nan"], ["rate (requests per second) must be a finite"]),
+    ("hang", "bench absurdly low rate", [*BENCH, "--rate", "1e-12"], ["more than the maximum 604800 s"]),
+    ("hang", "trace arrival NaN", [*SIM, "--workload", "trace:{nan_arrival.jsonl}"],
+     ["nan_arrival.jsonl:1: arrival_s must be a finite number", "got nan"]),
+    ("hang", "trace arrival Infinity", [*SIM, "--workload", "trace:{inf_arrival.jsonl}"],
+     ["inf_arrival.jsonl:1: arrival_s must be a finite number", "got inf"]),
+    ("hang", "trace arrival a million years away", [*BENCH, "--workload", "trace:{late_arrival.jsonl}"],
+     ["late_arrival.jsonl:1: arrival_s must be a finite number in [0, 604800] s"]),
+    ("hang", "sharing --widths 1000", ["!sharing", "--widths", "1000"], ["--widths must all be <= 64", "1000"]),
+    ("size", "simulate --budget-gb 1e6", [*SIM, "--budget-gb", "1e6"],
+     ["--budget-gb must be a finite number > 0 and <= 100000, got 1000000.0"]),
+    ("size", "simulate paged books beyond RAM",
+     [*SIM, "--model", "tiny", "--policies", "paged", "--block-size", "1", "--budget-gb", "9e4"],
+     ["paged blocks", "more than this machine's RAM"]),
+    ("size", "bench --num-requests 1e11", [*BENCH[:2], "--num-requests", "100000000000"],
+     ["num_requests must be an integer in [1, 1,000,000]"]),
+    ("size", "simulate 10 million requests", [*SIM[:2], "--num-requests", "10000000"], ["num_requests must be"]),
+    ("size", "bench --scale 1e6", [*BENCH, "--scale", "1e6"], ["more than the maximum 4,194,304; lower --scale"]),
+    ("size", "simulate --scale 1e6", [*SIM, "--scale", "1e6"], ["more than the maximum 4,194,304"]),
+    ("size", "--max-model-len 1e8", ["--max-model-len", "100000000"],
+     ["max_model_len must be an integer in [1, 4,194,304]"]),
+    ("size", "paged KV budget above RAM", ["--kv-cache-bytes", "100TiB"],
+     ["kv_cache_bytes 109,951,162,777,600 needs 100.0 TiB, more than this machine's RAM"]),
+    ("size", "vmm physical pool above RAM", ["--backend", "vmm", "--kv-cache-bytes", "100TiB"],
+     ["more than this machine's RAM", "lower --kv-cache-bytes"]),
+    ("size", "--threads 100000", ["--threads", "100000"], ["threads must be an integer in [0, ", "got 100000"]),
+    ("size", "simulate --jobs 100000", [*SIM, "--jobs", "100000"], ["--jobs must be an integer in [1, "]),
+    ("size", "bench --warmup 1e9", [*BENCH, "--warmup", "1000000000"], ["--warmup must be an integer in [0, "]),
+    ("size", "GGUF declaring 10^6 blocks", ["--model", "{gguf_million_blocks.gguf}"],
+     ["GGUF block_count is 1,000,000 but the file holds tensors for 1 block(s)"]),
+    ("size", "HF config with 10^6 layers", ["--model", "{hf_million_layers}"],
+     ["num_layers 1,000,000 exceeds the sane maximum 1,024"]),
+    ("size", "HF config with vocab_size 10^12", ["--model", "{hf_huge_vocab}"],
+     ["vocab_size 1,000,000,000,000 exceeds the sane maximum"]),
+    ("size", "HF model larger than RAM", ["--model", "{hf_beyond_ram}"], ["more than this machine's RAM"]),
+    ("size", "trace length 10^12", [*SIM, "--workload", "trace:{huge_length.jsonl}"],
+     ["huge_length.jsonl:1: lengths must be in [1, 4,194,304]"]),
+    ("type", 'TOML check_invariants = "false"', ["--config", "{string_bool.toml}"],
+     ["check_invariants must be true or false, got 'false'"]),
+    ("type", 'TOML [vmm] background_mapping = "no"', ["--config", "{vmm_string_bool.toml}"],
+     ["background_mapping must be true or false, got 'no'"]),
+    ("type", "TOML enable_prefix_caching = 1", ["--config", "{int_bool.toml}"],
+     ["enable_prefix_caching must be true or false, got 1"]),
+    ("type", "TOML paged = 5", ["--config", "{int_backend_table.toml}"], ["paged must be a table of paged options"]),
+    ("type", "TOML dtype = 32", ["--config", "{int_dtype.toml}"], ["dtype must be a string, got 32"]),
+    ("type", 'TOML kv_cache_bytes = "64MiB"', ["--config", "{string_budget.toml}"],
+     ["kv_cache_bytes must be a positive integer, got '64MiB'"]),
+    ("type", "flag --background-mapping maybe", ["--background-mapping", "maybe"], ["expected true or false"]),
+    ("line", "--seed 2**70", ["--seed", str(2**70)], ["seed must be an integer in [0, 9,223,372,036,854,775,807]"]),
+    ("line", "negative seed", ["--seed", "-1"], ["seed must be an integer in [0, "]),
+    ("line", "simulate --seed 2**70", [*SIM, "--seed", str(2**70)], ["seed must be an integer in [0, "]),
+    ("line", "bench --seed 2**70", [*BENCH, "--seed", str(2**70)], ["seed must be an integer in [0, "]),
+    pytest.param("line", "--device cuda without a GPU", ["--device", "cuda"],
+                 ["device 'cuda': no CUDA GPU is available here"], marks=NO_GPU),
+    ("line", "--device cpu1", ["--device", "cpu1"], ["unknown device 'cpu1'; use cpu or cuda[:N]"]),
+    ("line", "--device cuda:x", ["--device", "cuda:x"], ["unknown device 'cuda:x'"]),
+    ("line", "TOML device = 1", ["--config", "{int_device.toml}"], ["device must be a string, got 1"]),
+    ("line", "TOML engine = 5", ["--config", "{int_engine.toml}"], ["engine must be a table ([engine]), got 5"]),
+    ("line", "TOML seed = 2**70", ["--config", "{huge_seed.toml}"], ["seed must be an integer in [0, "]),
+    ("line", "non-UTF-8 TOML", ["--config", "{latin1.toml}"], ["latin1.toml is not UTF-8 text"]),
+    ("line", "HF string size", ["--model", "{hf_string_size}"], ["hidden_size must be a positive integer, got '32'"]),
+    ("line", "HF 0 heads", ["--model", "{hf_zero_heads}"], ["num_attention_heads must be a positive integer, got 0"]),
+    ("line", "HF boolean heads", ["--model", "{hf_bool_heads}"], ["num_attention_heads must be a positive"]),
+    ("line", "HF string rope_scaling", ["--model", "{hf_string_rope_scaling}"],
+     ["rope_scaling must be an object (or null), got 'llama3'"]),
+    ("line", "HF string rope_theta", ["--model", "{hf_string_rope_theta}"],
+     ["rope_theta must be a positive finite number, got '10000'"]),
+    ("line", "HF string llama3 factor", ["--model", "{hf_llama3_string_factor}"],
+     ["rope_scaling factor must be a positive finite number, got '8'"]),
+    ("line", "HF vocab_size 1e12", ["--model", "{hf_float_vocab}"], ["vocab_size must be a positive integer"]),
+    ("line", "HF NaN rms_norm_eps", ["--model", "{hf_nan_eps}"], ["rms_norm_eps must be a positive finite"]),
+    ("line", "GGUF head_count 0", ["--model", "{gguf_zero_heads.gguf}"],
+     ["GGUF llama.attention.head_count must be a positive integer, got 0"]),
+    ("line", "GGUF context_length 3e8", ["--model", "{gguf_huge_context.gguf}"],
+     ["max_position_embeddings 300,000,000 exceeds the sane maximum"]),
+    ("line", "GGUF bad merges", ["--model", "{gguf_bad_merges.gguf}"],
+     ["the embedded GGUF tokenizer is malformed", "out of vocabulary"]),
+    ("line", "GGUF empty merge", ["--model", "{gguf_empty_merge.gguf}"], ["the embedded GGUF tokenizer is malformed"]),
+    ("line", "bench --scale nan", [*BENCH, "--scale", "nan"], ["length scale must be positive, got nan"]),
+    ("line", "simulate --scale nan", [*SIM, "--scale", "nan"], ["length scale must be positive, got nan"]),
+    ("line", "simulate --budget-gb nan", [*SIM, "--budget-gb", "nan"], ["--budget-gb must be a finite number"]),
+    ("line", "simulate --mfu 0", [*SIM, "--mfu", "0"], ["--mfu must be a finite number > 0 and <= 1"]),
+    ("line", "trace length Infinity", [*SIM, "--workload", "trace:{inf_length.jsonl}"], ["inf_length.jsonl:1: need"]),
+    ("line", "non-UTF-8 trace", [*SIM, "--workload", "trace:{latin1.jsonl}"], ["latin1.jsonl is not UTF-8 text"]),
+    ("line", "non-UTF-8 argument", ["!generate", "caf\udce9"], ["argument 'caf\\udce9' is not valid UTF-8 text"]),
+    ("line", "non-UTF-8 option value", ["--model", "\udcff.gguf"], ["is not valid UTF-8 text"]),
+    ("late", "simulate --json into a missing directory", [*SIM, "--json", "{no_dir}/rows.json"],
+     ["--json ", "no_dir does not exist"]),
+    ("late", "simulate --json under a file", [*SIM, "--json", "{a_file}/rows.json"], ["does not exist"]),
+    ("late", "simulate --plot is a directory", [*SIM, "--plot", "{hf_zero_heads}"], ["is a directory; give a file"]),
+    ("late", "bench --out is a file", [*BENCH, "--out", "{a_file}"], ["--out ", "exists and is not a directory"]),
+    ("late", "bench --out under a file", [*BENCH, "--out", "{a_file}/results"], ["--out ", "cannot write there"]),
+    ("late", "sharing --json into a missing directory", ["!sharing", "--json", "{no_dir}/rows.json"],
+     ["does not exist"]),
+    ("small", "negative trace length", [*SIM, "--workload", "trace:{negative_length.jsonl}"],
+     ["negative_length.jsonl:1: lengths must be in [1, ", "prompt_len -5"]),
+    ("small", "zero trace output length", [*SIM, "--workload", "trace:{zero_output.jsonl}"], ["output_len 0"]),
+    ("small", "max_model_len above max_position_embeddings", ["--max-model-len", "8192"],
+     ["max_model_len 8192 exceeds the model's max_position_embeddings 4096"]),
+    ("small", "sharded index pointing outside", ["--model", "{hf_shard_escape}"],
+     ["shard '../outside.safetensors' lies outside the model directory"]),
+    ("small", "sharded index with an absolute path", ["--model", "{hf_shard_absolute}"],
+     ["shard '/etc/passwd' lies outside the model directory"]),
+]
+
+
+def _ids(cases: list) -> list[str]:
+    return [c.values[1] if hasattr(c, "marks") else c[1] for c in cases]
+
+
+@pytest.mark.parametrize("category,case,argv,phrases", ROUND2_CLI_CASES, ids=_ids(ROUND2_CLI_CASES))
+def test_round2_cli_rejects_with_one_line_before_any_work(category, case, argv, phrases, files2, capsys):
+    rc = run_cli(cli_argv(argv, files2))
+    out = capsys.readouterr()
+    line = one_error_line(out.err)
+    assert rc == 2, f"exit code {rc} for {case}: {line}"
+    assert out.out == "", f"{case} printed to stdout: {out.out[:300]!r}"
+    for phrase in phrases:
+        assert phrase in line, f"{case}: {phrase!r} not in {line!r}"
+
+
+def nan_weight_step():
+    from kvlab.common.engine import Engine
+    model, tokenizer = load_model("tiny")
+    with torch.no_grad():
+        model.layers[0].mlp.down_proj.weight.fill_(math.nan) if hasattr(model.layers[0], "mlp") else None
+        model.lm_head.weight.fill_(math.nan)
+    engine = Engine.from_model(make_config(backend="paged", **BUDGET), model, tokenizer)
+    try:
+        engine.add_request([5, 6, 7], GOOD)
+        engine.step()
+    finally:
+        engine.close()
+
+
+ROUND2_API_CASES = [
+    ("type", "keyword check_invariants='false'", lambda f: make_config(check_invariants="false"), ConfigError,
+     ["check_invariants must be true or false, got 'false'"]),
+    ("type", "keyword background_mapping='no'", lambda f: make_config(background_mapping="no"), ConfigError,
+     ["background_mapping must be true or false, got 'no'"]),
+    ("type", "keyword enable_prefix_caching=1", lambda f: make_config(enable_prefix_caching=1), ConfigError,
+     ["enable_prefix_caching must be true or false, got 1"]),
+    ("type", "table vmm_single_range='yes'", lambda f: make_config(vmm={"vmm_single_range": "yes"}), ConfigError,
+     ["vmm_single_range must be true or false"]),
+    ("type", "reserve_mode=3", lambda f: make_config(reserve_mode=3), ConfigError, ["reserve_mode must be a string"]),
+    ("type", "threads=2.0", lambda f: make_config(threads=2.0), ConfigError, ["threads must be an integer, got 2.0"]),
+    ("type", "watermark='0.1'", lambda f: make_config(watermark="0.1"), ConfigError, ["watermark must be a number"]),
+    ("type", "replace(enable_prefix_caching='yes')", lambda f: make_config().replace(enable_prefix_caching="yes"),
+     ConfigError, ["enable_prefix_caching must be true or false"]),
+    ("line", "seed=2**70", lambda f: make_config(seed=2**70), ConfigError, ["seed must be an integer in [0, "]),
+    ("line", "device='cpu1'", lambda f: make_config(device="cpu1"), ConfigError, ["unknown device 'cpu1'"]),
+    ("size", "max_model_len=10**8", lambda f: make_config(max_model_len=10**8), ConfigError,
+     ["max_model_len must be an integer in [1, 4,194,304]"]),
+    ("size", "threads=100000", lambda f: make_config(threads=100000), ConfigError, ["threads must be an integer in"]),
+    ("small", "sharded index pointing outside", lambda f: load_model(f["hf_shard_escape"]), ModelLoadError,
+     ["lies outside the model directory"]),
+    ("small", "NaN weights fail loudly", lambda f: nan_weight_step(), ModelLoadError,
+     ["the model produced non-finite logits (NaN or Inf)"]),
+    ("small", "negative trace length", lambda f: load_trace(f["negative_length.jsonl"]), ConfigError,
+     ["lengths must be in [1, 4,194,304], got prompt_len -5"]),
+]
+
+
+@pytest.mark.parametrize("category,case,make,exc,phrases", ROUND2_API_CASES, ids=[c[1] for c in ROUND2_API_CASES])
+def test_round2_api_raises_a_specific_error(category, case, make, exc, phrases, files2):
+    with pytest.raises(exc) as info:
+        make(files2)
+    message = str(info.value)
+    assert "\n" not in message, f"{case}: the message spans several lines: {message!r}"
+    for phrase in phrases:
+        assert phrase in message, f"{case}: {phrase!r} not in {message!r}"
+
+
+def test_bench_reports_the_agreement_rate_below_fp32():
+    from kvlab.experiments.bench import BenchPlan, agreement_note
+    runs = [{"backend": "vmm", "outputs_match_first": 48, "num_requests": 48},
+            {"backend": "paged", "outputs_match_first": 40, "num_requests": 48}]
+    plan = BenchPlan(["vmm", "paged"], {"vmm": make_config(dtype="bfloat16"), "paged": make_config(dtype="bfloat16")},
+                     [], [], 0, Path("."), [])
+    assert agreement_note(plan, runs).startswith("bfloat16: greedy outputs equal to vmm's: paged 40/48 (83%)")
+    plan.configs = {"vmm": make_config(), "paged": make_config()}
+    assert agreement_note(plan, runs) == ""
