@@ -57,3 +57,10 @@ def check_fits_in_ram(what: str, nbytes: float, fix: str) -> None:
     ram = ram_bytes()
     if nbytes > ram:
         raise ConfigError(f"{what} needs {fmt_bytes(nbytes)}, more than this machine's RAM ({fmt_bytes(ram)}); {fix}")
+
+
+def check_physical_budget(device: str, kv_cache_bytes: int, fix: str = "lower kv_cache_bytes") -> None:
+    """A real (not accounting-only) cache backs kv_cache_bytes with memory: on the CPU that is RAM. A virtual
+    reservation may exceed it; the physical pool may not."""
+    if device == "cpu":
+        check_fits_in_ram(f"kv_cache_bytes {kv_cache_bytes:,}", kv_cache_bytes, fix)

@@ -20,7 +20,7 @@ from typing import Any, NoReturn
 from kvlab.common.config import EngineConfig, make_config
 from kvlab.common.errors import ConfigError, KvlabError
 from kvlab.common.kv.registry import REGISTRY, backend_names
-from kvlab.common.limits import check_fits_in_ram
+from kvlab.common.limits import check_physical_budget
 
 SUBCOMMANDS = ("generate", "bench", "simulate", "fallbacks", "sharing", "serve")
 # CLI flag -> EngineConfig field; each is optional and, when given, overrides the TOML file. Backends' own
@@ -117,7 +117,7 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
     values = {k: getattr(args, k, None) for k in engine_flag_names()}
     values.update({k: v for k, v in overrides.items() if v is not None})
     config = make_config(getattr(args, "config", None), **values)
-    check_physical_budget(config)
+    check_physical_budget(config.device, config.kv_cache_bytes, "lower --kv-cache-bytes")
     return config
 
 
@@ -181,14 +181,6 @@ def check_output_path(path: str | None, flag: str, directory: bool = False) -> N
         for d in created:
             with contextlib.suppress(OSError):
                 d.rmdir()
-
-
-def check_physical_budget(config: EngineConfig) -> None:
-    """A real (not accounting-only) cache backs kv_cache_bytes with memory: on the CPU that is RAM. A virtual
-    reservation may exceed it; the physical pool may not."""
-    if config.device == "cpu":
-        check_fits_in_ram(f"kv_cache_bytes {config.kv_cache_bytes:,}", config.kv_cache_bytes,
-                          "lower --kv-cache-bytes")
 
 
 def undecodable_argument(argv: list[str]) -> str | None:

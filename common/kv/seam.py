@@ -246,4 +246,7 @@ def timed(method: Callable) -> Callable:
 def create_cache(config: EngineConfig, shape: KVShape, accounting_only: bool = False) -> KVCache:
     """Build the backend named by `config.backend`, found through the registry (no backend import here)."""
     from kvlab.common.kv.registry import get_backend
+    from kvlab.common.limits import check_physical_budget
+    if not accounting_only:
+        check_physical_budget(config.device, config.kv_cache_bytes)
     return get_backend(config.backend).build(config, shape, accounting_only)

@@ -98,11 +98,19 @@ class Scheduler:
         if seq.final_len > limit:
             self.life.fail(req, f"request {request_id} needs {seq.final_len} tokens of KV cache but the "
                                 f"{self.cache.name} cache holds at most {limit} per sequence "
-                                f"(kv_cache_bytes={self.config.kv_cache_bytes}): raise kv_cache_bytes or lower "
-                                f"max_tokens")
+                                f"(kv_cache_bytes={self.config.kv_cache_bytes}): "
+                                f"{self._fix(limit, len(prompt_token_ids))}")
         else:
             self.queues.waiting.append(seq)
         return req
+
+    def _fix(self, limit: int, prompt_len: int) -> str:
+        """The advice that can help: fewer output tokens only if the prompt itself fits."""
+        if limit > prompt_len:
+            return "raise kv_cache_bytes or lower max_tokens"
+        if limit == 0:    # no sequence fits at all (e.g. a per-sequence reservation larger than the budget)
+            return "raise kv_cache_bytes or lower max_model_len"
+        return "raise kv_cache_bytes"
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         params.validate()
