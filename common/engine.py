@@ -55,7 +55,8 @@ class Engine:
     @classmethod
     def from_model(cls, config: EngineConfig, model: Any, tokenizer: Any = None, **kwargs: Any) -> Engine:
         """Real cache + TorchRunner around an already built model."""
-        from kvlab.common.runner import TorchRunner
+        from kvlab.common.runner import TorchRunner, check_model_len
+        check_model_len(config.max_model_len, model.config.max_position_embeddings)   # before any memory is taken
         if config.tensor_parallel_size > 1:      # tensor parallelism: spawned ranks, see common/dist/
             from kvlab.common.dist.runner import build_tp
             cache, runner = build_tp(config, model)
