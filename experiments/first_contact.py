@@ -27,7 +27,6 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,6 +38,7 @@ from kvlab.experiments.gpu_check import (
     detect_gpu,
     load_fake_driver,
     part_env,
+    run_one,
     run_subprocess,
     summary,
     write_result,
@@ -445,19 +445,6 @@ PARTS: dict[str, Callable[[bool], dict[str, Any]]] = {
 
 # -- orchestration -------------------------------------------------------------------------------------------------
 
-def run_one(name: str, dry: bool, out_file: Path) -> int:
-    """Inside a part's process: run it, write {"ok", "result" | "error"}, and leave without CUDA teardown."""
-    try:
-        result = PARTS[name](dry)
-        doc = {"ok": "failed" not in result, "result": result}
-        if "failed" in result:
-            doc["error"] = result["failed"]
-    except Exception as exc:  # noqa: BLE001 - the error is the result
-        doc = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
-    write_result(out_file, doc)
-    return 0
-
-
 def run_part(name: str, dry: bool, timeout: float) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         result_file = Path(tmp) / "part.json"
@@ -480,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--part-out", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.part:
-        return run_one(args.part, args.dry_run_cpu, args.part_out)
+        return run_one(args.part, args.dry_run_cpu, args.part_out, PARTS)
     names = [n.strip() for n in args.parts.split(",") if n.strip()]
     unknown = [n for n in names if n not in PARTS]
     if unknown:

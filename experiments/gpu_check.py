@@ -497,10 +497,11 @@ def detect_gpu() -> dict[str, Any]:
     return {"present": bool(count), "gpus": [], "evidence": [smi, probe]}
 
 
-def run_one(name: str, dry: bool, out_file: Path) -> int:
-    """Inside a part's subprocess: run it, write {"ok", "result" | "error"}."""
+def run_one(name: str, dry: bool, out_file: Path, parts: dict[str, Callable] | None = None) -> int:
+    """Inside a part's subprocess: run `parts[name]` (this check's parts by default), write
+    {"ok", "result" | "error"}."""
     try:
-        result = PARTS[name](dry)
+        result = (PARTS if parts is None else parts)[name](dry)
         doc = {"ok": "failed" not in result, "result": result}
         if "failed" in result:
             doc["error"] = result["failed"]
