@@ -146,19 +146,29 @@ def as_load_requests(requests: list[PrefixRequest]):
     return [LoadRequest(list(r.token_ids), r.output_len, r.arrival_s) for r in requests]
 
 
-def shareable_tokens(requests: list[PrefixRequest]) -> int:
-    """Prompt tokens an unbounded token-granular cache could skip: for each request in arrival order, its longest
-    common prefix with any earlier prompt (at most its length - 1: the last token is always computed)."""
+def shareable_per_request(requests: list[PrefixRequest]) -> list[int]:
+    """Per request in arrival order, the prompt tokens an unbounded token-granular cache could skip: its longest
+    common prefix with any earlier prompt, at most its length - 1 (the last token is always computed). A cache of
+    u-token units can skip at most floor(s / u) * u of them: the rest is the granularity loss."""
     trie: dict = {}
-    total = 0
+    out = []
     for r in sorted(requests, key=lambda r: r.arrival_s):
         node, depth = trie, 0
         for tok in r.token_ids:
             if tok not in node:
                 break
             node, depth = node[tok], depth + 1
-        total += min(depth, len(r.token_ids) - 1)
+        out.append(min(depth, len(r.token_ids) - 1))
         node = trie
         for tok in r.token_ids:
             node = node.setdefault(tok, {})
-    return total
+    return out
+
+
+def shareable_tokens(requests: list[PrefixRequest]) -> int:
+    return sum(shareable_per_request(requests))
+
+
+def granularity_loss(shareable: list[int], tokens_per_unit: int) -> int:
+    """Shareable tokens that are not a whole unit: no u-token cache can skip them."""
+    return sum(s % tokens_per_unit for s in shareable)
