@@ -75,3 +75,17 @@ def test_the_simulator_sends_real_tokens_and_hits_with_prefix_caching(policy, un
     assert on.cache_stats.prefix_hit_tokens == 11 * (1024 // tokens_per_unit * tokens_per_unit)
     assert on.metrics.computed_tokens == off.metrics.computed_tokens - on.cache_stats.prefix_hit_tokens
     assert on.metrics.ttft_p50 < off.metrics.ttft_p50
+
+
+def test_kvlab_prefix_writes_json_csv_report_and_plot(tmp_path):
+    from kvlab.experiments import cli
+    assert cli.main(["prefix", "--runs", "sim", "--workloads", "trace", "--quick", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
+    assert {r["backend"] for r in rows} == {"paged", "vmm"} and len(rows) == 3
+    by_unit = {r["tokens_per_unit"]: r for r in rows}
+    assert by_unit[16]["hit_tokens"] > 0 and by_unit[16]["granularity_loss"] == 0   # the trace's blocks are 16
+    assert by_unit[1024]["hit_tokens"] <= by_unit[16]["hit_tokens"]
+    for r in rows:
+        assert r["shareable_tokens"] == r["granularity_loss"] + r["missed_tokens"] + r["hit_tokens"]
+    assert (tmp_path / "rows.csv").read_text().startswith("run,workload,backend")
+    assert (tmp_path / "prefix.png").stat().st_size > 0 and (tmp_path / "report.txt").is_file()
