@@ -89,3 +89,14 @@ def test_kvlab_prefix_writes_json_csv_report_and_plot(tmp_path):
         assert r["shareable_tokens"] == r["granularity_loss"] + r["missed_tokens"] + r["hit_tokens"]
     assert (tmp_path / "rows.csv").read_text().startswith("run,workload,backend")
     assert (tmp_path / "prefix.png").stat().st_size > 0 and (tmp_path / "report.txt").is_file()
+
+
+def test_the_serving_bench_datasets_carry_the_prefix_structure():
+    from kvlab.experiments.serve import datasets
+    reqs = datasets.build(f"mooncake:{pw.SAMPLE_TRACE}:16", 24, 0, 1000)
+    assert len(reqs) == 24 and reqs[0].timestamp == 0 and reqs[0].prompt[:64] == reqs[1].prompt[:64]
+    shots = datasets.build("prefix:fewshot", 5, 0, 1000)
+    assert len(shots) == 5 and shots[0].prompt[:384] == shots[4].prompt[:384]
+    assert len(datasets.build("prefix:multiturn", 8, 0, 1000)) == 8
+    with pytest.raises(ConfigError, match="prefix:system"):
+        datasets.build("prefix:nope", 5, 0, 1000)
