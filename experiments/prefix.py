@@ -239,24 +239,34 @@ def save(rows: list[PrefixRow], text: str, out: Path) -> None:
 
 
 def plot(rows: list[PrefixRow], path: Path) -> None:
-    """Hit rate and throughput gain (on / off) against tokens per unit, one line per run, workload and backend."""
+    """Per run (real, sim): hit rate and throughput gain (cache on / off) against tokens per unit; one colour per
+    workload, solid paged, dashed vmm (the two coincide where their units hold the same tokens)."""
     from kvlab.experiments.plots import _pyplot
     plt = _pyplot()
-    fig, (ax_hit, ax_tp) = plt.subplots(1, 2, figsize=(11, 4))
-    keys = sorted({(r.run, r.workload, r.backend) for r in rows})
-    for key in keys:
-        sel = sorted((r for r in rows if (r.run, r.workload, r.backend) == key), key=lambda r: r.tokens_per_unit)
-        x = [r.tokens_per_unit for r in sel]
-        style = "-o" if key[2] == "paged" else "--s"
-        ax_hit.plot(x, [r.hit_rate for r in sel], style, label=" ".join(key))
-        ax_tp.plot(x, [r.throughput_on / r.throughput_off if r.throughput_off else 0 for r in sel], style,
-                   label=" ".join(key))
-    for ax, ylabel in ((ax_hit, "prefix hit rate"), (ax_tp, "throughput, cache on / off")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("tokens per unit (paged block, vmm page)")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-    ax_hit.legend(fontsize=7)
+    runs = [r for r in ("real", "sim") if any(row.run == r for row in rows)]
+    fig, axes = plt.subplots(len(runs), 2, figsize=(11, 3.6 * len(runs)), squeeze=False)
+    workloads = sorted({r.workload for r in rows})
+    colours = dict(zip(workloads, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    for (ax_hit, ax_tp), run in zip(axes, runs):
+        for workload in workloads:
+            for backend, style, width in (("paged", "-o", 2.5), ("vmm", "--s", 1.2)):
+                sel = sorted((r for r in rows if (r.run, r.workload, r.backend) == (run, workload, backend)),
+                             key=lambda r: r.tokens_per_unit)
+                if not sel:
+                    continue
+                x, label = [r.tokens_per_unit for r in sel], f"{workload} {backend}"
+                kw = {"color": colours[workload], "linewidth": width, "markersize": 4, "label": label}
+                ax_hit.plot(x, [r.hit_rate for r in sel], style, **kw)
+                ax_tp.plot(x, [r.throughput_on / r.throughput_off if r.throughput_off else 0 for r in sel], style,
+                           **kw)
+        for ax, ylabel in ((ax_hit, "prefix hit rate"), (ax_tp, "throughput, cache on / off")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("tokens per unit (paged block, vmm page)")
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"{run}: " + ("tiny model, CPU" if run == "real" else "llama3-8b, h100 roofline"),
+                         fontsize=9)
+            ax.grid(alpha=0.3)
+        ax_hit.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
