@@ -156,3 +156,18 @@ def test_greedy_outputs_are_identical_with_the_prefix_cache_on_and_off(backend, 
     assert off_hits == 0 and on_hits >= 5 * 72   # every later prompt hits the 80-token system prompt's pages
     if kv_cache_bytes < 1024 * 1024:
         assert preemptions > 0
+
+
+def test_swap_in_counts_its_own_pages_not_prefix_hits():
+    w = Workload("vmm", accounting_only=True, enable_prefix_caching=True)   # 8 page groups of 16 tokens
+    prompt = list(range(300, 349))                                        # 49 tokens: 3 full pages cached
+    w.admit(prompt, max_tokens=1, chunk=64)
+    w.admit(prompt, max_tokens=1, chunk=64)                               # aliases a's 3 pages
+    a, b = w.ids("live")
+    assert w.ops["prefix_hit_tokens"] == 48
+    w.swap_out(a)                                                         # b still maps the cached pages
+    assert w.cache.units_needed(w.seq(a), w.seq(a).num_computed_tokens) == 4   # its own 4 pages, no hits
+    w.swap_in(a)
+    assert w.ids("live") == [a, b]
+    w.cache.check_invariants()
+    w.drain()

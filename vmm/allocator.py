@@ -96,7 +96,7 @@ class VMMAllocator(Allocator):
     def _units_to_admit(self, seq: Sequence, num_tokens: int) -> int:
         """Pages a first allocation takes: prefix hits mapped in another slot cost nothing, idle ones a unit."""
         need = self.geo.pages_for(num_tokens)
-        if self.prefix is None:
+        if self.prefix is None or seq.seq_id in self.swapped:   # swap_in restores its own pages: no aliasing
             return need
         hits = self._match(seq, num_tokens)
         return need - len(hits) + self.prefix.idle_hits(hits)
