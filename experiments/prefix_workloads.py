@@ -1,5 +1,5 @@
-"""Workloads whose prompts share prefixes, as real token ids, for the offline bench, the serving bench and the
-simulator alike (`PrefixRequest`; `as_sim_requests`, `as_load_requests` convert).
+"""Workloads whose prompts share prefixes, as real token ids, for the serving bench (experiments/serve/datasets.py
+`mooncake:` and `prefix:` datasets), the simulator (`as_sim_requests`) and `kvlab prefix`.
 
 - `load_mooncake`: a Mooncake-schema trace (JSONL: timestamp in ms, input_length, output_length, hash_ids),
   with its stated block size. Each hash id becomes a block of tokens drawn from (seed, id) alone, so equal ids
@@ -138,12 +138,6 @@ WORKLOADS = {"system": system_prompts, "multiturn": multi_turn, "fewshot": few_s
 def as_sim_requests(requests: list[PrefixRequest]) -> list[Request]:
     """For the simulator (experiments/simulation.py sends `token_ids` when a request carries them)."""
     return [Request(len(r.token_ids), r.output_len, r.arrival_s, token_ids=r.token_ids) for r in requests]
-
-
-def as_load_requests(requests: list[PrefixRequest]):
-    """For the serving bench (experiments/serve)."""
-    from kvlab.experiments.serve.datasets import LoadRequest
-    return [LoadRequest(list(r.token_ids), r.output_len, r.arrival_s) for r in requests]
 
 
 def shareable_per_request(requests: list[PrefixRequest]) -> list[int]:

@@ -58,7 +58,7 @@ def prefix_dataset(spec: str, n: int, seed: int, vocab_size: int) -> list[LoadRe
     if kind == "mooncake":
         path, _, block = rest.partition(":")
         reqs = pw.load_mooncake(path, int(block) if block else pw.MOONCAKE_BLOCK, vocab_size, seed, limit=n)
-        return pw.as_load_requests(reqs)
+        return [LoadRequest(list(r.token_ids), r.output_len, r.arrival_s) for r in reqs]
     if rest not in pw.WORKLOADS:
         raise ConfigError(f"unknown --dataset {spec!r}: prefix:system, prefix:multiturn or prefix:fewshot")
     gen = pw.WORKLOADS[rest]
