@@ -38,7 +38,7 @@ def policy_backend(policy: str) -> str:
     if policy not in backend_names():
         raise ConfigError(f"unknown policy {policy!r}; choose one of: {', '.join(policies())}")
     return policy
-PROMPT_TOKEN = 5           # prompt content is irrelevant without prefix caching
+PROMPT_TOKEN = 5           # the prompt of a request without token_ids (content matters to prefix caching only)
 SAMPLED_TOKEN = 0
 
 
@@ -169,7 +169,8 @@ def drive(engine: Any, runner: RooflineRunner, requests: list[Request]) -> None:
     while pending or engine.has_unfinished():
         while pending and pending[0].arrival_s <= runner.clock():
             r = pending.popleft()
-            engine.add_request([PROMPT_TOKEN] * r.prompt_len,
+            prompt = r.token_ids if r.token_ids is not None else [PROMPT_TOKEN] * r.prompt_len
+            engine.add_request(prompt,
                                SamplingParams(max_tokens=r.output_len, ignore_eos=True), arrival_time=r.arrival_s)
         if not engine.has_unfinished():
             runner.advance_to(pending[0].arrival_s)
@@ -177,10 +178,19 @@ def drive(engine: Any, runner: RooflineRunner, requests: list[Request]) -> None:
         engine.step()
 
 
-def run_case(case: SimCase, settings: SimSettings, requests: list[Request] | None = None) -> SimRow:
+@dataclass(slots=True)
+class SimRun:
+    """One simulated case as the engine saw it: its metrics, the cache's last stats, and what the probe saw."""
+    metrics: Any
+    cache_stats: Any
+    waste: list[int]
+    cost: RooflineCost
+    wall_seconds: float
+
+
+def simulate(case: SimCase, settings: SimSettings, requests: list[Request]) -> SimRun:
     from kvlab.common.engine import Engine
     from kvlab.common.kv.seam import create_cache
-    requests = requests if requests is not None else build_workload(settings.workload)
     spec = model_spec(settings.model, settings.dtype)
     cost = RooflineCost(hardware(settings.hardware), spec, settings.model_prefill, settings.mfu)
     config = case_config(case, settings, requests)
@@ -192,17 +202,24 @@ def run_case(case: SimCase, settings: SimSettings, requests: list[Request] | Non
     try:
         engine.reset_metrics()
         drive(engine, runner, requests)
-        m = engine.metrics()
+        m, stats = engine.metrics(), engine.cache_stats()
     finally:
         engine.close()
+    return SimRun(m, stats, probe.waste, cost, time.perf_counter() - start)
+
+
+def run_case(case: SimCase, settings: SimSettings, requests: list[Request] | None = None) -> SimRow:
+    requests = requests if requests is not None else build_workload(settings.workload)
+    run = simulate(case, settings, requests)
+    m, waste = run.metrics, run.waste
     return SimRow(
         policy=case.policy, budget_gb=case.budget_gb, block_size=case.block_size, page_size=case.page_size,
         watermark=case.watermark, mean_batch=m.mean_batch, utilization=m.kv_utilization,
         output_tokens_per_s=m.output_tokens_per_s, preemptions=m.preemptions, recompute_tokens=m.recomputed_tokens,
-        mean_waste_tokens=sum(probe.waste) / len(probe.waste) if probe.waste else 0.0, label=case.label,
+        mean_waste_tokens=sum(waste) / len(waste) if waste else 0.0, label=case.label,
         max_batch=m.max_batch, steps=m.num_steps, output_tokens=m.output_tokens, failed_requests=m.num_failed,
-        sim_seconds=m.wall_seconds, recompute_seconds=cost.prefill_seconds(m.recomputed_tokens),
-        wall_seconds=time.perf_counter() - start, scheduler_seconds=m.scheduler_seconds,
+        sim_seconds=m.wall_seconds, recompute_seconds=run.cost.prefill_seconds(m.recomputed_tokens),
+        wall_seconds=run.wall_seconds, scheduler_seconds=m.scheduler_seconds,
         timeline=m.timeline if settings.timeline_every else {})
 
 

@@ -61,6 +61,7 @@ class Request:
     prompt_len: int
     output_len: int
     arrival_s: float = 0.0
+    token_ids: list[int] | None = None   # the prompt's tokens when its content matters (prefix caching)
 
     @property
     def total_len(self) -> int:

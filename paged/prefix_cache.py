@@ -6,29 +6,16 @@ block whose last user left sits in the pool's free queue and stays reusable unti
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
+
+from kvlab.common.kv.prefix_hash import BlockKey, HashFn, chain_keys, default_hash
 
 if TYPE_CHECKING:
     from kvlab.common.sequence import Sequence
     from kvlab.paged.allocator import SeqBlocks
 
-BlockKey = tuple[int | None, str, tuple[int, ...]]   # (parent hash, adapter id, token ids of the block)
-HashFn = Callable[[BlockKey], int]
-
-
-def default_hash(key: BlockKey) -> int:
-    return hash(key)
-
-
-def chain_keys(token_ids: list[int], adapter_id: str, block_size: int, num_blocks: int,
-               first_block: int = 0, parent: int | None = None,
-               hash_fn: HashFn = default_hash) -> Iterator[tuple[int, BlockKey]]:
-    """Yield (hash, key) of full blocks first_block..num_blocks-1; `parent` is the hash of the block before."""
-    for i in range(first_block, num_blocks):
-        key = (parent, adapter_id, tuple(token_ids[i * block_size:(i + 1) * block_size]))
-        parent = hash_fn(key)
-        yield parent, key
+__all__ = ["BlockKey", "HashFn", "PrefixCache", "PrefixIndex", "chain_keys", "default_hash"]
 
 
 class PrefixCache:

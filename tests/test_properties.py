@@ -156,8 +156,21 @@ class CacheMachine(RuleBasedStateMachine):
 
 
 class PrefixCacheMachine(CacheMachine):
-    """Paged with prefix caching: prompts start with one of a few shared prefixes, so admissions hit."""
+    """Prefix caching (paged, vmm): prompts start with one of a few shared prefixes, so admissions hit."""
     prompts = st.tuples(st.sampled_from(SHARED_PREFIXES), st.lists(st.integers(3, VOCAB), max_size=30)).map(
+        lambda parts: (parts[0] + parts[1])[:MAX_LEN - 1])
+
+    @rule(prompt=prompts, max_tokens=st.integers(1, 24), chunk=st.integers(1, MAX_LEN))
+    def admit_shared(self, prompt, max_tokens, chunk):
+        self.w.admit(prompt, max_tokens, chunk)
+
+
+PAGE_PREFIXES = SHARED_PREFIXES + [list(range(200, 240)), list(range(300, 333))]   # 1-2 whole 16-token pages
+
+
+class PagePrefixCacheMachine(PrefixCacheMachine):
+    """vmm with prefix caching: its 16-token pages need longer shared prefixes to hit (whole pages only)."""
+    prompts = st.tuples(st.sampled_from(PAGE_PREFIXES), st.lists(st.integers(3, VOCAB), max_size=20)).map(
         lambda parts: (parts[0] + parts[1])[:MAX_LEN - 1])
 
     @rule(prompt=prompts, max_tokens=st.integers(1, 24), chunk=st.integers(1, MAX_LEN))
@@ -180,7 +193,9 @@ VARIANTS = {
               ("real+prefix-caching", machine("paged", False, PrefixCacheMachine, enable_prefix_caching=True), 20)],
     "vmm": [("accounting", machine("vmm", True), 50),
             ("real", machine("vmm", False, check_invariants=True), 30),
-            ("real+background-mapping", machine("vmm", False, background_mapping=True), 20)],
+            ("real+background-mapping", machine("vmm", False, background_mapping=True), 20),
+            ("real+prefix-caching", machine("vmm", False, PagePrefixCacheMachine, enable_prefix_caching=True,
+                                            check_invariants=True), 20)],
     "reserve": [("accounting oracle", machine("reserve", True), 40),
                 ("accounting max", machine("reserve", True, reserve_mode="max"), 20),
                 ("real oracle", machine("reserve", False), 30)],

@@ -23,6 +23,7 @@ from kvlab.common.kv.seam import Allocator, CacheStats, KVShape, timed
 from kvlab.vmm.geometry import make_geometry
 from kvlab.vmm.mapper import BackgroundMapper
 from kvlab.vmm.pages import PagePool, SlotPages
+from kvlab.vmm.prefix import PagePrefixCache
 from kvlab.vmm.slots import Slot, SlotTable
 from kvlab.vmm.views import NoViews, PageData, Ranges
 
@@ -65,13 +66,14 @@ class VMMAllocator(Allocator):
             self._close_driver_quietly()
             raise
         self.tokens_per_unit = geo.tokens_per_page
-        self.pool, self.table = PagePool(geo.num_groups), SlotTable(geo)
+        self.prefix = PagePrefixCache(geo.tokens_per_page) if config.enable_prefix_caching else None
+        self.pool, self.table = PagePool(geo.num_groups, self.prefix), SlotTable(geo)
         self.pages = SlotPages(geo, driver, self.ranges.mirror, self.data, self.pool, self.table)
         self.mapper = BackgroundMapper(geo, self._lock, self.pages.map_ahead, opts.background_mapping)
         self.swapped: dict[int, SwappedKV] = {}
         self.closed = False
-        if config.enable_prefix_caching:
-            log.warning("vmm backend: prefix caching is not supported; every allocation reports 0 cached tokens")
+        self.prefix_hit_tokens = 0
+        self.owners: dict[int, Sequence] = {}   # with prefix caching: the live sequences, to register their pages
 
     # -- capacity -----------------------------------------------------------------------------------------
     def num_total_units(self) -> int:
@@ -79,7 +81,7 @@ class VMMAllocator(Allocator):
 
     def num_free_units(self) -> int:
         with self._lock:   # the background mapper moves pages from the pool to a slot's tail
-            return self.pool.num_free + self.table.excess
+            return self.pool.num_free + self.table.excess + self.pool.num_idle()
 
     def max_tokens_per_seq(self) -> int:
         return min(self.geo.num_groups * self.geo.tokens_per_page, self.geo.max_len)
@@ -88,8 +90,25 @@ class VMMAllocator(Allocator):
         with self._lock:
             slot = self.table.of(seq.seq_id)
             if slot is None:
-                return self.geo.pages_for(num_tokens)
+                return self._units_to_admit(seq, num_tokens)
             return self._units_to_grow(slot, seq, num_tokens)
+
+    def _units_to_admit(self, seq: Sequence, num_tokens: int) -> int:
+        """Pages a first allocation takes: prefix hits mapped in another slot cost nothing, idle ones a unit."""
+        need = self.geo.pages_for(num_tokens)
+        if self.prefix is None or seq.seq_id in self.swapped:   # swap_in restores its own pages: no aliasing
+            return need
+        hits = self._match(seq, num_tokens)
+        return need - len(hits) + self.prefix.idle_hits(hits)
+
+    def _match(self, seq: Sequence, num_tokens: int) -> list[tuple[int, int]]:
+        """Cached leading pages of a new sequence, after registering what live sequences computed since their
+        last allocate (as paged does: a prompt admitted next to its twin still hits)."""
+        for owner in self.owners.values():
+            slot = self.table.of(owner.seq_id)
+            if slot is not None:
+                self._register(owner, slot)
+        return self.prefix.match(seq, num_tokens)
 
     def _units_to_grow(self, slot: Slot, seq: Sequence, num_tokens: int) -> int:
         tpp = self.tokens_per_unit
@@ -106,10 +125,10 @@ class VMMAllocator(Allocator):
             if index is None:
                 if not self.table.has_free():
                     return False
-                need = self.geo.pages_for(num_tokens)
+                need = self._units_to_admit(seq, num_tokens)
             else:
                 need = self._units_to_grow(self.table.slots[index], seq, num_tokens)
-            return need + reserve_units <= self.pool.num_free + self.table.excess
+            return need + reserve_units <= self.pool.num_free + self.table.excess + self.pool.num_idle()
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     def holds(self, seq: Sequence) -> bool:
@@ -125,27 +144,60 @@ class VMMAllocator(Allocator):
             if seq.seq_id in self.swapped:
                 raise RequestError(f"sequence {seq.seq_id} is swapped out; swap_in before allocate")
             slot = self.table.of(seq.seq_id)
+            if slot is not None and self.prefix is not None:
+                self._register(seq, slot)
+            hit = 0
             if slot is not None and not self.pool.num_shared and self.geo.pages_for(num_tokens) <= len(slot.groups):
                 if num_tokens > slot.held:   # the per-step path: the pages are already mapped
                     self.table.hold(slot, num_tokens)
             else:
-                self._grow(seq, slot, num_tokens)
+                hit = self._grow(seq, slot, num_tokens)
             if self.mapper.enabled:
                 self.mapper.request(self.table.of(seq.seq_id), num_tokens)
-            return 0
+            return hit
 
-    def _grow(self, seq: Sequence, slot: Slot | None, num_tokens: int) -> None:
-        claimed = slot is None
-        if claimed:
-            slot = self.table.claim(seq.seq_id, num_tokens)
+    def _register(self, seq: Sequence, slot: Slot) -> None:
+        """Make the sequence's computed full pages findable by later prompts."""
+        self.prefix.register(seq, slot.groups, min(seq.num_computed_tokens, slot.held, seq.num_tokens))
+
+    def _claim(self, seq: Sequence, num_tokens: int) -> tuple[Slot, int]:
+        """A slot for a first allocation, with its cached prefix pages aliased in; returns it and the hit tokens."""
+        if self.prefix is None:
+            return self.table.claim(seq.seq_id, num_tokens), 0
+        hits = self._match(seq, num_tokens)
+        slot = self.table.claim(seq.seq_id, num_tokens, fewest_pages=bool(hits))
+        self.owners[seq.seq_id] = seq
+        if not hits:
+            return slot, 0
+        tokens = len(hits) * self.geo.tokens_per_page
         try:
-            self.pages.copy_on_write(slot, seq.num_computed_tokens, num_tokens)
+            self.pages.alias(slot, [g for g, _ in hits], tokens)
+        except BaseException:
+            self._release(seq.seq_id, slot)
+            raise
+        self.prefix.adopt(seq.seq_id, [h for _, h in hits])
+        self.prefix_hit_tokens += tokens
+        return slot, tokens
+
+    def _grow(self, seq: Sequence, slot: Slot | None, num_tokens: int) -> int:
+        claimed, hit = slot is None, 0
+        if claimed:
+            slot, hit = self._claim(seq, num_tokens)
+        try:
+            self.pages.copy_on_write(slot, max(seq.num_computed_tokens, hit), num_tokens)   # hits are not written
             self.pages.grow(slot, self.geo.pages_for(num_tokens))
         except BaseException:
             if claimed:   # a failed first allocation leaves the sequence holding nothing
-                self.pages.release(slot)
+                self._release(seq.seq_id, slot)
             raise
         self.table.hold(slot, max(slot.held, num_tokens))
+        return hit
+
+    def _release(self, seq_id: int, slot: Slot) -> None:
+        if self.prefix is not None:
+            self.prefix.forget(seq_id)
+            self.owners.pop(seq_id, None)
+        self.pages.release(slot)
 
     @timed
     def free(self, seq: Sequence) -> None:
@@ -156,7 +208,9 @@ class VMMAllocator(Allocator):
                 self.swapped.pop(seq.seq_id, None)
                 slot = self.table.of(seq.seq_id)
                 if slot is not None:
-                    self.pages.release(slot)
+                    if self.prefix is not None:
+                        self._register(seq, slot)
+                    self._release(seq.seq_id, slot)
 
     @timed
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -176,6 +230,10 @@ class VMMAllocator(Allocator):
             except BaseException:
                 self.pages.release(target)
                 raise
+            if self.prefix is not None:
+                self._register(parent, source)
+                self.prefix.adopt(child.seq_id, self.prefix.chains.get(parent.seq_id, []))
+                self.owners[child.seq_id] = child
 
     @timed
     def swap_out(self, seq: Sequence) -> None:
@@ -186,7 +244,9 @@ class VMMAllocator(Allocator):
                 raise RequestError(f"cannot swap out sequence {seq.seq_id}: it holds no vmm slot")
             tokens = min(seq.num_computed_tokens, slot.held)
             self.swapped[seq.seq_id] = SwappedKV(tokens, self.data.copy_out(slot.index, tokens))
-            self.pages.release(slot)
+            if self.prefix is not None:
+                self._register(seq, slot)
+            self._release(seq.seq_id, slot)
             self.pages.counters.swapped_out_bytes += tokens * self.shape.bytes_per_token
 
     @timed
@@ -206,6 +266,8 @@ class VMMAllocator(Allocator):
                 self.pages.release(slot)
                 raise
             self.table.hold(slot, saved.tokens)
+            if self.prefix is not None:
+                self.owners[seq.seq_id] = seq
             if saved.data is not None:
                 self.data.copy_in(slot.index, saved.data)
             del self.swapped[seq.seq_id]
@@ -250,7 +312,7 @@ class VMMAllocator(Allocator):
                 allocated_token_slots=used * geo.tokens_per_page, reserved_bytes=d.reserved_bytes,
                 mapped_bytes=mapped_groups * geo.num_tensors * geo.page_size, num_mappings=d.num_mappings,
                 map_calls=d.map_calls, unmap_calls=d.unmap_calls, map_seconds=d.map_seconds,
-                unmap_seconds=d.unmap_seconds, cow_copies=counters.cow_copies,
+                unmap_seconds=d.unmap_seconds, cow_copies=counters.cow_copies, prefix_hit_tokens=self.prefix_hit_tokens,
                 swapped_out_bytes=counters.swapped_out_bytes, swapped_in_bytes=counters.swapped_in_bytes,
                 allocator_seconds=self.allocator_seconds,
                 extra={"driver": self.driver.name, "page_size": geo.page_size, "max_len": geo.max_len,
@@ -260,8 +322,15 @@ class VMMAllocator(Allocator):
                        "reclaimable_units": table.excess, "live_slots": len(table.slot_of),
                        "stale_slots": len(table.stale), "background_seconds": self.mapper.seconds,
                        "per_place_fallbacks": getattr(self.driver, "per_place_fallbacks", 0),
-                       "prefix_caching": "unsupported" if self.config.enable_prefix_caching else "off",
+                       **self._prefix_stats(),
                        **{k: v for k, v in dataclasses.asdict(counters).items() if k not in CacheStats.__slots__}})
+
+    def _prefix_stats(self) -> dict[str, Any]:
+        cache = self.prefix
+        if cache is None:
+            return {"prefix_caching": "off"}
+        return {"prefix_caching": "on", "prefix_cached_pages": len(cache), "prefix_idle_pages": len(cache.idle),
+                "prefix_evictions": cache.evictions, "prefix_hash_collisions": cache.collisions}
 
     def snapshot(self) -> dict[str, Any]:
         """Plain data: the geometry, each slot (owner, held tokens, page groups), group reference counts, swapped
@@ -281,6 +350,8 @@ class VMMAllocator(Allocator):
                 "places": [{"offset": offset, "mapped": dict(region.mapped)}   # no addresses: ranks compare it
                            for region, offset in self.ranges.places],
                 "reclaimable_units": self.table.excess,
+                "idle_cached": list(self.prefix.idle) if self.prefix is not None else [],
+                "free_groups": self.pool.num_free,
                 "driver": {"mapped_pages": self.driver.stats.mapped_pages, "pool_maps": list(self.driver.pool_maps)},
             }
 
@@ -289,8 +360,8 @@ class VMMAllocator(Allocator):
             self.pool.check(self.table.slots)
             self.table.check(self.pool.is_shared)
             needed = {g for s in self.table.live() for g in s.groups[:self.geo.pages_for(s.held)]}
-            assert self.pool.num_free + len(needed) + self.table.excess == self.geo.num_groups, \
-                "free + used + reclaimable != total pages"
+            assert self.pool.num_free + len(needed) + self.table.excess + self.pool.num_idle() == self.geo.num_groups, \
+                "free + used + reclaimable + idle cached != total pages"
             self.ranges.check_mapped(self.driver, self.geo, self.table.slots)
 
     # -- teardown -----------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from kvlab.vmm.drivers.types import Mirror, TornMirror
 if TYPE_CHECKING:
     from kvlab.vmm.drivers.base import VirtualMemory
     from kvlab.vmm.geometry import Geometry
+    from kvlab.vmm.prefix import PagePrefixCache
     from kvlab.vmm.slots import Slot, SlotTable
     from kvlab.vmm.views import PageData
 
@@ -47,10 +48,11 @@ class PageCounters:
 
 
 class PagePool:
-    """Free flags and per-group slot counts (forks share groups copy-on-write)."""
+    """Free flags and per-group slot counts (forks and prefix hits share groups copy-on-write). With a prefix
+    cache, a cached group no slot maps is neither free nor mapped: it is idle in the cache until evicted."""
 
-    def __init__(self, num_groups: int) -> None:
-        self.num_groups = num_groups
+    def __init__(self, num_groups: int, cache: PagePrefixCache | None = None) -> None:
+        self.num_groups, self.cache = num_groups, cache
         self.free = bytearray(b"\x01") * num_groups   # 1 = group in the pool, unmapped
         self.num_free = num_groups
         self.refs = array("i", [0]) * num_groups      # slots mapping each group
@@ -82,8 +84,11 @@ class PagePool:
             self.refs[g] = 1
 
     def share(self, groups: Iterable[int]) -> None:
+        """One slot more maps each group (a fork child, or a prefix hit: an idle cached group leaves the LRU)."""
         refs = self.refs
         for g in groups:
+            if refs[g] == 0:
+                self.cache.unpark(g)
             refs[g] += 1
             self.num_shared += refs[g] == 2
 
@@ -95,21 +100,42 @@ class PagePool:
     def is_shared(self, g: int) -> bool:
         return self.refs[g] > 1
 
-    def put_back(self, groups: Iterable[int]) -> None:
-        """One slot fewer maps each group; a group no slot maps returns to the pool."""
-        refs = self.refs
-        for g in groups:
+    def put_back(self, groups: list[int]) -> None:
+        """One slot fewer maps each group; a group no slot maps returns to the pool, or, if cached, idles in the
+        cache's LRU (last pages first, so a chain's tail is evicted before its head)."""
+        refs, cache = self.refs, self.cache
+        for g in reversed(groups):
             refs[g] -= 1
             if refs[g] == 0:
+                if cache is not None and cache.is_cached(g):
+                    cache.park(g)
+                    continue
                 self.free[g] = 1
                 self.num_free += 1
             elif refs[g] == 1:
                 self.num_shared -= 1
 
+    def num_idle(self) -> int:
+        """Cached groups no slot maps: free capacity once evicted."""
+        return len(self.cache.idle) if self.cache is not None else 0
+
+    def is_cached(self, g: int) -> bool:
+        return self.cache is not None and self.cache.is_cached(g)
+
+    def evict(self, count: int) -> int:
+        """Return up to `count` idle cached groups to the pool, least recently used first (whole groups)."""
+        if self.cache is None:
+            return 0
+        groups = self.cache.evict(count)
+        for g in groups:
+            self.free[g] = 1
+        self.num_free += len(groups)
+        return len(groups)
+
     def return_untaken(self, groups: Iterable[int]) -> None:
         """After a failed mapping: groups taken but never owned go back to the pool."""
         for g in groups:
-            if self.refs[g] == 0 and not self.free[g]:
+            if self.refs[g] == 0 and not self.free[g] and not self.is_cached(g):
                 self.free[g] = 1
                 self.num_free += 1
 
@@ -121,7 +147,10 @@ class PagePool:
                 refs[g] += 1
         assert list(self.refs) == refs, "page refcounts differ from the slots mapping them"
         for g in range(self.num_groups):
-            assert bool(self.free[g]) == (refs[g] == 0), f"group {g}: free flag and mappings disagree"
+            assert bool(self.free[g]) == (refs[g] == 0 and not self.is_cached(g)), \
+                f"group {g}: free flag and mappings disagree"
+        if self.cache is not None:
+            self.cache.check(refs)
         assert self.num_free == sum(self.free), "free-page count drifted"
         assert self.num_shared == sum(1 for r in refs if r > 1), "shared-page count drifted"
 
@@ -168,6 +197,13 @@ class SlotPages:
         self._extend(slot, self.pool.take(count, _after_last(slot)))
         self.counters.lookahead_pages += count
         return True
+
+    def alias(self, slot: Slot, groups: list[int], tokens: int) -> None:
+        """Map cached groups (a prefix hit) at pages 0.. of a just-claimed slot; its stale pages go back first."""
+        with self.table.accounting(slot):
+            self.drop_tail(slot, len(slot.groups))
+            self._append(slot, groups, shared=True)
+            slot.held = tokens
 
     def share(self, source: Slot, target: Slot) -> None:
         """Map the source's live pages into a just-claimed target (a fork child); its stale pages go back."""
@@ -224,8 +260,9 @@ class SlotPages:
         """Free the slot but keep its exclusive pages mapped (deferred reclamation); drop shared pages (and torn
         ones: a later owner must not inherit them)."""
         drop = None
-        if self.pool.num_shared:
-            drop = next((j for j, g in enumerate(slot.groups) if self.pool.is_shared(g)), None)
+        if self.pool.num_shared or self.pool.cache is not None:   # a free slot never maps a cached page either
+            drop = next((j for j, g in enumerate(slot.groups) if self.pool.is_shared(g) or self.pool.is_cached(g)),
+                        None)
         if self.torn:
             drop = min([j for s, j in self.torn if s == slot.index] + ([] if drop is None else [drop]), default=None)
         if drop is not None:   # keep the prefix before it only: a free slot never holds a shared or torn page
@@ -266,6 +303,8 @@ class SlotPages:
         """`count` groups from the pool, reclaiming pages no live token needs when the pool runs short."""
         if self.pool.num_free < count:
             self._reclaim(count - self.pool.num_free, requester, keep)
+        if self.pool.num_free < count:   # idle cached pages are evicted last, whole groups, oldest first
+            self.pool.evict(count - self.pool.num_free)
         if self.pool.num_free < count:   # unreachable if callers checked num_free_units(); never map half
             raise OutOfKVCache(f"need {count} pages, only {self.pool.num_free} could be freed")
         return self.pool.take(count, prefer)

@@ -64,11 +64,26 @@ class VMMProbe:
         stale = sum(len(s["groups"]) for s in snap["slots"])
         assert snap["reclaimable_units"] == stale, "mapped pages beyond the reclaimable stale ones"
         assert snap["driver"]["mapped_pages"] == stale * snap["geometry"]["num_tensors"]
+        _check_idle(snap)
 
     def check_closed(self, cache: KVCache) -> None:
         driver = cache.allocator.driver
         assert driver.closed and driver.regions == [] and driver.stats.mapped_pages == 0 \
             and driver.stats.reserved_bytes == 0
+
+
+def _check_idle(snap: dict[str, Any]) -> None:
+    """Cached pages no slot owns (prefix caching) are whole page groups, mapped nowhere, and neither free nor
+    in a stale slot: with the free pool and the stale pages they account for every group (no leak)."""
+    geo, idle = snap["geometry"], snap["idle_cached"]
+    groups = geo["num_groups"]
+    assert len(set(idle)) == len(idle) and all(snap["refs"][g] == 0 for g in idle), "an idle cached page is mapped"
+    assert not set(idle) & {g for s in snap["slots"] for g in s["groups"]}, "an idle cached page sits in a slot"
+    pool_maps = snap["driver"]["pool_maps"]
+    assert all(pool_maps[t * groups + g] == 0 for g in idle for t in range(geo["num_tensors"])), \
+        "an idle cached page is mapped in some tensor"
+    stale = sum(len(s["groups"]) for s in snap["slots"])
+    assert snap["free_groups"] + stale + len(idle) == groups, "pages leaked: free + stale + idle != total"
 
 
 def _mappers(snap: dict[str, Any]) -> dict[int, list[tuple[int, int]]]:

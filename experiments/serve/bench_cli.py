@@ -28,7 +28,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--max-concurrency", type=int, help="most requests in flight at once")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dataset", default="seed", help="seed | random | trace:FILE.jsonl")
+    p.add_argument("--dataset", default="seed", help="seed | random | trace:FILE.jsonl | "
+                   "mooncake:FILE.jsonl[:BLOCK] | prefix:system|multiturn|fewshot")
     p.add_argument("--scale", type=float, default=1 / 8, help="seed dataset: multiply every length")
     p.add_argument("--input-len", type=int, default=64, help="random dataset")
     p.add_argument("--output-len", type=int, default=32, help="random dataset")

@@ -3,7 +3,10 @@
 - seed: the seed article's length distribution (experiments.workload), scaled by --scale;
 - random: uniform lengths, --input-len / --output-len +- --range-ratio;
 - trace:FILE.jsonl: one {"timestamp", "input_length", "output_length"[, "hash_ids"]} per line; timestamps (ms,
-  as Mooncake traces) replace the drawn arrivals.
+  as Mooncake traces) replace the drawn arrivals; hash_ids are ignored (lengths only);
+- mooncake:FILE.jsonl[:BLOCK]: the same schema with prompt tokens synthesised from hash_ids over BLOCK-token
+  blocks (default 512): equal ids give equal blocks, so the server's prefix cache sees the trace's sharing;
+- prefix:system | prefix:multiturn | prefix:fewshot: experiments/prefix_workloads.py's generators.
 """
 from __future__ import annotations
 
@@ -35,15 +38,33 @@ def build(spec: str, n: int, seed: int, vocab_size: int, scale: float = 1 / 8, m
     elif spec == "random":
         lengths = [(uniform(rng, input_len, range_ratio), uniform(rng, output_len, range_ratio)) for _ in range(n)]
         stamps = [None] * n
+    elif spec.startswith(("mooncake:", "prefix:")):
+        return prefix_dataset(spec, n, seed, vocab_size)
     elif spec.startswith("trace:"):
         rows = read_trace(spec[len("trace:"):], n)
         lengths = [(r["input_length"], r["output_length"]) for r in rows]
         t0 = rows[0]["timestamp"]
         stamps = [(r["timestamp"] - t0) / 1000 for r in rows]
     else:
-        raise ConfigError(f"unknown --dataset {spec!r}: use seed, random or trace:FILE.jsonl")
+        raise ConfigError(f"unknown --dataset {spec!r}: use seed, random, trace:FILE.jsonl, "
+                          "mooncake:FILE.jsonl[:BLOCK] or prefix:system|multiturn|fewshot")
     return [LoadRequest(rng.integers(LOW_TOKEN, vocab_size, max(1, int(pl))).tolist(), max(1, int(ol)), ts)
             for (pl, ol), ts in zip(lengths, stamps)]
+
+
+def prefix_dataset(spec: str, n: int, seed: int, vocab_size: int) -> list[LoadRequest]:
+    from kvlab.experiments import prefix_workloads as pw
+    kind, _, rest = spec.partition(":")
+    if kind == "mooncake":
+        path, _, block = rest.partition(":")
+        reqs = pw.load_mooncake(path, int(block) if block else pw.MOONCAKE_BLOCK, vocab_size, seed, limit=n)
+        return [LoadRequest(list(r.token_ids), r.output_len, r.arrival_s) for r in reqs]
+    if rest not in pw.WORKLOADS:
+        raise ConfigError(f"unknown --dataset {spec!r}: prefix:system, prefix:multiturn or prefix:fewshot")
+    gen = pw.WORKLOADS[rest]
+    reqs = gen(n, vocab_size=vocab_size, seed=seed) if rest != "multiturn" else \
+        gen(max(1, n // 4), vocab_size=vocab_size, seed=seed)
+    return [LoadRequest(list(r.token_ids), r.output_len, None) for r in reqs[:n]]
 
 
 def uniform(rng: np.random.Generator, mean: int, ratio: float) -> int:
