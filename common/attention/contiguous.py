@@ -94,6 +94,8 @@ def _group(members: list[int], length: int, contexts: list[int], slots: list[int
 def contiguous_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               meta: ContiguousMetadata, scale: float) -> torch.Tensor:
     """torch SDPA over per-slot views, prefill (with past context, causal) and decode alike. -> [T, H, D]"""
+    if meta.sliding_window is not None:
+        return _windowed(q, k_cache, v_cache, meta, scale)
     plan = meta.plans.get(PLAN_KEY)
     if plan is None:
         plan = meta.plans[PLAN_KEY] = _plan(meta, k_cache, q)
@@ -181,6 +183,31 @@ def _recompute_poisoned_groups(out: torch.Tensor, q: torch.Tensor, k_cache: torc
             ctx = plan.contexts[b]
             keys, values = read_kv(k_cache[plan.slots[b], :ctx], v_cache[plan.slots[b], :ctx], meta, q.dtype)
             out[row:row + 1] = _one_sequence(q[row:row + 1], keys, values, scale)
+
+
+def _windowed(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: ContiguousMetadata,
+              scale: float) -> torch.Tensor:
+    """Sliding window: each sequence alone, reading only keys [first query - W + 1, context) of its row (the
+    vmm cache may have unmapped the pages below)."""
+    items = meta.plans.get(PLAN_KEY + ".window")
+    if items is None:
+        starts, slots, contexts = meta.cu_query_lens.tolist(), meta.slots.tolist(), meta.context_lens.tolist()
+        items = meta.plans[PLAN_KEY + ".window"] = [(starts[b], starts[b + 1], slots[b], contexts[b])
+                                                    for b in range(len(slots)) if starts[b + 1] > starts[b]]
+    window = meta.sliding_window
+    out = torch.empty_like(q)
+    for lo, hi, slot, ctx in items:
+        first = max(ctx - (hi - lo) - window + 1, 0)
+        keys, values = read_kv(k_cache[slot, first:ctx], v_cache[slot, first:ctx], meta, q.dtype)
+        key_pos = torch.arange(first, ctx, device=q.device)
+        query_pos = torch.arange(ctx - (hi - lo), ctx, device=q.device)
+        diff = query_pos[:, None] - key_pos[None, :]
+        mask = (diff >= 0) & (diff < window)
+        attn = F.scaled_dot_product_attention(q[lo:hi].transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                                              values.transpose(0, 1)[None], attn_mask=mask, scale=scale,
+                                              enable_gqa=True)
+        out[lo:hi] = attn[0].transpose(0, 1)
+    return out
 
 
 def _one_sequence(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:

@@ -40,6 +40,8 @@ class AttentionMetadata:
     kv_fp8: torch.dtype | None = None
     k_scale: float = 1.0
     v_scale: float = 1.0
+    # Mistral-style sliding window, set by the model: a query at position i sees keys (i - W, i]; None: all
+    sliding_window: int | None = None
 
     @property
     def is_decode(self) -> bool:

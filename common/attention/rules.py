@@ -34,6 +34,10 @@ k_scale/v_scale, common/attention/kv_quant.py):
 - FlashInfer: the library takes fp8 e4m3/e5m2 KV (`run(..., k_scale=, v_scale=)`), but kvlab's adapter does not
   pass scales or fp8-typed caches yet: refused, not silently wrong.
 - FlexAttention: KV dtype = q dtype (vLLM FLEX_ATTENTION: auto/fp16/bf16 only).
+
+Sliding window (Mistral, `sliding_window` W): the torch kernels and kvlab's Triton kernel mask keys outside
+(i - W, i] and do not read below the window. flash-attn (`window_size`), FlashInfer (`window_left`) and Flex
+(mask_mod) support windows as libraries, but kvlab's adapters pass none yet: refused, never silently full attention.
 """
 from __future__ import annotations
 
@@ -116,6 +120,12 @@ def needs_kv_dtype(spec: AttentionSpec, allowed: tuple[str, ...], why: str) -> l
     return [f"kv_cache_dtype {spec.kv_cache_dtype} not supported ({why})"]
 
 
+def no_window(spec: AttentionSpec, lib: str) -> list[str]:
+    if spec.sliding_window is None:
+        return []
+    return [f"sliding window not supported (kvlab's {lib} adapter passes no window; the library has one)"]
+
+
 def needs_gqa_divisor(spec: AttentionSpec) -> list[str]:
     if spec.num_kv_heads > 0 and spec.num_q_heads % spec.num_kv_heads == 0:
         return []
@@ -141,6 +151,7 @@ def flash_attn_rules(spec: AttentionSpec) -> list[str]:
     if spec.head_dim > 256:
         reasons.append(f"head_size {spec.head_dim} not supported (flash-attn: head_dim <= 256)")
     reasons += needs_kv_dtype(spec, ("auto",), "flash-attn 2: KV = q dtype; fp8 e4m3 KV is FA3 on 9.x only")
+    reasons += no_window(spec, "flash-attn")
     return reasons + needs_gqa_divisor(spec)
 
 
@@ -165,6 +176,7 @@ def flashinfer_rules(spec: AttentionSpec) -> list[str]:
         reasons.append(f"head_size {spec.head_dim} not supported (flashinfer: head dims {dims})")
     reasons += needs_kv_dtype(spec, ("auto",), "kvlab's flashinfer adapter passes no k_scale/v_scale; "
                                                "the library takes fp8 e4m3/e5m2")
+    reasons += no_window(spec, "flashinfer")
     return reasons + needs_gqa_divisor(spec)
 
 
@@ -199,5 +211,5 @@ def triton_phase_rules(spec: AttentionSpec, phase: str) -> list[str]:
 
 def flex_rules(spec: AttentionSpec) -> list[str]:
     reasons = needs_device(spec, ("cuda",), "flex_attention") + needs_cc(spec, MIN_CC)
-    reasons += needs_kv_dtype(spec, ("auto",), "flex_attention: KV = q dtype")
+    reasons += needs_kv_dtype(spec, ("auto",), "flex_attention: KV = q dtype") + no_window(spec, "flex")
     return reasons + needs_dtype(spec, ALL_DTYPES, "flex_attention") + needs_gqa_divisor(spec)

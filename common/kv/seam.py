@@ -42,6 +42,7 @@ class KVShape:
     dtype: str = "float32"             # the compute dtype (q, the kernels' output)
     device: str = "cpu"
     kv_cache_dtype: str = "auto"       # auto (= dtype) | fp8_e4m3 | fp8_e5m2 (stored as 1-byte values)
+    sliding_window: int | None = None  # every layer attends to its last W tokens only (Mistral); None: all
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -189,7 +190,7 @@ class Storage(ABC):
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
         self.dispatcher = make_dispatcher(AttentionSpec(
             layout=layout, device=device.type, dtype=shape.dtype, kv_cache_dtype=shape.kv_cache_dtype,
-            head_dim=shape.head_dim,
+            sliding_window=shape.sliding_window, head_dim=shape.head_dim,
             num_q_heads=shape.num_q_heads, num_kv_heads=shape.num_kv_heads, compute_capability=capability,
             **spec), kernel)
 

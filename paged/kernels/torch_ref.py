@@ -49,7 +49,10 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
     num_blocks = -(-int(context_lens.max()) // block_size)
     k, v = read_kv(*gather_blocks(k_cache, v_cache, block_tables[:, :num_blocks], scratch), meta, q.dtype)
     keys = torch.arange(k.shape[1], device=q.device)
-    mask = (keys[None, :] < context_lens[:, None])[:, None, None, :]
+    mask = keys[None, :] < context_lens[:, None]
+    if meta.sliding_window is not None:   # the query sits at context - 1: keys (context - 1 - W, context - 1]
+        mask &= keys[None, :] >= context_lens[:, None] - meta.sliding_window
+    mask = mask[:, None, None, :]
     out = F.scaled_dot_product_attention(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
                                          attn_mask=mask, scale=scale, enable_gqa=True)
     return out.squeeze(2)
@@ -62,6 +65,8 @@ def _prefill_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     keys = torch.arange(k.shape[1], device=q.device)
     query_pos = torch.arange(context_len - q.shape[0], context_len, device=q.device)
     mask = keys[None, :] <= query_pos[:, None]
+    if meta.sliding_window is not None:
+        mask &= keys[None, :] > query_pos[:, None] - meta.sliding_window
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(1, 2), v.transpose(1, 2),
                                          attn_mask=mask, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)
