@@ -178,7 +178,7 @@ def run_case(case: SimCase, settings: SimSettings, requests: list[Request] | Non
     from kvlab.common.engine import Engine
     from kvlab.common.kv.seam import create_cache
     requests = requests if requests is not None else build_workload(settings.workload)
-    spec = model_spec(settings.model, settings.dtype)
+    spec = model_spec(settings.model, settings.dtype, settings.engine.get("kv_cache_dtype", "auto"))
     cost = RooflineCost(hardware(settings.hardware), spec, settings.model_prefill, settings.mfu)
     config = case_config(case, settings, requests)
     start = time.perf_counter()
