@@ -8,6 +8,7 @@ amax * HEADROOM / fp8_max; later values beyond the range saturate (clamped, neve
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -24,9 +25,17 @@ def encode(x: torch.Tensor, fp8: torch.dtype, scale: float) -> torch.Tensor:
     return (x.float() / scale).clamp_(-limit, limit).to(fp8).view(torch.uint8)
 
 
+@functools.cache
+def fp8_values(fp8: torch.dtype) -> torch.Tensor:
+    """The 256 values an fp8 byte can hold, in fp32 (a constant of the format)."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8).to(torch.float32)
+
+
 def decode(raw: torch.Tensor, fp8: torch.dtype, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """fp8 bytes (uint8) -> values in `dtype` (a new tensor)."""
-    return (raw.view(fp8).to(torch.float32) * scale).to(dtype)
+    """fp8 bytes (uint8) -> float(fp8) * scale in `dtype` (a new tensor), bit-identical to converting each value.
+    A 256-entry table lookup: on CPU, index_select runs ~3x faster than torch's fp8 -> fp32 conversion."""
+    table = (fp8_values(fp8).to(raw.device) * scale).to(dtype)
+    return table.index_select(0, raw.reshape(-1).to(torch.int32)).view(raw.shape)
 
 
 @dataclass(slots=True)
