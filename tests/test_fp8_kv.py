@@ -164,3 +164,24 @@ def test_config_and_cli_take_kv_cache_dtype():
     args = p.parse_args(["--kv-cache-dtype", "fp8_e4m3", "--kv-cache-scale", "0.25"])
     config = engine_config(args)
     assert (config.kv_cache_dtype, config.kv_cache_scale) == ("fp8_e4m3", 0.25)
+
+
+def test_fallback_study_has_a_kv_dtype_axis():
+    from kvlab.experiments.fallbacks.grid import Grid, default_scenarios, row_key, run_grid
+    grid = Grid((128,), ("bfloat16",), (16, 256), (4,), ("auto", "fp8_e4m3"))
+    rows = run_grid(grid, default_scenarios())
+    assert len(rows) == grid.num_rows(len(default_scenarios()))
+    index = {row_key(r): r for r in rows}
+    auto = index[("cuda+fa+fi", "paged", "decode", 128, "bfloat16", 256, "auto", 4)]
+    fp8 = index[("cuda+fa+fi", "paged", "decode", 128, "bfloat16", 256, "fp8_e4m3", 4)]
+    assert auto.kernel == "flash_attn_paged" and fp8.kernel == "triton_paged"
+    assert fp8.fallback and "kv_dtype" in fp8.causes
+
+
+def test_roofline_reads_fp8_bytes_and_only_the_window():
+    from kvlab.experiments.roofline import model_spec
+    bf16, fp8 = model_spec("llama3-8b"), model_spec("llama3-8b", kv_cache_dtype="fp8_e4m3")
+    assert 2 * fp8.kv_bytes_per_token == bf16.kv_bytes_per_token
+    assert fp8.kv_shape().kv_cache_dtype == "fp8_e4m3"
+    assert model_spec("mistral-7b").kv_shape().sliding_window == 4096
+    assert model_spec("mistral-7b-full").config.sliding_window is None
