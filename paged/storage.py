@@ -53,7 +53,7 @@ class PagedStorage(Storage):
         if len(table) < need:
             raise BlockPoolError(f"sequence {item.seq.seq_id} holds {len(table)} blocks but this step needs "
                                  f"{need}; call allocate(seq, {item.context_len}) before prepare")
-        return table[:need]
+        return [max(b, 0) for b in table[:need]]   # blocks the window dropped (-1): never read, masked; any id
 
     def _slot_mapping(self, block_tables: torch.Tensor, positions: torch.Tensor,
                       query_lens: torch.Tensor) -> torch.Tensor:

@@ -138,7 +138,7 @@ def test_greedy_identical_across_backends(checkpoint):
     prompts = [ids(12, 5), ids(21, 6), ids(3, 7)]
     outputs = {}
     for backend in ("paged", "vmm", "reserve"):
-        llm = LLM(model=str(path), backend=backend, max_model_len=64, kv_cache_bytes=2 * 2**20)
+        llm = LLM(model=str(path), backend=backend, max_model_len=64, kv_cache_bytes=2 * 2**20, block_size=4)
         try:
             got = llm.generate(prompts, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
             outputs[backend] = [o.outputs[0].token_ids for o in got]
@@ -147,6 +147,40 @@ def test_greedy_identical_across_backends(checkpoint):
     assert outputs["vmm"] == outputs["paged"] == outputs["reserve"]
     model, _ = load_model(path)
     assert outputs["paged"][0] == reference_greedy(model, prompts[0], 30)
+
+
+def test_paged_frees_blocks_outside_the_window(checkpoint):
+    """Greedy decoding 40 tokens past a 12-token prompt (window 8, blocks of 4): after every allocation the
+    sequence's block table holds at most ceil(W / block) + 1 live blocks, the pool gets the rest back, and the
+    tokens equal the cache-free reference's."""
+    from kvlab.paged.allocator import DROPPED
+    path, _ = checkpoint
+    model, _ = load_model(path)
+    config = make_config(backend="paged", block_size=4, max_model_len=64, kv_cache_bytes=2 * 2**20)
+    cache = create_cache(config, model.kv_shape())
+    prompt = ids(12, 8)
+    seq = Sequence(0, "0", list(prompt), 40)
+    bound = -(-WINDOW // 4) + 1
+    try:
+        item = BatchItem(seq, 0, len(prompt))
+        for _ in range(40):
+            assert cache.allocator.allocate(seq, item.context_len) is not None
+            table = cache.allocator.snapshot()["tables"][0]
+            if item.num_tokens == 1:
+                assert len([b for b in table if b != DROPPED]) <= bound, table
+            cache.allocator.check_invariants()
+            meta = cache.storage.prepare([item])
+            tokens = torch.tensor(seq.token_ids[item.start:item.context_len])
+            logits = model(tokens, meta.input_positions, cache.storage, meta)
+            seq.num_computed_tokens = item.context_len
+            seq.append_token(int(logits[-1].argmax()))
+            item = BatchItem(seq, seq.num_tokens - 1, 1)
+        stats = cache.stats()
+        assert stats.extra["window_dropped_blocks"] >= (len(prompt) + 39 - WINDOW) // 4 - 1
+        assert stats.used_units <= bound
+        assert seq.output_token_ids == reference_greedy(model, prompt, 40)
+    finally:
+        cache.close()
 
 
 def test_adapters_without_a_window_are_refused():
