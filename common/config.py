@@ -17,6 +17,7 @@ from kvlab.common.errors import ConfigError
 from kvlab.common.kv.options import check_choice, check_positive, check_types
 from kvlab.common.kv.registry import REGISTRY
 from kvlab.common.limits import MAX_MODEL_LEN, MAX_SEED, check_int_range, max_threads
+from kvlab.common.kv.seam import KV_CACHE_DTYPES
 
 try:
     import tomllib
@@ -39,6 +40,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 1024
     dtype: str = "float32"
+    kv_cache_dtype: str = "auto"         # auto (= dtype) | fp8_e4m3 | fp8_e5m2 (vLLM's names): 1-byte K/V
+    kv_cache_scale: float = 0.0          # fp8 scale for every layer's K and V; 0 = per layer from the first prefill
     device: str = "cpu"
     kernel: str = "auto"                 # auto or a registry name
     seed: int = 0
@@ -95,6 +98,9 @@ def validate(cfg: EngineConfig) -> None:
         raise ConfigError(f"unknown backend {cfg.backend!r}; choose one of: {', '.join(REGISTRY.names())}")
     check_choice("preemption_mode", cfg.preemption_mode, PREEMPTION_MODES)
     check_choice("dtype", cfg.dtype, DTYPES)
+    check_choice("kv_cache_dtype", cfg.kv_cache_dtype, KV_CACHE_DTYPES)
+    if cfg.kv_cache_scale < 0:
+        raise ConfigError(f"kv_cache_scale must be >= 0 (0 = from the first prefill), got {cfg.kv_cache_scale!r}")
     if not 0.0 <= cfg.watermark < 1.0:
         raise ConfigError(f"watermark must be a fraction in [0, 1), got {cfg.watermark!r}")
     if not DEVICE.fullmatch(cfg.device):

@@ -20,6 +20,7 @@ from kvlab.common.weights import assign_weights, check_device, check_fits, first
 log = logging.getLogger(__name__)
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+HF_MODEL_TYPES = ("llama", "mistral")   # same weights and blocks; mistral may add a sliding window
 MODEL_FILE_SUFFIXES = (".gguf", ".safetensors")  # a missing path with one of these was meant as a model file
 
 
@@ -80,9 +81,11 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 def config_from_hf(cfg: dict[str, Any], source: Path) -> ModelConfig:
-    """A ModelConfig from a transformers LlamaConfig dict (v4 `rope_scaling` or v5 `rope_parameters`)."""
-    if cfg.get("model_type", "llama") != "llama":
-        raise ModelLoadError(f"{source}: model_type {cfg.get('model_type')!r} is not supported (only llama)")
+    """A ModelConfig from a transformers LlamaConfig or MistralConfig dict (v4 `rope_scaling` or v5
+    `rope_parameters`); Mistral adds `sliding_window` (None or absent: full attention)."""
+    kind = cfg.get("model_type", "llama")
+    if kind not in HF_MODEL_TYPES:
+        raise ModelLoadError(f"{source}: model_type {kind!r} is not supported ({' or '.join(HF_MODEL_TYPES)})")
     for key, ok in (("attention_bias", False), ("mlp_bias", False), ("hidden_act", "silu")):
         if cfg.get(key, ok) != ok:
             raise ModelLoadError(f"{source}: {key}={cfg[key]!r} is not supported (need {ok!r})")
@@ -116,6 +119,7 @@ def config_from_hf(cfg: dict[str, Any], source: Path) -> ModelConfig:
         max_position_embeddings=size("max_position_embeddings", cfg.get("max_position_embeddings", 2048)),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+        sliding_window=cfg.get("sliding_window") if kind == "mistral" else None,
     )
 
 

@@ -45,6 +45,7 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     bos_token_id: int | None = 1
     eos_token_id: int | tuple[int, ...] | None = 2
+    sliding_window: int | None = None         # Mistral: every layer sees the last W positions only
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -59,6 +60,9 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(f"model config: num_heads {self.num_heads} is not a multiple of "
                                  f"num_kv_heads {self.num_kv_heads}")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise ModelLoadError(f"model config: sliding_window must be a positive integer or None, "
+                                 f"got {self.sliding_window!r}")
         if self.head_dim % 2:
             raise ModelLoadError(f"model config: head_dim {self.head_dim} must be even for RoPE")
         for name in ("rope_theta", "rms_norm_eps"):
@@ -161,6 +165,7 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
+        self.sliding_window = config.sliding_window
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
 
@@ -184,7 +189,12 @@ class Attention(nn.Module):
         group = self.num_heads // self.num_kv_heads
         if group > 1:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        mask = None
+        if self.sliding_window is not None:   # causal, in the window: key j visible to query i iff i - W < j <= i
+            pos = torch.arange(x.shape[1], device=x.device)
+            diff = pos[:, None] - pos[None, :]
+            mask = (diff >= 0) & (diff < self.sliding_window)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], self.q_size))
 
 
@@ -269,7 +279,8 @@ class LlamaForCausalLM(nn.Module):
             dtype = {v: k for k, v in TORCH_DTYPES.items()}[dtype]
         c = self.config
         return KVShape(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                       num_q_heads=c.num_heads, dtype=dtype, device=str(device or self.device))
+                       num_q_heads=c.num_heads, dtype=dtype, device=str(device or self.device),
+                       sliding_window=c.sliding_window)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
@@ -277,6 +288,7 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions [T] (all items concatenated) -> fp32 logits [len(meta.logits_indices), V].
         Positions must be < the RoPE table length (max_position_embeddings; grow it with ensure_rope_len)."""
         cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
+        meta.sliding_window = self.config.sliding_window   # the kernels mask (and read) only the window
         h = self.embed_tokens(input_ids)
         for layer in self.layers:
             h = layer(h, cos, sin, cache, meta)

@@ -27,7 +27,7 @@ SUBCOMMANDS = ("generate", "bench", "simulate", "fallbacks", "sharing", "serve",
 # options (block_size, page_size, ...) get their flags from their options dataclasses (see backend_flags).
 GENERIC_FLAGS = ("model", "backend", "kv_cache_bytes", "watermark", "preemption_mode", "max_num_seqs",
                  "max_num_batched_tokens", "max_model_len", "dtype", "device", "kernel", "seed", "threads",
-                 "tensor_parallel_size")
+                 "tensor_parallel_size", "kv_cache_dtype", "kv_cache_scale")
 SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "kb": 1000, "m": 1024**2, "mib": 1024**2, "mb": 1000**2,
               "g": 1024**3, "gib": 1024**3, "gb": 1000**3, "t": 1024**4, "tib": 1024**4, "tb": 1000**4}
 
@@ -103,6 +103,8 @@ def add_engine_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> 
         "preemption_mode": {"help": "recompute | swap"},
         "max_num_seqs": {"type": int}, "max_num_batched_tokens": {"type": int},
         "max_model_len": {"type": int}, "dtype": {}, "device": {},
+        "kv_cache_dtype": {"help": "auto | fp8_e4m3 | fp8_e5m2: K/V stored as 1-byte fp8 (twice the tokens of bf16)"},
+        "kv_cache_scale": {"type": float, "help": "fp8 KV scale; 0 (default) = per layer from the first prefill"},
         "kernel": {"help": "attention kernel: auto or a registry name"},
         "seed": {"type": int}, "threads": {"type": int, "help": "torch threads (default 1; 0 = torch default)"},
         "tensor_parallel_size": {"type": int, "help": "ranks sharding the model and KV heads (CPU: gloo)"},

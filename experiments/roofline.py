@@ -35,10 +35,10 @@ HARDWARE = {
 
 
 def _llama(vocab: int, hidden: int, inter: int, layers: int, heads: int, kv_heads: int, head_dim: int,
-           tied: bool = False) -> ModelConfig:
+           tied: bool = False, window: int | None = None, max_positions: int = 8192) -> ModelConfig:
     return ModelConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_layers=layers,
                        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, tie_word_embeddings=tied,
-                       max_position_embeddings=8192)
+                       max_position_embeddings=max_positions, sliding_window=window)
 
 
 MODEL_CONFIGS = {
@@ -46,8 +46,12 @@ MODEL_CONFIGS = {
     "llama3-70b": _llama(128256, 8192, 28672, 80, 64, 8, 128),
     "llama2-7b": _llama(32000, 4096, 11008, 32, 32, 32, 128),
     "smollm2-135m": _llama(49152, 576, 1536, 30, 9, 3, 64, tied=True),
+    # Mistral-7B v0.1 (sliding window 4096 in every layer), and the same model with full attention
+    "mistral-7b": _llama(32000, 4096, 14336, 32, 32, 8, 128, window=4096, max_positions=32768),
+    "mistral-7b-full": _llama(32000, 4096, 14336, 32, 32, 8, 128, max_positions=32768),
 }
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+KV_DTYPE_BYTES = {"fp8_e4m3": 1, "fp8_e5m2": 1}     # kv_cache_dtype "auto" stores the model dtype
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +60,7 @@ class ModelSpec:
     name: str
     config: ModelConfig
     dtype: str = "bfloat16"
+    kv_cache_dtype: str = "auto"      # fp8_e4m3 / fp8_e5m2: 1-byte K/V (reads and capacity)
 
     @property
     def itemsize(self) -> int:
@@ -72,7 +77,7 @@ class ModelSpec:
     @property
     def kv_bytes_per_token(self) -> int:
         c = self.config
-        return 2 * c.num_layers * c.num_kv_heads * c.head_dim * self.itemsize
+        return 2 * c.num_layers * c.num_kv_heads * c.head_dim * KV_DTYPE_BYTES.get(self.kv_cache_dtype, self.itemsize)
 
     @property
     def flops_per_token(self) -> float:
@@ -82,11 +87,16 @@ class ModelSpec:
         """For accounting-only caches: the device only tells the vmm driver how mappings behave (CUDA
         mappings never merge, host VMAs do); nothing is allocated."""
         c = self.config
-        return KVShape(c.num_layers, c.num_kv_heads, c.head_dim, c.num_heads, dtype=self.dtype, device=device)
+        return KVShape(c.num_layers, c.num_kv_heads, c.head_dim, c.num_heads, dtype=self.dtype, device=device,
+                       kv_cache_dtype=self.kv_cache_dtype, sliding_window=c.sliding_window)
 
 
-def model_spec(name_or_path: str, dtype: str = "bfloat16") -> ModelSpec:
-    """A preset name (llama3-8b, llama3-70b, llama2-7b, smollm2-135m, tiny) or an HF config.json / model dir."""
+def model_spec(name_or_path: str, dtype: str = "bfloat16", kv_cache_dtype: str = "auto") -> ModelSpec:
+    """A preset name (llama3-8b, llama3-70b, llama2-7b, mistral-7b[-full], smollm2-135m, tiny) or an HF
+    config.json / model dir."""
+    if kv_cache_dtype != "auto":
+        import dataclasses
+        return dataclasses.replace(model_spec(name_or_path, dtype), kv_cache_dtype=kv_cache_dtype)
     if dtype not in DTYPE_BYTES:
         raise ConfigError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPE_BYTES)}")
     if name_or_path in MODEL_CONFIGS:
@@ -156,8 +166,9 @@ class RooflineRunner:
         kv_tokens = prefill = 0
         sampled: dict[int, int] = {}
         token = self.token_id
-        for item in out.items:
-            kv_tokens += item.start + item.num_tokens
+        window = self.cost.model.config.sliding_window
+        for item in out.items:   # a sliding-window model reads at most W keys per query (its kernels skip the rest)
+            kv_tokens += item.context_len if window is None else min(item.context_len, window + item.num_tokens - 1)
             if item.num_tokens > 1:
                 prefill += item.num_tokens
             if item.needs_logits:

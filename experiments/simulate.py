@@ -27,7 +27,9 @@ def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "simulate", help="roofline simulation at GPU scale (real scheduler, accounting-only caches)",
         description="Serve a workload with the real scheduler and accounting-only caches on a roofline clock.")
-    p.add_argument("--preset", choices=["seed"], help="reproduce the seed article's simulation tables")
+    p.add_argument("--preset", choices=["seed", "fp8", "window"],
+                   help="seed: the seed article's tables; fp8: bf16 vs fp8 KV (Llama-3-8B); window: Mistral-7B "
+                        "sliding window vs full attention at 32K (experiments/kv_presets.py)")
     p.add_argument("--worked-example", action="store_true", help="the article's hand examples, by the backends")
     p.add_argument("--policies", type=cli.parse_list, default=["reserve", "oracle", "paged"],
                    help=f"comma list of {', '.join(policies())}")
@@ -60,6 +62,19 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--no-save", action="store_true", help="print only; write no files")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(run=run)
+
+
+def run_kv_preset(args: argparse.Namespace, settings: SimSettings, t0: float) -> int:
+    from kvlab.experiments import kv_presets
+    if args.preset == "fp8":
+        variants, title = kv_presets.fp8_variants(settings), f"{settings.model}: bf16 KV vs fp8_e4m3 KV"
+    else:
+        variants, title = kv_presets.window_variants(settings), "Mistral-7B: full attention vs sliding window 4096"
+    text = kv_presets.report(title, kv_presets.run_pair(variants, args.jobs, not args.no_progress))
+    print(text)
+    print(f"\n{time.perf_counter() - t0:.1f} s host time")
+    save_report(args, text)
+    return 0
 
 
 def settings_from_args(args: argparse.Namespace) -> SimSettings:
@@ -131,6 +146,8 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     print(changes_line(settings.workload, scale_given=args.scale != 1.0))
     t0 = time.perf_counter()
+    if args.preset in ("fp8", "window"):
+        return run_kv_preset(args, settings, t0)
     if args.preset == "seed" and args.seeds > 1:
         from kvlab.experiments import seed_article
         text = seed_article.spread(settings, args.seeds, args.jobs, not args.no_progress)

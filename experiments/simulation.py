@@ -191,7 +191,7 @@ class SimRun:
 def simulate(case: SimCase, settings: SimSettings, requests: list[Request]) -> SimRun:
     from kvlab.common.engine import Engine
     from kvlab.common.kv.seam import create_cache
-    spec = model_spec(settings.model, settings.dtype)
+    spec = model_spec(settings.model, settings.dtype, settings.engine.get("kv_cache_dtype", "auto"))
     cost = RooflineCost(hardware(settings.hardware), spec, settings.model_prefill, settings.mfu)
     config = case_config(case, settings, requests)
     start = time.perf_counter()

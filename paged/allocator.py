@@ -28,12 +28,21 @@ class SeqBlocks:
     table: list[int]                                   # logical block j -> physical block id
     num_tokens: int = 0                                # tokens the sequence may hold (largest allocate)
     hashes: list[int] = field(default_factory=list)   # chained hashes of its leading registered full blocks
+    dropped: int = 0                                   # leading entries the sliding window dropped
 
 
 @dataclass(slots=True)
 class SwappedSeq:
     blocks: SeqBlocks     # table holds the ids the sequence had; they are free now
     host: Any             # what the storage saved (a CPU tensor; None without storage)
+
+
+DROPPED = -1   # a table entry whose block fell wholly outside the sliding window and went back to the pool
+
+
+def live(table: list[int]) -> list[int]:
+    """The table's blocks, without the entries the window dropped."""
+    return [b for b in table if b != DROPPED]
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -59,6 +68,11 @@ class PagedAllocator(Allocator):
         if num_blocks == 0:
             raise ConfigError(f"kv_cache_bytes {config.kv_cache_bytes} is smaller than one block "
                               f"({self.block_bytes} bytes); raise kv_cache_bytes or lower block_size")
+        self.window = shape.sliding_window          # None: full attention, no block is ever dropped
+        self.dropped_blocks = 0
+        if self.window is not None and config.enable_prefix_caching:
+            raise ConfigError("paged: prefix caching with a sliding-window model is not supported (the window "
+                              "frees the leading blocks a prefix hit would share); disable one of them")
         self.prefix_cache = PrefixCache() if config.enable_prefix_caching else None
         self.prefix = PrefixIndex(self.prefix_cache, self.block_size)
         self.pool = BlockPool(num_blocks, self.prefix_cache)
@@ -85,7 +99,7 @@ class PagedAllocator(Allocator):
             return max(0, need - len(entry.table)) + len(cow)
         swapped = self.swapped.get(seq.seq_id)
         if swapped is not None:
-            return max(need, len(swapped.blocks.table))
+            return max(need - swapped.blocks.table.count(DROPPED), len(live(swapped.blocks.table)))
         hits = self.prefix.match(seq, num_tokens, self.seqs.values())
         # a hit on a block nobody holds takes it out of the free queue, so it still costs a free unit
         return need - len(hits) + sum(1 for block, _ in hits if self.pool.ref_counts[block] == 0)
@@ -119,6 +133,8 @@ class PagedAllocator(Allocator):
     def _grow(self, seq: Sequence, entry: SeqBlocks, num_tokens: int) -> None:
         self.prefix.register(seq, entry)
         computed = seq.num_computed_tokens
+        if self.window is not None:
+            self._drop_outside_window(entry, computed)
         cow = cow_targets(self.pool, entry, computed, num_tokens, self.block_size)
         grow = blocks_for(num_tokens, self.block_size) - len(entry.table)
         if grow > 0 or cow:   # most decode steps neither cross a block boundary nor touch a shared block
@@ -127,6 +143,18 @@ class PagedAllocator(Allocator):
                 self._copy_on_write(entry, j, copy_content=partial and j == computed // self.block_size)
             entry.table.extend(self.pool.allocate() for _ in range(max(grow, 0)))
         entry.num_tokens = max(entry.num_tokens, num_tokens)
+
+    def _drop_outside_window(self, entry: SeqBlocks, computed: int) -> None:
+        """Sliding window: this step's queries start at `computed`, so they read keys from computed - W + 1 on;
+        blocks wholly below that go back to the pool (their table entries become DROPPED). A sequence then holds
+        at most ceil(W / block_size) + 1 blocks during decode."""
+        first_needed = max(computed - self.window + 1, 0)
+        end = min(first_needed // self.block_size, len(entry.table))
+        for j in range(entry.dropped, end):
+            self.pool.release(entry.table[j])
+            entry.table[j] = DROPPED
+            self.dropped_blocks += 1
+        entry.dropped = max(entry.dropped, end)
 
     def _copy_on_write(self, entry: SeqBlocks, j: int, copy_content: bool) -> None:
         old, new = entry.table[j], self.pool.allocate()
@@ -146,7 +174,7 @@ class PagedAllocator(Allocator):
         if entry is None:
             raise BlockPoolError(f"sequence {seq.seq_id} holds no KV blocks (freed twice, or never allocated)")
         self.prefix.register(seq, entry)
-        self.pool.release_all(entry.table)
+        self.pool.release_all(live(entry.table))
 
     @timed
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -156,9 +184,10 @@ class PagedAllocator(Allocator):
         if self.holds(child) or child.seq_id in self.swapped:
             raise BlockPoolError(f"cannot fork into sequence {child.seq_id}: it already holds KV state")
         self.prefix.register(parent, entry)
-        for block in entry.table:
+        for block in live(entry.table):
             self.pool.share(block)
-        self.seqs[child.seq_id] = SeqBlocks(child, list(entry.table), entry.num_tokens, list(entry.hashes))
+        self.seqs[child.seq_id] = SeqBlocks(child, list(entry.table), entry.num_tokens, list(entry.hashes),
+                                               entry.dropped)
 
     @timed
     def swap_out(self, seq: Sequence) -> None:
@@ -166,9 +195,10 @@ class PagedAllocator(Allocator):
         if entry is None:
             raise BlockPoolError(f"cannot swap out sequence {seq.seq_id}: it holds no KV blocks")
         self.prefix.register(seq, entry)
-        host = self.storage.save_blocks(entry.table)
-        self.swapped_out_bytes += len(entry.table) * self.block_bytes
-        self.pool.release_all(entry.table)
+        kept = live(entry.table)
+        host = self.storage.save_blocks(kept)
+        self.swapped_out_bytes += len(kept) * self.block_bytes
+        self.pool.release_all(kept)
         self.swapped[seq.seq_id] = SwappedSeq(entry, host)
 
     @timed
@@ -180,9 +210,10 @@ class PagedAllocator(Allocator):
             return False
         del self.swapped[seq.seq_id]
         entry = swapped.blocks
-        entry.table = [self.pool.allocate() for _ in entry.table]
-        self.storage.restore_blocks(entry.table, swapped.host)
-        self.swapped_in_bytes += len(entry.table) * self.block_bytes
+        entry.table = [DROPPED if b == DROPPED else self.pool.allocate() for b in entry.table]
+        kept = live(entry.table)
+        self.storage.restore_blocks(kept, swapped.host)
+        self.swapped_in_bytes += len(kept) * self.block_bytes
         self.seqs[seq.seq_id] = entry
         return True
 
@@ -210,6 +241,7 @@ class PagedAllocator(Allocator):
                 "block_bytes": self.block_bytes,
                 "shared_blocks": self.pool.num_shared,
                 "cow_remaps": self.cow_remaps,
+                "window_dropped_blocks": self.dropped_blocks,
                 "swapped_seqs": len(self.swapped),
                 "prefix_cached_blocks": len(cached) if cached else 0,
                 "prefix_hash_collisions": cached.collisions if cached else 0,
@@ -232,7 +264,7 @@ class PagedAllocator(Allocator):
         }
 
     def check_invariants(self) -> None:
-        refs = Counter(block for entry in self.seqs.values() for block in entry.table)
+        refs = Counter(block for entry in self.seqs.values() for block in live(entry.table))
         for block, count in enumerate(self.pool.ref_counts):
             assert count == refs.get(block, 0), (
                 f"block {block}: reference count {count} but {refs.get(block, 0)} block tables use it")

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+from kvlab.common.attention.kv_quant import make_quant
 from kvlab.common.attention.metadata import BatchItem, PagedMetadata, base_metadata
 from kvlab.common.kv.seam import KVShape, NullStorage, Storage
 from kvlab.paged.block_pool import BlockPoolError
@@ -22,12 +23,13 @@ class PagedStorage(Storage):
         self.shape, self.allocator = shape, allocator      # the allocator's tables say where each token lives
         self.block_size = allocator.block_size
         self.check = config.check_invariants
+        self.quant = make_quant(shape, config.kv_cache_scale)   # None: K/V stored in the compute dtype
         # zeros, not empty: padded kernel reads of unused slots must be finite (0 * NaN is NaN);
         # never an inference tensor, so it stays writable whether or not the caller is in inference mode
         with torch.inference_mode(False):
             self.kv: torch.Tensor | None = torch.zeros(
                 2, shape.num_layers, allocator.num_total_units(), self.block_size, shape.num_kv_heads,
-                shape.head_dim, dtype=shape.torch_dtype, device=shape.device)
+                shape.head_dim, dtype=shape.cache_dtype, device=shape.device)
             self.k_caches: list[torch.Tensor] = list(self.kv[0])
             self.v_caches: list[torch.Tensor] = list(self.kv[1])
         self.build_dispatcher(shape, "paged", config.kernel, block_size=self.block_size)
@@ -51,7 +53,7 @@ class PagedStorage(Storage):
         if len(table) < need:
             raise BlockPoolError(f"sequence {item.seq.seq_id} holds {len(table)} blocks but this step needs "
                                  f"{need}; call allocate(seq, {item.context_len}) before prepare")
-        return table[:need]
+        return [max(b, 0) for b in table[:need]]   # blocks the window dropped (-1): never read, masked; any id
 
     def _slot_mapping(self, block_tables: torch.Tensor, positions: torch.Tensor,
                       query_lens: torch.Tensor) -> torch.Tensor:
@@ -67,6 +69,9 @@ class PagedStorage(Storage):
         if self.check and meta.num_tokens:
             assert int(meta.slot_mapping.max()) < k_cache.shape[0] * self.block_size, "slot outside the pool"
             assert int(meta.block_tables.max()) < k_cache.shape[0], "block table entry outside the pool"
+        if self.quant is not None:
+            k, v = self.quant.write(layer, k, v)
+            self.quant.stamp(meta, layer)
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v)
         if meta.num_tokens == 0:

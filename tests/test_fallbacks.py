@@ -54,32 +54,32 @@ def test_cpu_never_falls_back(rows):
 
 
 def test_finding_head_dim_80(index):
-    padded = index[("cuda+fa+fi", "paged", "decode", 80, "bfloat16", 256, 4)]
+    padded = index[("cuda+fa+fi", "paged", "decode", 80, "bfloat16", 256, "auto", 4)]
     assert (padded.kernel, padded.kernel_head_dim, padded.fallback) == ("flash_attn_paged", 96, False)
-    small = index[("cuda+fa+fi", "paged", "decode", 80, "bfloat16", 16, 4)]
+    small = index[("cuda+fa+fi", "paged", "decode", 80, "bfloat16", 16, "auto", 4)]
     assert small.kernel == "triton_paged" and small.displaced == ["flash_attn_paged", "flashinfer_paged"]
     assert any("head_size 80 not supported" in x for x in small.reasons["flashinfer_paged"])
     assert small.causes == ["head_dim", "block_size"]
 
 
 def test_finding_fp32(index):
-    paged = index[("cuda+fa+fi", "paged", "decode", 128, "float32", 256, 4)]
+    paged = index[("cuda+fa+fi", "paged", "decode", 128, "float32", 256, "auto", 4)]
     assert paged.kernel == "triton_paged" and paged.causes == ["dtype"]
-    vmm = index[("cuda+fa+fi", "vmm", "decode", 128, "float32", None, 4)]
+    vmm = index[("cuda+fa+fi", "vmm", "decode", 128, "float32", None, "auto", 4)]
     assert vmm.kernel == "torch_sdpa_contiguous" and vmm.displaced == ["flash_attn_contiguous"]
     assert vmm.reasons["flash_attn_contiguous"] == [
         "dtype float32 not supported (flash-attn: float16, bfloat16)"]
 
 
 def test_finding_block_16_refused_by_upstream_flash_attn(index):
-    r = index[("cuda+fa+fi", "paged", "prefill", 128, "bfloat16", 16, 4)]
+    r = index[("cuda+fa+fi", "paged", "prefill", 128, "bfloat16", 16, "auto", 4)]
     assert r.kernel == "flashinfer_paged" and r.displaced == ["flash_attn_paged"]
     assert r.reasons["flash_attn_paged"][0].startswith(
         "block_size 16 not supported: page size must be a multiple of 256")
 
 
 def test_finding_missing_package(index):
-    r = index[("cuda", "paged", "decode", 128, "bfloat16", 256, 4)]
+    r = index[("cuda", "paged", "decode", 128, "bfloat16", 256, "auto", 4)]
     assert r.kernel == "triton_paged" and r.causes == ["package"]
     assert r.reasons["flash_attn_paged"] == ["ImportError: package 'flash_attn' is not installed"]
 

@@ -24,7 +24,8 @@ def build_vmm(config: EngineConfig, shape: KVShape, accounting_only: bool = Fals
     if accounting_only:
         return KVCache(allocator=allocator, storage=NullStorage(), shape=shape)
     try:
-        storage = VMMStorage(allocator, allocator.data, shape, config.kernel, config.check_invariants)
+        storage = VMMStorage(allocator, allocator.data, shape, config.kernel, config.check_invariants,
+                             config.kv_cache_scale)
     except BaseException:
         allocator.close()
         raise

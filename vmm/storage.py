@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+from kvlab.common.attention.kv_quant import make_quant
 from kvlab.common.attention.metadata import ContiguousMetadata, base_metadata
 from kvlab.common.kv.seam import KVShape, Storage
 
@@ -16,8 +17,10 @@ if TYPE_CHECKING:
 
 
 class VMMStorage(Storage):
-    def __init__(self, allocator: VMMAllocator, views: KVViews, shape: KVShape, kernel: str, check: bool) -> None:
+    def __init__(self, allocator: VMMAllocator, views: KVViews, shape: KVShape, kernel: str, check: bool,
+                 kv_scale: float = 0.0) -> None:
         self.allocator, self.views, self.shape, self.check = allocator, views, shape, check
+        self.quant = make_quant(shape, kv_scale)   # None: K/V stored in the compute dtype
         self._step: tuple[ContiguousMetadata, torch.Tensor] | None = None   # this step's metadata, token slots
         self.build_dispatcher(shape, "contiguous", kernel)
 
@@ -47,6 +50,9 @@ class VMMStorage(Storage):
         else:
             token_slots = meta.slots.repeat_interleave(meta.query_lens.to(torch.int64))
         index = (token_slots, meta.input_positions)
+        if self.quant is not None:
+            k, v = self.quant.write(layer, k, v)
+            self.quant.stamp(meta, layer)
         k_cache.index_put_(index, k)
         v_cache.index_put_(index, v)
         if self.check:   # the books still back every position the kernel reads

@@ -92,7 +92,7 @@ class KVViews:
         self.geo, self.shape = geo, shape
         dims = (geo.num_slots, geo.max_len, shape.num_kv_heads, shape.head_dim)
         strides = (geo.row_bytes // shape.itemsize, shape.num_kv_heads * shape.head_dim, shape.head_dim, 1)
-        views = [driver.tensor_view(region, shape.torch_dtype, dims, strides, offset)
+        views = [driver.tensor_view(region, shape.cache_dtype, dims, strides, offset)
                  for region, offset in ranges.places]
         self.k, self.v = views[:shape.num_layers], views[shape.num_layers:]
         self.page_bytes = [driver.tensor_view(region, torch.uint8, (geo.tensor_bytes,), offset=offset)
@@ -118,7 +118,7 @@ class KVViews:
         """The first `tokens` tokens of a slot in every tensor, on the host: [2L, tokens, H_kv, D]."""
         s = self.shape
         pin = s.device.startswith("cuda") and torch.cuda.is_available()
-        data = torch.empty((self.geo.num_tensors, tokens, s.num_kv_heads, s.head_dim), dtype=s.torch_dtype,
+        data = torch.empty((self.geo.num_tensors, tokens, s.num_kv_heads, s.head_dim), dtype=s.cache_dtype,
                            pin_memory=pin)
         for t, cache in enumerate(self.k + self.v):
             data[t].copy_(cache[slot, :tokens])

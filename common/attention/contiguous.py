@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from kvlab.common.attention.kv_quant import read_kv
 from kvlab.common.attention.metadata import ContiguousMetadata, kernel_workspace
 from kvlab.common.errors import RequestError
 
@@ -93,14 +94,17 @@ def _group(members: list[int], length: int, contexts: list[int], slots: list[int
 def contiguous_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               meta: ContiguousMetadata, scale: float) -> torch.Tensor:
     """torch SDPA over per-slot views, prefill (with past context, causal) and decode alike. -> [T, H, D]"""
+    if meta.sliding_window is not None:
+        return _windowed(q, k_cache, v_cache, meta, scale)
     plan = meta.plans.get(PLAN_KEY)
     if plan is None:
         plan = meta.plans[PLAN_KEY] = _plan(meta, k_cache, q)
     out = torch.empty_like(q)
     for lo, hi, slot, ctx in plan.prefill:
-        out[lo:hi] = _one_sequence(q[lo:hi], k_cache[slot, :ctx], v_cache[slot, :ctx], scale)
+        out[lo:hi] = _one_sequence(q[lo:hi], *read_kv(k_cache[slot, :ctx], v_cache[slot, :ctx], meta, q.dtype),
+                                   scale)
     for group in plan.decode:
-        out.index_copy_(0, group.rows, _decode_group(q, k_cache, v_cache, group, scale))
+        out.index_copy_(0, group.rows, _decode_group(q, k_cache, v_cache, group, scale, meta))
     # one cheap check per layer (on CUDA one sync; the per-layer .tolist() calls it replaces were three)
     if plan.padded and not math.isfinite(float(out.sum(dtype=torch.float32))):
         _recompute_poisoned_groups(out, q, k_cache, v_cache, plan, meta, scale)
@@ -145,7 +149,7 @@ def _group_run(items: list[int], group: DecodeGroup, starts: list[int], slots: l
 
 
 def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: GroupRun,
-                  scale: float) -> torch.Tensor:
+                  scale: float, meta: ContiguousMetadata) -> torch.Tensor:
     """[n, H, D] for the group's items: one SDPA call over K/V [n, length, H_kv, D] (never a byte past any
     item's readable length: a view of consecutive rows, else a gather of exactly those rows)."""
     n, length = len(group.items), group.length
@@ -155,6 +159,7 @@ def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     else:
         keys = k_cache[:, :length].index_select(0, group.slot_index)
         values = v_cache[:, :length].index_select(0, group.slot_index)
+    keys, values = read_kv(keys, values, meta, q.dtype)
     return F.scaled_dot_product_attention(q.index_select(0, group.rows).unsqueeze(2), keys.transpose(1, 2),
                                           values.transpose(1, 2), attn_mask=group.mask, scale=scale,
                                           enable_gqa=True).squeeze(2)
@@ -176,8 +181,33 @@ def _recompute_poisoned_groups(out: torch.Tensor, q: torch.Tensor, k_cache: torc
             len(group.items), count)
         for row, b in zip(group.rows.tolist(), group.items):
             ctx = plan.contexts[b]
-            out[row:row + 1] = _one_sequence(q[row:row + 1], k_cache[plan.slots[b], :ctx],
-                                             v_cache[plan.slots[b], :ctx], scale)
+            keys, values = read_kv(k_cache[plan.slots[b], :ctx], v_cache[plan.slots[b], :ctx], meta, q.dtype)
+            out[row:row + 1] = _one_sequence(q[row:row + 1], keys, values, scale)
+
+
+def _windowed(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: ContiguousMetadata,
+              scale: float) -> torch.Tensor:
+    """Sliding window: each sequence alone, reading only keys [first query - W + 1, context) of its row (the
+    vmm cache may have unmapped the pages below)."""
+    items = meta.plans.get(PLAN_KEY + ".window")
+    if items is None:
+        starts, slots, contexts = meta.cu_query_lens.tolist(), meta.slots.tolist(), meta.context_lens.tolist()
+        items = meta.plans[PLAN_KEY + ".window"] = [(starts[b], starts[b + 1], slots[b], contexts[b])
+                                                    for b in range(len(slots)) if starts[b + 1] > starts[b]]
+    window = meta.sliding_window
+    out = torch.empty_like(q)
+    for lo, hi, slot, ctx in items:
+        first = max(ctx - (hi - lo) - window + 1, 0)
+        keys, values = read_kv(k_cache[slot, first:ctx], v_cache[slot, first:ctx], meta, q.dtype)
+        key_pos = torch.arange(first, ctx, device=q.device)
+        query_pos = torch.arange(ctx - (hi - lo), ctx, device=q.device)
+        diff = query_pos[:, None] - key_pos[None, :]
+        mask = (diff >= 0) & (diff < window)
+        attn = F.scaled_dot_product_attention(q[lo:hi].transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                                              values.transpose(0, 1)[None], attn_mask=mask, scale=scale,
+                                              enable_gqa=True)
+        out[lo:hi] = attn[0].transpose(0, 1)
+    return out
 
 
 def _one_sequence(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:

@@ -35,6 +35,13 @@ class AttentionMetadata:
     logits_indices: torch.Tensor       # int64 [num items needing logits]: row of each item's last token
     workspace: dict | None = None      # kernel scratch that outlives the step (the dispatcher's own dict)
     plans: dict = field(default_factory=dict)   # per-step kernel plans shared by every layer (masks, wrappers)
+    # fp8 KV cache (common/attention/kv_quant.py): the format of the uint8 cache bytes and this layer's scales,
+    # restamped by the storage before every layer's kernel call; None: the cache holds the compute dtype
+    kv_fp8: torch.dtype | None = None
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+    # Mistral-style sliding window, set by the model: a query at position i sees keys (i - W, i]; None: all
+    sliding_window: int | None = None
 
     @property
     def is_decode(self) -> bool:

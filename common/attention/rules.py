@@ -23,6 +23,21 @@ Rules and their sources (../shared/reference/gpu-apis.md):
   so it does not need torch's experimental PagedAttention rule (BlockMask KV block == page size).
 - torch SDPA (contiguous) and the torch gather reference (paged): any device, fp32/fp16/bf16, any head_dim.
 Every kernel needs num_q_heads % num_kv_heads == 0.
+
+fp8 KV cache (`kv_cache_dtype` fp8_e4m3 / fp8_e5m2, gpu-apis.md §4-§9; values stored as uint8 bytes with per-layer
+k_scale/v_scale, common/attention/kv_quant.py):
+- torch SDPA (contiguous) and the torch gather reference: both formats, any device (dequantised in torch after the
+  read).
+- kvlab's Triton kernel: both formats, dequantised via fp32 inside the kernel (vLLM TRITON_ATTN does the same).
+- flash-attn 2 upstream: no fp8 KV (KV dtype = q dtype); fp8 e4m3 KV is FA3-only, compute capability 9.x, which
+  kvlab does not wrap.
+- FlashInfer: the library takes fp8 e4m3/e5m2 KV (`run(..., k_scale=, v_scale=)`), but kvlab's adapter does not
+  pass scales or fp8-typed caches yet: refused, not silently wrong.
+- FlexAttention: KV dtype = q dtype (vLLM FLEX_ATTENTION: auto/fp16/bf16 only).
+
+Sliding window (Mistral, `sliding_window` W): the torch kernels and kvlab's Triton kernel mask keys outside
+(i - W, i] and do not read below the window. flash-attn (`window_size`), FlashInfer (`window_left`) and Flex
+(mask_mod) support windows as libraries, but kvlab's adapters pass none yet: refused, never silently full attention.
 """
 from __future__ import annotations
 
@@ -36,6 +51,7 @@ from kvlab.common.attention.spec import AttentionSpec, base_device
 
 ALL_DTYPES = ("float32", "float16", "bfloat16")
 HALF_DTYPES = ("float16", "bfloat16")
+ALL_KV_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 FLASHINFER_CC = ((8, 0), (12, 1))
 FA_PAGE_MULTIPLE = 256
@@ -98,6 +114,18 @@ def needs_dtype(spec: AttentionSpec, allowed: tuple[str, ...], lib: str) -> list
     return [f"dtype {spec.dtype} not supported ({lib}: {', '.join(allowed)})"]
 
 
+def needs_kv_dtype(spec: AttentionSpec, allowed: tuple[str, ...], why: str) -> list[str]:
+    if spec.kv_cache_dtype in allowed:
+        return []
+    return [f"kv_cache_dtype {spec.kv_cache_dtype} not supported ({why})"]
+
+
+def no_window(spec: AttentionSpec, lib: str) -> list[str]:
+    if spec.sliding_window is None:
+        return []
+    return [f"sliding window not supported (kvlab's {lib} adapter passes no window; the library has one)"]
+
+
 def needs_gqa_divisor(spec: AttentionSpec) -> list[str]:
     if spec.num_kv_heads > 0 and spec.num_q_heads % spec.num_kv_heads == 0:
         return []
@@ -113,7 +141,7 @@ def needs_block_multiple(spec: AttentionSpec, multiple: int, why: str) -> list[s
 # -- the kernels' rules --------------------------------------------------------------------------------------
 def torch_rules(spec: AttentionSpec) -> list[str]:
     return (needs_device(spec, ("cpu", "cuda"), "torch") + needs_dtype(spec, ALL_DTYPES, "torch")
-            + needs_gqa_divisor(spec))
+            + needs_kv_dtype(spec, ALL_KV_DTYPES, "torch") + needs_gqa_divisor(spec))
 
 
 def flash_attn_rules(spec: AttentionSpec) -> list[str]:
@@ -122,6 +150,8 @@ def flash_attn_rules(spec: AttentionSpec) -> list[str]:
     reasons += needs_dtype(spec, HALF_DTYPES, "flash-attn")
     if spec.head_dim > 256:
         reasons.append(f"head_size {spec.head_dim} not supported (flash-attn: head_dim <= 256)")
+    reasons += needs_kv_dtype(spec, ("auto",), "flash-attn 2: KV = q dtype; fp8 e4m3 KV is FA3 on 9.x only")
+    reasons += no_window(spec, "flash-attn")
     return reasons + needs_gqa_divisor(spec)
 
 
@@ -144,6 +174,9 @@ def flashinfer_rules(spec: AttentionSpec) -> list[str]:
     if spec.head_dim not in FLASHINFER_HEAD_DIMS:
         dims = ", ".join(map(str, FLASHINFER_HEAD_DIMS))
         reasons.append(f"head_size {spec.head_dim} not supported (flashinfer: head dims {dims})")
+    reasons += needs_kv_dtype(spec, ("auto",), "kvlab's flashinfer adapter passes no k_scale/v_scale; "
+                                               "the library takes fp8 e4m3/e5m2")
+    reasons += no_window(spec, "flashinfer")
     return reasons + needs_gqa_divisor(spec)
 
 
@@ -159,7 +192,8 @@ def triton_rules(env: Environment) -> Callable[[AttentionSpec], list[str]]:
             if env.interpreting_triton():
                 reasons.append("device cuda with TRITON_INTERPRET=1 would run the interpreter, not a compiled "
                                "kernel (unset it on GPU machines)")
-        return reasons + needs_dtype(spec, ALL_DTYPES, "triton") + needs_gqa_divisor(spec)
+        return (reasons + needs_dtype(spec, ALL_DTYPES, "triton") + needs_kv_dtype(spec, ALL_KV_DTYPES, "triton")
+                + needs_gqa_divisor(spec))
     return check
 
 
@@ -177,4 +211,5 @@ def triton_phase_rules(spec: AttentionSpec, phase: str) -> list[str]:
 
 def flex_rules(spec: AttentionSpec) -> list[str]:
     reasons = needs_device(spec, ("cuda",), "flex_attention") + needs_cc(spec, MIN_CC)
+    reasons += needs_kv_dtype(spec, ("auto",), "flex_attention: KV = q dtype") + no_window(spec, "flex")
     return reasons + needs_dtype(spec, ALL_DTYPES, "flex_attention") + needs_gqa_divisor(spec)

@@ -19,6 +19,8 @@ class AttentionSpec:
     compute_capability: tuple[int, int] | None = None  # cuda only
     # bytes of shared memory one thread block may use (opt-in maximum); None: known from the compute capability
     shared_memory_per_block: int | None = None
+    kv_cache_dtype: str = "auto"     # auto (= dtype) | fp8_e4m3 | fp8_e5m2
+    sliding_window: int | None = None   # attend to the last W keys only (Mistral); None: full causal
 
     @property
     def gqa_ratio(self) -> int:

@@ -27,6 +27,9 @@ if TYPE_CHECKING:
     from kvlab.common.sequence import Sequence
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# vLLM's kv_cache_dtype names -> the fp8 format stored (1 byte; kept in uint8 tensors, CPU torch lacks fp8 ops)
+FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+KV_CACHE_DTYPES = ("auto", *FP8_DTYPES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,16 +39,29 @@ class KVShape:
     num_kv_heads: int
     head_dim: int
     num_q_heads: int
-    dtype: str = "float32"
+    dtype: str = "float32"             # the compute dtype (q, the kernels' output)
     device: str = "cpu"
+    kv_cache_dtype: str = "auto"       # auto (= dtype) | fp8_e4m3 | fp8_e5m2 (stored as 1-byte values)
+    sliding_window: int | None = None  # every layer attends to its last W tokens only (Mistral); None: all
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return TORCH_DTYPES[self.dtype]
 
     @property
+    def fp8_dtype(self) -> torch.dtype | None:
+        """The fp8 format K/V are stored in, or None when they are stored in the compute dtype."""
+        return FP8_DTYPES.get(self.kv_cache_dtype)
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The dtype of the cache tensors: uint8 bytes holding fp8 values, else the compute dtype."""
+        return torch.uint8 if self.fp8_dtype is not None else self.torch_dtype
+
+    @property
     def itemsize(self) -> int:
-        return torch.tensor([], dtype=self.torch_dtype).element_size()
+        """Bytes of one stored K or V element (1 with an fp8 cache)."""
+        return torch.tensor([], dtype=self.cache_dtype).element_size()
 
     @property
     def bytes_per_token_per_layer(self) -> int:
@@ -173,7 +189,8 @@ class Storage(ABC):
         device = torch.device(shape.device)
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
         self.dispatcher = make_dispatcher(AttentionSpec(
-            layout=layout, device=device.type, dtype=shape.dtype, head_dim=shape.head_dim,
+            layout=layout, device=device.type, dtype=shape.dtype, kv_cache_dtype=shape.kv_cache_dtype,
+            sliding_window=shape.sliding_window, head_dim=shape.head_dim,
             num_q_heads=shape.num_q_heads, num_kv_heads=shape.num_kv_heads, compute_capability=capability,
             **spec), kernel)
 
@@ -213,7 +230,9 @@ class KVCache:
         return isinstance(self.storage, NullStorage)
 
     def stats(self) -> CacheStats:
-        return self.allocator.stats()
+        stats = self.allocator.stats()
+        stats.extra["kv_cache_dtype"] = self.shape.kv_cache_dtype
+        return stats
 
     def kernel_report(self) -> dict[str, Any]:
         return self.storage.kernel_report()
@@ -246,6 +265,8 @@ def timed(method: Callable) -> Callable:
 def create_cache(config: EngineConfig, shape: KVShape, accounting_only: bool = False) -> KVCache:
     """Build the backend named by `config.backend`, found through the registry (no backend import here)."""
     from kvlab.common.kv.registry import get_backend
+    if config.kv_cache_dtype != shape.kv_cache_dtype:   # the config's KV dtype decides what is stored
+        shape = dataclasses.replace(shape, kv_cache_dtype=config.kv_cache_dtype)
     from kvlab.common.limits import check_physical_budget
     if not accounting_only:
         check_physical_budget(config.device, config.kv_cache_bytes)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
+from kvlab.common.attention.kv_quant import make_quant
 from kvlab.common.attention.metadata import AttentionMetadata, BatchItem, ContiguousMetadata, base_metadata
 from kvlab.common.kv.seam import NullStorage, Storage
 
@@ -45,6 +46,7 @@ class ReserveMetadata(ContiguousMetadata):
 class ReserveStorage(Storage):
     def __init__(self, config: EngineConfig, shape: KVShape, books: ReserveAllocator) -> None:
         self.shape, self.books, self.check = shape, books, config.check_invariants
+        self.quant = make_quant(shape, config.kv_cache_scale)   # None: K/V stored in the compute dtype
         self.padding_tokens = 0 if books.mode == "max" else books.max_len - 1
         rows = books.capacity + self.padding_tokens
         self.k = [self._arena(rows) for _ in range(shape.num_layers)]
@@ -55,7 +57,7 @@ class ReserveStorage(Storage):
 
     def _arena(self, rows: int) -> torch.Tensor:
         s = self.shape
-        return torch.zeros((max(rows, 1), s.num_kv_heads, s.head_dim), dtype=s.torch_dtype, device=s.device)
+        return torch.zeros((max(rows, 1), s.num_kv_heads, s.head_dim), dtype=s.cache_dtype, device=s.device)
 
     def _rows(self, arena: torch.Tensor) -> torch.Tensor:
         """The kernels' [num_rows, max_len, H_kv, D] view of one arena (overlapping rows in oracle mode)."""
@@ -75,7 +77,7 @@ class ReserveStorage(Storage):
     def save(self, start: int, n: int) -> torch.Tensor:
         s = self.shape
         pin = torch.device(s.device).type == "cuda"
-        host = torch.empty((2, s.num_layers, n, s.num_kv_heads, s.head_dim), dtype=s.torch_dtype, pin_memory=pin)
+        host = torch.empty((2, s.num_layers, n, s.num_kv_heads, s.head_dim), dtype=s.cache_dtype, pin_memory=pin)
         for layer in range(s.num_layers):
             host[0, layer].copy_(self.k[layer][start:start + n])
             host[1, layer].copy_(self.v[layer][start:start + n])
@@ -103,6 +105,9 @@ class ReserveStorage(Storage):
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if self.quant is not None:
+            k, v = self.quant.write(layer, k, v)
+            self.quant.stamp(meta, layer)
         self.k[layer].index_copy_(0, meta.write_index, k)
         self.v[layer].index_copy_(0, meta.write_index, v)
         return self.dispatcher.run(meta.phase, q, self.k_rows[layer], self.v_rows[layer], meta, scale)

@@ -39,6 +39,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--dtypes", type=str_list, default=g.dtypes, help="comma-separated dtypes")
     p.add_argument("--block-sizes", type=int_list, default=g.block_sizes, help="comma-separated block sizes")
     p.add_argument("--gqa-ratios", type=int_list, default=g.gqa_ratios, help="comma-separated GQA ratios")
+    p.add_argument("--kv-dtypes", type=str_list, default=g.kv_dtypes,
+                   help="comma-separated KV-cache dtypes: auto, fp8_e4m3, fp8_e5m2 (default auto)")
     p.add_argument("--no-plot", action="store_true", help="skip the heat-map PNG")
     p.add_argument("--measure", action="store_true",
                    help="also time the kernels that run on this machine (chosen vs displaced where both run)")
@@ -49,7 +51,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    grid = Grid(tuple(args.head_dims), tuple(args.dtypes), tuple(args.block_sizes), tuple(args.gqa_ratios))
+    grid = Grid(tuple(args.head_dims), tuple(args.dtypes), tuple(args.block_sizes), tuple(args.gqa_ratios),
+                tuple(args.kv_dtypes))
     check_grid(grid)
     if args.measure and (args.threads < 1 or args.repeats < 1):
         raise ConfigError("--threads and --repeats must be >= 1")

@@ -69,11 +69,12 @@ def kernel_head_dim(kernel: str, head_dim: int) -> int:
 
 # -- reading reasons -----------------------------------------------------------------------------------------
 CAUSES = ("package", "device", "compute_capability", "dtype", "head_dim", "block_size", "gqa", "layout",
-          "shared_memory")
+          "shared_memory", "kv_dtype", "window")
 _CAUSE_PREFIXES = (
     ("ImportError", "package"), ("device", "device"), ("compute capability", "compute_capability"),
     ("dtype", "dtype"), ("head_size", "head_dim"), ("block_size", "block_size"), ("GQA", "gqa"),
-    ("layout", "layout"), ("shared memory", "shared_memory"),
+    ("layout", "layout"), ("shared memory", "shared_memory"), ("kv_cache_dtype", "kv_dtype"),
+    ("sliding window", "window"),
 )
 
 

@@ -19,6 +19,7 @@ NUM_KV_HEADS = 2
 H200_CC = (9, 0)
 EXTRA_PACKAGES = ("flash_attn", "flashinfer")
 DTYPES = ("float32", "float16", "bfloat16")
+KV_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,11 +28,12 @@ class Grid:
     dtypes: tuple[str, ...] = DTYPES
     block_sizes: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256)
     gqa_ratios: tuple[int, ...] = (1, 3, 4, 8)
+    kv_dtypes: tuple[str, ...] = ("auto",)      # the KV-cache dtype axis (auto = the model dtype; fp8 variants)
 
     def num_rows(self, num_scenarios: int) -> int:
         """Paged rows vary with block size; vmm (contiguous, no blocks) rows do not."""
         shapes = len(self.head_dims) * len(self.dtypes) * len(self.gqa_ratios)
-        return num_scenarios * len(PHASES) * shapes * (len(self.block_sizes) + 1)
+        return num_scenarios * len(PHASES) * shapes * (len(self.block_sizes) + 1) * len(self.kv_dtypes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +82,7 @@ class Row:
     causes: list[str] = field(default_factory=list)              # rule families that refused the displaced
     reasons: dict[str, list[str]] = field(default_factory=dict)  # displaced kernel -> reasons
     refused: dict[str, list[str]] = field(default_factory=dict)  # every refused kernel this phase -> reasons
+    kv_cache_dtype: str = "auto"
 
 
 def grid_points(grid: Grid, backend: str) -> Iterator[tuple[int, str, int | None, int]]:
@@ -100,16 +103,17 @@ def causes_of(reasons: list[str]) -> list[str]:
 
 
 def decide_rows(scenario: Scenario, backend: str, head_dim: int, dtype: str, block_size: int | None,
-                gqa: int) -> list[Row]:
+                gqa: int, kv_dtype: str = "auto") -> list[Row]:
     layout = BACKEND_LAYOUTS[backend]
     spec = AttentionSpec(layout, scenario.device, dtype, head_dim, gqa * NUM_KV_HEADS, NUM_KV_HEADS,
-                         block_size, scenario.compute_capability)
+                         block_size, scenario.compute_capability, kv_cache_dtype=kv_dtype)
     decision = decide(spec, env=scenario.env)
     cc = scenario.compute_capability
     shared = {"scenario": scenario.name, "device": scenario.device,
               "compute_capability": f"{cc[0]}.{cc[1]}" if cc else None,
               "packages": sorted(scenario.env.packages or ()), "backend": backend, "layout": layout,
               "head_dim": head_dim, "dtype": dtype, "block_size": block_size, "gqa_ratio": gqa,
+              "kv_cache_dtype": kv_dtype,
               "num_q_heads": spec.num_q_heads, "num_kv_heads": NUM_KV_HEADS,
               "preferred": priority(scenario.device, layout)[0]}
     rows = []
@@ -124,7 +128,8 @@ def decide_rows(scenario: Scenario, backend: str, head_dim: int, dtype: str, blo
 
 
 def run_grid(grid: Grid, scenarios: list[Scenario], progress: bool = False) -> list[Row]:
-    jobs = [(s, b, *p) for s in scenarios for b in BACKEND_LAYOUTS for p in grid_points(grid, b)]
+    jobs = [(s, b, *p, kv) for s in scenarios for b in BACKEND_LAYOUTS for p in grid_points(grid, b)
+            for kv in grid.kv_dtypes]
     if progress:
         from kvlab.experiments.report import progress_bar
         jobs = progress_bar(jobs, desc="deciding", unit="config", leave=False)
@@ -132,7 +137,8 @@ def run_grid(grid: Grid, scenarios: list[Scenario], progress: bool = False) -> l
 
 
 def row_key(row: Row) -> tuple:
-    return (row.scenario, row.backend, row.phase, row.head_dim, row.dtype, row.block_size, row.gqa_ratio)
+    return (row.scenario, row.backend, row.phase, row.head_dim, row.dtype, row.block_size, row.kv_cache_dtype,
+            row.gqa_ratio)
 
 
 def check_grid(grid: Grid) -> None:
@@ -141,3 +147,5 @@ def check_grid(grid: Grid) -> None:
     if not all(lists) or any(d not in DTYPES for d in grid.dtypes) or any(x < 1 for x in sizes):
         raise ConfigError(f"fallbacks grid: dtypes must be among {', '.join(DTYPES)}; head dims, block "
                           "sizes and GQA ratios non-empty lists of positive integers")
+    if not grid.kv_dtypes or any(k not in KV_DTYPES for k in grid.kv_dtypes):
+        raise ConfigError(f"fallbacks grid: kv dtypes must be a non-empty list among {', '.join(KV_DTYPES)}")

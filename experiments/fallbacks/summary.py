@@ -55,9 +55,10 @@ def describe(row: Row) -> str:
     return text
 
 
-def at(scenario: str, backend: str, phase: str, head_dim: int, dtype: str, block: int | None) -> tuple:
+def at(scenario: str, backend: str, phase: str, head_dim: int, dtype: str, block: int | None,
+       kv_dtype: str = "auto") -> tuple:
     """A row key at GQA 4."""
-    return (scenario, backend, phase, head_dim, dtype, block, 4)
+    return (scenario, backend, phase, head_dim, dtype, block, kv_dtype, 4)
 
 
 # The example findings the study calls out, each looked up in the decided rows.
