@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from kvlab.common.errors import OutOfKVCache, RequestError
 from kvlab.common.kv.seam import Allocator, CacheStats, KVShape, timed
+from kvlab.vmm.drivers.map_budget import MapBudgetExhausted
 from kvlab.vmm.geometry import make_geometry
 from kvlab.vmm.mapper import BackgroundMapper
 from kvlab.vmm.pages import PagePool, SlotPages
@@ -67,7 +68,7 @@ class VMMAllocator(Allocator):
         self.tokens_per_unit = geo.tokens_per_page
         self.pool, self.table = PagePool(geo.num_groups), SlotTable(geo)
         self.pages = SlotPages(geo, driver, self.ranges.mirror, self.data, self.pool, self.table)
-        self.mapper = BackgroundMapper(geo, self._lock, self.pages.map_ahead, opts.background_mapping)
+        self.mapper = BackgroundMapper(geo, self._lock, self._map_ahead, opts.background_mapping)
         self.swapped: dict[int, SwappedKV] = {}
         self.closed = False
         if config.enable_prefix_caching:
@@ -129,10 +130,31 @@ class VMMAllocator(Allocator):
                 if num_tokens > slot.held:   # the per-step path: the pages are already mapped
                     self.table.hold(slot, num_tokens)
             else:
-                self._grow(seq, slot, num_tokens)
+                if not self._grow_in_map_budget(seq, slot, num_tokens):
+                    return None
             if self.mapper.enabled:
                 self.mapper.request(self.table.of(seq.seq_id), num_tokens)
             return 0
+
+    def _grow_in_map_budget(self, seq: Sequence, slot: Slot | None, num_tokens: int) -> bool:
+        """`_grow`; out of OS mappings (MapBudgetExhausted, logged and counted), unmap the parked pages of freed
+        slots, which gives their mappings back, and try once more; still out: False, nothing changed (out of room,
+        like out of KV)."""
+        try:
+            self._grow(seq, slot, num_tokens)
+            return True
+        except MapBudgetExhausted:
+            if not self.table.stale:
+                return False
+        for index in list(self.table.stale):
+            parked = self.table.slots[index]
+            with self.table.accounting(parked):
+                self.pages.drop_tail(parked, len(parked.groups))
+        try:
+            self._grow(seq, self.table.of(seq.seq_id), num_tokens)
+            return True
+        except MapBudgetExhausted:
+            return False
 
     def _grow(self, seq: Sequence, slot: Slot | None, num_tokens: int) -> None:
         claimed = slot is None
@@ -202,8 +224,10 @@ class VMMAllocator(Allocator):
             slot = self.table.claim(seq.seq_id, saved.tokens)
             try:
                 self.pages.grow(slot, self.geo.pages_for(saved.tokens))
-            except BaseException:
+            except BaseException as exc:
                 self.pages.release(slot)
+                if isinstance(exc, MapBudgetExhausted):   # out of OS mappings is out of room (logged, counted)
+                    return False
                 raise
             self.table.hold(slot, saved.tokens)
             if saved.data is not None:
@@ -211,6 +235,14 @@ class VMMAllocator(Allocator):
             del self.swapped[seq.seq_id]
             self.pages.counters.swapped_in_bytes += saved.tokens * self.shape.bytes_per_token
             return True
+
+    def _map_ahead(self, index: int, seq_id: int, target: int) -> bool:
+        """The background mapper's job: mapping ahead is skipped, not failed, when the OS mappings are spent."""
+        try:
+            return self.pages.map_ahead(index, seq_id, target)
+        except MapBudgetExhausted:
+            self.pages.counters.lookahead_skipped += 1
+            return False
 
     def _fence(self, *seqs: Sequence) -> None:
         self.mapper.fence([self.table.slot_of.get(seq.seq_id) for seq in seqs])
@@ -257,6 +289,7 @@ class VMMAllocator(Allocator):
                        "pages": mapped_groups * geo.num_tensors, "pool_pages": geo.num_groups * geo.num_tensors,
                        "mapped_va_pages": d.mapped_pages, "pages_mapped": d.pages_mapped,
                        "pages_unmapped": d.pages_unmapped, "mapping_limit": self.driver.mapping_limit,
+                       "map_refusals": d.map_refusals, "deferred_releases": d.deferred_releases,
                        "reclaimable_units": table.excess, "live_slots": len(table.slot_of),
                        "stale_slots": len(table.stale), "background_seconds": self.mapper.seconds,
                        "per_place_fallbacks": getattr(self.driver, "per_place_fallbacks", 0),
