@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from kvlab.common.errors import OutOfKVCache, RequestError
 from kvlab.common.kv.seam import Allocator, CacheStats, KVShape, timed
+from kvlab.vmm.drivers.map_budget import MapBudgetExhausted
 from kvlab.vmm.geometry import make_geometry
 from kvlab.vmm.mapper import BackgroundMapper
 from kvlab.vmm.pages import PagePool, SlotPages
@@ -47,7 +48,9 @@ class SwappedKV:
 
 class VMMAllocator(Allocator):
     """Slots, pages and the driver behind them. `data` builds the K/V bytes over the ranges (`KVViews`), or none
-    (`NoViews`); the storage reads them as `data`. 22 methods: the seam's 14 and the few they share."""
+    (`NoViews`); the storage reads them as `data`. 30 methods, one class because they all guard the same books
+under one lock (the background mapper's): the seam's 15, prefix aliasing (match, register, claim, stats), the
+map-budget retry and mapper job, and the step-side reads the storage uses (rows, covering slot)."""
 
     name = "vmm"
     unit_name = "page"
@@ -69,7 +72,7 @@ class VMMAllocator(Allocator):
         self.prefix = PagePrefixCache(geo.tokens_per_page) if config.enable_prefix_caching else None
         self.pool, self.table = PagePool(geo.num_groups, self.prefix), SlotTable(geo)
         self.pages = SlotPages(geo, driver, self.ranges.mirror, self.data, self.pool, self.table)
-        self.mapper = BackgroundMapper(geo, self._lock, self.pages.map_ahead, opts.background_mapping)
+        self.mapper = BackgroundMapper(geo, self._lock, self._map_ahead, opts.background_mapping)
         self.swapped: dict[int, SwappedKV] = {}
         self.closed = False
         self.prefix_hit_tokens = 0
@@ -151,7 +154,9 @@ class VMMAllocator(Allocator):
                 if num_tokens > slot.held:   # the per-step path: the pages are already mapped
                     self.table.hold(slot, num_tokens)
             else:
-                hit = self._grow(seq, slot, num_tokens)
+                hit = self._grow_in_map_budget(seq, slot, num_tokens)
+                if hit is None:
+                    return None
             if self.mapper.enabled:
                 self.mapper.request(self.table.of(seq.seq_id), num_tokens)
             return hit
@@ -179,6 +184,24 @@ class VMMAllocator(Allocator):
         self.prefix_hit_tokens += tokens
         return slot, tokens
 
+    def _grow_in_map_budget(self, seq: Sequence, slot: Slot | None, num_tokens: int) -> int | None:
+        """`_grow`; out of OS mappings (MapBudgetExhausted, logged and counted), unmap the parked pages of freed
+        slots, which gives their mappings back, and try once more; still out: None, nothing changed (out of room,
+        like out of KV)."""
+        try:
+            return self._grow(seq, slot, num_tokens)
+        except MapBudgetExhausted:
+            if not self.table.stale:
+                return None
+        for index in list(self.table.stale):
+            parked = self.table.slots[index]
+            with self.table.accounting(parked):
+                self.pages.drop_tail(parked, len(parked.groups))
+        try:
+            return self._grow(seq, self.table.of(seq.seq_id), num_tokens)
+        except MapBudgetExhausted:
+            return None
+
     def _grow(self, seq: Sequence, slot: Slot | None, num_tokens: int) -> int:
         claimed, hit = slot is None, 0
         if claimed:
@@ -192,6 +215,14 @@ class VMMAllocator(Allocator):
             raise
         self.table.hold(slot, max(slot.held, num_tokens))
         return hit
+
+    def _map_ahead(self, index: int, seq_id: int, target: int) -> bool:
+        """The background mapper's job: mapping ahead is skipped, not failed, when the OS mappings are spent."""
+        try:
+            return self.pages.map_ahead(index, seq_id, target)
+        except MapBudgetExhausted:
+            self.pages.counters.lookahead_skipped += 1
+            return False
 
     def _release(self, seq_id: int, slot: Slot) -> None:
         if self.prefix is not None:
@@ -262,8 +293,10 @@ class VMMAllocator(Allocator):
             slot = self.table.claim(seq.seq_id, saved.tokens)
             try:
                 self.pages.grow(slot, self.geo.pages_for(saved.tokens))
-            except BaseException:
+            except BaseException as exc:
                 self.pages.release(slot)
+                if isinstance(exc, MapBudgetExhausted):   # out of OS mappings is out of room (logged, counted)
+                    return False
                 raise
             self.table.hold(slot, saved.tokens)
             if self.prefix is not None:
@@ -322,6 +355,7 @@ class VMMAllocator(Allocator):
                        "reclaimable_units": table.excess, "live_slots": len(table.slot_of),
                        "stale_slots": len(table.stale), "background_seconds": self.mapper.seconds,
                        "per_place_fallbacks": getattr(self.driver, "per_place_fallbacks", 0),
+                       "map_refusals": d.map_refusals, "deferred_releases": d.deferred_releases,
                        **self._prefix_stats(),
                        **{k: v for k, v in dataclasses.asdict(counters).items() if k not in CacheStats.__slots__}})
 

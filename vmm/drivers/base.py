@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from kvlab.common.errors import DriverError
+from kvlab.vmm.drivers.map_budget import MapBudget, MapBudgetExhausted
 from kvlab.vmm.drivers.mirror import MirrorRepair
 from kvlab.vmm.drivers.teardown import Teardown
 from kvlab.vmm.drivers.types import DriverStats, Mirror, PartialCall, Region
@@ -37,8 +38,9 @@ class VirtualMemory(ABC):
 
     `merges`: whether neighbouring mappings of consecutive pool pages coalesce into one OS mapping (Linux VMAs
     do; CUDA mappings do not). `mapping_limit`: the most mappings this driver may create (None: no limit).
+    `budget`: the process-wide map budget this driver draws on with every other (vmm/drivers/map_budget.py).
 
-    36 methods, on purpose: 9 are the OS seam each driver implements (`granularity`, `_os_*`); the public
+    38 methods, on purpose: 9 are the OS seam each driver implements (`granularity`, `_os_*`); the public
     calls all read and write the same books (page tables, pool map counts, stats) and check every request against
     them before the OS sees it, so splitting them would only make those books public. Repairs after a failed
     mirrored call and teardown are composed parts (`repair`, `teardown`)."""
@@ -46,9 +48,10 @@ class VirtualMemory(ABC):
     name = "abstract"
     merges = True
 
-    def __init__(self, page_size: int, mapping_limit: int | None = None) -> None:
+    def __init__(self, page_size: int, mapping_limit: int | None = None, budget: MapBudget | None = None) -> None:
         self.page_size = page_size
         self.mapping_limit = mapping_limit
+        self.budget = budget
         self.stats = DriverStats()
         self.regions: list[Region] = []
         self.pool_maps = array("i")          # VA mappings of each pool page
@@ -102,7 +105,7 @@ class VirtualMemory(ABC):
         region = Region(self._os_reserve(nbytes), nbytes, vmas=1 if self.merges else 0)
         self.regions.append(region)
         self.stats.reserved_bytes += nbytes
-        self.stats.num_mappings += region.vmas
+        self._count_mappings(region.vmas)
         return region
 
     def create_pool(self, num_pages: int) -> None:
@@ -145,6 +148,10 @@ class VirtualMemory(ABC):
     def unmap(self, region: Region, offset: int, num_pages: int = 1) -> None:
         """Unmap [offset, + num_pages pages): the range stays reserved, the pool pages stay allocated."""
         self._check_open()
+        self._unmap(region, offset, num_pages)
+
+    def _unmap(self, region: Region, offset: int, num_pages: int = 1) -> None:
+        """`unmap` on an open or a closed driver (a range close() deferred until its last view died)."""
         first = self._va_page(region, offset, num_pages)
         self._check_mapped(region, first, num_pages)
         delta = self._unmap_delta(region, first, num_pages)
@@ -225,7 +232,8 @@ class VirtualMemory(ABC):
         self.teardown.release(region)
 
     def close(self) -> None:
-        """Release every range and the pool. Idempotent; refused (nothing released) while views are alive."""
+        """Release every range and the pool. Idempotent; always completes (a range a view still reads is released
+        when its last view dies)."""
         self.teardown.close()
 
     def _map_delta(self, region: Region, first: int, num_pages: int, page: int) -> int:
@@ -246,8 +254,8 @@ class VirtualMemory(ABC):
         for p in range(page, page + num_pages):
             pool_maps[p] += 1
         region.vmas += delta
+        self._count_mappings(delta)
         st = self.stats
-        st.num_mappings += delta
         st.mapped_pages += num_pages
         st.pages_mapped += num_pages
 
@@ -256,8 +264,8 @@ class VirtualMemory(ABC):
         for i in range(first, first + num_pages):
             pool_maps[pages.pop(i)] -= 1
         region.vmas += delta
+        self._count_mappings(delta)
         st = self.stats
-        st.num_mappings += delta
         st.mapped_pages -= num_pages
         st.pages_unmapped += num_pages
 
@@ -326,10 +334,25 @@ class VirtualMemory(ABC):
             raise DriverError(f"pool pages [{page}, {page + num_pages}) are outside the pool of {pool_pages} pages")
 
     def _check_mapping_limit(self, delta: int, call: str) -> None:
+        """Refuse growth past this driver's limit or the process's budget (MapBudgetExhausted: out of room, nothing
+        changed). An unmap is checked against the driver's own limit only: freeing never waits for room."""
         if self.mapping_limit is not None and delta > 0 and self.stats.num_mappings + delta > self.mapping_limit:
-            raise DriverError(f"{call} would need {self.stats.num_mappings + delta} mappings, above this process's "
-                              f"budget of {self.mapping_limit} (vm.max_map_count); use a larger page_size or fewer "
-                              "scattered pages")
+            self.stats.map_refusals += 1
+            raise MapBudgetExhausted(f"{call} would need {self.stats.num_mappings + delta} mappings, above this "
+                                     f"driver's budget of {self.mapping_limit} (vm.max_map_count); use a larger "
+                                     "page_size or fewer scattered pages")
+        if self.budget is not None and delta > 0 and call != "unmap":
+            try:
+                self.budget.check(delta, call)
+            except MapBudgetExhausted:
+                self.stats.map_refusals += 1
+                raise
+
+    def _count_mappings(self, delta: int) -> None:
+        """Every change of this driver's mapping count, also booked in the process's budget."""
+        self.stats.num_mappings += delta
+        if self.budget is not None and delta:
+            self.budget.add(delta)
 
 
 def _view_dropped(region: Region) -> None:

@@ -7,7 +7,8 @@ unmap    = the same range remapped PROT_NONE (stays reserved)              (cuMe
 discard  = fallocate(PUNCH_HOLE|KEEP_SIZE): the pool gives memory back     (cuMemRelease)
 view     = torch.frombuffer over the address: zero-copy, never reads memory
 Linux counts every VMA against vm.max_map_count; neighbours mapping consecutive memfd offsets merge into one,
-and the driver refuses (DriverError) before its share of that limit is exceeded.
+and every host driver of the process draws on one map budget (vmm/drivers/map_budget.py): a map past it is
+refused (MapBudgetExhausted, out of room like out of KV) before the kernel would fail it.
 A map or unmap is one mmap call, so a failure means no page changed; release is one munmap of the whole range,
 which also drops whatever an earlier failed unmap left mapped.
 """
@@ -24,7 +25,10 @@ from typing import Any
 import torch
 from kvlab.common.errors import DriverError
 from kvlab.vmm.drivers.base import VirtualMemory
-from kvlab.vmm.drivers.types import Region
+from kvlab.vmm.drivers.map_budget import MapBudget, max_map_count, process_budget
+from kvlab.vmm.drivers.types import DriverStats, Region
+
+__all__ = ["DEFAULT_PAGE_SIZE", "POOL_NAME", "HostVirtualMemory", "max_map_count"]   # max_map_count: map_budget.py
 
 PROT_NONE, PROT_READ, PROT_WRITE = 0x0, 0x1, 0x2
 MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS = 0x1, 0x2, 0x10, 0x20
@@ -33,7 +37,6 @@ FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x1, 0x2
 MAP_FAILED = ctypes.c_void_p(-1).value
 POOL_NAME = "kvlab-kv"
 DEFAULT_PAGE_SIZE = 64 * 1024
-MAP_COUNT_HEADROOM = 4096   # VMAs left for the rest of the process (torch, threads, libraries)
 
 
 def _libc() -> ctypes.CDLL:
@@ -48,39 +51,27 @@ def _libc() -> ctypes.CDLL:
     return libc
 
 
-def max_map_count() -> int:
-    with open("/proc/sys/vm/max_map_count") as f:
-        return int(f.read())
-
-
-def process_map_count() -> int:
-    with open("/proc/self/maps") as f:
-        return sum(1 for _ in f)
-
-
-def default_mapping_limit() -> int:
-    """This process's share of vm.max_map_count: the limit minus what is mapped now minus headroom."""
-    return max_map_count() - process_map_count() - MAP_COUNT_HEADROOM
-
-
 class HostVirtualMemory(VirtualMemory):
-    """`populate`: fault pages in at map time (MAP_POPULATE) so the cost is paid, and measured, in `map`."""
+    """`populate`: fault pages in at map time (MAP_POPULATE) so the cost is paid, and measured, in `map`.
+    `budget`: the map budget to draw on, by default the one this process's host drivers share; `mapping_limit`:
+    a limit of this driver's own on top of it (tests)."""
 
     name = "host"
     merges = True
 
     def __init__(self, page_size: int = DEFAULT_PAGE_SIZE, populate: bool = True,
-                 mapping_limit: int | None = None) -> None:
+                 mapping_limit: int | None = None, budget: MapBudget | None = None) -> None:
         if not sys.platform.startswith("linux"):
             raise DriverError(f"the host VMM driver needs Linux (memfd, MAP_FIXED); this is {sys.platform}")
         if page_size <= 0 or page_size % mmap.PAGESIZE:
             raise DriverError(f"page_size {page_size} is not a positive multiple of the OS page ({mmap.PAGESIZE})")
-        super().__init__(page_size, default_mapping_limit() if mapping_limit is None else mapping_limit)
+        super().__init__(page_size, mapping_limit, process_budget() if budget is None else budget)
         self.populate = populate
         self._libc = _libc()
         self.fd = os.memfd_create(POOL_NAME, os.MFD_CLOEXEC)
         self._file_pages = 0
-        self._finalizer = weakref.finalize(self, _release_unclosed, self._libc, self.fd, self.regions)
+        self._finalizer = weakref.finalize(self, _release_unclosed, self._libc, self.fd, self.regions, self.budget,
+                                           self.stats)
 
     def granularity(self) -> int:
         return mmap.PAGESIZE
@@ -141,8 +132,11 @@ class HostVirtualMemory(VirtualMemory):
         os.close(self.fd)
 
 
-def _release_unclosed(libc: ctypes.CDLL, fd: int, regions: list[Region]) -> None:
-    """A driver collected without close(): give back the pool now and each range when its last view goes."""
+def _release_unclosed(libc: ctypes.CDLL, fd: int, regions: list[Region], budget: MapBudget,
+                      stats: DriverStats) -> None:
+    """A driver collected without close(): give back the pool now and each range when its last view goes (the
+    budget gets its mappings back at once)."""
+    budget.add(-stats.num_mappings)
     def unmap(region: Region) -> None:
         libc.munmap(region.base, region.nbytes)
     for region in regions:

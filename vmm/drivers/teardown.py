@@ -44,16 +44,17 @@ class Teardown:
         region.released = True
         self.driver.regions.remove(region)
         self.driver.stats.reserved_bytes -= region.nbytes
-        self.driver.stats.num_mappings -= region.vmas
+        self.driver._count_mappings(-region.vmas)
         return errors
 
     def _unmap_all(self, region: Region) -> list[DriverError]:
         """Unmap every mapped run; then try what is left once more, page by page, so one page that keeps failing
         leaves only itself mapped. Returns the failures."""
         errors: list[DriverError] = []
+        unmap = self.driver._unmap if self.driver.closed else self.driver.unmap   # closed: a deferred release
         for start, count in runs(sorted(region.mapped)):
             try:
-                self.driver.unmap(region, start * self.driver.page_size, count)
+                unmap(region, start * self.driver.page_size, count)
             except DriverError as exc:
                 errors.append(exc)
         left = sorted(region.pages)
@@ -63,7 +64,7 @@ class Teardown:
                         "by page", region.base, len(left), errors[0])
         for i in left:
             try:
-                self.driver.unmap(region, i * self.driver.page_size)
+                unmap(region, i * self.driver.page_size)
             except DriverError as exc:
                 errors.append(exc)
         return errors
@@ -78,23 +79,40 @@ class Teardown:
         return exc
 
     def close(self) -> None:
-        """Release every range and the pool. Idempotent; refused (nothing released) while views are alive. Goes
-        on past failures (see `release`) and then raises one DriverError that sums them up."""
-        if self.driver.closed:
+        """Release every range and the pool. Idempotent, and always completes: a range a tensor view still reads
+        (a caller's, or one an interrupted call's traceback keeps) stays mapped until its last view dies and is
+        released then (logged, counted in `deferred_releases`), so closing never pulls memory from under a view.
+        Goes on past failures and then raises one DriverError that sums them up."""
+        driver = self.driver
+        if driver.closed:
             return
-        live = self.driver.live_views()
-        if live:
-            raise DriverError(f"{live} tensor view(s) are still alive; drop them before closing the driver")
-        errors = []
-        for region in list(self.driver.regions):   # keep releasing the rest, then report every failure at once
-            errors += self._release(region)
+        driver.live_views()   # collects views kept only by reference cycles
+        errors, deferred = [], [region for region in driver.regions if region.live_views]
+        for region in deferred:
+            region.orphan_release = self._release_orphan
+        for region in [region for region in driver.regions if not region.live_views]:
+            errors += self._release(region)   # keep releasing the rest, then report every failure at once
+        if deferred:   # e.g. closed while an interrupted call's traceback keeps its views: expected, counted
+            driver.stats.deferred_releases += len(deferred)
+            log.info("closing the %s virtual-memory driver: %d range(s) a tensor view still reads are released when "
+                     "their last view is dropped", driver.name, len(deferred))
         try:
-            self.driver._os_close()
+            driver._os_close()
         except DriverError as exc:
             errors.append(exc)
-        self.driver.closed = True
+        driver.closed = True
         if errors:
-            ranges, pages = len(self.driver.regions), self.driver.stats.mapped_pages
+            ranges, pages = len(driver.regions), driver.stats.mapped_pages
             held = (f"still held: {ranges} range(s) with {pages} mapped page(s)" if ranges or pages
                     else "every range was released in the end")
-            raise self._summary(f"closing the {self.driver.name} virtual-memory driver", errors, held)
+            raise self._summary(f"closing the {driver.name} virtual-memory driver", errors, held)
+
+    def _release_orphan(self, region: Region) -> None:
+        """The last view of a range close() deferred is gone (called from a finalizer: log, never raise)."""
+        try:
+            errors = self._release(region)
+        except Exception as exc:  # noqa: BLE001 - a finalizer must not raise; the failure is logged
+            errors = [exc]
+        if errors:
+            log.error("releasing the range at %#x after its last view died: %d driver call(s) failed (%s)",
+                      region.base, len(errors), errors[0])

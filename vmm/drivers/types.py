@@ -74,6 +74,8 @@ class DriverStats:
     pages_unmapped: int = 0
     discarded_pages: int = 0     # pool pages whose memory was given back
     release_retries: int = 0     # unmaps tried again, page by page, after failing while releasing a range
+    map_refusals: int = 0        # maps refused for lack of OS mappings (MapBudgetExhausted)
+    deferred_releases: int = 0   # ranges close() left to be released when their last tensor view dies
 
 
 class Books(Protocol):
@@ -90,9 +92,13 @@ class Books(Protocol):
 
     def unmap(self, region: Region, offset: int, num_pages: int = 1) -> None: ...
 
+    def _unmap(self, region: Region, offset: int, num_pages: int = 1) -> None: ...
+
     def live_views(self, region: Region | None = None) -> int: ...
 
     def _book_unmap(self, region: Region, first: int, num_pages: int, delta: int) -> None: ...
+
+    def _count_mappings(self, delta: int) -> None: ...
 
     def _os_release(self, region: Region) -> None: ...
 
