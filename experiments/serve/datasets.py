@@ -28,6 +28,16 @@ class LoadRequest:
 def build(spec: str, n: int, seed: int, vocab_size: int, scale: float = 1 / 8, max_len: int = 4096,
           input_len: int = 64, output_len: int = 32, range_ratio: float = 0.0) -> list[LoadRequest]:
     rng = np.random.default_rng(seed)
+    lengths, stamps = draw_lengths(spec, n, rng, scale, max_len, input_len, output_len, range_ratio)
+    return [LoadRequest(rng.integers(LOW_TOKEN, vocab_size, pl).tolist(), ol, ts)
+            for (pl, ol), ts in zip(lengths, stamps)]
+
+
+def draw_lengths(spec: str, n: int, rng: np.random.Generator, scale: float = 1 / 8, max_len: int = 4096,
+                 input_len: int = 64, output_len: int = 32, range_ratio: float = 0.0
+                 ) -> tuple[list[tuple[int, int]], list[float | None]]:
+    """(prompt length, output length) per request, each >= 1, and trace timestamps (None when drawn); no token
+    ids (the simulator needs none). `build` draws its token ids from the same generator afterwards."""
     if spec == "seed":
         p, o = seed_lengths(rng, n, max_len, scale)
         lengths = list(zip(p.tolist(), o.tolist()))
@@ -42,8 +52,7 @@ def build(spec: str, n: int, seed: int, vocab_size: int, scale: float = 1 / 8, m
         stamps = [(r["timestamp"] - t0) / 1000 for r in rows]
     else:
         raise ConfigError(f"unknown --dataset {spec!r}: use seed, random or trace:FILE.jsonl")
-    return [LoadRequest(rng.integers(LOW_TOKEN, vocab_size, max(1, int(pl))).tolist(), max(1, int(ol)), ts)
-            for (pl, ol), ts in zip(lengths, stamps)]
+    return [(max(1, int(pl)), max(1, int(ol))) for pl, ol in lengths], stamps
 
 
 def uniform(rng: np.random.Generator, mean: int, ratio: float) -> int:
