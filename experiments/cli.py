@@ -18,7 +18,7 @@ from kvlab.common.config import EngineConfig, make_config
 from kvlab.common.errors import ConfigError, KvlabError
 from kvlab.common.kv.registry import REGISTRY, backend_names
 
-SUBCOMMANDS = ("generate", "bench", "simulate", "fallbacks", "sharing", "serve")
+SUBCOMMANDS = ("generate", "bench", "simulate", "fallbacks", "sharing", "serve", "calibrate")
 # CLI flag -> EngineConfig field; each is optional and, when given, overrides the TOML file. Backends' own
 # options (block_size, page_size, ...) get their flags from their options dataclasses (see backend_flags).
 GENERIC_FLAGS = ("model", "backend", "kv_cache_bytes", "watermark", "preemption_mode", "max_num_seqs",

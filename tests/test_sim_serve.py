@@ -122,3 +122,15 @@ def test_cli_grid_and_slo_search(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "SLO rate" in out and "ratio" in out
     assert (tmp_path / "slo" / "sim_slo_rate.png").is_file()
+
+
+def test_calibrate_writes_the_host_profile(tmp_path):
+    path = tmp_path / "host.json"
+    assert main(["calibrate", "--page-sizes", "64KiB", "--pages", "4", "--repeats", "1", "--out", str(path)]) == 0
+    prof = profile("host", path, 64 * 2**10)
+    assert prof.name == "host" and prof.map_s > 0 and prof.unmap_s > 0
+    with pytest.raises(Exception, match="no entry for page size"):
+        profile("host", path, 2 * 2**20)
+    spec = ServeSpec(num_requests=30, driver_profile="host", calibration=str(path))
+    r = run_point(SimCase("vmm", 6.0, page_size=64 * 2**10, watermark=0.05), spec, 4.0, 0)
+    assert r["driver"]["driver_profile"] == "host" and r["driver"]["driver_seconds"] > 0
