@@ -22,7 +22,7 @@ from kvlab.common.errors import ConfigError, KvlabError
 from kvlab.common.kv.registry import REGISTRY, backend_names
 from kvlab.common.limits import check_physical_budget
 
-SUBCOMMANDS = ("generate", "bench", "simulate", "fallbacks", "sharing", "serve", "prefix")
+SUBCOMMANDS = ("generate", "bench", "simulate", "fallbacks", "sharing", "serve", "prefix", "calibrate")
 # CLI flag -> EngineConfig field; each is optional and, when given, overrides the TOML file. Backends' own
 # options (block_size, page_size, ...) get their flags from their options dataclasses (see backend_flags).
 GENERIC_FLAGS = ("model", "backend", "kv_cache_bytes", "watermark", "preemption_mode", "max_num_seqs",

@@ -62,6 +62,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--no-save", action="store_true", help="print only; write no files")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(run=run)
+    from kvlab.experiments.simserve import cli as serve_cli
+    serve_cli.add_parser(p.add_subparsers(dest="simulate_command", metavar="serve", required=False))
 
 
 def run_kv_preset(args: argparse.Namespace, settings: SimSettings, t0: float) -> int:

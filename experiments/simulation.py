@@ -162,20 +162,23 @@ class WasteProbe:
         return self.runner.execute(out)
 
 
-def drive(engine: Any, runner: RooflineRunner, requests: list[Request]) -> None:
-    """Add each request when the simulated clock reaches its arrival; idle time jumps to the next one."""
+def drive(engine: Any, runner: RooflineRunner, requests: list[Request]) -> list[tuple[str, Request]]:
+    """Add each request when the simulated clock reaches its arrival; idle time jumps to the next one.
+    Returns (request id, request) in the order added."""
     from kvlab.common.sampling_params import SamplingParams
     pending = deque(sorted(requests, key=lambda r: r.arrival_s))
+    added = []
     while pending or engine.has_unfinished():
         while pending and pending[0].arrival_s <= runner.clock():
             r = pending.popleft()
             prompt = r.token_ids if r.token_ids is not None else [PROMPT_TOKEN] * r.prompt_len
-            engine.add_request(prompt,
-                               SamplingParams(max_tokens=r.output_len, ignore_eos=True), arrival_time=r.arrival_s)
+            added.append((engine.add_request(prompt, SamplingParams(max_tokens=r.output_len, ignore_eos=True),
+                                             arrival_time=r.arrival_s), r))
         if not engine.has_unfinished():
             runner.advance_to(pending[0].arrival_s)
             continue
         engine.step()
+    return added
 
 
 @dataclass(slots=True)
@@ -188,7 +191,9 @@ class SimRun:
     wall_seconds: float
 
 
-def simulate(case: SimCase, settings: SimSettings, requests: list[Request]) -> SimRun:
+def simulate(case: SimCase, settings: SimSettings, requests: list[Request], tap: Any = None) -> SimRun:
+    """One simulation. `tap`, when given, wraps the roofline runner (`tap.attach(runner, cache)`: the serving
+    simulator's token clock and driver costs) and gets `tap.added` = drive's (request id, request) pairs."""
     from kvlab.common.engine import Engine
     from kvlab.common.kv.seam import create_cache
     spec = model_spec(settings.model, settings.dtype, settings.engine.get("kv_cache_dtype", "auto"))
@@ -197,20 +202,24 @@ def simulate(case: SimCase, settings: SimSettings, requests: list[Request]) -> S
     start = time.perf_counter()
     cache = create_cache(config, spec.kv_shape(), accounting_only=True)
     runner = RooflineRunner(cost, SAMPLED_TOKEN)
-    probe = WasteProbe(runner, cache, config.max_model_len)
+    inner = tap.attach(runner, cache) if tap is not None else runner
+    probe = WasteProbe(inner, cache, config.max_model_len)
     engine = Engine(config, cache, probe, timeline_every=settings.timeline_every or 10**9)
     try:
         engine.reset_metrics()
-        drive(engine, runner, requests)
+        added = drive(engine, runner, requests)
         m, stats = engine.metrics(), engine.cache_stats()
+        if tap is not None:
+            tap.added = added
     finally:
         engine.close()
     return SimRun(m, stats, probe.waste, cost, time.perf_counter() - start)
 
 
-def run_case(case: SimCase, settings: SimSettings, requests: list[Request] | None = None) -> SimRow:
+def run_case(case: SimCase, settings: SimSettings, requests: list[Request] | None = None,
+             tap: Any = None) -> SimRow:
     requests = requests if requests is not None else build_workload(settings.workload)
-    run = simulate(case, settings, requests)
+    run = simulate(case, settings, requests, tap)
     m, waste = run.metrics, run.waste
     return SimRow(
         policy=case.policy, budget_gb=case.budget_gb, block_size=case.block_size, page_size=case.page_size,

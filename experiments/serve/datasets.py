@@ -30,7 +30,19 @@ class LoadRequest:
 
 def build(spec: str, n: int, seed: int, vocab_size: int, scale: float = 1 / 8, max_len: int = 4096,
           input_len: int = 64, output_len: int = 32, range_ratio: float = 0.0) -> list[LoadRequest]:
+    if spec.startswith(("mooncake:", "prefix:")):    # prompts with real shared prefixes, not drawn lengths
+        return prefix_dataset(spec, n, seed, vocab_size)
     rng = np.random.default_rng(seed)
+    lengths, stamps = draw_lengths(spec, n, rng, scale, max_len, input_len, output_len, range_ratio)
+    return [LoadRequest(rng.integers(LOW_TOKEN, vocab_size, pl).tolist(), ol, ts)
+            for (pl, ol), ts in zip(lengths, stamps)]
+
+
+def draw_lengths(spec: str, n: int, rng: np.random.Generator, scale: float = 1 / 8, max_len: int = 4096,
+                 input_len: int = 64, output_len: int = 32, range_ratio: float = 0.0
+                 ) -> tuple[list[tuple[int, int]], list[float | None]]:
+    """(prompt length, output length) per request, each >= 1, and trace timestamps (None when drawn); no token
+    ids (the simulator needs none). `build` draws its token ids from the same generator afterwards."""
     if spec == "seed":
         p, o = seed_lengths(rng, n, max_len, scale)
         lengths = list(zip(p.tolist(), o.tolist()))
@@ -38,8 +50,6 @@ def build(spec: str, n: int, seed: int, vocab_size: int, scale: float = 1 / 8, m
     elif spec == "random":
         lengths = [(uniform(rng, input_len, range_ratio), uniform(rng, output_len, range_ratio)) for _ in range(n)]
         stamps = [None] * n
-    elif spec.startswith(("mooncake:", "prefix:")):
-        return prefix_dataset(spec, n, seed, vocab_size)
     elif spec.startswith("trace:"):
         rows = read_trace(spec[len("trace:"):], n)
         lengths = [(r["input_length"], r["output_length"]) for r in rows]
@@ -48,8 +58,7 @@ def build(spec: str, n: int, seed: int, vocab_size: int, scale: float = 1 / 8, m
     else:
         raise ConfigError(f"unknown --dataset {spec!r}: use seed, random, trace:FILE.jsonl, "
                           "mooncake:FILE.jsonl[:BLOCK] or prefix:system|multiturn|fewshot")
-    return [LoadRequest(rng.integers(LOW_TOKEN, vocab_size, max(1, int(pl))).tolist(), max(1, int(ol)), ts)
-            for (pl, ol), ts in zip(lengths, stamps)]
+    return [(max(1, int(pl)), max(1, int(ol))) for pl, ol in lengths], stamps
 
 
 def prefix_dataset(spec: str, n: int, seed: int, vocab_size: int) -> list[LoadRequest]:

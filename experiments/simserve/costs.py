@@ -1,0 +1,114 @@
+"""Driver costs on the simulated clock: per-operation latencies per device profile, charged in the step that
+issues them, or hidden behind that step's compute when background mapping overlaps them (vAttention).
+
+vmm: a step's cost is pages mapped x (cuMemMap) + map calls x (cuMemSetAccess, one per mapped run) + pages
+unmapped x (cuMemUnmap), from the counters the driver already keeps (kvlab's CUDA driver creates every physical
+page up front, so cuMemCreate is a start-up cost, reported apart). paged: one block-table upload per step
+(latency + table bytes over the host-to-device link) and the gather's extra KV reads as a fraction of the step's
+KV read time. Published figures: kvcached, ovg-project/kvcached benchmarks/bench_vmm/README.md (A100, 2 MiB
+pages): cuMemCreate 193 us, cuMemMap 1.45 us, cuMemSetAccess 36 us, cuMemUnmap 25.6 us.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from kvlab.common.errors import ConfigError
+
+KVCACHED_SOURCE = "ovg-project/kvcached benchmarks/bench_vmm/README.md (A100, 2 MiB pages)"
+DEFAULT_CALIBRATION = Path("results") / "calibrate" / "host.json"
+
+
+@dataclass(frozen=True, slots=True)
+class DriverProfile:
+    name: str
+    source: str = ""
+    create_s: float = 0.0            # per physical page, at start-up
+    map_s: float = 0.0               # per page mapped
+    set_access_s: float = 0.0        # per map call (one mapped run)
+    unmap_s: float = 0.0             # per page unmapped
+    table_latency_s: float = 0.0     # paged: per step, one block-table upload
+    table_bytes_per_s: float = 0.0   # paged: host-to-device bandwidth for the table (0 = bytes are free)
+    gather_fraction: float = 0.0     # paged: extra KV read time of the gather, as a fraction
+
+    @property
+    def is_zero(self) -> bool:
+        return not any((self.map_s, self.set_access_s, self.unmap_s, self.table_latency_s, self.table_bytes_per_s,
+                        self.gather_fraction))
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+ZERO = DriverProfile("zero", "no driver costs (today's simulator)")
+CUDA_A100 = DriverProfile("cuda-a100", KVCACHED_SOURCE, create_s=193e-6, map_s=1.45e-6, set_access_s=36e-6,
+                          unmap_s=25.6e-6, table_latency_s=5e-6, table_bytes_per_s=25e9)
+# No GPU run has measured an H200 yet: the A100 figures, labelled as such.
+CUDA_H200 = replace(CUDA_A100, name="cuda-h200", source="A100 figures (no H200 measurement yet): " + KVCACHED_SOURCE)
+PROFILES = {p.name: p for p in (ZERO, CUDA_A100, CUDA_H200)}
+
+
+def profile(name: str, calibration: str | Path | None = None, page_size: int | None = None) -> DriverProfile:
+    """zero | cuda-a100 | cuda-h200 | host (from `kvlab calibrate`'s JSON, the entry for `page_size`)."""
+    if name in PROFILES:
+        return PROFILES[name]
+    if name != "host":
+        raise ConfigError(f"unknown driver profile {name!r}; choose one of: {', '.join([*PROFILES, 'host'])}")
+    path = Path(calibration or DEFAULT_CALIBRATION)
+    if not path.is_file():
+        raise ConfigError(f"no host calibration at {path}: run `kvlab calibrate --out {path}` first")
+    table = json.loads(path.read_text())["page_sizes"]
+    entry = table.get(str(page_size)) if page_size is not None else None
+    if entry is None:
+        raise ConfigError(f"{path} has no entry for page size {page_size}; calibrated: {', '.join(table)}")
+    return DriverProfile("host", f"kvlab calibrate ({path})", map_s=entry["map_s"], unmap_s=entry["unmap_s"])
+
+
+@dataclass(frozen=True, slots=True)
+class StepOps:
+    """What one step issued."""
+    pages_mapped: int = 0
+    map_calls: int = 0
+    pages_unmapped: int = 0
+    table_bytes: int = 0        # paged: block-table bytes uploaded (0 = no upload)
+    kv_read_s: float = 0.0      # paged: the step's KV read time on the roofline
+
+
+@dataclass(slots=True)
+class CostLedger:
+    """Accumulates driver time: `exposed` lengthens the step, `hidden` ran under compute."""
+    profile: DriverProfile
+    overlap: bool = False
+    driver_s: float = 0.0
+    exposed_s: float = 0.0
+    hidden_s: float = 0.0
+    paged_s: float = 0.0
+
+    def vmm_seconds(self, ops: StepOps) -> float:
+        p = self.profile
+        return ops.pages_mapped * p.map_s + ops.map_calls * p.set_access_s + ops.pages_unmapped * p.unmap_s
+
+    def paged_seconds(self, ops: StepOps) -> float:
+        p = self.profile
+        upload = 0.0
+        if ops.table_bytes:
+            upload = p.table_latency_s + (ops.table_bytes / p.table_bytes_per_s if p.table_bytes_per_s else 0.0)
+        return upload + ops.kv_read_s * p.gather_fraction
+
+    def charge(self, ops: StepOps, compute_s: float) -> float:
+        """Seconds this step grows by. Mapping overlapped with compute costs only what exceeds the compute."""
+        driver = self.vmm_seconds(ops)
+        exposed = max(0.0, driver - compute_s) if self.overlap else driver
+        paged = self.paged_seconds(ops)
+        self.driver_s += driver
+        self.exposed_s += exposed
+        self.hidden_s += driver - exposed
+        self.paged_s += paged
+        return exposed + paged
+
+    def to_json(self) -> dict:
+        return {"driver_profile": self.profile.name, "driver_source": self.profile.source,
+                "background_mapping": self.overlap, "driver_seconds": self.driver_s,
+                "driver_exposed_seconds": self.exposed_s, "driver_hidden_seconds": self.hidden_s,
+                "paged_overhead_seconds": self.paged_s}

@@ -1,0 +1,74 @@
+"""SLO search: the highest request rate whose result meets every target (bracket by doubling or halving, then
+bisect geometrically to a relative tolerance). `evaluate(rate) -> result dict` is any service model."""
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvlab.common.errors import ConfigError
+
+SLO_RE = re.compile(r"\s*(\w+)\s*<=\s*([0-9]*\.?[0-9]+)\s*")
+
+
+def parse_slo(text: str) -> dict[str, float]:
+    """'p99_ttft_ms<=2000,p99_tpot_ms<=100' -> {"p99_ttft_ms": 2000.0, "p99_tpot_ms": 100.0}."""
+    out = {}
+    for part in text.split(","):
+        m = SLO_RE.fullmatch(part)
+        if not m:
+            raise ConfigError(f"bad --slo item {part!r}: use KEY<=NUMBER, e.g. p99_ttft_ms<=2000")
+        out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def meets(result: dict[str, Any], slo: dict[str, float]) -> bool:
+    for key, limit in slo.items():
+        if key not in result:
+            raise ConfigError(f"SLO key {key!r} is not a result key (e.g. p99_ttft_ms, p99_tpot_ms, p50_e2el_ms)")
+        if not (result["failed"] == 0 and result[key] <= limit):
+            return False
+    return True
+
+
+@dataclass(slots=True)
+class SearchResult:
+    rate: float                                   # highest passing rate found (0: none passed)
+    evaluations: list[tuple[float, bool]] = field(default_factory=list)
+    results: dict[float, dict[str, Any]] = field(default_factory=dict)
+
+
+def search(evaluate: Callable[[float], dict[str, Any]], slo: dict[str, float], start: float = 1.0,
+           rel_tol: float = 0.02, low_limit: float = 1e-3, high_limit: float = 1e5) -> SearchResult:
+    out = SearchResult(0.0)
+
+    def ok(rate: float) -> bool:
+        result = evaluate(rate)
+        passed = meets(result, slo)
+        out.evaluations.append((rate, passed))
+        out.results[rate] = result
+        return passed
+
+    lo = hi = start
+    if ok(start):
+        while hi < high_limit:
+            lo, hi = hi, hi * 2
+            if not ok(hi):
+                break
+        else:                                     # passed up to the limit
+            out.rate = hi
+            return out
+    else:
+        while lo > low_limit:
+            hi, lo = lo, lo / 2
+            if ok(lo):
+                break
+        else:
+            return out
+    while hi / lo - 1 > rel_tol:
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    out.rate = lo
+    return out

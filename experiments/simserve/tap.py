@@ -1,0 +1,68 @@
+"""ServeTap: a runner wrapper for the simulator that timestamps every sampled token on the simulated clock and
+charges driver costs (costs.py) in the step that issued them. With a zero profile it changes nothing."""
+from __future__ import annotations
+
+from typing import Any
+
+from kvlab.experiments.roofline import RooflineRunner
+from kvlab.experiments.serve.latency import RequestRecord
+from kvlab.experiments.simserve.costs import CostLedger, StepOps
+
+TABLE_ENTRY_BYTES = 4          # one int32 block id per block in the uploaded table
+
+
+class ServeTap:
+    def __init__(self, runner: RooflineRunner, cache: Any, ledger: CostLedger) -> None:
+        self.runner, self.ledger = runner, ledger
+        allocator = cache.allocator
+        self.driver_stats = getattr(getattr(allocator, "driver", None), "stats", None)   # vmm: the driver's counters
+        self.block_size = getattr(allocator, "block_size", 0) if allocator.name == "paged" else 0
+        self.last = self._counters()
+        self.tokens: dict[str, list[float]] = {}
+        self.zero = ledger.profile.is_zero
+
+    def _counters(self) -> tuple[int, int, int]:
+        d = self.driver_stats
+        return (d.pages_mapped, d.map_calls, d.pages_unmapped) if d is not None else (0, 0, 0)
+
+    def clock(self) -> float:
+        return self.runner.clock()
+
+    def execute(self, out: Any) -> dict[int, int]:
+        before = self.runner.now
+        sampled = self.runner.execute(out)
+        if not self.zero and out.items:
+            self.runner.now += self.ledger.charge(self.step_ops(out), self.runner.now - before)
+        now = self.runner.now
+        for item in out.items:
+            if item.needs_logits:
+                self.tokens.setdefault(item.seq.request_id, []).append(now)
+        return sampled
+
+    def step_ops(self, out: Any) -> StepOps:
+        counters = self._counters()
+        mapped, calls, unmapped = (a - b for a, b in zip(counters, self.last))
+        self.last = counters
+        table = kv_read = 0.0
+        if self.block_size:
+            bs = self.block_size
+            contexts = [item.start + item.num_tokens for item in out.items]
+            table = sum(-(-c // bs) for c in contexts) * TABLE_ENTRY_BYTES
+            cost = self.runner.cost
+            kv_read = sum(contexts) * cost.model.kv_bytes_per_token / cost.hardware.bandwidth
+        return StepOps(mapped, calls, unmapped, int(table), kv_read)
+
+    def records(self, added: list[tuple[str, Any]]) -> list[RequestRecord]:
+        """One client-side record per request, from its arrival and its tokens' simulated times."""
+        out = []
+        for request_id, req in added:
+            times = self.tokens.get(request_id, [])
+            ok = len(times) == req.output_len
+            rec = RequestRecord(success=ok, prompt_len=req.prompt_len, output_tokens=len(times), start=req.arrival_s,
+                                error="" if ok else f"{len(times)} of {req.output_len} tokens")
+            if times:
+                rec.ttft = times[0] - req.arrival_s
+                rec.itl = [b - a for a, b in zip(times, times[1:])]
+                rec.latency = times[-1] - req.arrival_s
+            out.append(rec)
+        return out
