@@ -30,7 +30,8 @@ from kvlab import LLM
 openai = pytest.importorskip("openai")       # a dev dependency (pyproject [dev])
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = {"model": "tiny", "backend": "vmm"}
-TINY_BUDGET = {"kv_cache_bytes": 1 << 20, "page_size": 4096, "preemption_mode": "recompute"}  # 256 tokens: 8 requests preempt
+# 256 tokens of KV: 8 requests of 31 + 96 tokens must preempt one another
+TINY_BUDGET = {"kv_cache_bytes": 1 << 20, "page_size": 4096, "preemption_mode": "recompute"}
 
 
 class LiveServer:
@@ -287,9 +288,12 @@ def test_tiny_budget_attributes_preemptions_and_waiting_to_requests():
         stats = httpx.get(s.url + "/kvlab/stats", timeout=10).json()
         assert stats == {} or stats["kv_units_total"] > 0
         body = {"model": "tiny", "max_tokens": 96, "temperature": 0, "ignore_eos": True}
+        def post(i: int) -> dict:
+            return httpx.post(s.url + "/v1/completions", json=body | {"prompt": [1] + [40 + i] * 30},
+                              timeout=120).json()
+
         with ThreadPoolExecutor(8) as pool:
-            rs = list(pool.map(lambda i: httpx.post(s.url + "/v1/completions", json=body | {"prompt": [1] + [40 + i] * 30},
-                                                    timeout=120).json(), range(8)))
+            rs = list(pool.map(post, range(8)))
         ext = [r["kvlab"] for r in rs]
         assert all(e.keys() >= {"kv_wait_s", "recomputed_tokens", "map_unmap_s", "num_preemptions"} for e in ext)
         assert any(e["num_preemptions"] > 0 and e["recomputed_tokens"] > 0 for e in ext), ext
