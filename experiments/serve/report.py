@@ -100,7 +100,8 @@ def write_report(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) ->
     facts = "".join(f"<li>{html.escape(k)}: {cell(v)}</li>" for k, v in meta.items())
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>kvlab serve sweep</title><style>"
             f"body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}"
-            f"td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}}img{{max-width:48%}}</style></head>"
+            f"table{{font-size:12px}}td,th{{border:1px solid #ccc;padding:2px 5px;text-align:right}}"
+            f"img{{max-width:48%}}</style></head>"
             f"<body><h1>kvlab serve: paired sweep</h1><ul>{facts}</ul><table><tr>{head}</tr>{body}</table>"
             f"{images}</body></html>")
     path = out / "report.html"
