@@ -85,8 +85,7 @@ class Engine:
         text, token_ids = self.tokenize(prompt)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         arrival = self.runner.clock() if arrival_time is None else arrival_time
-        self.scheduler.add(request_id, token_ids, params, arrival, text)
-        self.attributor.on_arrival(self.scheduler.requests[request_id])
+        self.attributor.on_arrival(self.scheduler.add(request_id, token_ids, params, arrival, text))
         return request_id
 
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:

@@ -307,3 +307,21 @@ def test_tiny_budget_attributes_preemptions_and_waiting_to_requests():
         assert stats["running"] == 0 and stats["kv_units_total"] > 0
     finally:
         s.stop()
+
+
+def test_offline_attribution_matches_scheduler_counters():
+    """The same fields on RequestOutput.metrics offline: per-request preemptions and recomputed tokens sum to
+    the scheduler's counters; a request too long for the cache fails alone and still gets its fields."""
+    llm = LLM(**CONFIG, **TINY_BUDGET, max_model_len=512)
+    try:
+        prompts = [[1] + [40 + i] * 30 for i in range(8)] + [[1] * 300]
+        outs = llm.generate(prompts, SamplingParams(max_tokens=96, temperature=0, ignore_eos=True))
+        stats = llm.engine.scheduler_stats()
+        ms = [o.metrics for o in outs]
+        assert sum(m.num_preemptions for m in ms) == stats.preemptions > 0
+        assert sum(m.recomputed_tokens for m in ms) == stats.recomputed_tokens > 0
+        assert all(m.kv_wait_s >= 0 and m.map_unmap_s >= 0 for m in ms)
+        assert max(m.kv_wait_s for m in ms) > 0 and sum(m.map_unmap_s for m in ms) > 0
+        assert outs[-1].error is not None and ms[-1].num_preemptions == 0
+    finally:
+        llm.close()
