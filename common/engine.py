@@ -21,6 +21,7 @@ from kvlab.common.metrics import MetricsRecorder, RunMetrics
 from kvlab.common.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvlab.common.request import Request, SchedulerOutput, SchedulerStats
 from kvlab.common.sampling_params import SamplingParams
+from kvlab.common.sched.attribution import KVAttributor
 from kvlab.common.sched.scheduler import Scheduler
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ class Engine:
         self.vocab_size = vocab_size
         self.scheduler = Scheduler(config, cache.allocator, eos_token_ids)
         self.recorder = MetricsRecorder(cache, timeline_every)
+        self.attributor = KVAttributor(self.scheduler.req_of)
         self._ids = itertools.count()
         self._closed = False
 
@@ -83,7 +85,7 @@ class Engine:
         text, token_ids = self.tokenize(prompt)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         arrival = self.runner.clock() if arrival_time is None else arrival_time
-        self.scheduler.add(request_id, token_ids, params, arrival, text)
+        self.attributor.on_arrival(self.scheduler.add(request_id, token_ids, params, arrival, text))
         return request_id
 
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -145,7 +147,9 @@ class Engine:
         clock = self.runner.clock
         t0, w0 = clock(), time.perf_counter()
         out = self.scheduler.schedule()
-        running = len(self.scheduler.running)          # the sequences holding KV during this step
+        self.attributor.on_schedule(out, t0)
+        holders = self.attributor.holders(self.scheduler.running)     # the sequences holding KV during this step
+        running = len(self.scheduler.running)
         w1 = time.perf_counter()
         sampled = self.runner.execute(out) if out.items else {}
         w2 = time.perf_counter()
@@ -157,8 +161,11 @@ class Engine:
             self.cache.check_invariants()
         if out.items:
             self.recorder.on_step(t0, t1, out, running, (w1 - w0) + (w3 - w2))
+        stats = self.cache.stats()
+        self.attributor.on_step_end(holders, stats.map_seconds + stats.unmap_seconds)
         outputs = []
         for req in self.scheduler.pop_finished():
+            self.attributor.on_finished(req)
             self.recorder.on_finished(req)
             outputs.append(self.request_output(req))
         return outputs
@@ -176,8 +183,9 @@ class Engine:
                                             decode(s.output_token_ids) if decode else None,
                                             s.finish_reason, s.cumulative_logprob)
                            for i, s in enumerate(req.seqs)]
+        att = req.attribution
         metrics = RequestMetrics(req.arrival_time, req.first_token_time, req.finished_time,
-                                 req.num_preemptions)
+                                 req.num_preemptions, att.kv_wait_s, att.recomputed_tokens, att.map_unmap_s)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, True, metrics,
                              req.error)
 

@@ -25,6 +25,9 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    kv_wait_s: float = 0.0              # queued with no sequence running: before admission, preempted, swapped out
+    recomputed_tokens: int = 0          # computed tokens discarded by recompute preemptions
+    map_unmap_s: float = 0.0            # its share of each step's map+unmap seconds (split over running sequences)
 
     @property
     def ttft(self) -> float | None:

@@ -42,6 +42,17 @@ class SchedulerOutput:
         return sum(it.num_tokens for it in self.items)
 
 
+@dataclass(slots=True)
+class KVAttribution:
+    """What KV memory cost one request (kept by the engine, on the runner's clock): seconds queued with no
+    sequence running (before first admission and while preempted or swapped out), tokens whose KV a recompute
+    preemption discarded, and its share of each step's map/unmap seconds (split evenly over the running sequences)."""
+    wait_since: float | None = None     # when it last stopped running (or arrived); None while it runs
+    kv_wait_s: float = 0.0
+    recomputed_tokens: int = 0
+    map_unmap_s: float = 0.0
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     request_id: str
@@ -59,6 +70,7 @@ class Request:
     finished_time: float | None = None
     error: str | None = None
     finished: bool = False
+    attribution: KVAttribution = field(default_factory=KVAttribution)
 
     @property
     def width(self) -> int:

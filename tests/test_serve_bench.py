@@ -152,10 +152,17 @@ def test_bench_serve_cli_against_stub(stub, tmp_path, capsys):
 
 def test_paired_sweep_writes_results(tmp_path):
     rc = cli.main(["bench", "serve", "--backends", "vmm,paged", "--request-rates", "inf", "--num-prompts", "4",
-                   "--dataset", "random", "--input-len", "8", "--output-len", "4", "--out", str(tmp_path)])
+                   "--dataset", "random", "--input-len", "8", "--output-len", "32", "--out", str(tmp_path)])
     assert rc == 0
     runs = json.loads((tmp_path / "serve.json").read_text())["runs"]
     assert [(r["backend"], r["completed"]) for r in runs] == [("vmm", 4), ("paged", 4)]
     page = (tmp_path / "report.html").read_text()
     assert "data:image/png;base64," in page and not re.search(r"(src|href)=[\"']https?:", page)
     assert (tmp_path / "serve.csv").read_text().count("\n") == 3
+    for r in runs:                     # per-request KV attribution from the server, and the sampled time series
+        assert len(r["requests"]) == 4 and all(q["kv_wait_s"] is not None for q in r["requests"])
+        assert r["total_recomputed_tokens"] == 0 and r["total_kv_wait_s"] >= 0
+        assert r["timeline"]["t"] and len(r["timeline"]["running"]) == len(r["timeline"]["t"])
+    assert {p.name for p in tmp_path.glob("serve_timeline_*.png")} == {"serve_timeline_vmm.png",
+                                                                        "serve_timeline_paged.png"}
+    assert (tmp_path / "serve_requests.csv").read_text().count("\n") == 9

@@ -30,13 +30,15 @@ from kvlab import LLM
 openai = pytest.importorskip("openai")       # a dev dependency (pyproject [dev])
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = {"model": "tiny", "backend": "vmm"}
+# 256 tokens of KV: 8 requests of 31 + 96 tokens must preempt one another
+TINY_BUDGET = {"kv_cache_bytes": 1 << 20, "page_size": 4096, "preemption_mode": "recompute"}
 
 
 class LiveServer:
     """uvicorn in a thread on a free 127.0.0.1 port; always stopped (bounded) by the fixture."""
 
-    def __init__(self, max_waiting: int = 1024) -> None:
-        engine = Engine.from_config(make_config(**CONFIG))
+    def __init__(self, max_waiting: int = 1024, config: dict | None = None) -> None:
+        engine = Engine.from_config(make_config(**CONFIG, **(config or {})))
         self.loop = EngineLoop(engine, ServerMetrics("vmm"), max_waiting)
         self.loop.start()
         self.sock = socket.socket()
@@ -276,3 +278,50 @@ def _post_quietly(url: str, body: dict) -> int:
         return httpx.post(url + "/v1/completions", json=body, timeout=30).status_code
     except httpx.HTTPError:
         return -1
+
+
+def test_tiny_budget_attributes_preemptions_and_waiting_to_requests():
+    """A KV budget too small for all requests at once: the server reports, per request, the preemptions it
+    suffered, the tokens recomputed, the seconds it waited for KV and its share of map/unmap seconds."""
+    s = LiveServer(config=TINY_BUDGET)
+    try:
+        stats = httpx.get(s.url + "/kvlab/stats", timeout=10).json()
+        assert stats == {} or stats["kv_units_total"] > 0
+        body = {"model": "tiny", "max_tokens": 96, "temperature": 0, "ignore_eos": True}
+        def post(i: int) -> dict:
+            return httpx.post(s.url + "/v1/completions", json=body | {"prompt": [1] + [40 + i] * 30},
+                              timeout=120).json()
+
+        with ThreadPoolExecutor(8) as pool:
+            rs = list(pool.map(post, range(8)))
+        ext = [r["kvlab"] for r in rs]
+        assert all(e.keys() >= {"kv_wait_s", "recomputed_tokens", "map_unmap_s", "num_preemptions"} for e in ext)
+        assert any(e["num_preemptions"] > 0 and e["recomputed_tokens"] > 0 for e in ext), ext
+        assert any(e["kv_wait_s"] > 0 for e in ext)
+        assert all(e["map_unmap_s"] >= 0 for e in ext)
+        streamed = httpx.post(s.url + "/v1/completions", json=body | {"prompt": [1, 2, 3], "stream": True},
+                              timeout=60).text
+        finals = [json.loads(line[5:]) for line in streamed.splitlines() if line.startswith("data: {")]
+        assert "kvlab" in finals[-1] and finals[-1]["kvlab"]["recomputed_tokens"] == 0
+        stats = httpx.get(s.url + "/kvlab/stats", timeout=10).json()
+        assert stats["running"] == 0 and stats["kv_units_total"] > 0
+    finally:
+        s.stop()
+
+
+def test_offline_attribution_matches_scheduler_counters():
+    """The same fields on RequestOutput.metrics offline: per-request preemptions and recomputed tokens sum to
+    the scheduler's counters; a request too long for the cache fails alone and still gets its fields."""
+    llm = LLM(**CONFIG, **TINY_BUDGET, max_model_len=512)
+    try:
+        prompts = [[1] + [40 + i] * 30 for i in range(8)] + [[1] * 300]
+        outs = llm.generate(prompts, SamplingParams(max_tokens=96, temperature=0, ignore_eos=True))
+        stats = llm.engine.scheduler_stats()
+        ms = [o.metrics for o in outs]
+        assert sum(m.num_preemptions for m in ms) == stats.preemptions > 0
+        assert sum(m.recomputed_tokens for m in ms) == stats.recomputed_tokens > 0
+        assert all(m.kv_wait_s >= 0 and m.map_unmap_s >= 0 for m in ms)
+        assert max(m.kv_wait_s for m in ms) > 0 and sum(m.map_unmap_s for m in ms) > 0
+        assert outs[-1].error is not None and ms[-1].num_preemptions == 0
+    finally:
+        llm.close()

@@ -81,6 +81,7 @@ class Preemption:
         self.cache.free(seq)
         stats.recompute_preemptions += 1
         stats.recomputed_tokens += seq.num_computed_tokens
+        req.attribution.recomputed_tokens += seq.num_computed_tokens
         seq.num_computed_tokens = 0
         seq.status = WAITING                     # a beam's candidates stay: they depend only on its tokens
         queues.waiting.appendleft(seq)

@@ -64,6 +64,10 @@ def create_app(server: Server) -> FastAPI:
     async def metrics() -> Response:
         return Response(server.loop.metrics.text(), media_type="text/plain; version=0.0.4")
 
+    @app.get("/kvlab/stats")
+    async def kvlab_stats() -> dict:
+        return server.loop.metrics.stats()
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await generate(server, request, chat=False)
@@ -114,6 +118,12 @@ async def generate(server: Server, request: Request, chat: bool) -> Response:
     return JSONResponse(await resp.collect(request))
 
 
+def kvlab_extension(m: Any) -> dict[str, Any]:
+    """The `kvlab` field of a response: what KV memory cost this request (engine clock, seconds)."""
+    return {"num_preemptions": m.num_preemptions, "engine_ttft_s": m.ttft, "kv_wait_s": m.kv_wait_s,
+            "recomputed_tokens": m.recomputed_tokens, "map_unmap_s": m.map_unmap_s}
+
+
 class Response_:
     """One request's events -> OpenAI JSON or SSE chunks."""
 
@@ -148,8 +158,7 @@ class Response_:
                 self.n_prompt = len(out.prompt_token_ids)
                 self.error = out.error
                 if out.metrics is not None:
-                    self.extra = {"num_preemptions": out.metrics.num_preemptions,
-                                  "engine_ttft_s": out.metrics.ttft}
+                    self.extra = kvlab_extension(out.metrics)
         return pieces
 
     def usage(self) -> dict[str, int]:
@@ -189,11 +198,13 @@ class Response_:
         return {"index": i, key: body, "logprobs": None, "finish_reason": reason}
 
     # -- streaming --------------------------------------------------------------------------------------------
-    def chunk(self, choices: list[dict[str, Any]], usage: dict | None = None) -> str:
+    def chunk(self, choices: list[dict[str, Any]], usage: dict | None = None, kvlab: dict | None = None) -> str:
         body = {"id": self.rid, "object": "chat.completion.chunk" if self.sub.chat else "text_completion",
                 "created": self.created, "model": self.model(), "choices": choices}
         if usage is not None:
             body["usage"] = usage
+        if kvlab:
+            body["kvlab"] = kvlab
         return f"data: {json.dumps(body)}\n\n"
 
     async def stream(self) -> AsyncIterator[str]:
@@ -204,8 +215,9 @@ class Response_:
             if self.error is not None:
                 err = ApiError(500, f"the request failed: {self.error}", kind="internal_server_error")
                 yield f"data: {json.dumps(err.body())}\n\n"
-            yield self.chunk([self.choice(i, "", s.finish_reason, delta=True) | {"token_ids": []}
-                              for i, s in enumerate(self.dec.samples)])
+            final = self.chunk([self.choice(i, "", s.finish_reason, delta=True) | {"token_ids": []}
+                                for i, s in enumerate(self.dec.samples)], kvlab=self.extra)
+            yield final
             if self.sub.include_usage:
                 yield self.chunk([], self.usage())
             yield "data: [DONE]\n\n"

@@ -40,6 +40,8 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, run_t0: float) -
                 if data == "[DONE]":
                     break
                 chunk = json.loads(data)
+                if chunk.get("kvlab"):
+                    r.kvlab = chunk["kvlab"]
                 if chunk.get("usage"):
                     usage = chunk["usage"].get("completion_tokens")
                 if has_token(chunk):

@@ -25,6 +25,7 @@ class RequestRecord:
     latency: float = 0.0                            # e2el, seconds
     start: float = 0.0                              # send time, seconds from the run's start
     error: str = ""
+    kvlab: dict = field(default_factory=dict)       # the server's per-request KV attribution, when it sends one
 
     @property
     def tpot(self) -> float | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 from typing import Any
 
 from kvlab.common.errors import ConfigError
@@ -34,7 +35,25 @@ def bench_once(args: argparse.Namespace, base_url: str, rate: float, model: str 
     result.update({"request_rate": rate, "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
                    "num_prompts": args.num_prompts, "dataset": args.dataset, "seed": args.seed,
                    "errors": sorted({r.error for r in records if r.error})[:5]})
+    result.update(attribution_totals(records))
+    result["requests"] = [request_log(r) for r in records]
     return result
+
+
+ATTRIBUTED = ("kv_wait_s", "num_preemptions", "recomputed_tokens", "map_unmap_s")
+
+
+def request_log(r: latency.RequestRecord) -> dict[str, Any]:
+    """One request of the run: client timings plus the server's KV attribution (absent for a non-kvlab server)."""
+    return {"start_s": r.start, "ttft_s": r.ttft, "e2el_s": r.latency, "prompt_len": r.prompt_len,
+            "output_tokens": r.output_tokens, "success": r.success, "error": r.error} | \
+        {k: r.kvlab.get(k) for k in ATTRIBUTED}
+
+
+def attribution_totals(records: list[latency.RequestRecord]) -> dict[str, float]:
+    """Sums over the run's requests of what the server attributed to each (NaN when it reported nothing)."""
+    seen = [r.kvlab for r in records if r.kvlab]
+    return {f"total_{k}": (sum(e.get(k) or 0 for e in seen) if seen else math.nan) for k in ATTRIBUTED}
 
 
 def format_result(r: dict[str, Any]) -> str:

@@ -44,9 +44,14 @@ class ServerMetrics:
         Gauge("kvlab_backend_info", "the KV backend", ["backend"], registry=r).labels(backend).set(1)
         self.base = dict.fromkeys(COUNTED, 0)
         self.last_read = 0.0
+        self.latest: dict[str, float] = {}         # GET /kvlab/stats: the last step's gauges (replaced whole)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
+
+    def stats(self) -> dict[str, float]:
+        """The gauges after the last step, as JSON-ready numbers (cheaper to poll than /metrics)."""
+        return dict(self.latest)
 
     def on_step(self, engine: Any, running: int, waiting: int, swapped: int, force: bool = False) -> None:
         self.running.set(running)
@@ -55,10 +60,15 @@ class ServerMetrics:
         s = engine.cache_stats()
         self.kv_used.set(s.used_units)
         self.kv_total.set(s.total_units)
-        self.kv_usage.set(s.used_units / s.total_units if s.total_units else 0.0)
-        self.kv_util.set(s.live_tokens / s.allocated_token_slots if s.allocated_token_slots else 0.0)
+        usage = s.used_units / s.total_units if s.total_units else 0.0
+        util = s.live_tokens / s.allocated_token_slots if s.allocated_token_slots else 0.0
+        self.kv_usage.set(usage)
+        self.kv_util.set(util)
         for k, gauge in self.cache_counts.items():
             gauge.set(getattr(s, k))
+        self.latest = {"running": running, "waiting": waiting, "swapped": swapped, "kv_units_used": s.used_units,
+                       "kv_units_total": s.total_units, "kv_usage_ratio": usage,
+                       "kv_utilization": util}
         now = time.monotonic()
         if now - self.last_read < READ_EVERY_S and not force:
             return

@@ -10,7 +10,8 @@ from typing import Any
 
 PLOTS = {"ttft": ("p50_ttft_ms", "p99_ttft_ms", "TTFT (ms)"), "tpot": ("p50_tpot_ms", "p99_tpot_ms", "TPOT (ms)")}
 TABLE = ("backend", "request_rate", "completed", "failed", "p99_ttft_ms", "p99_tpot_ms", "request_goodput",
-         "output_throughput", "max_concurrent_requests", "server_preemptions")
+         "output_throughput", "max_concurrent_requests", "server_preemptions", "total_kv_wait_s",
+         "total_recomputed_tokens", "total_map_unmap_s")
 
 
 def rate_axis(rows: list[dict[str, Any]]) -> dict[float, float]:
@@ -52,6 +53,39 @@ def plot(out: Path, rows: list[dict[str, Any]]) -> list[Path]:
     return paths
 
 
+def plot_timelines(out: Path, rows: list[dict[str, Any]]) -> list[Path]:
+    """Per backend: KV usage (used / total units), KV utilisation (live / allocated tokens) and the running batch
+    over each run's time, one line per rate (sampled from the server's /kvlab/stats)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    paths = []
+    for b in dict.fromkeys(r["backend"] for r in rows):
+        mine = [r for r in rows if r["backend"] == b and (r.get("timeline") or {}).get("t")]
+        if not mine:
+            continue
+        fig, (kv, batch) = plt.subplots(2, 1, figsize=(6, 5), sharex=True)
+        for r in mine:
+            tl, rate = r["timeline"], "inf" if math.isinf(r["request_rate"]) else f"{r['request_rate']:g}"
+            kv.plot(tl["t"], tl["kv_usage_ratio"], label=f"rate {rate} usage")
+            kv.plot(tl["t"], tl["kv_utilization"], linestyle="--", label=f"rate {rate} utilisation")
+            batch.plot(tl["t"], tl["running"], label=f"rate {rate}")
+        kv.set_ylabel("KV used/total, live/allocated")
+        kv.set_ylim(0, 1.05)
+        batch.set_ylabel("running sequences")
+        batch.set_xlabel("seconds since the run started")
+        kv.set_title(f"{b}: KV and running batch over time")
+        for ax in (kv, batch):
+            ax.legend(fontsize=6)
+            ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = out / f"serve_timeline_{b}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
 def cell(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.2f}"
@@ -60,13 +94,14 @@ def cell(v: Any) -> str:
 
 def write_report(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> Path:
     images = "".join(f'<img alt="{p.stem}" src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}">'
-                     for p in plot(out, rows))
+                     for p in plot(out, rows) + plot_timelines(out, rows))
     head = "".join(f"<th>{k}</th>" for k in TABLE)
     body = "".join("<tr>" + "".join(f"<td>{cell(r.get(k))}</td>" for k in TABLE) + "</tr>" for r in rows)
     facts = "".join(f"<li>{html.escape(k)}: {cell(v)}</li>" for k, v in meta.items())
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>kvlab serve sweep</title><style>"
             f"body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}"
-            f"td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}}img{{max-width:48%}}</style></head>"
+            f"table{{font-size:12px}}td,th{{border:1px solid #ccc;padding:2px 5px;text-align:right}}"
+            f"img{{max-width:48%}}</style></head>"
             f"<body><h1>kvlab serve: paired sweep</h1><ul>{facts}</ul><table><tr>{head}</tr>{body}</table>"
             f"{images}</body></html>")
     path = out / "report.html"

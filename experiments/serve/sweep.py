@@ -24,13 +24,15 @@ from typing import Any
 import httpx
 from kvlab.common.errors import ConfigError
 from kvlab.experiments.serve.load_run import bench_once
+from kvlab.experiments.serve.sampler import StatsSampler
 
 log = logging.getLogger("kvlab.bench.serve")
 START_TIMEOUT_S = 120
 STOP_TIMEOUT_S = 30
 ROW_KEYS = ("backend", "request_rate", "completed", "failed", "duration", "request_throughput",
             "output_throughput", "request_goodput", "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms",
-            "p50_itl_ms", "p99_itl_ms", "p50_e2el_ms", "p99_e2el_ms", "max_concurrent_requests", "server_preemptions")
+            "p50_itl_ms", "p99_itl_ms", "p50_e2el_ms", "p99_e2el_ms", "max_concurrent_requests", "server_preemptions",
+            "total_kv_wait_s", "total_num_preemptions", "total_recomputed_tokens", "total_map_unmap_s")
 
 
 def parse_rates(items: list[str]) -> list[float]:
@@ -105,7 +107,10 @@ def run_sweep(args: argparse.Namespace) -> int:
         with kvlab_server(backend, args.model or "tiny", shlex.split(args.server_args)) as url:
             for rate in rates:
                 before = server_counter(url, "kvlab_preemptions_total")
-                row = bench_once(args, url, rate) | {"backend": backend}
+                with StatsSampler(url) as sampler:
+                    row = bench_once(args, url, rate) | {"backend": backend}
+                row["timeline"] = sampler.series
+                row["timeline_poll_errors"] = sampler.errors
                 row["server_preemptions"] = server_counter(url, "kvlab_preemptions_total") - before
                 rows.append(row)
                 print(f"{backend:8} rate {rate:>6g}: {row['completed']} done, p99 TTFT {row['p99_ttft_ms']:.1f} ms, "
@@ -124,5 +129,12 @@ def write(out: Path, rows: list[dict[str, Any]], sweep_s: float, args: argparse.
         w = csv.DictWriter(f, fieldnames=ROW_KEYS, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
+    log_rows = [{"backend": r["backend"], "request_rate": r["request_rate"]} | q for r in rows
+                for q in r.get("requests", [])]
+    if log_rows:
+        with open(out / "serve_requests.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(log_rows[0]))
+            w.writeheader()
+            w.writerows(log_rows)
     from kvlab.experiments.serve.report import write_report
     write_report(out, rows, meta)

@@ -1,0 +1,52 @@
+"""Samples a kvlab server's GET /kvlab/stats every ~0.2 s in a thread while a load run goes on: the KV utilisation
+and running batch over time, for the sweep's plots."""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import httpx
+
+SAMPLE_EVERY_S = 0.2
+FIELDS = ("running", "waiting", "swapped", "kv_usage_ratio", "kv_utilization", "kv_units_used")
+
+
+class StatsSampler:
+    """`with StatsSampler(url) as s: ...` then `s.series`: {"t": [s since start], field: [...]}; a poll that fails
+    is counted in `s.errors` and skipped (the server answers other requests meanwhile)."""
+
+    def __init__(self, base_url: str, every_s: float = SAMPLE_EVERY_S) -> None:
+        self.url = base_url.rstrip("/") + "/kvlab/stats"
+        self.every_s = every_s
+        self.series: dict[str, list[float]] = {k: [] for k in ("t", *FIELDS)}
+        self.errors = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvlab-stats-sampler", daemon=True)
+
+    def __enter__(self) -> StatsSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        with httpx.Client(timeout=5) as client:
+            while not self._stop.is_set():
+                self._sample(client, t0)
+                self._stop.wait(self.every_s)
+            self._sample(client, t0)                 # the state at the run's end: a short run has one point at least
+
+    def _sample(self, client: httpx.Client, t0: float) -> None:
+        try:
+            stats = client.get(self.url).json()
+        except (httpx.HTTPError, ValueError):
+            self.errors += 1
+            return
+        if stats:                                    # {} before the server's first engine step
+            self.series["t"].append(round(time.perf_counter() - t0, 4))
+            for k in FIELDS:
+                self.series[k].append(stats.get(k))
