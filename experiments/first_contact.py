@@ -20,7 +20,6 @@ needs device memory says so. Without a GPU and without --dry-run-cpu it exits 2.
 """
 from __future__ import annotations
 
-import argparse
 import importlib
 import os
 import sys
@@ -32,9 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.experiments.gpu_check import (
-    ROOT,
     access_desc,
     allocation_prop,
+    check_parser,
+    default_out,
     detect_gpu,
     load_fake_driver,
     part_env,
@@ -453,18 +453,8 @@ def run_part(name: str, dry: bool, timeout: float) -> dict[str, Any]:
         return run_subprocess(cmd, part_env(dry, timeout), timeout, result_file)
 
 
-def default_out() -> Path:
-    base = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "results"
-    return base / "first_contact.json"
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dry-run-cpu", action="store_true", help="every part on CPU (fake driver, interpreter)")
-    p.add_argument("--out", type=Path, help="JSON path (default $OUT/first_contact.json, else results/)")
-    p.add_argument("--parts", default=",".join(PARTS), help=f"comma list of: {', '.join(PARTS)}")
-    p.add_argument("--part", choices=list(PARTS), help=argparse.SUPPRESS)
-    p.add_argument("--part-out", type=Path, help=argparse.SUPPRESS)
+    p = check_parser(__doc__.splitlines()[0], PARTS, "first_contact.json")
     args = p.parse_args(argv)
     if args.part:
         return run_one(args.part, args.dry_run_cpu, args.part_out, PARTS)
@@ -472,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in PARTS]
     if unknown:
         p.error(f"unknown part(s) {', '.join(unknown)}; choose from {', '.join(PARTS)}")
-    out_file = args.out or default_out()
+    out_file = args.out or default_out("first_contact.json")
     out_file.parent.mkdir(parents=True, exist_ok=True)
     doc: dict[str, Any] = {"mode": "cpu-dry-run" if args.dry_run_cpu else "gpu",
                            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "parts": {}}

@@ -511,18 +511,23 @@ def run_one(name: str, dry: bool, out_file: Path, parts: dict[str, Callable] | N
     return 0
 
 
-def default_out() -> Path:
-    return Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT") else ROOT / "results" / "gpu_check.json"
+def default_out(name: str = "gpu_check.json") -> Path:
+    return Path(os.environ["OUT"]) / name if os.environ.get("OUT") else ROOT / "results" / name
+
+
+def check_parser(description: str, parts: dict[str, Callable], json_name: str) -> argparse.ArgumentParser:
+    """The flags every part-runner shares (this check and first_contact.py)."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--dry-run-cpu", action="store_true", help="run every part on CPU (fake driver, interpreter)")
+    p.add_argument("--out", type=Path, help=f"JSON path (default $OUT/{json_name}, else results/{json_name})")
+    p.add_argument("--parts", default=",".join(parts), help=f"comma list of: {', '.join(parts)}")
+    p.add_argument("--part", choices=list(parts), help=argparse.SUPPRESS)
+    p.add_argument("--part-out", type=Path, help=argparse.SUPPRESS)
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dry-run-cpu", action="store_true", help="run every part on CPU (fake driver, interpreter)")
-    p.add_argument("--out", type=Path, help="JSON path (default $OUT/gpu_check.json, else results/gpu_check.json)")
-    p.add_argument("--parts", default=",".join(PARTS), help=f"comma list of: {', '.join(PARTS)}")
-    p.add_argument("--part", choices=list(PARTS), help=argparse.SUPPRESS)
-    p.add_argument("--part-out", type=Path, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    args = check_parser(__doc__.splitlines()[0], PARTS, "gpu_check.json").parse_args(argv)
     if args.part:
         return run_one(args.part, args.dry_run_cpu, args.part_out)
     names = [n.strip() for n in args.parts.split(",") if n.strip()]
