@@ -13,6 +13,7 @@ from kvlab.common.errors import ConfigError
 from kvlab.experiments.serve import latency
 from kvlab.experiments.serve.arrivals import arrival_times
 from kvlab.experiments.serve.datasets import draw_lengths
+from kvlab.experiments.serve.load_run import attribution_totals
 from kvlab.experiments.simserve.costs import CostLedger, profile
 from kvlab.experiments.simserve.tap import ServeTap
 from kvlab.experiments.simulation import SimCase, SimSettings, format_page, run_case
@@ -86,6 +87,7 @@ def run_point(case: SimCase, spec: ServeSpec, rate: float, seed: int) -> dict[st
     records = factory.tap.records(factory.added)
     result = latency.summarize(records, row.sim_seconds, spec.goodput or None, percentiles=spec.percentiles,
                                max_concurrent=row.max_batch)
+    result.update(attribution_totals(records))     # NaN: the simulator does not attribute memory per request yet
     result.update({"backend": backend_label(case), "request_rate": rate, "burstiness": spec.burstiness,
                    "num_prompts": spec.num_requests, "dataset": spec.dataset, "seed": seed,
                    "server_preemptions": row.preemptions, "sim": row.to_json(), "driver": factory.ledger.to_json(),
