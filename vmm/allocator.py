@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from kvlab.common.errors import OutOfKVCache, RequestError
+from kvlab.common.errors import ConfigError, OutOfKVCache, RequestError
 from kvlab.common.kv.seam import Allocator, CacheStats, KVShape, timed
 from kvlab.vmm.drivers.map_budget import MapBudgetExhausted
 from kvlab.vmm.geometry import make_geometry
@@ -43,7 +43,8 @@ DataFactory = Callable[["VirtualMemory", "Geometry", KVShape, Ranges], PageData]
 @dataclass(slots=True)
 class SwappedKV:
     tokens: int
-    data: torch.Tensor | None     # [2L, tokens, H_kv, D] on the host; None without views (accounting)
+    data: torch.Tensor | None     # [2L, tokens - dropped pages' tokens, H_kv, D] on the host; None without views
+    dropped: int = 0              # leading pages the sliding window had unmapped: not saved, not mapped back
 
 
 class VMMAllocator(Allocator):
@@ -59,6 +60,10 @@ map-budget retry and mapper job, and the step-side reads the storage uses (rows,
                  single_range: bool | None = None) -> None:
         opts = config.options_of("vmm")
         self.config, self.shape, self.driver = config, shape, driver
+        self.window = shape.sliding_window   # None: full attention, no page is ever unmapped below it
+        if self.window is not None and config.enable_prefix_caching:
+            raise ConfigError("vmm: prefix caching with a sliding-window model is not supported (the window unmaps "
+                              "the leading pages a prefix hit would share); disable one of them")
         self._lock = threading.RLock()
         try:
             geo = self.geo = make_geometry(config, shape, driver.page_size)
@@ -99,7 +104,10 @@ map-budget retry and mapper job, and the step-side reads the storage uses (rows,
     def _units_to_admit(self, seq: Sequence, num_tokens: int) -> int:
         """Pages a first allocation takes: prefix hits mapped in another slot cost nothing, idle ones a unit."""
         need = self.geo.pages_for(num_tokens)
-        if self.prefix is None or seq.seq_id in self.swapped:   # swap_in restores its own pages: no aliasing
+        saved = self.swapped.get(seq.seq_id)
+        if saved is not None:   # swap_in restores its own pages (no aliasing), none below its window
+            return need - saved.dropped
+        if self.prefix is None:
             return need
         hits = self._match(seq, num_tokens)
         return need - len(hits) + self.prefix.idle_hits(hits)
@@ -149,6 +157,8 @@ map-budget retry and mapper job, and the step-side reads the storage uses (rows,
             slot = self.table.of(seq.seq_id)
             if slot is not None and self.prefix is not None:
                 self._register(seq, slot)
+            if slot is not None and self.window is not None:
+                self._drop_below_window(slot, seq.num_computed_tokens)
             hit = 0
             if slot is not None and not self.pool.num_shared and self.geo.pages_for(num_tokens) <= len(slot.groups):
                 if num_tokens > slot.held:   # the per-step path: the pages are already mapped
@@ -160,6 +170,15 @@ map-budget retry and mapper job, and the step-side reads the storage uses (rows,
             if self.mapper.enabled:
                 self.mapper.request(self.table.of(seq.seq_id), num_tokens)
             return hit
+
+    def _drop_below_window(self, slot: Slot, computed: int) -> None:
+        """Sliding window: this step's queries start at `computed` (later steps' further on), so they read keys from
+        computed - W + 1 on; pages wholly below that are unmapped and go back to the pool. A sequence then maps at
+        most ceil(W / tokens_per_page) + 1 pages during decode."""
+        first_needed = max(min(computed, slot.held) - self.window + 1, 0)
+        end = min(first_needed // self.geo.tokens_per_page, len(slot.groups))
+        if end > slot.dropped:
+            self.pages.drop_below(slot, end)
 
     def _register(self, seq: Sequence, slot: Slot) -> None:
         """Make the sequence's computed full pages findable by later prompts."""
@@ -274,11 +293,13 @@ map-budget retry and mapper job, and the step-side reads the storage uses (rows,
             if slot is None:
                 raise RequestError(f"cannot swap out sequence {seq.seq_id}: it holds no vmm slot")
             tokens = min(seq.num_computed_tokens, slot.held)
-            self.swapped[seq.seq_id] = SwappedKV(tokens, self.data.copy_out(slot.index, tokens))
+            dropped = min(slot.dropped, self.geo.pages_for(tokens))   # only the window's pages are saved
+            start = min(dropped * self.geo.tokens_per_page, tokens)
+            self.swapped[seq.seq_id] = SwappedKV(tokens, self.data.copy_out(slot.index, tokens, start), dropped)
             if self.prefix is not None:
                 self._register(seq, slot)
             self._release(seq.seq_id, slot)
-            self.pages.counters.swapped_out_bytes += tokens * self.shape.bytes_per_token
+            self.pages.counters.swapped_out_bytes += (tokens - start) * self.shape.bytes_per_token
 
     @timed
     def swap_in(self, seq: Sequence, reserve_units: int = 0) -> bool:
@@ -290,8 +311,11 @@ map-budget retry and mapper job, and the step-side reads the storage uses (rows,
                 raise RequestError(f"cannot swap in sequence {seq.seq_id}: it was not swapped out")
             if seq.seq_id in self.table.slot_of:
                 raise RequestError(f"cannot swap in sequence {seq.seq_id}: it already holds a slot")
-            slot = self.table.claim(seq.seq_id, saved.tokens)
+            slot = self.table.claim(seq.seq_id, saved.tokens, fewest_pages=bool(saved.dropped))
             try:
+                if saved.dropped:   # pages below the window stay unmapped
+                    with self.table.accounting(slot):
+                        self.pages.open_window(slot, saved.dropped)
                 self.pages.grow(slot, self.geo.pages_for(saved.tokens))
             except BaseException as exc:
                 self.pages.release(slot)
@@ -301,10 +325,11 @@ map-budget retry and mapper job, and the step-side reads the storage uses (rows,
             self.table.hold(slot, saved.tokens)
             if self.prefix is not None:
                 self.owners[seq.seq_id] = seq
+            start = min(saved.dropped * self.geo.tokens_per_page, saved.tokens)
             if saved.data is not None:
-                self.data.copy_in(slot.index, saved.data)
+                self.data.copy_in(slot.index, saved.data, start)
             del self.swapped[seq.seq_id]
-            self.pages.counters.swapped_in_bytes += saved.tokens * self.shape.bytes_per_token
+            self.pages.counters.swapped_in_bytes += (saved.tokens - start) * self.shape.bytes_per_token
             return True
 
     def _fence(self, *seqs: Sequence) -> None:
@@ -367,7 +392,8 @@ map-budget retry and mapper job, and the step-side reads the storage uses (rows,
                 "prefix_evictions": cache.evictions, "prefix_hash_collisions": cache.collisions}
 
     def snapshot(self) -> dict[str, Any]:
-        """Plain data: the geometry, each slot (owner, held tokens, page groups), group reference counts, swapped
+        """Plain data: the geometry, each slot (owner, held tokens, page groups: -1 for the `dropped` leading pages a
+        sliding window unmapped), group reference counts, swapped
         sequences (tokens), in-flight background jobs, what the driver maps in each tensor's place (page -> pool
         page) and its mapping counts, all read at once under the lock."""
         with self._lock:   # the background mapper changes the books under this lock
@@ -375,7 +401,8 @@ map-budget retry and mapper job, and the step-side reads the storage uses (rows,
             return {
                 "geometry": dataclasses.asdict(geo) | {"row_bytes": geo.row_bytes, "tensor_bytes": geo.tensor_bytes,
                                                       "max_len": geo.max_len},
-                "slots": [{"index": s.index, "seq_id": s.seq_id, "held": s.held, "groups": list(s.groups)}
+                "slots": [{"index": s.index, "seq_id": s.seq_id, "held": s.held, "groups": list(s.groups),
+                       "dropped": s.dropped}
                           for s in self.table.slots],
                 "slot_of": dict(self.table.slot_of),
                 "refs": list(self.pool.refs),
@@ -393,7 +420,7 @@ map-budget retry and mapper job, and the step-side reads the storage uses (rows,
         with self._lock:
             self.pool.check(self.table.slots)
             self.table.check(self.pool.is_shared)
-            needed = {g for s in self.table.live() for g in s.groups[:self.geo.pages_for(s.held)]}
+            needed = {g for s in self.table.live() for g in s.groups[s.dropped:self.geo.pages_for(s.held)]}
             assert self.pool.num_free + len(needed) + self.table.excess + self.pool.num_idle() == self.geo.num_groups, \
                 "free + used + reclaimable + idle cached != total pages"
             self.ranges.check_mapped(self.driver, self.geo, self.table.slots)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from kvlab.common.errors import DriverError, OutOfKVCache
 from kvlab.vmm.drivers.types import Mirror, TornMirror
+from kvlab.vmm.slots import DROPPED
 
 if TYPE_CHECKING:
     from kvlab.vmm.drivers.base import VirtualMemory
@@ -45,6 +46,7 @@ class PageCounters:
     lookahead_pages: int = 0       # pages the background mapper mapped ahead of need
     lookahead_skipped: int = 0     # background jobs that found the pool empty
     torn_pages: int = 0            # pages waiting to be cleared after a TornMirror
+    window_dropped_pages: int = 0  # page groups unmapped below a sliding window (back to the pool)
 
 
 class PagePool:
@@ -142,8 +144,9 @@ class PagePool:
     def check(self, slots: list[Slot]) -> None:
         refs = [0] * self.num_groups
         for slot in slots:
-            assert len(set(slot.groups)) == len(slot.groups), f"slot {slot.index} maps a group twice"
-            for g in slot.groups:
+            groups = slot.live_groups()
+            assert len(set(groups)) == len(groups), f"slot {slot.index} maps a group twice"
+            for g in groups:
                 refs[g] += 1
         assert list(self.refs) == refs, "page refcounts differ from the slots mapping them"
         for g in range(self.num_groups):
@@ -175,7 +178,8 @@ class SlotPages:
         if not self.pool.num_shared:   # no fork shares a page: the per-step path stops here
             return []
         last = min(self.geo.pages_for(end), len(slot.groups))
-        return [j for j in range(start // self.geo.tokens_per_page, last) if self.pool.is_shared(slot.groups[j])]
+        first = max(start // self.geo.tokens_per_page, slot.dropped)   # never below the window's unmapped pages
+        return [j for j in range(first, last) if self.pool.is_shared(slot.groups[j])]
 
     def grow(self, slot: Slot, pages: int) -> None:
         missing = pages - len(slot.groups)
@@ -206,12 +210,45 @@ class SlotPages:
             slot.held = tokens
 
     def share(self, source: Slot, target: Slot) -> None:
-        """Map the source's live pages into a just-claimed target (a fork child); its stale pages go back."""
-        shared = source.groups[:self.geo.pages_for(source.held)]
+        """Map the source's live pages into a just-claimed target (a fork child) at the same pages (below the
+        source's window too: none); the target's stale pages go back."""
+        shared = source.groups[source.dropped:self.geo.pages_for(source.held)]
         with self.table.accounting(target):
-            self.drop_tail(target, len(target.groups))
+            self.open_window(target, source.dropped)
             self._append(target, shared, shared=True)
             target.held = source.held
+
+    def open_window(self, slot: Slot, dropped: int) -> None:
+        """A just-claimed slot whose first `dropped` pages a sliding window left behind: its stale pages go back
+        and its list starts with `dropped` DROPPED entries (the next pages map after them). Call in accounting."""
+        self.drop_tail(slot, len(slot.groups))
+        slot.groups.extend([DROPPED] * dropped)
+        slot.dropped = dropped
+
+    def drop_below(self, slot: Slot, end: int) -> None:
+        """Sliding window: unmap the slot's pages [dropped, end) in every tensor (one mirrored call; no kernel reads
+        them again) and give their groups back (a group a fork shares stays mapped in the other slots). The list
+        keeps DROPPED in their place, so page j still sits at index j. Held tokens and reclaimable pages are
+        unchanged: no accounting context needed."""
+        first, count = slot.dropped, end - slot.dropped
+        if count <= 0:
+            return
+        torn = [(slot.index, j) for j in range(first, end) if (slot.index, j) in self.torn] if self.torn else []
+        try:
+            if torn:
+                self.driver.clear_mirrored(self.mirror, self._at(slot.index, first), count)
+            else:
+                self.driver.unmap_mirrored(self.mirror, self._at(slot.index, first), count)
+        except TornMirror:
+            self._mark_torn(slot, first, count)
+            raise
+        if torn:
+            self.torn.difference_update(torn)
+            self.counters.torn_pages = len(self.torn)
+        self.pool.put_back(slot.groups[first:end])
+        slot.groups[first:end] = [DROPPED] * count
+        slot.dropped = end
+        self.counters.window_dropped_pages += count
 
     def copy_on_write(self, slot: Slot, start: int, end: int) -> None:
         """Give the slot its own copy of each shared page the writes touch; each copy all or nothing."""
@@ -259,6 +296,13 @@ class SlotPages:
     def release(self, slot: Slot) -> None:
         """Free the slot but keep its exclusive pages mapped (deferred reclamation); drop shared pages (and torn
         ones: a later owner must not inherit them)."""
+        if slot.dropped:   # pages from `dropped` on are no use to a later owner, who needs page 0 first
+            with self.table.accounting(slot):
+                self.drop_tail(slot, len(slot.groups) - slot.dropped)
+                slot.groups.clear()
+                slot.dropped = 0
+            self.table.vacate(slot)
+            return
         drop = None
         if self.pool.num_shared or self.pool.cache is not None:   # a free slot never maps a cached page either
             drop = next((j for j, g in enumerate(slot.groups) if self.pool.is_shared(g) or self.pool.is_cached(g)),

@@ -30,6 +30,7 @@ class VMMProbe:
         per_tensor = []
         for t in range(geo["num_tensors"]):
             raw = b"".join(os.pread(driver.fd, geo["page_size"], driver.pool_offset(t * geo["num_groups"] + g))
+                           if g >= 0 else bytes(geo["page_size"])   # below a sliding window: unmapped, zeros
                            for g in groups[:pages])
             flat = torch.frombuffer(bytearray(raw), dtype=s.torch_dtype) if raw else torch.zeros(0)
             per_tensor.append(flat[:n * s.num_kv_heads * s.head_dim].view(n, s.num_kv_heads, s.head_dim))
@@ -43,7 +44,8 @@ class VMMProbe:
         owners = {s["seq_id"]: s for s in slots if s["seq_id"] is not None}
         assert set(owners) == set(live), f"slot owners {sorted(owners)} != live {sorted(live)}"
         assert set(snap["swapped"]) == swapped, f"swapped {sorted(snap['swapped'])} != {sorted(swapped)}"
-        slot_refs = Counter(g for s in slots for g in s["groups"])
+        slot_refs = Counter(g for s in slots for g in s["groups"][s["dropped"]:])
+        assert all(g == -1 for s in slots for g in s["groups"][:s["dropped"]]), "a window-dropped page is listed"
         assert all(snap["refs"][g] == slot_refs.get(g, 0) for g in range(geo["num_groups"])), "group refcounts drift"
         mappers = _mappers(snap)
         pool_maps = snap["driver"]["pool_maps"]
@@ -82,7 +84,7 @@ def _check_idle(snap: dict[str, Any]) -> None:
     pool_maps = snap["driver"]["pool_maps"]
     assert all(pool_maps[t * groups + g] == 0 for g in idle for t in range(geo["num_tensors"])), \
         "an idle cached page is mapped in some tensor"
-    stale = sum(len(s["groups"]) for s in snap["slots"])
+    stale = sum(len(s["groups"]) - s["dropped"] for s in snap["slots"])
     assert snap["free_groups"] + stale + len(idle) == groups, "pages leaked: free + stale + idle != total"
 
 
@@ -112,7 +114,7 @@ def _check_backed(snap: dict[str, Any], slot: dict[str, Any], seq: Sequence, tok
     """Every page holding the sequence's computed tokens is mapped in every tensor."""
     geo = snap["geometry"]
     pages = -(-(seq.num_computed_tokens * token_bytes) // geo["page_size"])
-    for j in range(pages):
+    for j in range(slot["dropped"], pages):   # pages below a sliding window are unmapped on purpose
         for tensor, place in enumerate(snap["places"]):
             va = (place["offset"] + slot["index"] * geo["row_bytes"] + j * geo["page_size"]) // geo["page_size"]
             assert va in place["mapped"], f"seq {seq.seq_id}: page {j} of tensor {tensor} unmapped"

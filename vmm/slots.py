@@ -16,15 +16,23 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from kvlab.vmm.geometry import Geometry
 
+DROPPED = -1   # a page the sliding window left behind: unmapped, its group back in the pool (slot.groups[:dropped])
+
 
 @dataclass(slots=True)
 class Slot:
-    """One row of every virtual tensor. `groups[j]` is the page group mapped at page j (pages 0..len-1)."""
+    """One row of every virtual tensor. `groups[j]` is the page group mapped at page j (pages 0..len-1); with a
+    sliding window the first `dropped` entries are DROPPED (unmapped: no kernel reads below the window)."""
     index: int
     groups: list[int] = field(default_factory=list)
     seq_id: int | None = None     # owner; None = free (maybe stale: still holding the last owner's pages)
     held: int = 0                 # tokens the owner may write (the largest allocate target)
     freed_at: int = 0             # when it became free (oldest stale slots are reclaimed first)
+    dropped: int = 0              # leading pages the window unmapped (only live slots have any)
+
+    def live_groups(self) -> list[int]:
+        """The groups the slot maps (without the window's DROPPED entries)."""
+        return self.groups[self.dropped:]
 
 
 class FreeSlots:
@@ -159,7 +167,10 @@ class SlotTable:
         for s in self.slots:
             need = self.geo.pages_for(s.held) if s.seq_id is not None else 0
             assert len(s.groups) >= need, f"slot {s.index}: {s.held} live tokens but only {len(s.groups)} pages"
-            for j, g in enumerate(s.groups):
+            assert s.groups[:s.dropped] == [DROPPED] * s.dropped and DROPPED not in s.groups[s.dropped:], \
+                f"slot {s.index}: window-dropped entries {s.groups[:s.dropped]} are not exactly its leading pages"
+            assert not (s.dropped and s.seq_id is None), f"free slot {s.index} keeps window holes"
+            for j, g in enumerate(s.groups[s.dropped:], s.dropped):
                 if is_shared(g):   # shared pages belong to live owners that need them
                     assert j < need, f"slot {s.index} page {j}: shared group {g} outside the live range"
         assert self.live_tokens == sum(s.held for s in self.slots if s.seq_id is not None), "live tokens drifted"

@@ -39,12 +39,12 @@ class Ranges:
         """Every page the slots claim is mapped by the driver at the right pool page, and no other."""
         total = 0
         for slot in slots:
-            for j, g in enumerate(slot.groups):
+            for j, g in enumerate(slot.groups[slot.dropped:], slot.dropped):
                 for t, (region, offset) in enumerate(self.places):
                     va = (offset + slot.index * geo.row_bytes + j * geo.page_size) // geo.page_size
                     assert region.mapped.get(va) == t * geo.num_groups + g, \
                         f"slot {slot.index} page {j} tensor {t} is not mapped to group {g}"
-            total += len(slot.groups) * geo.num_tensors
+            total += (len(slot.groups) - slot.dropped) * geo.num_tensors
         assert driver.stats.mapped_pages == total, "the driver maps pages no slot accounts for"
 
 
@@ -55,9 +55,9 @@ class PageData(Protocol):
 
     def restore_page(self, slot: int, page: int, saved: list[torch.Tensor]) -> None: ...
 
-    def copy_out(self, slot: int, tokens: int) -> torch.Tensor | None: ...
+    def copy_out(self, slot: int, tokens: int, start: int = 0) -> torch.Tensor | None: ...
 
-    def copy_in(self, slot: int, data: torch.Tensor | None) -> None: ...
+    def copy_in(self, slot: int, data: torch.Tensor | None, start: int = 0) -> None: ...
 
     def drop(self) -> None: ...
 
@@ -74,10 +74,10 @@ class NoViews:
     def restore_page(self, slot: int, page: int, saved: list[torch.Tensor]) -> None:
         pass
 
-    def copy_out(self, slot: int, tokens: int) -> None:
+    def copy_out(self, slot: int, tokens: int, start: int = 0) -> None:
         return None
 
-    def copy_in(self, slot: int, data: torch.Tensor | None) -> None:
+    def copy_in(self, slot: int, data: torch.Tensor | None, start: int = 0) -> None:
         pass
 
     def drop(self) -> None:
@@ -114,17 +114,18 @@ class KVViews:
         for b, data in zip(self.page_bytes, saved):
             b[self._page_span(slot, page)].copy_(data)
 
-    def copy_out(self, slot: int, tokens: int) -> torch.Tensor:
-        """The first `tokens` tokens of a slot in every tensor, on the host: [2L, tokens, H_kv, D]."""
+    def copy_out(self, slot: int, tokens: int, start: int = 0) -> torch.Tensor:
+        """Tokens [start, tokens) of a slot in every tensor, on the host: [2L, tokens - start, H_kv, D] (a sliding
+        window's slot has nothing mapped below `start`)."""
         s = self.shape
         pin = s.device.startswith("cuda") and torch.cuda.is_available()
-        data = torch.empty((self.geo.num_tensors, tokens, s.num_kv_heads, s.head_dim), dtype=s.cache_dtype,
+        data = torch.empty((self.geo.num_tensors, tokens - start, s.num_kv_heads, s.head_dim), dtype=s.cache_dtype,
                            pin_memory=pin)
         for t, cache in enumerate(self.k + self.v):
-            data[t].copy_(cache[slot, :tokens])
+            data[t].copy_(cache[slot, start:tokens])
         return data
 
-    def copy_in(self, slot: int, data: torch.Tensor | None) -> None:
-        tokens = data.shape[1]
+    def copy_in(self, slot: int, data: torch.Tensor | None, start: int = 0) -> None:
+        end = start + data.shape[1]
         for t, cache in enumerate(self.k + self.v):
-            cache[slot, :tokens].copy_(data[t], non_blocking=True)
+            cache[slot, start:end].copy_(data[t], non_blocking=True)
