@@ -80,7 +80,8 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         if self.tp != 1:
-            self.shard     # refuses, in one line naming the valid sizes, a tp that does not divide the model
+            from kvlab.common.dist.shard import check_tp_size
+            check_tp_size(self.config, self.tp)     # one line naming the valid sizes
 
     @property
     def shard(self) -> ModelConfig:
