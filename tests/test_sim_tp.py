@@ -86,3 +86,9 @@ def test_tp2_at_half_the_per_gpu_budget_schedules_like_tp1():
     assert 0 < two.allreduce_seconds < two.sim_seconds < one.sim_seconds
     assert "allreduce_seconds" in two.to_json() and "allreduce_seconds" not in one.to_json()
     assert "tensor_parallel_size" not in one.to_json()       # tp=1 rows keep the seed article's keys
+
+
+def test_cli_refuses_a_tp_that_does_not_divide(capsys):
+    from kvlab.experiments.cli import main
+    assert main(["simulate", "--model", "llama3-70b", "--tensor-parallel-size", "3", "--no-save"]) == 2
+    assert "valid sizes: 1, 2, 4, 8" in capsys.readouterr().err
