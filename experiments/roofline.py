@@ -4,6 +4,12 @@ A decode step reads every weight once and the K/V of every cached token the batc
 (weight bytes + KV tokens read x KV bytes per token) / bandwidth. Prefill, when modelled, is compute-bound:
 tokens x 2 x params / (peak FLOP/s x MFU). The seed article ignores prefill (identical across policies), so
 that term is off by default.
+
+Tensor parallelism (`ModelSpec.tp`): a ModelSpec describes one rank's shard, sharded as common/dist/ shards
+the real model (heads, KV heads and MLP columns divided by tp; embedding, norms and LM head replicated), so
+weight bytes, KV bytes per token and FLOPs are per rank. Each step adds 2 ring all-reduces per layer of the
+step's [tokens, hidden] activations over the hardware's interconnect (docs/tensor-parallel.md, "Simulator").
+At tp=1 every figure is the unsharded model's, unchanged.
 """
 from __future__ import annotations
 
@@ -25,12 +31,20 @@ class Hardware:
     bandwidth: float          # HBM bytes/s
     peak_flops: float         # dense bf16 FLOP/s
     memory_bytes: float
+    link_bandwidth: float = 0.0   # all-reduce bus bandwidth per GPU, bytes/s (an assumption, see below)
+    link_latency: float = 0.0     # seconds per ring step of an all-reduce (an assumption, see below)
 
 
+# Interconnect figures are approximations, not measurements. Bandwidth: NVIDIA's published NVLink bandwidth per
+# GPU, one direction (NVLink 4 on H100/H200 SXM: 900 GB/s total = 450 GB/s each way; NVLink 3 on A100 SXM:
+# 600 GB/s total = 300 GB/s each way), used as the ring all-reduce's bus bandwidth (nccl-tests' "busbw"
+# convention; measured busbw is typically somewhat lower). Latency: 2 us per ring step, an assumed round
+# figure for one NVLink hop plus NCCL's per-step overhead (small-message all-reduces on NVLink cost ~10-20 us).
+NVLINK_LATENCY = 2e-6
 HARDWARE = {
-    "h100": Hardware("h100", 3.35e12, 989e12, 80e9),
-    "h200": Hardware("h200", 4.8e12, 989e12, 141e9),
-    "a100-80g": Hardware("a100-80g", 2.039e12, 312e12, 80e9),
+    "h100": Hardware("h100", 3.35e12, 989e12, 80e9, 450e9, NVLINK_LATENCY),
+    "h200": Hardware("h200", 4.8e12, 989e12, 141e9, 450e9, NVLINK_LATENCY),
+    "a100-80g": Hardware("a100-80g", 2.039e12, 312e12, 80e9, 300e9, NVLINK_LATENCY),
 }
 
 
@@ -56,11 +70,26 @@ KV_DTYPE_BYTES = {"fp8_e4m3": 1, "fp8_e5m2": 1}     # kv_cache_dtype "auto" stor
 
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
-    """What the cost model needs from an architecture, at the serving dtype."""
+    """What the cost model needs from an architecture, at the serving dtype, for one of `tp` ranks (the
+    weight, KV and FLOP figures are one rank's shard; at tp=1, the whole model)."""
     name: str
     config: ModelConfig
     dtype: str = "bfloat16"
     kv_cache_dtype: str = "auto"      # fp8_e4m3 / fp8_e5m2: 1-byte K/V (reads and capacity)
+    tp: int = 1                       # tensor-parallel ranks
+
+    def __post_init__(self) -> None:
+        if self.tp != 1:
+            from kvlab.common.dist.shard import check_tp_size
+            check_tp_size(self.config, self.tp)     # one line naming the valid sizes
+
+    @property
+    def shard(self) -> ModelConfig:
+        """One rank's ModelConfig, as common/dist/ shards it (the model itself at tp=1)."""
+        if self.tp == 1:
+            return self.config
+        from kvlab.common.dist.shard import shard_config
+        return shard_config(self.config, self.tp)
 
     @property
     def itemsize(self) -> int:
@@ -68,7 +97,8 @@ class ModelSpec:
 
     @property
     def num_params(self) -> int:
-        return self.config.num_params
+        """Parameters one rank holds (sharded layers / tp + the replicated embedding, norms and LM head)."""
+        return self.shard.num_params
 
     @property
     def weight_bytes(self) -> int:
@@ -76,27 +106,34 @@ class ModelSpec:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        c = self.config
+        c = self.shard
         return 2 * c.num_layers * c.num_kv_heads * c.head_dim * KV_DTYPE_BYTES.get(self.kv_cache_dtype, self.itemsize)
 
     @property
     def flops_per_token(self) -> float:
         return 2.0 * self.num_params
 
+    @property
+    def activation_bytes_per_token(self) -> int:
+        """What one all-reduce moves per token: one row of [tokens, hidden] at the model dtype."""
+        return self.config.hidden_size * self.itemsize
+
     def kv_shape(self, device: str = "cuda") -> KVShape:
-        """For accounting-only caches: the device only tells the vmm driver how mappings behave (CUDA
-        mappings never merge, host VMAs do); nothing is allocated."""
-        c = self.config
+        """One rank's cache shape, for accounting-only caches: the device only tells the vmm driver how mappings
+        behave (CUDA mappings never merge, host VMAs do); nothing is allocated."""
+        c = self.shard
         return KVShape(c.num_layers, c.num_kv_heads, c.head_dim, c.num_heads, dtype=self.dtype, device=device,
                        kv_cache_dtype=self.kv_cache_dtype, sliding_window=c.sliding_window)
 
 
-def model_spec(name_or_path: str, dtype: str = "bfloat16", kv_cache_dtype: str = "auto") -> ModelSpec:
+def model_spec(name_or_path: str, dtype: str = "bfloat16", kv_cache_dtype: str = "auto", tp: int = 1) -> ModelSpec:
     """A preset name (llama3-8b, llama3-70b, llama2-7b, mistral-7b[-full], smollm2-135m, tiny) or an HF
-    config.json / model dir."""
-    if kv_cache_dtype != "auto":
+    config.json / model dir; `tp` > 1: one rank's shard of it (ConfigError when tp does not divide it)."""
+    if kv_cache_dtype != "auto" or tp != 1:
         import dataclasses
-        return dataclasses.replace(model_spec(name_or_path, dtype), kv_cache_dtype=kv_cache_dtype)
+        if not isinstance(tp, int) or tp < 1:
+            raise ConfigError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        return dataclasses.replace(model_spec(name_or_path, dtype), kv_cache_dtype=kv_cache_dtype, tp=tp)
     if dtype not in DTYPE_BYTES:
         raise ConfigError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPE_BYTES)}")
     if name_or_path in MODEL_CONFIGS:
@@ -130,6 +167,9 @@ class RooflineCost:
     def __post_init__(self) -> None:
         if not 0 < self.mfu <= 1:
             raise ConfigError(f"mfu must be in (0, 1], got {self.mfu}")
+        if self.model.tp > 1 and self.hardware.link_bandwidth <= 0:
+            raise ConfigError(f"hardware {self.hardware.name!r} has no interconnect bandwidth; tensor parallelism "
+                              f"needs link_bandwidth > 0")
 
     def decode_seconds(self, kv_tokens: int) -> float:
         """One step that reads all weights and `kv_tokens` cached tokens."""
@@ -139,9 +179,27 @@ class RooflineCost:
         """Compute-bound prefill (or recompute) of `tokens` tokens at `mfu` of peak."""
         return tokens * self.model.flops_per_token / (self.hardware.peak_flops * self.mfu)
 
-    def step_seconds(self, kv_tokens: int, prefill_tokens: int) -> float:
+    def allreduce_seconds(self, tokens: int) -> float:
+        """One ring all-reduce of [tokens, hidden] over tp ranks: 2(tp-1) steps, each moving 1/tp of the bytes
+        over the link, plus the link latency per step: 2(tp-1)/tp x bytes / bus bandwidth + 2(tp-1) x latency."""
+        tp = self.model.tp
+        if tp == 1:
+            return 0.0
+        steps = 2 * (tp - 1)
+        nbytes = tokens * self.model.activation_bytes_per_token
+        return steps / tp * nbytes / self.hardware.link_bandwidth + steps * self.hardware.link_latency
+
+    def comm_seconds(self, tokens: int) -> float:
+        """A step's all-reduces: 2 per layer (after o_proj and after down_proj); 0 at tp=1."""
+        if self.model.tp == 1:
+            return 0.0
+        return 2 * self.model.config.num_layers * self.allreduce_seconds(tokens)
+
+    def step_seconds(self, kv_tokens: int, prefill_tokens: int, comm_tokens: int = 0) -> float:
+        """One rank's step: its shard's roofline, plus the all-reduces of `comm_tokens` activations at tp > 1."""
         step = self.decode_seconds(kv_tokens)
-        return step + self.prefill_seconds(prefill_tokens) if self.model_prefill else step
+        step = step + self.prefill_seconds(prefill_tokens) if self.model_prefill else step
+        return step + self.comm_seconds(comm_tokens) if self.model.tp > 1 else step
 
 
 class RooflineRunner:
@@ -154,6 +212,7 @@ class RooflineRunner:
         self.now = 0.0
         self.steps = 0
         self.prefill_tokens = 0
+        self.comm_seconds = 0.0       # simulated time in all-reduces (tp > 1)
 
     def clock(self) -> float:
         return self.now
@@ -163,7 +222,7 @@ class RooflineRunner:
         self.now = max(self.now, t)
 
     def execute(self, out: SchedulerOutput) -> dict[int, int]:
-        kv_tokens = prefill = 0
+        kv_tokens = prefill = decode = 0
         sampled: dict[int, int] = {}
         token = self.token_id
         window = self.cost.model.config.sliding_window
@@ -171,10 +230,15 @@ class RooflineRunner:
             kv_tokens += item.context_len if window is None else min(item.context_len, window + item.num_tokens - 1)
             if item.num_tokens > 1:
                 prefill += item.num_tokens
+            else:
+                decode += item.num_tokens
             if item.needs_logits:
                 sampled[item.seq.seq_id] = token
         if out.items:
-            self.now += self.cost.step_seconds(kv_tokens, prefill)
+            # all-reduced activations: the decode tokens, and the prefill tokens when prefill is charged at all
+            comm_tokens = decode + (prefill if self.cost.model_prefill else 0)
+            self.now += self.cost.step_seconds(kv_tokens, prefill, comm_tokens)
+            self.comm_seconds += self.cost.comm_seconds(comm_tokens)
             self.steps += 1
             self.prefill_tokens += prefill
         return sampled

@@ -33,7 +33,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--worked-example", action="store_true", help="the article's hand examples, by the backends")
     p.add_argument("--policies", type=cli.parse_list, default=["reserve", "oracle", "paged"],
                    help=f"comma list of {', '.join(policies())}")
-    p.add_argument("--budget-gb", type=float, default=60.0, help="KV budget in GB (1e9 bytes)")
+    p.add_argument("--budget-gb", type=float, default=60.0,
+                   help="KV budget in GB (1e9 bytes); with --tensor-parallel-size > 1, per GPU")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--page-size", type=cli.parse_bytes, default=2 * 2**20)
     p.add_argument("--watermark", type=float, default=0.05, help="admission watermark (paged, vmm)")
@@ -49,6 +50,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--hardware", default="h100", help=f"one of {', '.join(HARDWARE)}")
     p.add_argument("--model", default="llama3-8b", help="llama3-8b, llama3-70b, llama2-7b, smollm2-135m, tiny, "
                                                         "or an HF config.json")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="model TP over this many GPUs: per-rank weights and KV heads, 2 ring all-reduces per layer "
+                        "over the hardware's NVLink (docs/tensor-parallel.md, Simulator)")
     p.add_argument("--model-prefill", action="store_true", help="charge prefill as flops / (peak x mfu)")
     p.add_argument("--mfu", type=float, default=0.5)
     p.add_argument("--config", metavar="FILE", help="TOML with engine overrides (e.g. max_num_seqs)")
@@ -86,10 +90,11 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
     engine.update({k: v for k, v in (("max_num_seqs", args.max_num_seqs),
                                      ("max_num_batched_tokens", args.max_num_batched_tokens)) if v is not None})
     hardware(args.hardware)          # fail fast on bad input, before any worker starts
-    model_spec(args.model)
+    model_spec(args.model, tp=args.tensor_parallel_size)
     build_workload(spec)
     return SimSettings(workload=spec, hardware=args.hardware, model=args.model, model_prefill=args.model_prefill,
-                       mfu=args.mfu, engine=engine, timeline_every=5 if wants_plot(args) else 0)
+                       mfu=args.mfu, engine=engine, timeline_every=5 if wants_plot(args) else 0,
+                       tensor_parallel_size=args.tensor_parallel_size)
 
 
 def wants_plot(args: argparse.Namespace) -> bool:
@@ -121,6 +126,7 @@ def check_args(args: argparse.Namespace) -> None:
     check_int_range("--jobs", args.jobs, 1, limits.max_threads(), " (at most 4 per CPU)")
     check_int_range("--seeds", args.seeds, 1, 1000)
     check_int_range("--block-size", args.block_size, 1, MAX_MODEL_LEN)
+    check_int_range("--tensor-parallel-size", args.tensor_parallel_size, 1, 1024)
     check_paged_bookkeeping(args)
     cli.check_output_path(args.json, "--json")
     cli.check_output_path(args.plot, "--plot")
@@ -131,7 +137,8 @@ def check_paged_bookkeeping(args: argparse.Namespace) -> None:
     if "paged" not in args.policies and args.preset != "seed":
         return
     block_size = 16 if args.preset == "seed" else args.block_size     # the seed tables' smallest block
-    blocks = args.budget_gb * 1e9 / (block_size * model_spec(args.model).kv_shape().bytes_per_token)
+    per_token = model_spec(args.model, tp=args.tensor_parallel_size).kv_shape().bytes_per_token
+    blocks = args.budget_gb * 1e9 / (block_size * per_token)
     limits.check_fits_in_ram(f"--budget-gb {args.budget_gb:g} ({blocks:.3g} paged blocks of {block_size} tokens)",
                       blocks * PAGED_BYTES_PER_BLOCK, "lower --budget-gb or raise --block-size")
 
@@ -196,12 +203,18 @@ def save_report(args: argparse.Namespace, text: str) -> None:
 
 def plain_report(rows: list[SimRow], settings: SimSettings) -> str:
     from kvlab.experiments.report import fmt, pct, table
+    tp = settings.tensor_parallel_size
+    on = f"{tp} x {settings.hardware} (tensor parallel, GB per GPU)" if tp > 1 else settings.hardware
     title = (f"{settings.workload.num_requests} requests ({settings.workload.kind}), {settings.model} on "
-             f"{settings.hardware}, prefill {'modelled' if settings.model_prefill else 'ignored'}")
+             f"{on}, prefill {'modelled' if settings.model_prefill else 'ignored'}")
     body = [[r.label, f"{r.budget_gb:g}", pct(r.watermark, 0), fmt(r.mean_batch), pct(r.utilization),
              fmt(r.output_tokens_per_s), r.preemptions, fmt(r.mean_waste_tokens), f"{r.sim_seconds:.3g}"]
             for r in rows]
     headers = ["policy", "GB", "wm", "mean batch", "util", "tok/s", "preempt", "end waste", "sim s"]
+    if tp > 1:
+        for line, r in zip(body, rows):
+            line.append(pct(r.allreduce_seconds / r.sim_seconds if r.sim_seconds else 0.0))
+        headers.append("all-reduce")
     return table(headers, body, title)
 
 

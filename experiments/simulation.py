@@ -80,6 +80,7 @@ class SimSettings:
     mfu: float = 0.5
     engine: dict[str, Any] = field(default_factory=dict)   # EngineConfig overrides (max_num_seqs, ...)
     timeline_every: int = 0                                 # 0 = no timeline kept
+    tensor_parallel_size: int = 1     # >1: the cache and the costs are one rank's shard; budgets are per GPU
 
 
 @dataclass(slots=True)
@@ -105,10 +106,16 @@ class SimRow:
     wall_seconds: float = 0.0            # host time of this simulation
     scheduler_seconds: float = 0.0       # host time in schedule() + update()
     timeline: dict[str, list] = field(default_factory=dict)
+    tensor_parallel_size: int = 1        # budget_gb is per GPU; the cluster holds tp x budget_gb
+    allreduce_seconds: float = 0.0       # simulated time in all-reduces (part of sim_seconds)
 
     def to_json(self) -> dict[str, Any]:
+        """At tp=1 the keys of the seed article's rows, unchanged (no TP keys)."""
         d = asdict(self)
         d.pop("timeline")
+        if self.tensor_parallel_size == 1:
+            d.pop("tensor_parallel_size")
+            d.pop("allreduce_seconds")
         return d
 
 
@@ -189,6 +196,7 @@ class SimRun:
     waste: list[int]
     cost: RooflineCost
     wall_seconds: float
+    comm_seconds: float = 0.0     # simulated all-reduce time (tp > 1)
 
 
 def simulate(case: SimCase, settings: SimSettings, requests: list[Request], tap: Any = None) -> SimRun:
@@ -196,10 +204,13 @@ def simulate(case: SimCase, settings: SimSettings, requests: list[Request], tap:
     simulator's token clock and driver costs) and gets `tap.added` = drive's (request id, request) pairs."""
     from kvlab.common.engine import Engine
     from kvlab.common.kv.seam import create_cache
-    spec = model_spec(settings.model, settings.dtype, settings.engine.get("kv_cache_dtype", "auto"))
+    spec = model_spec(settings.model, settings.dtype, settings.engine.get("kv_cache_dtype", "auto"),
+                      settings.tensor_parallel_size)
     cost = RooflineCost(hardware(settings.hardware), spec, settings.model_prefill, settings.mfu)
     config = case_config(case, settings, requests)
     start = time.perf_counter()
+    # tp > 1: the one cache the scheduler sees is one rank's (its KV heads, the per-GPU budget); every rank's
+    # tables are identical (common/dist/), so its capacity in tokens is the cluster's
     cache = create_cache(config, spec.kv_shape(), accounting_only=True)
     runner = RooflineRunner(cost, SAMPLED_TOKEN)
     inner = tap.attach(runner, cache) if tap is not None else runner
@@ -213,7 +224,7 @@ def simulate(case: SimCase, settings: SimSettings, requests: list[Request], tap:
             tap.added = added
     finally:
         engine.close()
-    return SimRun(m, stats, probe.waste, cost, time.perf_counter() - start)
+    return SimRun(m, stats, probe.waste, cost, time.perf_counter() - start, runner.comm_seconds)
 
 
 def run_case(case: SimCase, settings: SimSettings, requests: list[Request] | None = None,
@@ -229,7 +240,8 @@ def run_case(case: SimCase, settings: SimSettings, requests: list[Request] | Non
         max_batch=m.max_batch, steps=m.num_steps, output_tokens=m.output_tokens, failed_requests=m.num_failed,
         sim_seconds=m.wall_seconds, recompute_seconds=run.cost.prefill_seconds(m.recomputed_tokens),
         wall_seconds=run.wall_seconds, scheduler_seconds=m.scheduler_seconds,
-        timeline=m.timeline if settings.timeline_every else {})
+        timeline=m.timeline if settings.timeline_every else {},
+        tensor_parallel_size=settings.tensor_parallel_size, allreduce_seconds=run.comm_seconds)
 
 
 def _run_case_job(args: tuple[SimCase, SimSettings]) -> SimRow:
