@@ -1,4 +1,5 @@
 import os
+import signal
 
 import torch
 
@@ -15,6 +16,11 @@ from backends.slab import SPEC as SLAB
 from kvlab.common.attention.metadata import AttentionMetadata, BatchItem, base_metadata
 from kvlab.common.kv.registry import register_backend
 from kvlab.common.sequence import Sequence
+
+# A shell runs background jobs (CI, `cmd &`) with SIGINT ignored, and children inherit that, so the tests that
+# send SIGINT to a subprocess would see nothing: give this process a handler (exec resets it to the default).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 register_backend(SLAB)   # a fourth backend that lives only under tests/: the registry is the only seam it needs
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
