@@ -233,18 +233,7 @@ class SlotPages:
         first, count = slot.dropped, end - slot.dropped
         if count <= 0:
             return
-        torn = [(slot.index, j) for j in range(first, end) if (slot.index, j) in self.torn] if self.torn else []
-        try:
-            if torn:
-                self.driver.clear_mirrored(self.mirror, self._at(slot.index, first), count)
-            else:
-                self.driver.unmap_mirrored(self.mirror, self._at(slot.index, first), count)
-        except TornMirror:
-            self._mark_torn(slot, first, count)
-            raise
-        if torn:
-            self.torn.difference_update(torn)
-            self.counters.torn_pages = len(self.torn)
+        self._unmap_pages(slot, first, end)
         self.pool.put_back(slot.groups[first:end])
         slot.groups[first:end] = [DROPPED] * count
         slot.dropped = end
@@ -319,6 +308,13 @@ class SlotPages:
         if count <= 0:
             return
         first, end = len(slot.groups) - count, len(slot.groups)
+        self._unmap_pages(slot, first, end)
+        self.pool.put_back(slot.groups[first:])
+        del slot.groups[first:]
+
+    def _unmap_pages(self, slot: Slot, first: int, end: int) -> None:
+        """Unmap pages [first, end) of the slot in every tensor, all or nothing (a torn page is cleared instead)."""
+        count = end - first
         torn = [(slot.index, j) for j in range(first, end) if (slot.index, j) in self.torn] if self.torn else []
         try:
             if torn:
@@ -331,8 +327,6 @@ class SlotPages:
         if torn:
             self.torn.difference_update(torn)
             self.counters.torn_pages = len(self.torn)
-        self.pool.put_back(slot.groups[first:])
-        del slot.groups[first:]
 
     def _mark_torn(self, slot: Slot, first: int, count: int) -> None:
         self.torn.update((slot.index, j) for j in range(first, first + count))
