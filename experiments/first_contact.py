@@ -23,11 +23,9 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from kvlab.experiments.gpu_check import (
@@ -37,9 +35,8 @@ from kvlab.experiments.gpu_check import (
     default_out,
     detect_gpu,
     load_fake_driver,
-    part_env,
     run_one,
-    run_subprocess,
+    run_part,
     summary,
     write_result,
 )
@@ -445,14 +442,6 @@ PARTS: dict[str, Callable[[bool], dict[str, Any]]] = {
 
 # -- orchestration -------------------------------------------------------------------------------------------------
 
-def run_part(name: str, dry: bool, timeout: float) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as tmp:
-        result_file = Path(tmp) / "part.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--part", name, "--part-out", str(result_file)]
-        cmd += ["--dry-run-cpu"] if dry else []
-        return run_subprocess(cmd, part_env(dry, timeout), timeout, result_file)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = check_parser(__doc__.splitlines()[0], PARTS, "first_contact.json")
     args = p.parse_args(argv)
@@ -481,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
             result = {"ok": False, "error": f"not run: the {TOTAL_SECONDS} s budget is spent"}
         else:
             print(f"first_contact: {name} ...", file=sys.stderr, flush=True)
-            result = run_part(name, args.dry_run_cpu, min(PART_SECONDS[name], left))
+            result = run_part(name, args.dry_run_cpu, min(PART_SECONDS[name], left), __file__)
             print(f"first_contact: {name} {'ok' if result['ok'] else 'FAILED: ' + result['error']} "
                   f"({result.get('seconds')} s)", file=sys.stderr, flush=True)
         doc["parts"][name] = result

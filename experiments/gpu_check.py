@@ -407,10 +407,11 @@ def part_env(dry: bool, timeout: float) -> dict[str, str]:
     return env
 
 
-def run_part(name: str, dry: bool, timeout: float) -> dict[str, Any]:
+def run_part(name: str, dry: bool, timeout: float, script: str = __file__) -> dict[str, Any]:
+    """One part of `script` (this check, or first_contact.py) in its own subprocess, with its own timeout."""
     with tempfile.TemporaryDirectory() as tmp:
         result_file = Path(tmp) / "part.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--part", name, "--part-out", str(result_file)]
+        cmd = [sys.executable, str(Path(script).resolve()), "--part", name, "--part-out", str(result_file)]
         cmd += ["--dry-run-cpu"] if dry else []
         return run_subprocess(cmd, part_env(dry, timeout), timeout, result_file)
 
