@@ -98,11 +98,10 @@ class Engine:
                 raise RequestError(f"the prompt is not valid Unicode text ({exc.reason} at character "
                                    f"{exc.start}): remove lone surrogates") from None
             return prompt, list(self.tokenizer.encode(prompt))
-        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                            for t in prompt):
+        if not isinstance(prompt, (list, tuple)) or not _all_token_ids(prompt):
             raise RequestError(f"a prompt must be a string or a list of token ids, "
                                f"got {type(prompt).__name__}")
-        if self.vocab_size is not None and any(not 0 <= t < self.vocab_size for t in prompt):
+        if self.vocab_size is not None and prompt and not (0 <= min(prompt) and max(prompt) < self.vocab_size):
             bad = next(t for t in prompt if not 0 <= t < self.vocab_size)
             raise RequestError(f"token id {bad} is outside the model's vocabulary [0, {self.vocab_size})")
         return None, list(prompt)
@@ -159,9 +158,9 @@ class Engine:
         if self.config.check_invariants:
             self.scheduler.check_invariants()
             self.cache.check_invariants()
-        if out.items:
-            self.recorder.on_step(t0, t1, out, running, (w1 - w0) + (w3 - w2))
         stats = self.cache.stats()
+        if out.items:
+            self.recorder.on_step(t0, t1, out, running, (w1 - w0) + (w3 - w2), stats)
         self.attributor.on_step_end(holders, stats.map_seconds + stats.unmap_seconds)
         outputs = []
         for req in self.scheduler.pop_finished():
@@ -219,3 +218,8 @@ class Engine:
             finally:
                 if hasattr(self.runner, "close"):    # e.g. the tensor-parallel runner's ranks
                     self.runner.close()
+
+
+def _all_token_ids(prompt: list | tuple) -> bool:
+    """Every element an int and none a bool; the type-set test runs in C (simulated prompts are long)."""
+    return set(map(type, prompt)) <= {int} or all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)

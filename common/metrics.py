@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from kvlab.common.kv.seam import KVCache
+    from kvlab.common.kv.seam import CacheStats, KVCache
     from kvlab.common.request import Request, SchedulerOutput, SchedulerStats
 
 TIMELINE_FIELDS = ("time", "running", "batch", "tokens", "live_tokens", "allocated_token_slots", "used_units",
@@ -112,8 +112,8 @@ class MetricsRecorder:
         self.timeline_rows = 0
 
     def on_step(self, t_start: float, t_end: float, out: SchedulerOutput, running: int,
-                scheduler_seconds: float) -> None:
-        s = self.cache.stats()
+                scheduler_seconds: float, s: CacheStats) -> None:
+        """`s`: the cache's stats after the step (the engine reads them once per step for every consumer)."""
         self.steps += 1
         self.t_last = t_end
         self.step_seconds += t_end - t_start

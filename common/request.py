@@ -33,6 +33,7 @@ class SchedulerOutput:
     items: list[BatchItem] = field(default_factory=list)
     specs: dict[int, SampleSpec] = field(default_factory=dict)   # seq_id -> spec, items needing logits
     preempted: list[Sequence] = field(default_factory=list)     # by recompute, this step
+    admitted: list[Sequence] = field(default_factory=list)      # waiting -> running, this step
     swapped_in: list[Sequence] = field(default_factory=list)
     swapped_out: list[Sequence] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)             # request ids that failed this step

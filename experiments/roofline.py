@@ -227,11 +227,13 @@ class RooflineRunner:
         token = self.token_id
         window = self.cost.model.config.sliding_window
         for item in out.items:   # a sliding-window model reads at most W keys per query (its kernels skip the rest)
-            kv_tokens += item.context_len if window is None else min(item.context_len, window + item.num_tokens - 1)
-            if item.num_tokens > 1:
-                prefill += item.num_tokens
+            n = item.num_tokens
+            context = item.start + n
+            kv_tokens += context if window is None else min(context, window + n - 1)
+            if n > 1:
+                prefill += n
             else:
-                decode += item.num_tokens
+                decode += n
             if item.needs_logits:
                 sampled[item.seq.seq_id] = token
         if out.items:

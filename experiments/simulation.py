@@ -163,7 +163,7 @@ class WasteProbe:
     def execute(self, out: Any) -> dict[int, int]:
         for item in out.items:
             seq = item.seq
-            if item.needs_logits and seq.num_output_tokens + 1 >= seq.max_tokens:
+            if item.needs_logits and len(seq.token_ids) - seq.prompt_len + 1 >= seq.max_tokens:
                 end = item.context_len
                 self.waste.append(held_capacity(self.cache.allocator, seq, end, self.max_len) - end)
         return self.runner.execute(out)

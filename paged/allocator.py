@@ -75,6 +75,7 @@ class PagedAllocator(Allocator):
                               "frees the leading blocks a prefix hit would share); disable one of them")
         self.prefix_cache = PrefixCache() if config.enable_prefix_caching else None
         self.prefix = PrefixIndex(self.prefix_cache, self.block_size)
+        self.plain = self.prefix_cache is None and self.window is None   # allocate's fast path applies
         self.pool = BlockPool(num_blocks, self.prefix_cache)
         self.seqs: dict[int, SeqBlocks] = {}
         self.swapped: dict[int, SwappedSeq] = {}
@@ -105,17 +106,24 @@ class PagedAllocator(Allocator):
         return need - len(hits) + sum(1 for block, _ in hits if self.pool.ref_counts[block] == 0)
 
     # -- lifecycle ------------------------------------------------------------------------------------
+    @timed
     def allocate(self, seq: Sequence, num_tokens: int, reserve_units: int = 0) -> int | None:
+        entry = self.seqs.get(seq.seq_id)
+        if (entry is not None and self.plain and not self.pool.num_shared
+                and num_tokens <= len(entry.table) * self.block_size):
+            # the per-step decode path (no prefix cache, window or shared block): the blocks are already there
+            if reserve_units > self.pool.num_free():
+                return None
+            entry.num_tokens = max(entry.num_tokens, num_tokens)
+            return 0
         # units_needed counts every block either path takes, so neither can run out halfway
         if self.units_needed(seq, num_tokens) + reserve_units > self.pool.num_free():
             return None
-        entry = self.seqs.get(seq.seq_id)
         if entry is None:   # a swapped-out sequence is never in self.seqs
             return self._admit(seq, num_tokens)
         self._grow(seq, entry, num_tokens)
         return 0
 
-    @timed
     def _admit(self, seq: Sequence, num_tokens: int) -> int:
         if seq.seq_id in self.swapped:
             raise BlockPoolError(f"sequence {seq.seq_id} is swapped out; call swap_in before allocate")
@@ -129,7 +137,6 @@ class PagedAllocator(Allocator):
         self.prefix_hit_tokens += hit_tokens
         return hit_tokens
 
-    @timed
     def _grow(self, seq: Sequence, entry: SeqBlocks, num_tokens: int) -> None:
         self.prefix.register(seq, entry)
         computed = seq.num_computed_tokens

@@ -26,7 +26,7 @@ def run_steps(recorder: MetricsRecorder, cache: StubCache, steps: int, first: in
     out = SchedulerOutput()
     for i in range(first, first + steps):
         cache.step = i
-        recorder.on_step(float(i), i + 0.5, out, running=1 + i % 3, scheduler_seconds=0.0)
+        recorder.on_step(float(i), i + 0.5, out, running=1 + i % 3, scheduler_seconds=0.0, s=cache.stats())
 
 
 def test_100k_steps_keep_the_timeline_bounded():

@@ -82,6 +82,7 @@ map-budget retry and mapper job, and the step-side reads the storage uses (rows,
         self.closed = False
         self.prefix_hit_tokens = 0
         self.owners: dict[int, Sequence] = {}   # with prefix caching: the live sequences, to register their pages
+        self.plain = self.prefix is None and self.window is None    # allocate's in-place path applies
 
     # -- capacity -----------------------------------------------------------------------------------------
     def num_total_units(self) -> int:
@@ -147,6 +148,8 @@ map-budget retry and mapper job, and the step-side reads the storage uses (rows,
 
     @timed
     def allocate(self, seq: Sequence, num_tokens: int, reserve_units: int = 0) -> int | None:
+        if self.plain and not reserve_units and self._grow_in_place(seq, num_tokens):
+            return 0
         if not self._fits(seq, num_tokens, reserve_units):
             return None
         if self.mapper.pending:
@@ -170,6 +173,22 @@ map-budget retry and mapper job, and the step-side reads the storage uses (rows,
             if self.mapper.enabled:
                 self.mapper.request(self.table.of(seq.seq_id), num_tokens)
             return hit
+
+    def _grow_in_place(self, seq: Sequence, num_tokens: int) -> bool:
+        """The per-step decode path (no prefix cache, window, shared page or mapping in flight): the slot's
+        mapped pages already cover `num_tokens`, so it only holds more of them. False: take the full path."""
+        with self._lock:
+            index = self.table.slot_of.get(seq.seq_id)
+            if index is None or self.pool.num_shared or self.mapper.pending:
+                return False
+            slot = self.table.slots[index]
+            if num_tokens > len(slot.groups) * self.tokens_per_unit:   # (a slot maps at most max_len tokens)
+                return False
+            if num_tokens > slot.held:
+                self.table.hold(slot, num_tokens)
+            if self.mapper.enabled:
+                self.mapper.request(slot, num_tokens)
+            return True
 
     def _drop_below_window(self, slot: Slot, computed: int) -> None:
         """Sliding window: this step's queries start at `computed` (later steps' further on), so they read keys from

@@ -60,6 +60,7 @@ class Admission:
                 break
             queues.waiting.remove(seq)               # the head, unless parked beams precede it
             queues.enter_running(seq, req)
+            out.admitted.append(seq)
             if hit:
                 seq.num_computed_tokens = max(seq.num_computed_tokens, min(hit, seq.num_tokens - 1))
             start = seq.num_computed_tokens

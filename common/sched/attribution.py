@@ -28,7 +28,7 @@ class KVAttributor:
             req = self.req_of.get(seq.seq_id)
             if req is not None and req.num_running == 0 and req.attribution.wait_since is None:
                 req.attribution.wait_since = now
-        for seq in chain((it.seq for it in out.items), out.swapped_in):
+        for seq in chain(out.admitted, out.swapped_in):    # only these can end a wait
             req = self.req_of.get(seq.seq_id)
             if req is not None and req.num_running > 0 and req.attribution.wait_since is not None:
                 req.attribution.kv_wait_s += now - req.attribution.wait_since

@@ -143,7 +143,7 @@ def make_group(req: Request, life: Lifecycle) -> SingleGroup:
 
 def add_item(out: SchedulerOutput, req: Request, seq: Sequence, start: int, n: int) -> None:
     """Schedule tokens [start, start + n) of `seq`; if that reaches its end, its group says how to sample."""
-    logits = start + n == seq.num_tokens
+    logits = start + n == len(seq.token_ids)
     out.items.append(BatchItem(seq, start, n, logits))
     if logits:
         out.specs[seq.seq_id] = req.group.spec(seq)

@@ -31,7 +31,7 @@ class Lifecycle:
 
     # -- tokens and children --------------------------------------------------------------------------------
     def append(self, req: Request, seq: Sequence, token: int, logprob: float, check_stop: bool = True) -> None:
-        seq.append_token(token)
+        seq.token_ids.append(token)          # Sequence.append_token, inlined: once per token per sequence
         seq.cumulative_logprob += logprob
         self.stats.output_tokens += 1
         now = self.now
@@ -41,7 +41,7 @@ class Lifecycle:
                 req.first_token_time = now
         seq.last_token_time = now
         if check_stop:
-            reason = self.stop_reason(req, token, seq.num_output_tokens)
+            reason = self.stop_reason(req, token, len(seq.token_ids) - seq.prompt_len)
             if reason is not None:
                 self.finish_seq(req, seq, reason)
 

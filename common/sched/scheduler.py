@@ -162,11 +162,11 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Running sequences, oldest admission first, get their next tokens; one that cannot grow makes room."""
-        running, cache = self.queues.running, self.cache
+        running, cache, req_of = self.queues.running, self.cache, self.queues.req_of
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            n = seq.num_tokens - seq.num_computed_tokens
+            n = len(seq.token_ids) - seq.num_computed_tokens
             if n == 0:                       # a beam waiting for its siblings
                 i += 1
                 continue
@@ -176,7 +176,7 @@ class Scheduler:
                 i -= self.preemption.make_room(seq, target, i, out)
                 if seq.status is not RUNNING:
                     continue
-            add_item(out, self.queues.req_of[seq.seq_id], seq, seq.num_computed_tokens, n)
+            add_item(out, req_of[seq.seq_id], seq, seq.num_computed_tokens, n)
             budget -= n
             i += 1
         return budget
@@ -188,17 +188,18 @@ class Scheduler:
         logits, or a bare token id (a runner without logits: every requested sample gets it, logprob 0)."""
         if now is not None:
             self.life.now = now
-        stats = self.stats
+        computed, specs, req_of = 0, out.specs, self.queues.req_of
         for item in out.items:
             seq = item.seq
             if seq.status is not RUNNING:
                 continue
-            seq.num_computed_tokens = item.context_len
-            stats.computed_tokens += item.num_tokens
+            seq.num_computed_tokens = item.start + item.num_tokens
+            computed += item.num_tokens
             if not item.needs_logits:
                 continue
-            spec = out.specs[seq.seq_id]
-            self.queues.req_of[seq.seq_id].group.on_samples(seq, _samples(sampled, seq, spec), spec)
+            spec = specs[seq.seq_id]
+            req_of[seq.seq_id].group.on_samples(seq, _samples(sampled, seq, spec), spec)
+        self.stats.computed_tokens += computed
         self.queues.prune_running()
 
     def check_invariants(self) -> None:
