@@ -112,7 +112,7 @@ class PagedAllocator(Allocator):
         if (entry is not None and self.plain and not self.pool.num_shared
                 and num_tokens <= len(entry.table) * self.block_size):
             # the per-step decode path (no prefix cache, window or shared block): the blocks are already there
-            if reserve_units > self.pool.num_free():
+            if reserve_units and reserve_units > self.pool.num_free():
                 return None
             entry.num_tokens = max(entry.num_tokens, num_tokens)
             return 0

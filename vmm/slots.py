@@ -113,7 +113,12 @@ class SlotTable:
             with self.accounting(slot):
                 slot.held = tokens
             return
-        tpp, pages = self.geo.tokens_per_page, len(slot.groups)
+        tpp, held = self.geo.tokens_per_page, slot.held
+        if held and (held - 1) // tpp == (tokens - 1) // tpp:   # the same last page: only the live count moves
+            self.live_tokens += tokens - held
+            slot.held = tokens
+            return
+        pages = len(slot.groups)
         before = max(0, pages + (slot.held // -tpp))
         after = max(0, pages + (tokens // -tpp))
         self.excess += after - before

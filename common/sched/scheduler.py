@@ -170,7 +170,8 @@ class Scheduler:
             if n == 0:                       # a beam waiting for its siblings
                 i += 1
                 continue
-            n = min(n, budget)
+            if n > budget:
+                n = budget
             target = seq.num_computed_tokens + n
             if cache.allocate(seq, target) is None:
                 i -= self.preemption.make_room(seq, target, i, out)
@@ -208,6 +209,8 @@ class Scheduler:
 
 def _samples(sampled: dict, seq: Sequence, spec: SampleSpec) -> list[Sample]:
     value = sampled.get(seq.seq_id)
+    if type(value) is int:             # a runner without logits (the simulator's), the common case first
+        return [(value, 0.0)] * spec.num_samples
     if value is None:
         raise RuntimeError(f"the runner returned no sample for sequence {seq.seq_id} (it needed logits)")
     if isinstance(value, int):
