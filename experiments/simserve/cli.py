@@ -55,6 +55,9 @@ def add_parser(subparsers: Any) -> None:
                                                                     "p99_ttft_ms<=2000,p99_tpot_ms<=100")
     p.add_argument("--slo-start", type=float, default=4.0, help="first rate the search tries")
     p.add_argument("--slo-tolerance", type=float, default=0.02, help="relative width at which bisection stops")
+    p.add_argument("--no-early-stop", action="store_true",
+                   help="SLO search: run every rate to the end (default: stop a run once its SLO is certainly "
+                        "missed; its figures are then not reported)")
     p.add_argument("--driver-costs", default="zero", help=f"{' | '.join([*PROFILES, 'host'])}")
     p.add_argument("--calibration", help="host profile: `kvlab calibrate`'s JSON")
     p.add_argument("--background-mapping", action="store_true", help="hide map/unmap behind the step's compute")
@@ -87,9 +90,10 @@ def _point(a: tuple[SimCase, ServeSpec, float, int]) -> dict[str, Any]:
     return run_point(*a)
 
 
-def _search(a: tuple[SimCase, ServeSpec, int, dict[str, float], float, float]) -> dict[str, Any]:
-    case, spec, seed, target, start, tol = a
-    found = slo.search(lambda rate: run_point(case, spec, rate, seed), target, start, tol)
+def _search(a: tuple[SimCase, ServeSpec, int, dict[str, float], float, float, bool]) -> dict[str, Any]:
+    case, spec, seed, target, start, tol, early_stop = a
+    stop = target if early_stop else None
+    found = slo.search(lambda rate: run_point(case, spec, rate, seed, stop), target, start, tol)
     return {"backend": backend_label(case), "seed": seed, "slo_rate": found.rate,
             "evaluations": found.evaluations, "runs": list(found.results.values())}
 
@@ -103,9 +107,12 @@ def run(args: argparse.Namespace) -> int:
     meta = {"spec": dataclasses.asdict(spec), "backends": labels, "seeds": seeds,
             "budget_gb": args.budget_gb, "watermark": args.watermark}
     if args.slo:
-        jobs = [(c, spec, s, args.slo, args.slo_start, args.slo_tolerance) for c in cases for s in seeds]
+        jobs = [(c, spec, s, args.slo, args.slo_start, args.slo_tolerance, not args.no_early_stop)
+                for c in cases for s in seeds]
         searches = pool_map(_search, jobs, args.jobs, not args.no_progress)
-        rows = [r for s in searches for r in s["runs"]]
+        runs = [r for s in searches for r in s["runs"]]
+        rows = [r for r in runs if not r.get("stopped_early")]       # the runs with figures
+        meta["runs_stopped_early"] = len(runs) - len(rows)
         per = {b: [s["slo_rate"] for s in searches if s["backend"] == b] for b in labels}
         result = {"slo": args.slo, **summary.slo_summary(per, labels[0]),
                   "searches": [{k: v for k, v in s.items() if k != "runs"} for s in searches]}
@@ -118,7 +125,9 @@ def run(args: argparse.Namespace) -> int:
         text = grid_table(result["figures"], spec)
     meta["host_seconds"] = time.perf_counter() - t0
     print(text)
-    print(f"\n{len(rows)} simulated runs in {meta['host_seconds']:.1f} s host time")
+    stopped = meta.get("runs_stopped_early", 0)
+    print(f"\n{len(rows) + stopped} simulated runs ({stopped} stopped once their SLO was certainly missed) in "
+          f"{meta['host_seconds']:.1f} s host time")
     if not args.no_save:
         out = save(args, meta, result, rows, text)
         print(f"results in {out}/")

@@ -15,6 +15,7 @@ from kvlab.experiments.serve.arrivals import arrival_times
 from kvlab.experiments.serve.datasets import draw_lengths
 from kvlab.experiments.serve.load_run import attribution_totals
 from kvlab.experiments.simserve.costs import CostLedger, profile
+from kvlab.experiments.simserve.early_stop import SloMissed, SloWatch, stopped_result
 from kvlab.experiments.simserve.tap import ServeTap
 from kvlab.experiments.simulation import SimCase, SimSettings, format_page, run_case
 from kvlab.experiments.workload import SEED_MAX_LEN, Request, WorkloadSpec
@@ -63,13 +64,13 @@ def plan(spec: ServeSpec, rate: float, seed: int) -> list[Request]:
 class TapFactory:
     """Given to run_case: builds the ServeTap around its runner and keeps it."""
 
-    def __init__(self, ledger: CostLedger) -> None:
-        self.ledger = ledger
+    def __init__(self, ledger: CostLedger, watch: SloWatch | None = None) -> None:
+        self.ledger, self.watch = ledger, watch
         self.tap: ServeTap | None = None
         self.added: list = []
 
     def attach(self, runner: Any, cache: Any) -> ServeTap:
-        self.tap = ServeTap(runner, cache, self.ledger)
+        self.tap = ServeTap(runner, cache, self.ledger, self.watch)
         return self.tap
 
 
@@ -79,11 +80,21 @@ def backend_label(case: SimCase) -> str:
     return case.label
 
 
-def run_point(case: SimCase, spec: ServeSpec, rate: float, seed: int) -> dict[str, Any]:
+def run_point(case: SimCase, spec: ServeSpec, rate: float, seed: int, stop_on_miss: dict[str, float] | None = None
+              ) -> dict[str, Any]:
+    """One run. `stop_on_miss` (an SLO): stop as soon as the run certainly misses it (early_stop.py) and return
+    only that verdict, marked `stopped_early`."""
     requests = plan(spec, rate, seed)
     prof = profile(spec.driver_profile, spec.calibration, case.page_size)
-    factory = TapFactory(CostLedger(prof, spec.background_mapping))
-    row = run_case(case, spec.settings(seed), requests, tap=factory)
+    watch = (SloWatch(stop_on_miss, [r.arrival_s for r in requests], [r.output_len for r in requests])
+             if stop_on_miss else None)
+    factory = TapFactory(CostLedger(prof, spec.background_mapping), watch)
+    try:
+        row = run_case(case, spec.settings(seed), requests, tap=factory)
+    except SloMissed as missed:
+        return {**stopped_result(missed), "backend": backend_label(case), "request_rate": rate,
+                "burstiness": spec.burstiness, "num_prompts": spec.num_requests, "dataset": spec.dataset,
+                "seed": seed}
     records = factory.tap.records(factory.added)
     result = latency.summarize(records, row.sim_seconds, spec.goodput or None, percentiles=spec.percentiles,
                                max_concurrent=row.max_batch)

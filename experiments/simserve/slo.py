@@ -25,6 +25,8 @@ def parse_slo(text: str) -> dict[str, float]:
 
 
 def meets(result: dict[str, Any], slo: dict[str, float]) -> bool:
+    if result.get("stopped_early"):               # run_point stopped it: the SLO was certainly missed
+        return False
     for key, limit in slo.items():
         if key not in result:
             raise ConfigError(f"SLO key {key!r} is not a result key (e.g. p99_ttft_ms, p99_tpot_ms, p50_e2el_ms)")

@@ -7,13 +7,16 @@ from typing import Any
 from kvlab.experiments.roofline import RooflineRunner
 from kvlab.experiments.serve.latency import RequestRecord
 from kvlab.experiments.simserve.costs import CostLedger, StepOps
+from kvlab.experiments.simserve.early_stop import SloWatch
 
 TABLE_ENTRY_BYTES = 4          # one int32 block id per block in the uploaded table
 
 
 class ServeTap:
-    def __init__(self, runner: RooflineRunner, cache: Any, ledger: CostLedger) -> None:
+    def __init__(self, runner: RooflineRunner, cache: Any, ledger: CostLedger, watch: SloWatch | None = None
+                 ) -> None:
         self.runner, self.ledger = runner, ledger
+        self.watch = watch if watch is not None and watch.active else None   # raises SloMissed to stop the run
         allocator = cache.allocator
         self.driver_stats = getattr(getattr(allocator, "driver", None), "stats", None)   # vmm: the driver's counters
         self.block_size = getattr(allocator, "block_size", 0) if allocator.name == "paged" else 0
@@ -34,9 +37,16 @@ class ServeTap:
         if not self.zero and out.items:
             self.runner.now += self.ledger.charge(self.step_ops(out), self.runner.now - before)
         now = self.runner.now
+        watch = self.watch
         for item in out.items:
             if item.needs_logits:
-                self.tokens.setdefault(item.seq.request_id, []).append(now)
+                seq = item.seq
+                times = self.tokens.setdefault(seq.request_id, [])
+                times.append(now)
+                if watch is not None and (len(times) == 1 or len(times) == seq.max_tokens):
+                    watch.on_token(seq.request_id, len(times), seq.arrival_time, seq.max_tokens, now)
+        if watch is not None:
+            watch.check(now)
         return sampled
 
     def step_ops(self, out: Any) -> StepOps:
