@@ -37,7 +37,8 @@ class PagedProbe:
         for sid, seq in live.items():
             assert len(tables[sid]) >= -(-seq.num_computed_tokens // size), f"seq {sid}: computed tokens unbacked"
             for j, block in enumerate(tables[sid]):
-                users[block].append((sid, j))
+                if block >= 0:   # -1: dropped below a sliding window, back in the pool
+                    users[block].append((sid, j))
         self._check_counts(snap, users)
         for block, refs in users.items():
             (sid0, j0), rest = refs[0], refs[1:]
@@ -53,6 +54,11 @@ class PagedProbe:
             assert counts[block] == len(users.get(block, ())), (
                 f"block {block}: refcount {counts[block]}, referenced by {users.get(block, [])}")
             assert (block in free) == (counts[block] == 0), f"block {block}: free flag vs refcount"
+
+    def window_units(self, cache: KVCache) -> dict[int, tuple[int, list[int]]]:
+        """Per live sequence: the table's leading entries the window dropped (-1), and the blocks it holds."""
+        tables = cache.allocator.snapshot()["tables"]
+        return {sid: (sum(1 for b in t if b < 0), [b for b in t if b >= 0]) for sid, t in tables.items()}
 
     def check_drained(self, cache: KVCache) -> None:
         snap = cache.allocator.snapshot()

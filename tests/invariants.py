@@ -15,6 +15,7 @@ page or block that another sequence still uses shows up as a mismatch there.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import gc
 import os
 import random
@@ -104,6 +105,11 @@ class Tracked:
     seq: Sequence
     family: int                        # fork family: the id of the sequence it descends from
     state: str = "live"                # live | swapped | waiting (preempted by recompute, holds nothing)
+    # sliding window: the model's view of what the window let the cache drop
+    alloc_tokens: int = 0              # the most tokens an allocate asked it to hold
+    alloc_computed: int = 0            # its computed tokens at its last allocate (the window trims from there)
+    first_needed: int = 0              # the first key position the queries of its last allocate read
+    dropped: int = 0                   # leading units the window dropped (they went back to the pool)
 
 
 @dataclass
@@ -200,12 +206,18 @@ class Workload:
     """One backend plus the reference model. Every op counts itself in `ops` when it reaches the cache;
     refusals (OutOfKVCache) are counted in `ops["refused"]` and must leave the cache unchanged."""
 
-    def __init__(self, backend: str, accounting_only: bool, seed: int = 0, **overrides) -> None:
+    def __init__(self, backend: str, accounting_only: bool, seed: int = 0, window: int | None = None,
+                 **overrides) -> None:
         self._threads_before, self._memfd_before = kvlab_threads(), memfd_mappings()
         self.config = backend_config(backend, **overrides)
         self.backend = backend
         self.accounting_only = accounting_only
-        self.kv = create_cache(self.config, SHAPE, accounting_only=accounting_only)
+        self.kv = create_cache(self.config, dataclasses.replace(SHAPE, sliding_window=window),
+                               accounting_only=accounting_only)
+        self.shape = self.kv.shape          # the config's kv_cache_dtype decides the stored bytes
+        self.window = window
+        if self.shape.fp8_dtype is not None:
+            check_fp8_capacity(self.config, self.kv)
         self.cache = self.kv.allocator
         self.tracked: dict[int, Tracked] = {}
         self.ops: Counter[str] = Counter()
@@ -239,14 +251,41 @@ class Workload:
         changed nothing. None when refused."""
         need = self.cache.units_needed(seq, n)
         before = self._snapshot()
+        held_before = self._window_units()
         hit = self.cache.allocate(seq, n)
         if hit is None:
             self._refused(before, "allocate")
             return None
         assert need <= before[0], f"allocate({seq.seq_id}, {n}) succeeded with {need} units needed, {before[0]} free"
         used = before[0] - self.cache.num_free_units()
-        assert used == need, f"allocate({seq.seq_id}, {n}) took {used} units, units_needed said {need}"
+        released = self._after_window_allocate(self.tracked[seq.seq_id], n, held_before) if self.window else 0
+        assert used == need - released, (
+            f"allocate({seq.seq_id}, {n}) took {used} units: units_needed said {need}, the window released {released}")
         return hit
+
+    def _window_units(self) -> dict[int, tuple[int, list[int]]]:
+        return probe_of(self.kv).window_units(self.kv) if self.window is not None else {}
+
+    def _after_window_allocate(self, t: Tracked, n: int, held_before: dict[int, tuple[int, list[int]]]) -> int:
+        """The window drops exactly the units wholly below the first key this step's queries read (the model
+        recomputes it); counts the trims. Returns how many of the dropped units no other sequence holds (they go
+        back to the pool; the same call may take them again): units_needed does not net them out, so the free
+        count ends exactly that many above what it said."""
+        unit = self.cache.tokens_per_unit
+        t.alloc_computed = t.seq.num_computed_tokens
+        t.first_needed = max(t.alloc_computed - self.window + 1, 0)
+        t.alloc_tokens = max(t.alloc_tokens, n)
+        sid = t.seq.seq_id
+        dropped = self._window_units()[sid][0]
+        want = max(t.dropped, t.first_needed // unit)
+        assert dropped == want, f"seq {t.seq.seq_id}: the window dropped {dropped} units, the model says {want}"
+        trimmed = held_before.get(sid, (0, []))[1][:dropped - t.dropped]
+        if trimmed:
+            self.ops["trims"] += 1
+            self.ops["trimmed_units"] += len(trimmed)
+        t.dropped = dropped
+        others = {u for other, (_, units) in held_before.items() if other != sid for u in units}
+        return sum(1 for u in trimmed if u not in others)
 
     # -- operations
     def admit(self, prompt: list[int], max_tokens: int, chunk: int) -> None:
@@ -313,7 +352,8 @@ class Workload:
 
     def _compute(self, items: list[BatchItem]) -> None:
         meta = self.kv.storage.prepare(items)
-        s = SHAPE
+        meta.sliding_window = self.window   # as the model does (common/model.py): prepare leaves it to the caller
+        s = self.shape
         new = [self.expected.of(it.seq.token_ids, it.start, it.context_len) for it in items]
         for layer in range(s.num_layers):
             q = torch.randn(meta.num_tokens, s.num_q_heads, s.head_dim, generator=self.gen)
@@ -328,7 +368,10 @@ class Workload:
         for it in items:
             kv = self.expected.of(it.seq.token_ids, 0, it.context_len)[layer]
             keys, values = (x.repeat_interleave(group, dim=1).transpose(0, 1) for x in (kv[0], kv[1]))
-            mask = torch.arange(it.context_len)[None, :] <= torch.arange(it.start, it.context_len)[:, None]
+            keys_at, queries_at = torch.arange(it.context_len)[None, :], torch.arange(it.start, it.context_len)[:, None]
+            mask = keys_at <= queries_at
+            if self.window is not None:   # each query reads its last W keys only
+                mask &= keys_at > queries_at - self.window
             part = q[row:row + it.num_tokens].transpose(0, 1)
             outs.append(F.scaled_dot_product_attention(part, keys, values, attn_mask=mask, scale=SCALE)
                         .transpose(0, 1))
@@ -350,7 +393,7 @@ class Workload:
         except OutOfKVCache:
             self._refused(before, "fork")
             return
-        self.tracked[cid] = Tracked(child, family=parent.family)
+        self.tracked[cid] = dataclasses.replace(parent, seq=child)
 
     def free(self, sid: int) -> None:
         self.cache.free(self.seq(sid))
@@ -383,22 +426,43 @@ class Workload:
         seq = self.seq(sid)
         self.cache.free(seq)
         seq.num_computed_tokens = 0
-        self.tracked[sid].state = "waiting"
+        self.tracked[sid] = Tracked(seq, self.tracked[sid].family, "waiting")
         self.ops["preempt"] += 1
 
     # -- checks
     def check(self) -> None:
         check_structure(self.kv, self.tracked, self.config.enable_prefix_caching)
         self.ops["checks"] += 1
+        if self.window is not None:
+            self._check_window()
         if self.accounting_only:
             return
         read = probe_of(self.kv).read
         for sid in self.ids("live"):
             seq = self.seq(sid)
             n = seq.num_computed_tokens
-            stored = read(self.kv, seq, n)
-            want = self.expected.of(seq.token_ids, 0, n)
+            first = min(self.tracked[sid].first_needed, n)   # below it the window dropped the K/V
+            stored = read(self.kv, seq, n)[:, :, first:]
+            want = self.expected.of(seq.token_ids, first, n)
             assert torch.equal(stored, want), f"seq {sid}: stored K/V differ from what was written"
+
+    def _check_window(self) -> None:
+        """A window sequence holds no more units than the window needs (ceil(W / unit) + 1 while it decodes), what
+        the window dropped went back to the free count exactly, and nothing drops but at an allocate."""
+        unit, w = self.cache.tokens_per_unit, self.window
+        held = probe_of(self.kv).window_units(self.kv)
+        assert set(held) == set(self.ids("live")), f"window units of {sorted(held)} != live {self.ids('live')}"
+        in_use: set[int] = set()
+        for sid, (dropped, units) in held.items():
+            t = self.tracked[sid]
+            assert dropped == t.dropped, f"seq {sid}: {dropped} units dropped, {t.dropped} at its last allocate"
+            bound = -(-t.alloc_tokens // unit) - t.first_needed // unit   # units of [first_needed, alloc_tokens)
+            assert len(units) <= bound, f"seq {sid} holds {len(units)} units, its window needs {bound}"
+            if t.alloc_tokens <= t.alloc_computed + 1:                    # decoding: the backends' promise
+                assert len(units) <= -(-w // unit) + 1, f"seq {sid} decodes with {len(units)} units, W={w}"
+            in_use.update(units)
+        free, total = self.cache.num_free_units(), self.cache.num_total_units()
+        assert free == total - len(in_use), f"{free} units free, {total} - {len(in_use)} in use expected"
 
     def drain(self) -> None:
         """Abort everything, check nothing is left, close, check nothing survives the close."""
@@ -415,6 +479,30 @@ class Workload:
 
 
 OPS = ("admit", "readmit", "grow", "write", "fork", "free", "abort", "swap_out", "swap_in", "preempt")
+
+
+def token_capacity(config: EngineConfig, dtype: str, kv_cache_dtype: str) -> tuple[int, int]:
+    """(tokens the budget holds, bytes per token) of config's backend at this compute and KV dtype (accounting)."""
+    cache = create_cache(dataclasses.replace(config, kv_cache_dtype=kv_cache_dtype),
+                         dataclasses.replace(SHAPE, dtype=dtype), accounting_only=True)
+    try:
+        st = cache.stats()
+        return st.total_units * st.tokens_per_unit, cache.shape.bytes_per_token
+    finally:
+        cache.close()
+
+
+def check_fp8_capacity(config: EngineConfig, kv: KVCache) -> None:
+    """An fp8 cache stores 1-byte K/V: its byte budget holds exactly twice the tokens of bf16, four times fp32."""
+    st = kv.stats()
+    tokens = st.total_units * st.tokens_per_unit
+    assert kv.shape.itemsize == 1 and kv.shape.bytes_per_token == SHAPE.bytes_per_token // 4
+    assert st.extra["kv_cache_dtype"] == config.kv_cache_dtype
+    assert tokens * kv.shape.bytes_per_token <= config.kv_cache_bytes, "the fp8 cache holds more than its budget"
+    bf16, bf16_bytes = token_capacity(config, "bfloat16", "auto")
+    fp32, _ = token_capacity(config, "float32", "auto")
+    assert bf16_bytes == 2 * kv.shape.bytes_per_token
+    assert tokens == 2 * bf16 == 4 * fp32, f"fp8 holds {tokens} tokens: bf16 {bf16}, fp32 {fp32}"
 
 
 def random_workload(backend: str, accounting_only: bool, seed: int, num_ops: int, **overrides) -> Counter:

@@ -2,7 +2,9 @@
 abort / swap / preempt sequences on every backend, in accounting and real mode, and random add / abort / step
 sequences through the real Scheduler and Engine. After every step the books are checked against an independent
 model (tests/invariants.py); after every run nothing may be left: units, tables, slots, mappings, host swap
-copies, background threads.
+copies, background threads. Issue 17 adds a sliding-window machine (W drawn in 8..24, below MAX_LEN) for every
+backend whose BackendSpec says `window_trim`, in accounting and real mode, that counts the window's trims and
+asserts some ran, and an fp8_e4m3 machine on every backend (its budget holds exactly 2x bf16's tokens).
 
 Runs are derandomized (the same examples on every machine) and count the operations they execute; the totals
 are printed per backend. `-m slow` runs ten times the budget.
@@ -18,6 +20,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
+    initialize,
     invariant,
     precondition,
     rule,
@@ -26,6 +29,7 @@ from hypothesis.stateful import (
 from invariants import (
     EOS,
     MAX_LEN,
+    OPS,
     SHAPE,
     VOCAB,
     CheapRunner,
@@ -178,6 +182,27 @@ class PagePrefixCacheMachine(PrefixCacheMachine):
         self.w.admit(prompt, max_tokens, chunk)
 
 
+class WindowMachine(CacheMachine):
+    """A sliding-window model (every layer reads its last W keys): W is drawn per example, well below MAX_LEN, so
+    long sequences drop units below the window; the model checks what they hold and what went back."""
+    windows = st.integers(8, 24)
+
+    def __init__(self) -> None:
+        RuleBasedStateMachine.__init__(self)   # the workload waits for the drawn window
+
+    @initialize(window=windows)
+    def start(self, window):
+        self.w = Workload(self.backend, self.accounting_only, window=window, **self.overrides)
+
+    @precondition(lambda self: bool(self.w.ids("live")))
+    @rule(data=st.data(), steps=st.integers(4, 40))
+    def decode_run(self, data, steps):
+        """One sequence decodes token by token (an allocate each): long enough to pass the window."""
+        sid = self._pick(data, "live")
+        for _ in range(steps):
+            self.w.write([(sid, 1)])
+
+
 def machine(backend: str, accounting_only: bool, base: type = CacheMachine, **overrides) -> type:
     name = f"{backend.title()}{'Accounting' if accounting_only else 'Real'}Machine"
     return type(name, (base,), {"backend": backend, "accounting_only": accounting_only, "overrides": overrides,
@@ -200,9 +225,6 @@ VARIANTS = {
                 ("accounting max", machine("reserve", True, reserve_mode="max"), 20),
                 ("real oracle", machine("reserve", False), 30)],
 }
-OPS = ("admit", "readmit", "grow", "write", "fork", "free", "abort", "swap_out", "swap_in", "preempt")
-
-
 def variants(backend: str) -> list[tuple[str, type, int]]:
     if backend in VARIANTS:
         return VARIANTS[backend]
@@ -231,6 +253,66 @@ def test_random_operations_keep_the_books(backend, capsys):
 def test_random_operations_keep_the_books_long(backend, capsys):
     total = run_backend(backend, 10, capsys)
     assert total >= 20000
+
+
+# -- sliding window and fp8 KV (issue 17) ----------------------------------------------------------------------
+# Backends that free units below a sliding window say so in their BackendSpec (window_trim); each runs the window
+# machine in accounting and real mode. fp8 changes only the bytes per token: accounting mode on every backend.
+WINDOW_VARIANTS = [("window accounting", True, 40), ("window real", False, 40)]
+FP8_EXAMPLES = 20
+
+
+def run_window(backend: str, scale: int, capsys) -> Counter:
+    totals: Counter = Counter()
+    for label, accounting, examples in WINDOW_VARIANTS:
+        cls = machine(backend, accounting, WindowMachine)
+        seconds = run_machine(cls, examples * scale)
+        report(capsys, f"{backend} {label}", cls.totals, seconds, OPS + ("trims", "trimmed_units"))
+        assert cls.totals["trims"] > 0, f"the window never trimmed in {backend} {label}"
+        totals.update(cls.totals)
+    with capsys.disabled():
+        print(f"[properties] {backend}: {totals['trims']} window trims dropped {totals['trimmed_units']} units")
+    return totals
+
+
+def skip_without_window_trim(backend: str) -> None:
+    if not get_backend(backend).window_trim:
+        pytest.skip(f"{backend} frees nothing below a sliding window (its BackendSpec.window_trim is False): "
+                    "there is no trimming to check")
+
+
+@pytest.mark.parametrize("backend", backend_names())
+def test_window_trimming_keeps_the_books(backend, capsys):
+    skip_without_window_trim(backend)
+    totals = run_window(backend, 1, capsys)
+    assert totals["trims"] > 0, f"the window never trimmed on {backend}"
+    assert sum(totals[k] for k in OPS) >= 1000
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", backend_names())
+def test_window_trimming_keeps_the_books_long(backend, capsys):
+    skip_without_window_trim(backend)
+    totals = run_window(backend, 10, capsys)
+    assert totals["trims"] > 0 and sum(totals[k] for k in OPS) >= 10000
+
+
+def run_fp8(backend: str, scale: int, capsys) -> int:
+    cls = machine(backend, True, kv_cache_dtype="fp8_e4m3")
+    seconds = run_machine(cls, FP8_EXAMPLES * scale)
+    return report(capsys, f"{backend} fp8_e4m3 accounting", cls.totals, seconds, OPS)
+
+
+@pytest.mark.parametrize("backend", backend_names())
+def test_fp8_capacity_keeps_the_books(backend, capsys):
+    """Every example checks the fp8 budget holds exactly 2x the bf16 tokens (4x fp32) before it runs."""
+    assert run_fp8(backend, 1, capsys) >= 500
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", backend_names())
+def test_fp8_capacity_keeps_the_books_long(backend, capsys):
+    assert run_fp8(backend, 10, capsys) >= 5000
 
 
 # -- the scheduler and engine -----------------------------------------------------------------------------------

@@ -60,6 +60,14 @@ class VMMProbe:
         stale = sum(len(s["groups"]) for s in slots if s["seq_id"] is None)
         assert snap["reclaimable_units"] >= stale
 
+    def window_units(self, cache: KVCache) -> dict[int, tuple[int, list[int]]]:
+        """Per live sequence: the leading pages the window unmapped, and the page groups backing its held tokens
+        (a slot's groups past its held tokens are reclaimable, counted free)."""
+        snap = cache.allocator.snapshot()
+        tpp = snap["geometry"]["tokens_per_page"]
+        return {s["seq_id"]: (s["dropped"], s["groups"][s["dropped"]:-(-s["held"] // tpp)])
+                for s in snap["slots"] if s["seq_id"] is not None}
+
     def check_drained(self, cache: KVCache) -> None:
         snap = cache.allocator.snapshot()
         assert not snap["slot_of"] and not snap["swapped"] and not snap["pending"]

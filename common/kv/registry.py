@@ -36,6 +36,10 @@ class BackendProbe(Protocol):
 
     def check_drained(self, cache: KVCache) -> None: ...
 
+    def window_units(self, cache: KVCache) -> dict[int, tuple[int, list[int]]]:
+        """(window_trim backends) per live sequence: how many leading units the sliding window dropped, and the
+        ids of the units it still holds."""
+
     def check_closed(self, cache: KVCache) -> None: ...
 
 
@@ -49,6 +53,7 @@ class BackendSpec:
     label: Callable[[Any], str]                # options -> a short label for reports ("paged-16", "vmm-64KiB")
     probe: str                                 # "module:attribute" of its BackendProbe (tests only)
     watermark: bool = True                     # whether the admission watermark applies to it
+    window_trim: bool = False                  # frees units wholly below a sliding window (its probe: window_units)
     help: str = ""                             # one line for --help and the README
 
     def default_options(self) -> Any:
