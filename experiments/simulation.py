@@ -81,6 +81,7 @@ class SimSettings:
     engine: dict[str, Any] = field(default_factory=dict)   # EngineConfig overrides (max_num_seqs, ...)
     timeline_every: int = 0                                 # 0 = no timeline kept
     tensor_parallel_size: int = 1     # >1: the cache and the costs are one rank's shard; budgets are per GPU
+    max_concurrency: int = 0          # serving: at most this many requests in flight at the client (0 = no limit)
 
 
 @dataclass(slots=True)
@@ -169,23 +170,29 @@ class WasteProbe:
         return self.runner.execute(out)
 
 
-def drive(engine: Any, runner: RooflineRunner, requests: list[Request]) -> list[tuple[str, Request]]:
-    """Add each request when the simulated clock reaches its arrival; idle time jumps to the next one.
-    Returns (request id, request) in the order added."""
+def drive(engine: Any, runner: RooflineRunner, requests: list[Request],
+          max_concurrency: int = 0) -> tuple[list[tuple[str, Request]], dict[str, Any]]:
+    """Add each request when the simulated clock reaches its arrival; idle time jumps to the next one. With
+    `max_concurrency` N > 0, at most N requests are in flight (the client's limit, as `vllm bench serve`'s): an
+    arrival that finds N in flight is sent when one finishes, and the engine sees it then (its send time).
+    Returns (request id, request) in the order added, and each request's RequestMetrics by request id."""
     from kvlab.common.sampling_params import SamplingParams
     pending = deque(sorted(requests, key=lambda r: r.arrival_s))
-    added = []
+    free_since = deque([0.0] * (max_concurrency or len(requests)))     # when each free client slot freed up
+    added, finished = [], {}
     while pending or engine.has_unfinished():
-        while pending and pending[0].arrival_s <= runner.clock():
+        while pending and free_since and pending[0].arrival_s <= runner.clock():
             r = pending.popleft()
             prompt = r.token_ids if r.token_ids is not None else [PROMPT_TOKEN] * r.prompt_len
             added.append((engine.add_request(prompt, SamplingParams(max_tokens=r.output_len, ignore_eos=True),
-                                             arrival_time=r.arrival_s), r))
+                                             arrival_time=max(r.arrival_s, free_since.popleft())), r))
         if not engine.has_unfinished():
             runner.advance_to(pending[0].arrival_s)
             continue
-        engine.step()
-    return added
+        for out in engine.step():
+            finished[out.request_id] = out.metrics
+            free_since.append(runner.clock())
+    return added, finished
 
 
 @dataclass(slots=True)
@@ -201,7 +208,8 @@ class SimRun:
 
 def simulate(case: SimCase, settings: SimSettings, requests: list[Request], tap: Any = None) -> SimRun:
     """One simulation. `tap`, when given, wraps the roofline runner (`tap.attach(runner, cache)`: the serving
-    simulator's token clock and driver costs) and gets `tap.added` = drive's (request id, request) pairs."""
+    simulator's token clock and driver costs), is bound to the engine (`tap.bind(engine)`), and gets `tap.added`
+    and `tap.finished` = drive's (request id, request) pairs and RequestMetrics by request id."""
     from kvlab.common.engine import Engine
     from kvlab.common.kv.seam import create_cache
     spec = model_spec(settings.model, settings.dtype, settings.engine.get("kv_cache_dtype", "auto"),
@@ -216,12 +224,14 @@ def simulate(case: SimCase, settings: SimSettings, requests: list[Request], tap:
     inner = tap.attach(runner, cache) if tap is not None else runner
     probe = WasteProbe(inner, cache, config.max_model_len)
     engine = Engine(config, cache, probe, timeline_every=settings.timeline_every or 10**9)
+    if tap is not None:
+        tap.bind(engine)
     try:
         engine.reset_metrics()
-        added = drive(engine, runner, requests)
+        added, finished = drive(engine, runner, requests, settings.max_concurrency)
         m, stats = engine.metrics(), engine.cache_stats()
         if tap is not None:
-            tap.added = added
+            tap.added, tap.finished = added, finished
     finally:
         engine.close()
     return SimRun(m, stats, probe.waste, cost, time.perf_counter() - start, runner.comm_seconds)

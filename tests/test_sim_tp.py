@@ -63,7 +63,7 @@ def test_fixed_per_rank_budget_holds_twice_the_tokens_at_tp2(backend, extra):
 def test_step_is_the_shard_roofline_plus_two_allreduces_per_layer():
     from types import SimpleNamespace
     cost = RooflineCost(hardware("h100"), model_spec("llama3-70b", tp=4))
-    items = [SimpleNamespace(context_len=1000, num_tokens=1, needs_logits=True, seq=SimpleNamespace(seq_id=i))
+    items = [SimpleNamespace(start=999, num_tokens=1, needs_logits=True, seq=SimpleNamespace(seq_id=i))
              for i in range(8)]
     runner = RooflineRunner(cost)
     runner.execute(SimpleNamespace(items=items))

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.common.errors import ConfigError
+from kvlab.common.limits import check_int_range
 from kvlab.experiments import cli
 from kvlab.experiments.roofline import HARDWARE, hardware, model_spec
 from kvlab.experiments.serve import latency
@@ -53,14 +54,23 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--goodput", nargs="+", metavar="NAME:MS", help="SLOs for goodput: ttft:MS tpot:MS e2el:MS")
     p.add_argument("--slo", type=cli.arg_type(slo.parse_slo), help="search the highest rate meeting e.g. "
                                                                     "p99_ttft_ms<=2000,p99_tpot_ms<=100")
-    p.add_argument("--slo-start", type=float, default=4.0, help="first rate the search tries")
+    p.add_argument("--search", choices=("request-rate", "max-concurrency"), default="request-rate",
+                   help="the SLO search's axis: the request rate, or the client's max concurrency (integer, at "
+                        "the one rate of --request-rates, default inf)")
+    p.add_argument("--slo-start", type=float, default=4.0, help="first rate (or concurrency) the search tries")
     p.add_argument("--slo-tolerance", type=float, default=0.02, help="relative width at which bisection stops")
     p.add_argument("--no-early-stop", action="store_true",
-                   help="SLO search: run every rate to the end (default: stop a run once its SLO is certainly "
+                   help="SLO search: run every point to the end (default: stop a run once its SLO is certainly "
                         "missed; its figures are then not reported)")
     p.add_argument("--driver-costs", default="zero", help=f"{' | '.join([*PROFILES, 'host'])}")
     p.add_argument("--calibration", help="host profile: `kvlab calibrate`'s JSON")
     p.add_argument("--background-mapping", action="store_true", help="hide map/unmap behind the step's compute")
+    p.add_argument("--max-concurrency", type=int, default=0,
+                   help="at most N requests in flight at the client (vllm bench serve's flag; 0 = no limit): an "
+                        "arrival finding N in flight is sent when one finishes, and is timed from its send")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="shard the model over N GPUs: per-rank costs and KV, ring all-reduces over the hardware's "
+                        "NVLink; --budget-gb is per GPU (docs/tensor-parallel.md, Simulator)")
     p.add_argument("--jobs", type=int, default=2, help="worker processes")
     p.add_argument("--out", metavar="DIR", help="results directory (default results/<timestamp>/)")
     p.add_argument("--no-save", action="store_true")
@@ -71,7 +81,9 @@ def add_parser(subparsers: Any) -> None:
 
 def spec_from_args(args: argparse.Namespace) -> ServeSpec:
     hardware(args.hardware)
-    model_spec(args.model)
+    check_int_range("--tensor-parallel-size", args.tensor_parallel_size, 1, 1024)
+    check_int_range("--max-concurrency", args.max_concurrency, 0, 10**9)
+    model_spec(args.model, tp=args.tensor_parallel_size)
     if args.driver_costs not in (*PROFILES, "host"):
         raise ConfigError(f"unknown --driver-costs {args.driver_costs!r}; choose {', '.join([*PROFILES, 'host'])}")
     if args.seeds < 1 or args.num_prompts < 1:
@@ -83,7 +95,8 @@ def spec_from_args(args: argparse.Namespace) -> ServeSpec:
                      burstiness=args.burstiness, hardware=args.hardware, model=args.model,
                      model_prefill=not args.ignore_prefill, mfu=args.mfu, engine=engine,
                      goodput=latency.parse_goodput(args.goodput), driver_profile=args.driver_costs,
-                     calibration=args.calibration, background_mapping=args.background_mapping)
+                     calibration=args.calibration, background_mapping=args.background_mapping,
+                     tensor_parallel_size=args.tensor_parallel_size, max_concurrency=args.max_concurrency)
 
 
 def _point(a: tuple[SimCase, ServeSpec, float, int]) -> dict[str, Any]:
@@ -93,9 +106,30 @@ def _point(a: tuple[SimCase, ServeSpec, float, int]) -> dict[str, Any]:
 def _search(a: tuple[SimCase, ServeSpec, int, dict[str, float], float, float, bool]) -> dict[str, Any]:
     case, spec, seed, target, start, tol, early_stop = a
     stop = target if early_stop else None
-    found = slo.search(lambda rate: run_point(case, spec, rate, seed, stop), target, start, tol)
+    found = slo.search(lambda rate: run_point(case, spec, rate, seed, stop_on_miss=stop), target, start, tol)
     return {"backend": backend_label(case), "seed": seed, "slo_rate": found.rate,
             "evaluations": found.evaluations, "runs": list(found.results.values())}
+
+
+def _search_concurrency(a: tuple[SimCase, ServeSpec, int, dict[str, float], float, float, bool]) -> dict[str, Any]:
+    case, spec, seed, target, start, rate, early_stop = a
+    stop = target if early_stop else None
+    found = slo.search_int(lambda n: run_point(case, spec, rate, seed, max_concurrency=n, stop_on_miss=stop),
+                           target, int(start), high_limit=spec.num_requests)
+    return {"backend": backend_label(case), "seed": seed, "slo_max_concurrency": found.rate,
+            "evaluations": found.evaluations, "runs": list(found.results.values())}
+
+
+def slo_jobs(args: argparse.Namespace, spec: ServeSpec, cases: list[SimCase], seeds: list[int]) -> tuple:
+    """(worker function, its jobs, the searched key) for the SLO search's axis."""
+    if args.search == "max-concurrency":
+        rates = parse_rates(args.request_rates)
+        if len(rates) != 1:
+            raise ConfigError("--search max-concurrency runs at one rate: give one --request-rates value (or inf)")
+        return (_search_concurrency, [(c, spec, s, args.slo, args.slo_start, rates[0], not args.no_early_stop)
+                                      for c in cases for s in seeds], "slo_max_concurrency")
+    return (_search, [(c, spec, s, args.slo, args.slo_start, args.slo_tolerance, not args.no_early_stop)
+                      for c in cases for s in seeds], "slo_rate")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -107,14 +141,13 @@ def run(args: argparse.Namespace) -> int:
     meta = {"spec": dataclasses.asdict(spec), "backends": labels, "seeds": seeds,
             "budget_gb": args.budget_gb, "watermark": args.watermark}
     if args.slo:
-        jobs = [(c, spec, s, args.slo, args.slo_start, args.slo_tolerance, not args.no_early_stop)
-                for c in cases for s in seeds]
-        searches = pool_map(_search, jobs, args.jobs, not args.no_progress)
+        fn, jobs, key = slo_jobs(args, spec, cases, seeds)
+        searches = pool_map(fn, jobs, args.jobs, not args.no_progress)
         runs = [r for s in searches for r in s["runs"]]
         rows = [r for r in runs if not r.get("stopped_early")]       # the runs with figures
         meta["runs_stopped_early"] = len(runs) - len(rows)
-        per = {b: [s["slo_rate"] for s in searches if s["backend"] == b] for b in labels}
-        result = {"slo": args.slo, **summary.slo_summary(per, labels[0]),
+        per = {b: [s[key] for s in searches if s["backend"] == b] for b in labels}
+        result = {"slo": args.slo, "axis": args.search, **summary.slo_summary(per, labels[0], key),
                   "searches": [{k: v for k, v in s.items() if k != "runs"} for s in searches]}
         text = slo_table(result, args.slo, spec)
     else:
@@ -137,7 +170,10 @@ def run(args: argparse.Namespace) -> int:
 def profile_line(spec: ServeSpec) -> str:
     prof = PROFILES.get(spec.driver_profile)
     src = prof.source if prof else "kvlab calibrate"
-    return (f"{spec.num_requests} requests ({spec.dataset}), {spec.model} on {spec.hardware}, prefill "
+    on = f"{spec.tensor_parallel_size} x {spec.hardware} (tensor parallel, GB per GPU)" \
+        if spec.tensor_parallel_size > 1 else spec.hardware
+    limit = f", max concurrency {spec.max_concurrency}" if spec.max_concurrency else ""
+    return (f"{spec.num_requests} requests ({spec.dataset}){limit}, {spec.model} on {on}, prefill "
             f"{'modelled' if spec.model_prefill else 'ignored'}; driver costs {spec.driver_profile} ({src}), "
             f"background mapping {'on' if spec.background_mapping else 'off'}")
 
@@ -161,11 +197,16 @@ def slo_table(result: dict[str, Any], target: dict[str, float], spec: ServeSpec)
     for backend, r in result["backends"].items():
         ratio = result["ratios"].get(backend)
         rel = f"{ratio['ratio']:.3f} [{ratio['ci95'][0]:.3f}, {ratio['ci95'][1]:.3f}]" if ratio else "1 (reference)"
-        body.append([backend, f"{r['slo_rate']:.3g}", f"[{r['ci95'][0]:.3g}, {r['ci95'][1]:.3g}]",
+        value = r.get("slo_max_concurrency", r.get("slo_rate"))
+        body.append([backend, f"{value:.3g}", f"[{r['ci95'][0]:.3g}, {r['ci95'][1]:.3g}]",
                      " ".join(f"{v:.3g}" for v in r["per_seed"]), rel])
     goal = ", ".join(f"{k} <= {v:g}" for k, v in target.items())
-    return table(["backend", "SLO rate (req/s)", "95% CI", "per seed", "ratio [95% CI]"], body,
-                 f"Highest rate with {goal}; {profile_line(spec)}")
+    if result.get("axis") == "max-concurrency":
+        head, what = "SLO max concurrency", "Highest max concurrency"
+    else:
+        head, what = "SLO rate (req/s)", "Highest rate"
+    return table(["backend", head, "95% CI", "per seed", "ratio [95% CI]"], body,
+                 f"{what} with {goal}; {profile_line(spec)}")
 
 
 def save(args: argparse.Namespace, meta: dict, result: dict, rows: list[dict], text: str) -> Path:

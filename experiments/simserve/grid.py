@@ -1,30 +1,33 @@
-"""Run many independent points (or SLO searches) in a process pool; Ctrl-C cancels what has not started."""
+"""Run many independent points (or SLO searches) in a process pool. Ctrl-C: the workers ignore SIGINT, the parent
+terminates them all (simulation.worker_pool) and the CLI exits 130 with one line."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from concurrent.futures import ProcessPoolExecutor
 from typing import Any
+
+from kvlab.experiments.simulation import worker_pool
 
 
 def pool_map(fn: Callable[[Any], Any], jobs_args: list[Any], jobs: int, progress: bool = False) -> list[Any]:
     bar = _bar(len(jobs_args), progress)
+    try:
+        return _map(fn, jobs_args, jobs, bar)
+    finally:                          # an interrupt too: the bar's line is cleared before the error line
+        if bar:
+            bar.close()
+
+
+def _map(fn: Callable[[Any], Any], jobs_args: list[Any], jobs: int, bar: Any) -> list[Any]:
     out: list[Any] = []
     if jobs <= 1 or len(jobs_args) <= 1:
         for a in jobs_args:
             out.append(fn(a))
             bar and bar.update(1)
-    else:
-        pool = ProcessPoolExecutor(min(jobs, len(jobs_args)))
-        try:
-            for r in pool.map(fn, jobs_args):
-                out.append(r)
-                bar and bar.update(1)
-        except KeyboardInterrupt:
-            pool.shutdown(wait=False, cancel_futures=True)
-            raise
-        pool.shutdown()
-    if bar:
-        bar.close()
+        return out
+    with worker_pool(min(jobs, len(jobs_args))) as pool:
+        for r in pool.imap(fn, jobs_args):
+            out.append(r)
+            bar and bar.update(1)
     return out
 
 

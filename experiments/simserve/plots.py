@@ -76,11 +76,14 @@ def pareto(out: Path, rows: list[dict[str, Any]]) -> Path:
 def slo_bars(out: Path, result: dict[str, Any]) -> Path:
     plt, fig, ax = _figure()
     names = list(result["backends"])
-    means = [result["backends"][b]["slo_rate"] for b in names]
+    concurrency = result.get("axis") == "max-concurrency"
+    key = "slo_max_concurrency" if concurrency else "slo_rate"
+    means = [result["backends"][b][key] for b in names]
     lo = [m - result["backends"][b]["ci95"][0] for b, m in zip(names, means)]
     hi = [result["backends"][b]["ci95"][1] - m for b, m in zip(names, means)]
-    ax.bar(names, means, yerr=[lo, hi], capsize=4, label="SLO rate, 95% CI")
-    ax.set_ylabel("highest rate meeting the SLO (req/s)")
+    ax.bar(names, means, yerr=[lo, hi], capsize=4, label=f"SLO {'max concurrency' if concurrency else 'rate'}, "
+                                                          "95% CI")
+    ax.set_ylabel("highest max concurrency meeting the SLO" if concurrency else "highest rate meeting the SLO (req/s)")
     return _save(plt, fig, ax, out / "sim_slo_rate.png")
 
 

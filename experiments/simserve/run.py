@@ -13,7 +13,7 @@ from kvlab.common.errors import ConfigError
 from kvlab.experiments.serve import latency
 from kvlab.experiments.serve.arrivals import arrival_times
 from kvlab.experiments.serve.datasets import draw_lengths
-from kvlab.experiments.serve.load_run import attribution_totals
+from kvlab.experiments.serve.load_run import attribution_totals, request_log
 from kvlab.experiments.simserve.costs import CostLedger, profile
 from kvlab.experiments.simserve.early_stop import SloMissed, SloWatch, stopped_result
 from kvlab.experiments.simserve.tap import ServeTap
@@ -42,11 +42,15 @@ class ServeSpec:
     driver_profile: str = "zero"
     calibration: str | None = None
     background_mapping: bool = False
+    tensor_parallel_size: int = 1      # budgets per GPU; costs and KV per rank (docs/tensor-parallel.md)
+    max_concurrency: int = 0           # client-side limit on requests in flight (0 = none)
 
-    def settings(self, seed: int) -> SimSettings:
+    def settings(self, seed: int, max_concurrency: int | None = None) -> SimSettings:
         workload = WorkloadSpec(num_requests=self.num_requests, seed=seed, scale=self.scale, max_len=self.max_len)
+        limit = self.max_concurrency if max_concurrency is None else max_concurrency
         return SimSettings(workload=workload, hardware=self.hardware, model=self.model,
-                           model_prefill=self.model_prefill, mfu=self.mfu, engine=dict(self.engine))
+                           model_prefill=self.model_prefill, mfu=self.mfu, engine=dict(self.engine),
+                           tensor_parallel_size=self.tensor_parallel_size, max_concurrency=limit)
 
 
 def plan(spec: ServeSpec, rate: float, seed: int) -> list[Request]:
@@ -68,10 +72,14 @@ class TapFactory:
         self.ledger, self.watch = ledger, watch
         self.tap: ServeTap | None = None
         self.added: list = []
+        self.finished: dict[str, Any] = {}
 
     def attach(self, runner: Any, cache: Any) -> ServeTap:
         self.tap = ServeTap(runner, cache, self.ledger, self.watch)
         return self.tap
+
+    def bind(self, engine: Any) -> None:
+        self.tap.bind(engine)
 
 
 def backend_label(case: SimCase) -> str:
@@ -80,30 +88,44 @@ def backend_label(case: SimCase) -> str:
     return case.label
 
 
-def run_point(case: SimCase, spec: ServeSpec, rate: float, seed: int, stop_on_miss: dict[str, float] | None = None
-              ) -> dict[str, Any]:
-    """One run. `stop_on_miss` (an SLO): stop as soon as the run certainly misses it (early_stop.py) and return
-    only that verdict, marked `stopped_early`."""
+def run_point(case: SimCase, spec: ServeSpec, rate: float, seed: int, max_concurrency: int | None = None,
+              stop_on_miss: dict[str, float] | None = None) -> dict[str, Any]:
+    """One run; `max_concurrency` overrides the spec's (the concurrency search's axis). `stop_on_miss` (an SLO):
+    stop as soon as the run certainly misses it (early_stop.py) and return only that verdict, `stopped_early`."""
     requests = plan(spec, rate, seed)
     prof = profile(spec.driver_profile, spec.calibration, case.page_size)
-    watch = (SloWatch(stop_on_miss, [r.arrival_s for r in requests], [r.output_len for r in requests])
-             if stop_on_miss else None)
-    factory = TapFactory(CostLedger(prof, spec.background_mapping), watch)
+    settings = spec.settings(seed, max_concurrency)
+    factory = TapFactory(CostLedger(prof, spec.background_mapping), watch(stop_on_miss, requests, settings))
     try:
-        row = run_case(case, spec.settings(seed), requests, tap=factory)
+        row = run_case(case, settings, requests, tap=factory)
     except SloMissed as missed:
         return {**stopped_result(missed), "backend": backend_label(case), "request_rate": rate,
-                "burstiness": spec.burstiness, "num_prompts": spec.num_requests, "dataset": spec.dataset,
-                "seed": seed}
-    records = factory.tap.records(factory.added)
+                "burstiness": spec.burstiness, "max_concurrency": settings.max_concurrency or None,
+                "num_prompts": spec.num_requests, "dataset": spec.dataset, "seed": seed}
+    records = factory.tap.records(factory.added, factory.finished)
     result = latency.summarize(records, row.sim_seconds, spec.goodput or None, percentiles=spec.percentiles,
                                max_concurrent=row.max_batch)
-    result.update(attribution_totals(records))     # NaN: the simulator does not attribute memory per request yet
+    result.update(attribution_totals(records))
+    result["total_map_unmap_exposed_s"] = sum(r.kvlab["map_unmap_exposed_s"] for r in records)
+    result["total_client_wait_s"] = sum(r.start - req.arrival_s for r, (_, req) in zip(records, factory.added))
+    driver = factory.ledger.to_json() | {"driver_unattributed_seconds": factory.tap.unattributed_s}
     result.update({"backend": backend_label(case), "request_rate": rate, "burstiness": spec.burstiness,
-                   "num_prompts": spec.num_requests, "dataset": spec.dataset, "seed": seed,
-                   "server_preemptions": row.preemptions, "sim": row.to_json(), "driver": factory.ledger.to_json(),
-                   "pool_create_seconds": prof.create_s * pool_pages(case, spec)})
+                   "max_concurrency": settings.max_concurrency or None, "num_prompts": spec.num_requests,
+                   "dataset": spec.dataset, "seed": seed, "server_preemptions": row.preemptions,
+                   "sim": row.to_json(), "driver": driver,
+                   "pool_create_seconds": prof.create_s * pool_pages(case, spec),
+                   "requests": [request_log(r) for r in records]})
     return result
+
+
+def watch(slo: dict[str, float] | None, requests: list[Request], settings: SimSettings) -> SloWatch | None:
+    """The early-stop watch for `slo`. Under a client concurrency cap TTFT counts from the send, not the planned
+    arrival, so only the TPOT targets can stop such a run."""
+    if not slo:
+        return None
+    if settings.max_concurrency:
+        slo = {k: v for k, v in slo.items() if "_ttft_" not in k}
+    return SloWatch(slo, [r.arrival_s for r in requests], [r.output_len for r in requests])
 
 
 def pool_pages(case: SimCase, spec: ServeSpec) -> int:

@@ -37,7 +37,7 @@ def meets(result: dict[str, Any], slo: dict[str, float]) -> bool:
 
 @dataclass(slots=True)
 class SearchResult:
-    rate: float                                   # highest passing rate found (0: none passed)
+    rate: float                                   # highest passing rate (or integer, search_int) found (0: none)
     evaluations: list[tuple[float, bool]] = field(default_factory=list)
     results: dict[float, dict[str, Any]] = field(default_factory=dict)
 
@@ -71,6 +71,47 @@ def search(evaluate: Callable[[float], dict[str, Any]], slo: dict[str, float], s
             return out
     while hi / lo - 1 > rel_tol:
         mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    out.rate = lo
+    return out
+
+
+def search_int(evaluate: Callable[[int], dict[str, Any]], slo: dict[str, float], start: int = 4,
+               high_limit: int = 10**6) -> SearchResult:
+    """The highest integer (e.g. max_concurrency) meeting every target, assuming a larger value never helps:
+    bracket by doubling or halving from `start`, then bisect on integers to adjacent pass/fail. 0: 1 fails;
+    `high_limit` when it passes there."""
+    out = SearchResult(0)
+
+    def ok(n: int) -> bool:
+        result = evaluate(n)
+        passed = meets(result, slo)
+        out.evaluations.append((n, passed))
+        out.results[n] = result
+        return passed
+
+    n = max(1, min(int(start), high_limit))
+    if ok(n):
+        lo = n
+        while True:
+            if lo >= high_limit:
+                out.rate = lo
+                return out
+            hi = min(lo * 2, high_limit)
+            if not ok(hi):
+                break
+            lo = hi
+    else:
+        hi = n
+        while True:
+            if hi == 1:
+                return out
+            lo = hi // 2
+            if ok(lo):
+                break
+            hi = lo
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
         lo, hi = (mid, hi) if ok(mid) else (lo, mid)
     out.rate = lo
     return out

@@ -46,12 +46,13 @@ def ratios(rows: list[dict[str, Any]], reference: str) -> list[dict[str, Any]]:
     return out
 
 
-def slo_summary(rates: dict[str, list[float]], reference: str) -> dict[str, Any]:
-    """rates: backend -> SLO rate per seed (same seed order for every backend)."""
+def slo_summary(rates: dict[str, list[float]], reference: str, key: str = "slo_rate") -> dict[str, Any]:
+    """rates: backend -> the searched value per seed (same seed order for every backend), reported as `key`
+    (slo_rate, or slo_max_concurrency for the concurrency search)."""
     per = {}
     for backend, values in rates.items():
         mean, lo, hi = bootstrap_mean(values)
-        per[backend] = {"slo_rate": mean, "ci95": [lo, hi], "per_seed": values, **{"spread": spread(values)}}
+        per[backend] = {key: mean, "ci95": [lo, hi], "per_seed": values, **{"spread": spread(values)}}
     rel = {}
     for backend, values in rates.items():
         if backend != reference:

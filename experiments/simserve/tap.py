@@ -1,5 +1,10 @@
 """ServeTap: a runner wrapper for the simulator that timestamps every sampled token on the simulated clock and
-charges driver costs (costs.py) in the step that issued them. With a zero profile it changes nothing."""
+charges driver costs (costs.py) in the step that issued them. With a zero profile it changes nothing.
+
+Per-request memory attribution (the keys `kvlab bench serve` gets from a kvlab server): waits, preemptions and
+recomputed tokens come from the engine's RequestMetrics (common/sched/attribution.py, on the simulated clock);
+map_unmap_s is the SIMULATED driver time, not host time: each step's ledger charge (exposed + hidden) split
+evenly over the requests of the sequences holding KV in that step, the engine's apportioning rule."""
 from __future__ import annotations
 
 from typing import Any
@@ -23,6 +28,12 @@ class ServeTap:
         self.last = self._counters()
         self.tokens: dict[str, list[float]] = {}
         self.zero = ledger.profile.is_zero
+        self.engine: Any = None
+        self.map_unmap: dict[str, list[float]] = {}     # request id -> [driver seconds, of them exposed]
+        self.unattributed_s = 0.0                       # driver seconds charged in a step with no KV holder
+
+    def bind(self, engine: Any) -> None:
+        self.engine = engine
 
     def _counters(self) -> tuple[int, int, int]:
         d = self.driver_stats
@@ -35,7 +46,10 @@ class ServeTap:
         before = self.runner.now
         sampled = self.runner.execute(out)
         if not self.zero and out.items:
+            driver, exposed = self.ledger.driver_s, self.ledger.exposed_s
             self.runner.now += self.ledger.charge(self.step_ops(out), self.runner.now - before)
+            if self.ledger.driver_s != driver:
+                self.apportion(self.ledger.driver_s - driver, self.ledger.exposed_s - exposed)
         now = self.runner.now
         watch = self.watch
         for item in out.items:
@@ -62,17 +76,42 @@ class ServeTap:
             kv_read = sum(contexts) * cost.model.kv_bytes_per_token / cost.hardware.bandwidth
         return StepOps(mapped, calls, unmapped, int(table), kv_read)
 
-    def records(self, added: list[tuple[str, Any]]) -> list[RequestRecord]:
-        """One client-side record per request, from its arrival and its tokens' simulated times."""
+    def apportion(self, driver_s: float, exposed_s: float) -> None:
+        """This step's driver seconds, split evenly over the requests of the sequences holding KV in it."""
+        engine = self.engine
+        holders = engine.attributor.holders(engine.scheduler.running) if engine is not None else []
+        if not holders:
+            self.unattributed_s += driver_s
+            return
+        share, exposed = driver_s / len(holders), exposed_s / len(holders)
+        for req in holders:
+            acc = self.map_unmap.setdefault(req.request_id, [0.0, 0.0])
+            acc[0] += share
+            acc[1] += exposed
+
+    def attribution(self, request_id: str, m: Any) -> dict[str, Any]:
+        """What a kvlab server would send in the response's `kvlab` field (m: the request's RequestMetrics)."""
+        driver, exposed = self.map_unmap.get(request_id, (0.0, 0.0))
+        if m is None:
+            return {"map_unmap_s": driver, "map_unmap_exposed_s": exposed}
+        return {"num_preemptions": m.num_preemptions, "engine_ttft_s": m.ttft, "kv_wait_s": m.kv_wait_s,
+                "recomputed_tokens": m.recomputed_tokens, "map_unmap_s": driver, "map_unmap_exposed_s": exposed}
+
+    def records(self, added: list[tuple[str, Any]], finished: dict[str, Any]) -> list[RequestRecord]:
+        """One client-side record per request, timed from its send (its arrival, or later when the client's
+        max_concurrency held it back: the engine's arrival_time), from its tokens' simulated times."""
         out = []
         for request_id, req in added:
             times = self.tokens.get(request_id, [])
+            m = finished.get(request_id)
+            sent = m.arrival_time if m is not None else req.arrival_s
             ok = len(times) == req.output_len
-            rec = RequestRecord(success=ok, prompt_len=req.prompt_len, output_tokens=len(times), start=req.arrival_s,
-                                error="" if ok else f"{len(times)} of {req.output_len} tokens")
+            rec = RequestRecord(success=ok, prompt_len=req.prompt_len, output_tokens=len(times), start=sent,
+                                error="" if ok else f"{len(times)} of {req.output_len} tokens",
+                                kvlab=self.attribution(request_id, m))
             if times:
-                rec.ttft = times[0] - req.arrival_s
+                rec.ttft = times[0] - sent
                 rec.itl = [b - a for a, b in zip(times, times[1:])]
-                rec.latency = times[-1] - req.arrival_s
+                rec.latency = times[-1] - sent
             out.append(rec)
         return out
