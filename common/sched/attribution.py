@@ -36,7 +36,8 @@ class KVAttributor:
 
     def holders(self, running: list[Sequence]) -> list[Request]:
         """The request of each sequence holding KV in this step (one entry per sequence)."""
-        return [r for r in (self.req_of.get(s.seq_id) for s in running) if r is not None]
+        get = self.req_of.get
+        return [r for s in running if (r := get(s.seq_id)) is not None]
 
     def on_step_end(self, holders: list[Request], map_unmap_s: float) -> None:
         """Split the map+unmap seconds spent since the last step over this step's KV holders."""

@@ -39,6 +39,10 @@ class SingleGroup:
     def on_samples(self, seq: Sequence, samples: list[Sample], spec: SampleSpec) -> None:
         self.life.append(self.req, seq, *samples[0])
 
+    def on_token(self, seq: Sequence, token: int, spec: SampleSpec) -> None:
+        """A runner without logits (the simulator's) gave `token`, logprob 0, for every requested sample."""
+        self.life.append(self.req, seq, token, 0.0)
+
     def has_proposed(self, seq: Sequence) -> bool:
         """Idle (running) or parked (waiting) until its siblings catch up: only beams ever are."""
         return False
@@ -51,7 +55,13 @@ class SingleGroup:
         """The request failed or was aborted: expect nothing more."""
 
 
+def _token_as_samples(group: SingleGroup, seq: Sequence, token: int, spec: SampleSpec) -> None:
+    group.on_samples(seq, [(token, 0.0)] * spec.num_samples, spec)
+
+
 class ParallelGroup(SingleGroup):
+    on_token = _token_as_samples
+
     def __init__(self, req: Request, life: Lifecycle) -> None:
         super().__init__(req, life)
         self.pending_forks = req.params.n - 1     # children still to fork at the first sample
@@ -86,6 +96,8 @@ class ParallelGroup(SingleGroup):
 
 
 class BeamGroup(SingleGroup):
+    on_token = _token_as_samples
+
     def __init__(self, req: Request, life: Lifecycle) -> None:
         super().__init__(req, life)
         req.beam = self.state = BeamState(req.params.beam_width)

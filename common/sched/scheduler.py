@@ -198,8 +198,11 @@ class Scheduler:
             computed += item.num_tokens
             if not item.needs_logits:
                 continue
-            spec = specs[seq.seq_id]
-            req_of[seq.seq_id].group.on_samples(seq, _samples(sampled, seq, spec), spec)
+            spec, value, group = specs[seq.seq_id], sampled.get(seq.seq_id), req_of[seq.seq_id].group
+            if type(value) is int:        # a runner without logits: the token for every sample, logprob 0
+                group.on_token(seq, value, spec)
+            else:
+                group.on_samples(seq, _samples(value, seq, spec), spec)
         self.stats.computed_tokens += computed
         self.queues.prune_running()
 
@@ -207,10 +210,7 @@ class Scheduler:
         self.queues.check_invariants(self.cache)
 
 
-def _samples(sampled: dict, seq: Sequence, spec: SampleSpec) -> list[Sample]:
-    value = sampled.get(seq.seq_id)
-    if type(value) is int:             # a runner without logits (the simulator's), the common case first
-        return [(value, 0.0)] * spec.num_samples
+def _samples(value: list[Sample] | int | None, seq: Sequence, spec: SampleSpec) -> list[Sample]:
     if value is None:
         raise RuntimeError(f"the runner returned no sample for sequence {seq.seq_id} (it needed logits)")
     if isinstance(value, int):

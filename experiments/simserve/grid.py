@@ -2,6 +2,7 @@
 terminates them all (simulation.worker_pool) and the CLI exits 130 with one line."""
 from __future__ import annotations
 
+import queue
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -28,6 +29,54 @@ def _map(fn: Callable[[Any], Any], jobs_args: list[Any], jobs: int, bar: Any) ->
         for r in pool.imap(fn, jobs_args):
             out.append(r)
             bar and bar.update(1)
+    return out
+
+
+def pool_chain(fn: Callable[[Any], Any], first: list[Any], follow: Callable[[Any], list[Any]], total: int,
+               jobs: int, progress: bool = False) -> list[Any]:
+    """Run `first`; each result r adds the jobs `follow(r)`, which start as soon as a worker is free (no
+    barrier between the two kinds). `total`: every job expected, for the progress bar. Completion order."""
+    bar = _bar(total, progress)
+    try:
+        if jobs <= 1:
+            return _chain_serial(fn, first, follow, bar)
+        with worker_pool(jobs) as pool:
+            return _chain_pool(pool, fn, first, follow, bar)
+    finally:
+        if bar:
+            bar.close()
+
+
+def _chain_serial(fn: Callable, first: list[Any], follow: Callable, bar: Any) -> list[Any]:
+    out, todo = [], list(first)
+    while todo:
+        r = fn(todo.pop(0))
+        out.append(r)
+        todo.extend(follow(r))
+        bar and bar.update(1)
+    return out
+
+
+def _chain_pool(pool: Any, fn: Callable, first: list[Any], follow: Callable, bar: Any) -> list[Any]:
+    done: queue.SimpleQueue = queue.SimpleQueue()
+    out: list[Any] = []
+    pending = 0
+    for a in first:
+        pool.apply_async(fn, (a,), callback=done.put, error_callback=done.put)
+        pending += 1
+    while pending:
+        try:
+            r = done.get(timeout=0.5)       # a timeout keeps the wait interruptible by Ctrl-C
+        except queue.Empty:
+            continue
+        pending -= 1
+        if isinstance(r, BaseException):
+            raise r
+        out.append(r)
+        bar and bar.update(1)
+        for a in follow(r):
+            pool.apply_async(fn, (a,), callback=done.put, error_callback=done.put)
+            pending += 1
     return out
 
 

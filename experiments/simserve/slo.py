@@ -43,7 +43,11 @@ class SearchResult:
 
 
 def search(evaluate: Callable[[float], dict[str, Any]], slo: dict[str, float], start: float = 1.0,
-           rel_tol: float = 0.02, low_limit: float = 1e-3, high_limit: float = 1e5) -> SearchResult:
+           rel_tol: float = 0.02, low_limit: float = 1e-3, high_limit: float = 1e5, step: float = 2.0
+           ) -> SearchResult:
+    """Bracket from `start` by factors of `step` (a step below 2, for a start near the answer, squares after
+    each try, up to 2), then bisect geometrically until hi / lo - 1 <= rel_tol. The answer passed at lo and
+    missed at hi, whatever the start."""
     out = SearchResult(0.0)
 
     def ok(rate: float) -> bool:
@@ -56,7 +60,7 @@ def search(evaluate: Callable[[float], dict[str, Any]], slo: dict[str, float], s
     lo = hi = start
     if ok(start):
         while hi < high_limit:
-            lo, hi = hi, hi * 2
+            lo, hi, step = hi, hi * step, min(step * step, 2.0)
             if not ok(hi):
                 break
         else:                                     # passed up to the limit
@@ -64,7 +68,7 @@ def search(evaluate: Callable[[float], dict[str, Any]], slo: dict[str, float], s
             return out
     else:
         while lo > low_limit:
-            hi, lo = lo, lo / 2
+            hi, lo, step = lo, lo / step, min(step * step, 2.0)
             if ok(lo):
                 break
         else:

@@ -1,0 +1,86 @@
+"""What makes the SLO search cheap without changing its answers: warm-started brackets for later seeds, and the
+pool that starts those searches as soon as their hint is known."""
+from __future__ import annotations
+
+import pytest
+from kvlab.experiments.simserve import slo
+from kvlab.experiments.simserve.grid import pool_chain
+
+TARGET = slo.parse_slo("p99_ttft_ms<=2000,p99_tpot_ms<=50")
+
+
+def planted(knee: float):
+    def service(rate):
+        ttft = 100.0 if rate <= knee else 100.0 + 1e6 * (rate - knee)
+        return {"failed": 0, "p99_ttft_ms": ttft, "p99_tpot_ms": 20.0}
+    return service
+
+
+@pytest.mark.parametrize("hint", [0.9, 0.97, 1.0, 1.03, 1.2, 3.0, 0.01])
+def test_a_warm_start_finds_the_knee_from_near_and_far(hint):
+    knee = 23.7
+    found = slo.search(planted(knee), TARGET, start=knee * hint, rel_tol=0.02, step=1.05)
+    lo_passed = [r for r, ok in found.evaluations if ok]
+    hi_missed = [r for r, ok in found.evaluations if not ok]
+    assert found.rate <= knee and min(hi_missed) / found.rate - 1 <= 0.02 and found.rate == max(lo_passed)
+
+
+def test_a_warm_start_near_the_answer_takes_fewer_runs_than_doubling():
+    knee = 23.7
+    cold = slo.search(planted(knee), TARGET, start=4.0, rel_tol=0.02)
+    warm = slo.search(planted(knee), TARGET, start=knee * 1.02, rel_tol=0.02, step=1.05)
+    assert len(warm.evaluations) <= 4 < len(cold.evaluations)
+    assert warm.rate == pytest.approx(cold.rate, rel=0.021)
+
+
+def test_the_default_step_is_the_old_doubling():
+    evaluated = [r for r, _ in slo.search(planted(100.0), TARGET, start=4.0).evaluations]
+    assert evaluated[:6] == [4.0, 8.0, 16.0, 32.0, 64.0, 128.0]
+
+
+def _square(x: int) -> int:
+    return x * x
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_pool_chain_runs_follow_ups_as_results_arrive(jobs):
+    follow = {4: [5, 6], 9: [7]}
+    got = pool_chain(_square, [2, 3], lambda r: follow.get(r, []), total=5, jobs=jobs)
+    assert sorted(got) == [4, 9, 25, 36, 49]
+
+
+def _boom(x: int) -> int:
+    if x == 3:
+        raise ValueError("bad job 3")
+    return x
+
+
+def test_pool_chain_raises_a_workers_error():
+    with pytest.raises(ValueError, match="bad job 3"):
+        pool_chain(_boom, [1, 2], lambda r: [3] if r == 1 else [], total=3, jobs=2)
+
+
+def test_cli_warm_started_seeds_are_verified_answers_in_fewer_runs(tmp_path):
+    """Seed 0 searches exactly as before; later seeds' answers passed at their rate and missed within the
+    tolerance above it, on their own seed; and the whole search took fewer runs than independent seeds."""
+    import json
+
+    from kvlab.experiments.cli import main
+    common = ["simulate", "serve", "--backends", "reserve,paged-16", "--num-prompts", "60", "--budget-gb", "6",
+              "--jobs", "2", "--no-progress", "--seeds", "3", "--slo", "p99_ttft_ms<=300,p99_tpot_ms<=30",
+              "--slo-tolerance", "0.05", "--no-plots"]
+    found = {}
+    for mode in ("warm", "independent"):
+        extra = ["--independent-seeds"] if mode == "independent" else []
+        assert main([*common, *extra, "--out", str(tmp_path / mode)]) == 0
+        found[mode] = json.loads((tmp_path / mode / "sim_serve.json").read_text())["result"]["searches"]
+        assert [(s["backend"], s["seed"]) for s in found[mode]] == [
+            (b, s) for b in ("reserve", "paged-16") for s in (0, 1, 2)]
+    for warm, independent in zip(found["warm"], found["independent"]):
+        if warm["seed"] == 0:
+            assert warm == independent
+        rate, evaluations = warm["slo_rate"], [tuple(e) for e in warm["evaluations"]]
+        assert (rate, True) in evaluations
+        assert min(r for r, ok in evaluations if not ok and r > rate) <= rate * 1.05
+    assert (sum(len(s["evaluations"]) for s in found["warm"])
+            < sum(len(s["evaluations"]) for s in found["independent"]))
