@@ -146,7 +146,7 @@ def run_searches(args: argparse.Namespace, spec: ServeSpec, cases: list[SimCase]
     fn, jobs, key = slo_jobs(args, spec, cases, seeds)
     progress = not args.no_progress
     if fn is not _search or len(seeds) == 1 or args.independent_seeds:
-        return pool_map(fn, jobs, args.jobs, progress), key
+        return pool_map(fn, jobs, args.jobs, progress, unit="search"), key
 
     def warm(first: dict[str, Any]) -> list[tuple]:
         """The backend's other seeds, started at its first seed's answer (none found: from --slo-start)."""

@@ -9,8 +9,9 @@ from typing import Any
 from kvlab.experiments.simulation import worker_pool
 
 
-def pool_map(fn: Callable[[Any], Any], jobs_args: list[Any], jobs: int, progress: bool = False) -> list[Any]:
-    bar = _bar(len(jobs_args), progress)
+def pool_map(fn: Callable[[Any], Any], jobs_args: list[Any], jobs: int, progress: bool = False,
+             unit: str = "run") -> list[Any]:
+    bar = _bar(len(jobs_args), progress, unit)
     try:
         return _map(fn, jobs_args, jobs, bar)
     finally:                          # an interrupt too: the bar's line is cleared before the error line
@@ -33,10 +34,10 @@ def _map(fn: Callable[[Any], Any], jobs_args: list[Any], jobs: int, bar: Any) ->
 
 
 def pool_chain(fn: Callable[[Any], Any], first: list[Any], follow: Callable[[Any], list[Any]], total: int,
-               jobs: int, progress: bool = False) -> list[Any]:
+               jobs: int, progress: bool = False, unit: str = "search") -> list[Any]:
     """Run `first`; each result r adds the jobs `follow(r)`, which start as soon as a worker is free (no
     barrier between the two kinds). `total`: every job expected, for the progress bar. Completion order."""
-    bar = _bar(total, progress)
+    bar = _bar(total, progress, unit)
     try:
         if jobs <= 1:
             return _chain_serial(fn, first, follow, bar)
@@ -80,11 +81,11 @@ def _chain_pool(pool: Any, fn: Callable, first: list[Any], follow: Callable, bar
     return out
 
 
-def _bar(total: int, enabled: bool) -> Any:
+def _bar(total: int, enabled: bool, unit: str) -> Any:
     if not enabled:
         return None
     from kvlab.experiments.report import progress_bar
-    return progress_bar(total=total, desc="simulate serve", unit="run", leave=False)
+    return progress_bar(total=total, desc="simulate serve", unit=unit, leave=False)
 
 
 def grouped(rows: Iterable[dict[str, Any]], *keys: str) -> dict[tuple, list[dict[str, Any]]]:
