@@ -74,3 +74,13 @@ def test_sigint_during_generation_is_one_line_and_exit_130(backend):
                              lambda p: time.monotonic() - started > 6)
     assert proc.returncode == 130, err
     assert len(lines(err)) == 1 and lines(err)[0].startswith("kvlab generate: interrupted"), err
+
+
+@pytest.mark.parametrize("delay", [0.05, 0.4])
+def test_sigint_while_the_command_starts_is_one_line_and_exit_130(delay):
+    """Importing torch takes a second or more: a Ctrl-C then used to end in a KeyboardInterrupt traceback, exit -2."""
+    started = time.monotonic()
+    proc, err, _ = interrupt(["generate", "hi", "--backend", "vmm", "--max-tokens", "8"],
+                             lambda p: time.monotonic() - started > delay)
+    assert proc.returncode == 130, err
+    assert lines(err) == ["kvlab generate: interrupted"], err
