@@ -6,7 +6,7 @@ and any bad flag value, becomes one line on stderr and exit code 2.
 from __future__ import annotations
 
 if __name__ == "__main__":          # python -m kvlab.experiments.cli: a Ctrl-C during the imports below is one line
-    from kvlab.experiments.launch import guard_startup
+    from kvlab.experiments.startup import guard_startup
     guard_startup()
 
 import argparse
@@ -228,6 +228,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from kvlab.experiments.launch import end_startup
+    from kvlab.experiments.startup import end_startup
     end_startup()
     sys.exit(main())

@@ -10,22 +10,9 @@ import time
 from pathlib import Path
 
 import pytest
+from processes import alive, children
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def children(pid: int) -> list[int]:
-    try:
-        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def interrupt(argv: list[str], ready) -> tuple[subprocess.Popen, str, list[int]]:

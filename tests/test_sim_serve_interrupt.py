@@ -10,15 +10,10 @@ import sys
 import time
 from pathlib import Path
 
+from processes import children
+
 ROOT = Path(__file__).resolve().parents[1]
 BAR = re.compile(r"^simulate serve:\s+\d+%")
-
-
-def children(pid: int) -> list[int]:
-    try:
-        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
 
 
 def group_alive(pgid: int) -> bool:

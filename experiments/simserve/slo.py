@@ -42,6 +42,18 @@ class SearchResult:
     results: dict[float, dict[str, Any]] = field(default_factory=dict)
 
 
+def _judge(evaluate: Callable[[Any], dict[str, Any]], slo: dict[str, float], out: SearchResult
+           ) -> Callable[[Any], bool]:
+    """evaluate + meets, recording every point and its result in `out`."""
+    def ok(x: Any) -> bool:
+        result = evaluate(x)
+        passed = meets(result, slo)
+        out.evaluations.append((x, passed))
+        out.results[x] = result
+        return passed
+    return ok
+
+
 def search(evaluate: Callable[[float], dict[str, Any]], slo: dict[str, float], start: float = 1.0,
            rel_tol: float = 0.02, low_limit: float = 1e-3, high_limit: float = 1e5, step: float = 2.0
            ) -> SearchResult:
@@ -49,14 +61,7 @@ def search(evaluate: Callable[[float], dict[str, Any]], slo: dict[str, float], s
     each try, up to 2), then bisect geometrically until hi / lo - 1 <= rel_tol. The answer passed at lo and
     missed at hi, whatever the start."""
     out = SearchResult(0.0)
-
-    def ok(rate: float) -> bool:
-        result = evaluate(rate)
-        passed = meets(result, slo)
-        out.evaluations.append((rate, passed))
-        out.results[rate] = result
-        return passed
-
+    ok = _judge(evaluate, slo, out)
     lo = hi = start
     if ok(start):
         while hi < high_limit:
@@ -86,14 +91,7 @@ def search_int(evaluate: Callable[[int], dict[str, Any]], slo: dict[str, float],
     bracket by doubling or halving from `start`, then bisect on integers to adjacent pass/fail. 0: 1 fails;
     `high_limit` when it passes there."""
     out = SearchResult(0)
-
-    def ok(n: int) -> bool:
-        result = evaluate(n)
-        passed = meets(result, slo)
-        out.evaluations.append((n, passed))
-        out.results[n] = result
-        return passed
-
+    ok = _judge(evaluate, slo, out)
     n = max(1, min(int(start), high_limit))
     if ok(n):
         lo = n
