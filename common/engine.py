@@ -147,8 +147,8 @@ class Engine:
         t0, w0 = clock(), time.perf_counter()
         out = self.scheduler.schedule()
         self.attributor.on_schedule(out, t0)
-        holders = self.attributor.holders(self.scheduler.running)     # the sequences holding KV during this step
-        running = len(self.scheduler.running)
+        held = list(self.scheduler.running)           # the sequences holding KV during this step
+        running = len(held)
         w1 = time.perf_counter()
         sampled = self.runner.execute(out) if out.items else {}
         w2 = time.perf_counter()
@@ -161,9 +161,10 @@ class Engine:
         stats = self.cache.stats()
         if out.items:
             self.recorder.on_step(t0, t1, out, running, (w1 - w0) + (w3 - w2), stats)
-        self.attributor.on_step_end(holders, stats.map_seconds + stats.unmap_seconds)
+        finished = self.scheduler.pop_finished()
+        self.attributor.on_step_end(held, finished, stats.map_seconds + stats.unmap_seconds)
         outputs = []
-        for req in self.scheduler.pop_finished():
+        for req in finished:
             self.attributor.on_finished(req)
             self.recorder.on_finished(req)
             outputs.append(self.request_output(req))

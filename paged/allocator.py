@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvlab.common.errors import ConfigError
-from kvlab.common.kv.seam import Allocator, CacheStats, KVShape, timed
+from kvlab.common.kv.seam import Allocator, CacheStats, KVShape, timed, timed_allocate
 from kvlab.paged.block_pool import BlockPool, BlockPoolError
 from kvlab.paged.prefix_cache import PrefixCache, PrefixIndex
 from kvlab.paged.storage import NullPagedStorage
@@ -106,7 +106,7 @@ class PagedAllocator(Allocator):
         return need - len(hits) + sum(1 for block, _ in hits if self.pool.ref_counts[block] == 0)
 
     # -- lifecycle ------------------------------------------------------------------------------------
-    @timed
+    @timed_allocate
     def allocate(self, seq: Sequence, num_tokens: int, reserve_units: int = 0) -> int | None:
         entry = self.seqs.get(seq.seq_id)
         if (entry is not None and self.plain and not self.pool.num_shared

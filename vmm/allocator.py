@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from kvlab.common.errors import ConfigError, OutOfKVCache, RequestError
-from kvlab.common.kv.seam import Allocator, CacheStats, KVShape, timed
+from kvlab.common.kv.seam import Allocator, CacheStats, KVShape, timed, timed_allocate
 from kvlab.vmm.drivers.map_budget import MapBudgetExhausted
 from kvlab.vmm.geometry import make_geometry
 from kvlab.vmm.mapper import BackgroundMapper
@@ -146,7 +146,7 @@ map-budget retry and mapper job, and the step-side reads the storage uses (rows,
     def holds(self, seq: Sequence) -> bool:
         return seq.seq_id in self.table.slot_of
 
-    @timed
+    @timed_allocate
     def allocate(self, seq: Sequence, num_tokens: int, reserve_units: int = 0) -> int | None:
         if self.plain and not reserve_units and self._grow_in_place(seq, num_tokens):
             return 0

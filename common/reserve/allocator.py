@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvlab.common.arena import Arena
 from kvlab.common.errors import OutOfKVCache
-from kvlab.common.kv.seam import Allocator, CacheStats, timed
+from kvlab.common.kv.seam import Allocator, CacheStats, timed, timed_allocate
 
 if TYPE_CHECKING:
     from kvlab.common.config import EngineConfig
@@ -97,7 +97,7 @@ class ReserveAllocator(Allocator):
         return self.capacity
 
     # -- lifecycle ------------------------------------------------------------------------------------------
-    @timed
+    @timed_allocate
     def allocate(self, seq: Sequence, num_tokens: int, reserve_units: int = 0) -> int | None:
         region = self.regions.get(seq.seq_id)
         if region is None:

@@ -39,13 +39,19 @@ class KVAttributor:
         get = self.req_of.get
         return [r for s in running if (r := get(s.seq_id)) is not None]
 
-    def on_step_end(self, holders: list[Request], map_unmap_s: float) -> None:
-        """Split the map+unmap seconds spent since the last step over this step's KV holders."""
+    def on_step_end(self, held: list[Sequence], finished: list[Request], map_unmap_s: float) -> None:
+        """Split the map+unmap seconds spent since the last step over the requests of the sequences that held KV in
+        this step (`held`: the running list before the step's update; `finished`: requests completed in it, no
+        longer in req_of). Most steps map nothing (paged and reserve never do), so the requests are looked up
+        only when there is something to split."""
         delta, self.map_unmap_s = map_unmap_s - self.map_unmap_s, map_unmap_s
-        if holders and delta > 0:
-            share = delta / len(holders)
-            for req in holders:
-                req.attribution.map_unmap_s += share
+        if not held or delta <= 0:
+            return
+        done = {s.seq_id: r for r in finished for s in r.seqs}
+        holders = [r for s in held if (r := self.req_of.get(s.seq_id) or done.get(s.seq_id)) is not None]
+        share = delta / len(holders) if holders else 0.0
+        for req in holders:
+            req.attribution.map_unmap_s += share
 
     @staticmethod
     def on_finished(req: Request) -> None:
