@@ -114,7 +114,8 @@ class PagedAllocator(Allocator):
             # the per-step decode path (no prefix cache, window or shared block): the blocks are already there
             if reserve_units and reserve_units > self.pool.num_free():
                 return None
-            entry.num_tokens = max(entry.num_tokens, num_tokens)
+            if num_tokens > entry.num_tokens:
+                entry.num_tokens = num_tokens
             return 0
         # units_needed counts every block either path takes, so neither can run out halfway
         if self.units_needed(seq, num_tokens) + reserve_units > self.pool.num_free():
