@@ -242,6 +242,7 @@ def test_sigterm_during_load_exits_zero():
     try:
         line = proc.stdout.readline()
         url = re.search(r"http://\S+", line).group(0)
+        assert "(1 torch thread(s))" in line, line        # --threads defaults to 1 here too, as in LLM
         assert wait_for(lambda: _healthy(url), 30)
         body = {"model": "tiny", "prompt": "load", "max_tokens": 500, "ignore_eos": True}
         pool = ThreadPoolExecutor(8)

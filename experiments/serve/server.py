@@ -9,6 +9,7 @@ import signal
 import socket
 from collections.abc import Iterator
 
+import torch
 import uvicorn
 from kvlab.common.engine import Engine
 from kvlab.experiments import cli
@@ -60,6 +61,8 @@ class SignalServer(uvicorn.Server):
 
 def run(args: argparse.Namespace) -> int:
     config = cli.engine_config(args)
+    if config.threads:                 # as LLM does: 1 torch thread by default, `--threads 0` keeps torch's own
+        torch.set_num_threads(config.threads)
     engine = Engine.from_config(config)
     loop = EngineLoop(engine, ServerMetrics(config.backend), args.max_waiting)
     loop.start()
@@ -67,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))
-    print(f"kvlab serve: {config.backend} on http://{args.host}:{sock.getsockname()[1]}", flush=True)
+    print(f"kvlab serve: {config.backend} on http://{args.host}:{sock.getsockname()[1]} "
+          f"({torch.get_num_threads()} torch thread(s))", flush=True)
     server = SignalServer(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=GRACEFUL_S), loop)
     try:
         server.run(sockets=[sock])
