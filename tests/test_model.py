@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+from checkpoints import SMALL, randomized_save
 from kvlab.common.attention.metadata import BatchItem
 from kvlab.common.loader import load_model
 from kvlab.common.model import LlamaForCausalLM
@@ -36,18 +37,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")   # see conftest.py
 
 def hf_checkpoint(tmp_path, **overrides):
     """A random HF Llama with non-trivial weights (std 0.05, norms around 1), saved to tmp_path."""
-    config = transformers.LlamaConfig(**{
-        "vocab_size": 320, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-        "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
-        "attn_implementation": "eager", **overrides})
-    hf = transformers.LlamaForCausalLM(config).eval()
-    gen = torch.Generator().manual_seed(1234)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1 + 0.1 * noise if name.endswith("norm.weight") else 0.05 * noise)
-    hf.save_pretrained(tmp_path)
-    return hf
+    config = transformers.LlamaConfig(**{**SMALL, **overrides})
+    return randomized_save(transformers.LlamaForCausalLM(config).eval(), tmp_path, seed=1234)
 
 
 def hf_logits(hf, ids: torch.Tensor) -> torch.Tensor:

@@ -159,10 +159,15 @@ class CacheMachine(RuleBasedStateMachine):
         type(self).totals.update(self.w.ops)
 
 
+def shared_prompts(prefixes: list[list[int]], max_tail: int):
+    """One of `prefixes` followed by random tokens, cut to fit MAX_LEN."""
+    return st.tuples(st.sampled_from(prefixes), st.lists(st.integers(3, VOCAB), max_size=max_tail)).map(
+        lambda parts: (parts[0] + parts[1])[:MAX_LEN - 1])
+
+
 class PrefixCacheMachine(CacheMachine):
     """Prefix caching (paged, vmm): prompts start with one of a few shared prefixes, so admissions hit."""
-    prompts = st.tuples(st.sampled_from(SHARED_PREFIXES), st.lists(st.integers(3, VOCAB), max_size=30)).map(
-        lambda parts: (parts[0] + parts[1])[:MAX_LEN - 1])
+    prompts = shared_prompts(SHARED_PREFIXES, 30)
 
     @rule(prompt=prompts, max_tokens=st.integers(1, 24), chunk=st.integers(1, MAX_LEN))
     def admit_shared(self, prompt, max_tokens, chunk):
@@ -174,11 +179,10 @@ PAGE_PREFIXES = SHARED_PREFIXES + [list(range(200, 240)), list(range(300, 333))]
 
 class PagePrefixCacheMachine(PrefixCacheMachine):
     """vmm with prefix caching: its 16-token pages need longer shared prefixes to hit (whole pages only)."""
-    prompts = st.tuples(st.sampled_from(PAGE_PREFIXES), st.lists(st.integers(3, VOCAB), max_size=20)).map(
-        lambda parts: (parts[0] + parts[1])[:MAX_LEN - 1])
+    prompts = shared_prompts(PAGE_PREFIXES, 20)
 
-    @rule(prompt=prompts, max_tokens=st.integers(1, 24), chunk=st.integers(1, MAX_LEN))
-    def admit_shared(self, prompt, max_tokens, chunk):
+    @rule(prompt=prompts, max_tokens=st.integers(1, 24), chunk=st.integers(1, MAX_LEN))   # rules bind their
+    def admit_shared(self, prompt, max_tokens, chunk):                                     # strategy when defined
         self.w.admit(prompt, max_tokens, chunk)
 
 

@@ -15,6 +15,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import checkpoints
 import pytest
 import torch
 from kvlab.common.attention.metadata import BatchItem
@@ -36,17 +37,7 @@ VOCAB = 320
 
 
 def mistral_checkpoint(path: Path) -> None:
-    config = transformers.MistralConfig(
-        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-5,
-        sliding_window=WINDOW, tie_word_embeddings=False, attn_implementation="eager")
-    hf = transformers.MistralForCausalLM(config).eval()
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1 + 0.1 * noise if name.endswith("norm.weight") else 0.05 * noise)
-    hf.save_pretrained(path)
+    checkpoints.mistral_checkpoint(path, WINDOW, seed=7)
 
 
 def ids(length: int, seed: int) -> list[int]:

@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import checkpoints
 import pytest
 import torch
 from kvlab.common.attention.declarations import REGISTRY
@@ -30,18 +31,7 @@ VOCAB = 320
 
 
 def mistral_checkpoint(path, window: int | None = WINDOW):
-    config = transformers.MistralConfig(
-        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-5,
-        sliding_window=window, tie_word_embeddings=False, attn_implementation="eager")
-    hf = transformers.MistralForCausalLM(config).eval()
-    gen = torch.Generator().manual_seed(99)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1 + 0.1 * noise if name.endswith("norm.weight") else 0.05 * noise)
-    hf.save_pretrained(path)
-    return hf
+    return checkpoints.mistral_checkpoint(path, window, seed=99)
 
 
 def ids(length: int, seed: int) -> list[int]:

@@ -19,6 +19,7 @@ from kvlab.experiments.serve import protocol
 from kvlab.experiments.serve.chat import renderer
 from kvlab.experiments.serve.decoding import Decoding
 from kvlab.experiments.serve.engine_loop import EngineLoop
+from kvlab.experiments.serve.latency import kvlab_extension
 from kvlab.experiments.serve.protocol import ApiError, Submission
 
 DISCONNECT_POLL_S = 0.25
@@ -116,12 +117,6 @@ async def generate(server: Server, request: Request, chat: bool) -> Response:
     if sub.stream:
         return StreamingResponse(resp.stream(), media_type="text/event-stream")
     return JSONResponse(await resp.collect(request))
-
-
-def kvlab_extension(m: Any) -> dict[str, Any]:
-    """The `kvlab` field of a response: what KV memory cost this request (engine clock, seconds)."""
-    return {"num_preemptions": m.num_preemptions, "engine_ttft_s": m.ttft, "kv_wait_s": m.kv_wait_s,
-            "recomputed_tokens": m.recomputed_tokens, "map_unmap_s": m.map_unmap_s}
 
 
 class Response_:

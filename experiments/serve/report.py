@@ -45,11 +45,7 @@ def plot(out: Path, rows: list[dict[str, Any]]) -> list[Path]:
         ax.set_ylabel(label)
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
-        fig.tight_layout()
-        path = out / f"serve_{name}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(_save(plt, fig, out / f"serve_{name}.png"))
     return paths
 
 
@@ -78,12 +74,15 @@ def plot_timelines(out: Path, rows: list[dict[str, Any]]) -> list[Path]:
         for ax in (kv, batch):
             ax.legend(fontsize=6)
             ax.grid(alpha=0.3)
-        fig.tight_layout()
-        path = out / f"serve_timeline_{b}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(_save(plt, fig, out / f"serve_timeline_{b}.png"))
     return paths
+
+
+def _save(plt: Any, fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def cell(v: Any) -> str:

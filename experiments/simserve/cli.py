@@ -145,7 +145,7 @@ def run_searches(args: argparse.Namespace, spec: ServeSpec, cases: list[SimCase]
     at lo and missed at hi."""
     fn, jobs, key = slo_jobs(args, spec, cases, seeds)
     progress = not args.no_progress
-    if fn is not _search or len(seeds) == 1 or args.independent_seeds:
+    if args.search != "request-rate" or len(seeds) == 1 or args.independent_seeds:
         return pool_map(fn, jobs, args.jobs, progress, unit="search"), key
 
     def warm(first: dict[str, Any]) -> list[tuple]:

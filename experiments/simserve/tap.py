@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvlab.experiments.roofline import RooflineRunner
-from kvlab.experiments.serve.latency import RequestRecord
+from kvlab.experiments.serve.latency import RequestRecord, kvlab_extension
 from kvlab.experiments.simserve.costs import CostLedger, StepOps
 from kvlab.experiments.simserve.early_stop import SloWatch
 
@@ -94,8 +94,7 @@ class ServeTap:
         driver, exposed = self.map_unmap.get(request_id, (0.0, 0.0))
         if m is None:
             return {"map_unmap_s": driver, "map_unmap_exposed_s": exposed}
-        return {"num_preemptions": m.num_preemptions, "engine_ttft_s": m.ttft, "kv_wait_s": m.kv_wait_s,
-                "recomputed_tokens": m.recomputed_tokens, "map_unmap_s": driver, "map_unmap_exposed_s": exposed}
+        return kvlab_extension(m) | {"map_unmap_s": driver, "map_unmap_exposed_s": exposed}
 
     def records(self, added: list[tuple[str, Any]], finished: dict[str, Any]) -> list[RequestRecord]:
         """One client-side record per request, timed from its send (its arrival, or later when the client's
