@@ -22,7 +22,8 @@ from kvlab.common.sampling_params import SamplingParams
 from kvlab.common.tokenizer import ByteTokenizer
 from kvlab.experiments.serve.app import Server, create_app
 from kvlab.experiments.serve.decoding import Decoding
-from kvlab.experiments.serve.engine_loop import EngineLoop
+from kvlab.experiments.serve.engine_process import ProcessEngine
+from kvlab.experiments.serve.handles import ThreadEngine
 from kvlab.experiments.serve.prom import ServerMetrics
 
 from kvlab import LLM
@@ -34,17 +35,25 @@ CONFIG = {"model": "tiny", "backend": "vmm"}
 TINY_BUDGET = {"kv_cache_bytes": 1 << 20, "page_size": 4096, "preemption_mode": "recompute"}
 
 
+def start_engine(kind: str, max_waiting: int, config: dict | None):
+    """The engine stepping in a thread of this process, or in a process of its own (as `kvlab serve` runs it)."""
+    cfg = make_config(**CONFIG, **(config or {}))
+    if kind == "process":
+        return ProcessEngine(cfg, max_waiting)
+    engine = ThreadEngine(Engine.from_config(cfg), ServerMetrics("vmm"), max_waiting)
+    engine.start()
+    return engine
+
+
 class LiveServer:
     """uvicorn in a thread on a free 127.0.0.1 port; always stopped (bounded) by the fixture."""
 
-    def __init__(self, max_waiting: int = 1024, config: dict | None = None) -> None:
-        engine = Engine.from_config(make_config(**CONFIG, **(config or {})))
-        self.loop = EngineLoop(engine, ServerMetrics("vmm"), max_waiting)
-        self.loop.start()
+    def __init__(self, max_waiting: int = 1024, config: dict | None = None, engine: str = "thread") -> None:
+        self.engine = start_engine(engine, max_waiting, config)
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        app = create_app(Server(self.loop, "tiny", engine.tokenizer))
+        app = create_app(Server(self.engine, "tiny"))
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
@@ -56,7 +65,7 @@ class LiveServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(15)
-        self.loop.stop()
+        self.engine.stop()
         self.sock.close()
         assert not self.thread.is_alive()
 
@@ -68,9 +77,9 @@ class LiveServer:
         return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
 
 
-@pytest.fixture(scope="module")
-def live():
-    s = LiveServer()
+@pytest.fixture(scope="module", params=["thread", "process"])
+def live(request):
+    s = LiveServer(engine=request.param)
     yield s
     s.stop()
 
@@ -211,9 +220,9 @@ def test_full_waiting_queue_is_429():
         s.stop()
 
 
-def memfd_count() -> int:
+def memfd_count(pid: int | str = "self") -> int:
     count = 0
-    for f in Path("/proc/self/fd").iterdir():
+    for f in Path(f"/proc/{pid}/fd").iterdir():
         try:
             count += "memfd" in os.readlink(f)
         except OSError:                         # the fd of the listing itself, closed meanwhile
@@ -242,13 +251,14 @@ def test_sigterm_during_load_exits_zero():
     try:
         line = proc.stdout.readline()
         url = re.search(r"http://\S+", line).group(0)
-        assert "(1 torch thread(s))" in line, line        # --threads defaults to 1 here too, as in LLM
+        assert "(engine in its own process, 1 torch thread(s))" in line, line   # --threads 1 here too, as in LLM
         assert wait_for(lambda: _healthy(url), 30)
         body = {"model": "tiny", "prompt": "load", "max_tokens": 500, "ignore_eos": True}
         pool = ThreadPoolExecutor(8)
         futures = [pool.submit(_post_quietly, url, body) for _ in range(8)]
         assert wait_for(lambda: _running(url) > 0, 20)
         kids = children_of(proc.pid)
+        assert any(memfd_count(k) for k in kids), kids      # the engine process holds the vmm page pool
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0, proc.stderr.read()
         for f in futures:

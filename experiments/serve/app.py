@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvlab.experiments.serve import protocol
 from kvlab.experiments.serve.chat import renderer
 from kvlab.experiments.serve.decoding import Decoding
-from kvlab.experiments.serve.engine_loop import EngineLoop
+from kvlab.experiments.serve.handles import EngineGone, EngineHandle
 from kvlab.experiments.serve.latency import kvlab_extension
 from kvlab.experiments.serve.protocol import ApiError, Submission
 
@@ -26,18 +26,19 @@ DISCONNECT_POLL_S = 0.25
 
 
 class Server:
-    """What the handlers share: the engine loop, its metrics and the tokenizer (read-only here)."""
+    """What the handlers share: the engine handle (a thread or a process) and its tokenizer (read-only here)."""
 
-    def __init__(self, loop: EngineLoop, model_name: str, tokenizer: Any) -> None:
-        self.loop, self.model_name, self.tokenizer = loop, model_name, tokenizer
-        self.render_chat = renderer(tokenizer)
+    def __init__(self, engine: EngineHandle, model_name: str) -> None:
+        self.engine, self.model_name, self.tokenizer = engine, model_name, engine.tokenizer
+        self.render_chat = renderer(engine.tokenizer)
 
 
 def create_app(server: Server) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        server.engine.attach(asyncio.get_running_loop())
         yield
-        await asyncio.to_thread(server.loop.stop)        # aborts in-flight work and frees all KV
+        await server.engine.aclose()                      # aborts in-flight work and frees all KV
 
     app = FastAPI(title="kvlab", lifespan=lifespan)
 
@@ -50,10 +51,14 @@ def create_app(server: Server) -> FastAPI:
         err = ApiError(500, f"internal error: {type(e).__name__}: {e}", kind="internal_server_error")
         return JSONResponse(err.body(), status_code=500)
 
+    @app.exception_handler(EngineGone)
+    async def engine_gone(request: Request, e: EngineGone) -> JSONResponse:
+        return JSONResponse(ApiError(503, str(e), kind="service_unavailable").body(), status_code=503)
+
     @app.get("/health")
     async def health() -> Response:
-        if not server.loop.is_alive():
-            raise ApiError(503, "the engine thread is not running", kind="service_unavailable")
+        if not server.engine.is_alive():
+            raise EngineGone("the engine is not running")
         return Response(status_code=200)
 
     @app.get("/v1/models")
@@ -63,11 +68,13 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(server.loop.metrics.text(), media_type="text/plain; version=0.0.4")
+        text, _ = await server.engine.snapshot()
+        return Response(text, media_type="text/plain; version=0.0.4")
 
     @app.get("/kvlab/stats")
     async def kvlab_stats() -> dict:
-        return server.loop.metrics.stats()
+        _, stats = await server.engine.snapshot()
+        return stats
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -94,24 +101,22 @@ async def generate(server: Server, request: Request, chat: bool) -> Response:
         prompt = list(server.tokenizer.encode(prompt))      # tokenized here, off the engine thread
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     events: asyncio.Queue = asyncio.Queue()
-    aloop = asyncio.get_running_loop()
-
-    def sink(event: tuple) -> None:
-        with contextlib.suppress(RuntimeError):                # the event loop is already closed
-            aloop.call_soon_threadsafe(events.put_nowait, event)
-
-    if not server.loop.is_alive():
-        raise ApiError(503, "the server is shutting down", kind="service_unavailable")
-    if not server.loop.submit(rid, prompt, sub.params, sink):
-        raise ApiError(429, f"the waiting queue is full ({server.loop.max_waiting} requests); retry later",
+    engine = server.engine
+    if not engine.is_alive():
+        raise EngineGone("the server is shutting down")
+    if not engine.submit(rid, prompt, sub.params, events.put_nowait):
+        raise ApiError(429, f"the waiting queue is full ({engine.max_waiting} requests); retry later",
                        kind="rate_limit_error")
     try:
         first = await events.get()
     except asyncio.CancelledError:                             # the client left before the engine took it
-        server.loop.abort(rid)
+        engine.abort(rid)
         raise
     if first[0] == "rejected":
-        raise ApiError(400, first[1], "prompt" if "prompt" in first[1] else None)
+        status = first[2] if len(first) > 2 else 400
+        if status == 503:
+            raise EngineGone(first[1])
+        raise ApiError(status, first[1], "prompt" if "prompt" in first[1] else None)
     n_prompt = len(prompt) if isinstance(prompt, list) else 0
     resp = Response_(server, sub, rid, n_prompt, events)
     if sub.stream:
@@ -139,7 +144,7 @@ class Response_:
                 if ids:
                     pieces.append((i, *self.dec.add(i, ids)))
             if self.dec.all_stopped():
-                self.server.loop.abort(self.rid)              # every sample hit a stop string
+                self.server.engine.abort(self.rid)              # every sample hit a stop string
         elif event[0] == "done":
             self.done = True
             out = event[1]
@@ -173,7 +178,7 @@ class Response_:
                 self.apply(event)
         finally:
             if not self.done:
-                self.server.loop.abort(self.rid)
+                self.server.engine.abort(self.rid)
         if self.error is not None:
             raise ApiError(500, f"the request failed: {self.error}", kind="internal_server_error")
         choices = [self.choice(i, s.text, s.finish_reason) | {"token_ids": s.token_ids}
@@ -218,4 +223,4 @@ class Response_:
             yield "data: [DONE]\n\n"
         finally:
             if not self.done:                                  # the client went away: free its KV now
-                self.server.loop.abort(self.rid)
+                self.server.engine.abort(self.rid)

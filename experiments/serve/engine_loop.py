@@ -1,8 +1,10 @@
-"""The engine thread: the only thread that touches the Engine. Requests arrive through a thread-safe inbox;
-after every step each request's new tokens go back through its `sink` (a thread-safe callable).
+"""The engine loop: the only code that touches the Engine. Requests arrive through an inbox (a thread-safe queue
+in a thread, the pipe in an engine process); after every step each request's new tokens go back through its
+`sink`, and `flush` (if given) runs once per loop turn, so an engine process sends one message per step.
 
-Events a sink receives, in order: ("accepted",) or ("rejected", message); then ("tokens", [new ids per sample])
-any number of times; then ("done", RequestOutput | None) once (None: aborted, or the server is stopping).
+Events a sink receives, in order: ("accepted",) or ("rejected", message[, HTTP status, 400 if absent]); then
+("tokens", [new ids per sample]) any number of times; then ("done", RequestOutput | None) once (None: aborted,
+or the server is stopping).
 """
 from __future__ import annotations
 
@@ -29,17 +31,15 @@ class Live:
 
 
 class EngineLoop:
-    def __init__(self, engine: Any, metrics: Any, max_waiting: int) -> None:
+    def __init__(self, engine: Any, metrics: Any, inbox: Any = None, flush: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
-        self.max_waiting = max_waiting
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.inbox = inbox if inbox is not None else queue.SimpleQueue()    # get(timeout) / get_nowait()
+        self.flush = flush or (lambda: None)
         self.live: dict[str, Live] = {}               # engine thread only
-        self.pending = 0                               # submitted, not yet taken by the engine thread
         self.waiting = 0                               # the scheduler's waiting queue after the last step
-        self.lock = threading.Lock()
         self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="kvlab-engine", daemon=True)
+        self.thread = threading.Thread(target=self.run, name="kvlab-engine", daemon=True)
 
     # -- any thread -----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -48,34 +48,35 @@ class EngineLoop:
     def is_alive(self) -> bool:
         return self.thread.is_alive() and not self.stopping.is_set()
 
-    def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams, sink: Sink) -> bool:
-        """False when the waiting queue is full (the caller answers 429)."""
-        with self.lock:
-            if self.pending + self.waiting >= self.max_waiting:
-                return False
-            self.pending += 1
+    def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams, sink: Sink) -> None:
         self.inbox.put(("add", request_id, prompt, params, sink))
-        return True
 
     def abort(self, request_id: str) -> None:
         self.inbox.put(("abort", request_id))
 
+    def begin_stop(self) -> None:
+        """Abort everything in flight soon (streams end at once); safe from a signal handler."""
+        self.stopping.set()
+        self.inbox.put(("stop",))
+
     def stop(self, timeout: float = 10.0) -> None:
         """Abort everything in flight, close the engine (frees all KV) and join the thread."""
-        self.stopping.set()
-        self.inbox.put(("wake",))
+        self.begin_stop()
         if self.thread.is_alive():
             self.thread.join(timeout)
 
-    # -- engine thread --------------------------------------------------------------------------------------
-    def _run(self) -> None:
+    # -- engine thread (or an engine process's main thread) ------------------------------------------------
+    def run(self) -> None:
         try:
             while not self.stopping.is_set():
                 self._drain(block=not self.engine.has_unfinished())
                 if self.engine.has_unfinished() and not self.stopping.is_set():
                     self._step()
+                self.flush()
+        except EOFError:                               # an engine process whose server went away
+            log.warning("the server closed the engine's pipe; stopping")
         except Exception:                              # a bug in the engine: fail every request, keep no KV
-            log.exception("engine thread failed; aborting every request")
+            log.exception("engine loop failed; aborting every request")
         finally:
             self._shutdown()
 
@@ -94,8 +95,6 @@ class EngineLoop:
     def _handle(self, cmd: tuple) -> None:
         if cmd[0] == "add":
             _, rid, prompt, params, sink = cmd
-            with self.lock:
-                self.pending -= 1
             try:
                 self.engine.add_request(prompt, params, request_id=rid)
             except KvlabError as e:
@@ -107,6 +106,8 @@ class EngineLoop:
                 return
             self.live[rid] = Live(sink, [0] * params.n)
             sink(("accepted",))
+        elif cmd[0] == "stop":
+            self.stopping.set()
         elif cmd[0] == "abort":
             live = self.live.pop(cmd[1], None)
             if live is not None:
@@ -132,8 +133,7 @@ class EngineLoop:
 
     def _publish(self) -> None:
         running, waiting, swapped = self.engine.queue_depths()
-        with self.lock:
-            self.waiting = waiting
+        self.waiting = waiting                         # one int: read from other threads without a lock
         self.metrics.on_step(self.engine, running, waiting, swapped, force=not self.engine.has_unfinished())
 
     @staticmethod
@@ -153,8 +153,9 @@ class EngineLoop:
         while True:                                    # requests that never reached the engine
             try:
                 cmd = self.inbox.get_nowait()
-            except queue.Empty:
+            except (queue.Empty, EOFError, OSError):
                 break
             if cmd[0] == "add":
-                cmd[4](("rejected", "the server is shutting down"))
+                cmd[4](("rejected", "the server is shutting down", 503))
         self.engine.close()
+        self.flush()

@@ -1,0 +1,272 @@
+"""The engine in a process of its own, as vLLM's engine core: the server process keeps HTTP, tokenizing and
+detokenizing, and the engine steps with a GIL of its own, so the HTTP work of one step's tokens overlaps the
+next step instead of delaying it (docs/serving.md measures both ways).
+
+The two processes talk over a socket pair, one pickled message per send:
+  server -> engine: its sys.path and the EngineConfig first (as multiprocessing's spawn does: whatever the
+                    server can import, the engine can unpickle); then ("add", rid, prompt, params), ("abort", rid),
+                    ("query", token), ("stop",)
+  engine -> server: ("ready", tokenizer, torch threads) or ("failed", exception) once; then, once per loop turn
+                    with anything to say, ("events", [(rid, event), ...], waiting) and ("query", token, text, stats)
+
+The engine process ignores SIGINT (a terminal's Ctrl-C reaches the whole process group; the server orders the
+stop), stops on ("stop",), and stops by itself when the pipe closes, so it never outlives the server.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import signal
+import socket
+import subprocess
+import sys
+from multiprocessing.connection import Connection
+from typing import Any
+
+from kvlab.common.errors import KvlabError
+from kvlab.experiments.serve.engine_loop import EngineLoop, Sink
+from kvlab.experiments.serve.handles import EngineGone, EngineHandle
+
+log = logging.getLogger("kvlab.serve")
+START_TIMEOUT_S = 300
+STOP_TIMEOUT_S = 15
+QUERY_TIMEOUT_S = 10
+SOCKET_BUFFER = 4 << 20          # a burst of requests fits: a send never blocks the event loop on a busy engine
+CHILD = "import sys; from kvlab.experiments.serve.engine_process import child_main; sys.exit(child_main({fd}))"
+
+
+class ProcessEngine(EngineHandle):
+    """The server's end: starts the engine process and waits until it is ready (its start-up error, if any, is
+    raised here); then `attach` reads its messages on the asyncio loop (no extra thread)."""
+
+    def __init__(self, config: Any, max_waiting: int, start_timeout: float = START_TIMEOUT_S) -> None:
+        super().__init__(max_waiting)
+        ours, theirs = socket.socketpair()
+        for s in (ours, theirs):
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
+        fd = theirs.fileno()
+        # stdout=2: whatever the engine prints joins the server's log, not the start line a caller may parse
+        self.proc = subprocess.Popen([sys.executable, "-c", CHILD.format(fd=fd)], pass_fds=[fd], stdout=2)
+        theirs.close()
+        self.conn = Connection(ours.detach())
+        self.requests: dict[str, list] = {}                  # rid -> [sink, accepted]
+        self.queries: dict[int, asyncio.Future] = {}
+        self.query_ids = itertools.count()
+        self.last_waiting = 0
+        self.alive = self.stopping = False
+        self.aloop: asyncio.AbstractEventLoop | None = None
+        try:
+            self.conn.send(sys.path)
+            self.conn.send(config)
+            self.tokenizer, self.torch_threads = self._wait_ready(start_timeout)
+        except BaseException:                                # a bad config, or Ctrl-C while the engine builds
+            self.proc.kill()                                  # nothing to save yet; the OS frees its memory
+            self.proc.wait()
+            self.conn.close()
+            raise
+        self.alive = True
+
+    def _wait_ready(self, timeout: float) -> tuple[Any, int]:
+        if not self.conn.poll(timeout):
+            raise KvlabError(f"the engine process was not ready within {timeout:.0f} s")
+        try:
+            msg = self.conn.recv()
+        except EOFError:
+            raise KvlabError(f"the engine process exited (code {self.proc.wait()}) before it was ready; "
+                             "its error is above") from None
+        if msg[0] == "failed":
+            raise msg[1]
+        return msg[1], msg[2]
+
+    # -- the asyncio loop's thread -----------------------------------------------------------------------------
+    def attach(self, aloop: asyncio.AbstractEventLoop) -> None:
+        self.aloop = aloop
+        aloop.add_reader(self.conn.fileno(), self._on_readable)
+
+    def is_alive(self) -> bool:
+        return self.alive and not self.stopping
+
+    def waiting(self) -> int:
+        return self.last_waiting
+
+    def submit(self, request_id: str, prompt: str | list[int], params: Any, sink: Sink) -> bool:
+        """False when the waiting queue is full (the caller answers 429)."""
+        if not self.admit():
+            return False
+        self.requests[request_id] = [sink, False]
+        self._send(("add", request_id, prompt, params))
+        return True
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self.requests:
+            self._send(("abort", request_id))
+
+    async def snapshot(self) -> tuple[bytes, dict[str, float]]:
+        """(Prometheus text, /kvlab/stats dict), read in the engine process after its current step."""
+        if not self.alive:
+            raise EngineGone("the engine process is not running")
+        token = next(self.query_ids)
+        self.queries[token] = future = self.aloop.create_future()
+        self._send(("query", token))
+        try:
+            return await asyncio.wait_for(future, QUERY_TIMEOUT_S)
+        finally:
+            self.queries.pop(token, None)
+
+    def _send(self, msg: tuple) -> None:
+        try:
+            self.conn.send(msg)
+        except OSError:
+            self._engine_gone()
+
+    def _on_readable(self) -> None:
+        try:
+            while self.conn.poll():
+                self._dispatch(self.conn.recv())
+        except (EOFError, OSError):
+            self._engine_gone()
+
+    def _dispatch(self, msg: tuple) -> None:
+        if msg[0] == "events":
+            _, events, self.last_waiting = msg
+            for rid, event in events:
+                entry = self.requests.get(rid)
+                if entry is None:
+                    continue
+                if event[0] == "accepted":
+                    entry[1] = True
+                elif event[0] in ("done", "rejected"):
+                    del self.requests[rid]
+                self.settle(event)
+                entry[0](event)
+        elif msg[0] == "query":
+            future = self.queries.get(msg[1])
+            if future is not None and not future.done():
+                future.set_result((msg[2], msg[3]))
+
+    def _engine_gone(self) -> None:
+        """The pipe closed: after a stop, or because the engine process died. End every request either way."""
+        if self.alive and not self.stopping:
+            log.error("the engine process exited (code %s); failing every request", self.proc.poll())
+        self.alive = False
+        if self.aloop is not None:
+            self.aloop.remove_reader(self.conn.fileno())
+        requests, self.requests, self.pending = self.requests, {}, 0
+        for sink, accepted in requests.values():
+            sink(("done", None) if accepted else ("rejected", "the engine process is not running", 503))
+        for future in self.queries.values():
+            if not future.done():
+                future.set_exception(EngineGone("the engine process is not running"))
+
+    # -- stopping ---------------------------------------------------------------------------------------------------
+    def begin_stop(self) -> None:
+        """From a signal handler: the stop message is sent from the loop, never in the middle of another send."""
+        self.stopping = True
+        if self.aloop is not None and not self.aloop.is_closed():
+            self.aloop.call_soon_threadsafe(self._send, ("stop",))
+
+    async def aclose(self) -> None:
+        """Stop the engine while the loop still delivers its last events (aborted streams end cleanly)."""
+        self.stopping = True
+        if self.alive:
+            self._send(("stop",))
+            await asyncio.to_thread(self._wait_exit)
+            self._on_readable()                              # the last events, then EOF
+
+    def stop(self) -> None:
+        """Make sure the engine process is gone (idempotent; after the loop has ended too)."""
+        self.stopping = True
+        if self.proc.poll() is None:
+            try:
+                self.conn.send(("stop",))
+            except OSError:
+                pass
+            self._wait_exit()
+        self.alive = False
+        self.conn.close()
+
+    def _wait_exit(self) -> None:
+        try:
+            self.proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            log.error("the engine process did not stop within %d s; killing it", STOP_TIMEOUT_S)
+            self.proc.kill()
+            self.proc.wait()
+
+
+# -- the engine process ---------------------------------------------------------------------------------------
+class PipeInbox:
+    """The engine loop's inbox, read from the pipe: an "add" gets a sink that queues its events for the next
+    flush; a metrics query is answered right here, on the engine's thread, between steps."""
+
+    def __init__(self, conn: Connection, metrics: Any) -> None:
+        self.conn, self.metrics = conn, metrics
+        self.events: list[tuple[str, tuple]] = []
+        self.replies: list[tuple] = []
+
+    def get(self, timeout: float | None = None) -> tuple:
+        while self.conn.poll(timeout):
+            cmd = self.conn.recv()                           # EOFError once the server is gone
+            if cmd[0] == "add":
+                return (*cmd, self._sink(cmd[1]))
+            if cmd[0] != "query":
+                return cmd
+            self.replies.append(("query", cmd[1], self.metrics.text(), self.metrics.stats()))
+            timeout = 0
+        raise queue.Empty
+
+    def get_nowait(self) -> tuple:
+        return self.get(0)
+
+    def _sink(self, rid: str) -> Sink:
+        return lambda event: self.events.append((rid, event))
+
+
+def child_main(fd: int) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+    conn = Connection(fd)
+    sys.path[:] = conn.recv()
+    config = conn.recv()
+    try:
+        loop = _build(config, conn)
+    except Exception as e:
+        if not isinstance(e, KvlabError):
+            log.exception("the engine failed to start")
+            e = KvlabError(f"the engine failed to start: {type(e).__name__}: {e}")
+        try:
+            conn.send(("failed", e))
+        except Exception:                                    # an exception that does not pickle
+            conn.send(("failed", KvlabError(str(e))))
+        return 1
+    loop.run()
+    return 0
+
+
+def _build(config: Any, conn: Connection) -> EngineLoop:
+    import torch
+    from kvlab.common.engine import Engine
+    from kvlab.experiments.serve.prom import ServerMetrics
+
+    if config.threads:                 # as LLM does: 1 torch thread by default, `--threads 0` keeps torch's own
+        torch.set_num_threads(config.threads)
+    engine = Engine.from_config(config)
+    metrics = ServerMetrics(config.backend)
+    inbox = PipeInbox(conn, metrics)
+    loop = EngineLoop(engine, metrics, inbox=inbox, flush=lambda: _flush(conn, inbox, loop))
+    conn.send(("ready", engine.tokenizer, torch.get_num_threads()))
+    return loop
+
+
+def _flush(conn: Connection, inbox: PipeInbox, loop: EngineLoop) -> None:
+    try:
+        if inbox.events:
+            conn.send(("events", inbox.events, loop.waiting))
+        for reply in inbox.replies:
+            conn.send(reply)
+    except OSError:                                          # the server is gone: the next read sees EOF
+        pass
+    inbox.events, inbox.replies = [], []

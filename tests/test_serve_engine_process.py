@@ -1,0 +1,70 @@
+"""`kvlab serve` with the engine in a process of its own: what happens when that process dies, when it cannot
+start, and when a terminal's Ctrl-C reaches both processes."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from kvlab.common.config import make_config
+from kvlab.common.errors import ModelLoadError
+from kvlab.experiments.serve.engine_process import ProcessEngine
+from processes import alive, children
+from test_serve_server import LiveServer, wait_for
+
+ROOT = Path(__file__).resolve().parents[1]
+LONG = {"model": "tiny", "prompt": "long", "max_tokens": 900, "ignore_eos": True}
+
+
+def test_engine_process_death_fails_requests_and_health_but_not_the_server():
+    s = LiveServer(engine="process")
+    try:
+        engine_pid = s.engine.proc.pid
+        with httpx.Client(timeout=30) as h, h.stream("POST", s.url + "/v1/completions",
+                                                      json=LONG | {"stream": True}) as resp:
+            lines = resp.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            os.kill(engine_pid, signal.SIGKILL)
+            rest = [line for line in lines if line]         # the stream ends instead of hanging
+        assert rest[-1] == "data: [DONE]" and '"finish_reason": "abort"' in "".join(rest)
+        assert wait_for(lambda: httpx.get(s.url + "/health", timeout=5).status_code == 503)
+        r = httpx.post(s.url + "/v1/completions", json=LONG | {"max_tokens": 2}, timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+        assert httpx.get(s.url + "/metrics", timeout=10).status_code == 503
+        assert httpx.get(s.url + "/v1/models", timeout=10).status_code == 200   # the HTTP side still answers
+    finally:
+        s.stop()
+    assert not alive(engine_pid)
+
+
+def test_start_up_error_is_raised_in_the_server_and_leaves_no_process():
+    before = set(children(os.getpid()))
+    with pytest.raises(ModelLoadError):
+        ProcessEngine(make_config(model=str(ROOT / "no-such-model")), 8)
+    assert set(children(os.getpid())) <= before
+
+
+def test_ctrl_c_to_the_process_group_exits_zero_and_stops_the_engine():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "kvlab.experiments.cli", "serve", "--model", "tiny",
+                             "--backend", "paged", "--port", "0"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        url = re.search(r"http://\S+", proc.stdout.readline()).group(0)
+        engine_pids = children(proc.pid)
+        assert engine_pids and all(alive(p) for p in engine_pids)
+        assert httpx.post(url + "/v1/completions", json=LONG | {"max_tokens": 3}, timeout=30).status_code == 200
+        time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)                 # as a terminal's Ctrl-C: every process in the group
+        assert proc.wait(30) == 0, proc.stderr.read()
+        assert wait_for(lambda: not any(alive(p) for p in engine_pids), 10)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
