@@ -150,6 +150,13 @@ def test_bench_serve_cli_against_stub(stub, tmp_path, capsys):
     assert re.search(r"completed\s+4", capsys.readouterr().out)
 
 
+def test_a_server_without_v1_models_is_one_line_unless_model_is_given(stub, capsys):
+    """Another server's /v1/models that is absent or odd: one line that says to pass --model, exit 2."""
+    rc = cli.main(["bench", "serve", "--base-url", stub + "/nowhere", "--num-prompts", "2"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.count("\n") == 0 and "/nowhere/v1/models" in err and "pass --model" in err
+
+
 def test_paired_sweep_writes_results(tmp_path):
     rc = cli.main(["bench", "serve", "--backends", "vmm,paged", "--request-rates", "inf", "--num-prompts", "4",
                    "--dataset", "random", "--input-len", "8", "--output-len", "32", "--out", str(tmp_path)])
