@@ -212,15 +212,16 @@ class Response_:
             while not self.done:
                 for i, ids, text in self.apply(await self.events.get()):
                     yield self.chunk([self.choice(i, text, None, delta=True) | {"token_ids": ids}])
+            tail = []                                          # one write for the last events
             if self.error is not None:
                 err = ApiError(500, f"the request failed: {self.error}", kind="internal_server_error")
-                yield f"data: {json.dumps(err.body())}\n\n"
-            final = self.chunk([self.choice(i, "", s.finish_reason, delta=True) | {"token_ids": []}
-                                for i, s in enumerate(self.dec.samples)], kvlab=self.extra)
-            yield final
+                tail.append(f"data: {json.dumps(err.body())}\n\n")
+            tail.append(self.chunk([self.choice(i, "", s.finish_reason, delta=True) | {"token_ids": []}
+                                    for i, s in enumerate(self.dec.samples)], kvlab=self.extra))
             if self.sub.include_usage:
-                yield self.chunk([], self.usage())
-            yield "data: [DONE]\n\n"
+                tail.append(self.chunk([], self.usage()))
+            tail.append("data: [DONE]\n\n")
+            yield "".join(tail)
         finally:
             if not self.done:                                  # the client went away: free its KV now
                 self.server.engine.abort(self.rid)

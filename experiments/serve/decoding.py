@@ -1,5 +1,11 @@
 """Per-response text state: token ids -> text deltas, with stop strings cut out (the engine stops on token ids
-only; stop strings are matched here, on the decoded text)."""
+only; stop strings are matched here, on the decoded text).
+
+Detokenization is incremental, as vLLM does it: each new token decodes a short window (the ids since the last
+emitted text, plus the ids before them as context, so a tokenizer that strips a leading space or merges bytes
+across tokens gives the same text as one decode of everything), never the whole output again. The text waits
+while the window ends in U+FFFD (a character whose bytes have not all arrived yet).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -12,6 +18,9 @@ REPLACEMENT = "\ufffd"
 class Sample:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""                      # text sent so far
+    decoded: str = ""                   # text decoded so far: sent, plus what is held back (a stop string's start)
+    prefix_offset: int = 0              # token_ids[prefix_offset:read_offset] decoded to the end of `decoded`
+    read_offset: int = 0
     finish_reason: str | None = None
 
 
@@ -32,7 +41,8 @@ class Decoding:
         s.token_ids.extend(new_ids)
         if self.decode is None:
             return new_ids, ""
-        full = self.decode(s.token_ids)
+        s.decoded += self._new_text(s, final)
+        full = s.decoded
         cut = self._stop_at(full, len(s.text))
         if cut is not None:
             full, s.finish_reason = full[:cut], "stop"
@@ -42,10 +52,18 @@ class Decoding:
         s.text += delta
         return new_ids, delta
 
+    def _new_text(self, s: Sample, final: bool) -> str:
+        ids = s.token_ids
+        before = self.decode(ids[s.prefix_offset:s.read_offset])
+        after = self.decode(ids[s.prefix_offset:])
+        if len(after) <= len(before) or (after.endswith(REPLACEMENT) and not final):
+            return ""
+        s.prefix_offset, s.read_offset = s.read_offset, len(ids)
+        return after[len(before):]
+
     def _held(self, text: str) -> int:
-        """Characters to hold back: a maybe-partial UTF-8 character, or the start of a stop string."""
-        held = max((k for x in self.stop for k in range(1, len(x)) if text.endswith(x[:k])), default=0)
-        return max(held, 1 if text.endswith(REPLACEMENT) else 0)
+        """Characters to hold back: the start of a stop string at the end of the text."""
+        return max((k for x in self.stop for k in range(1, len(x)) if text.endswith(x[:k])), default=0)
 
     def _stop_at(self, text: str, sent: int) -> int | None:
         start = max(0, sent - max((len(x) for x in self.stop), default=0))
