@@ -7,7 +7,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -50,20 +49,26 @@ def test_start_up_error_is_raised_in_the_server_and_leaves_no_process():
     assert set(children(os.getpid())) <= before
 
 
-def test_ctrl_c_to_the_process_group_exits_zero_and_stops_the_engine():
+@pytest.mark.parametrize("sig, extra", [(signal.SIGINT, []), (signal.SIGTERM, ["--tensor-parallel-size", "2"])],
+                         ids=["ctrl-c", "sigterm-tp2"])
+def test_a_signal_to_the_process_group_exits_zero_and_stops_every_process(sig, extra):
+    """A terminal's Ctrl-C, or `timeout`/`kill -TERM -PGID`, reaches the server, its engine process and (with
+    tensor parallelism) the engine's workers at once: all stop, exit 0, nothing leaks."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen([sys.executable, "-m", "kvlab.experiments.cli", "serve", "--model", "tiny",
-                             "--backend", "paged", "--port", "0"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             "--backend", "paged", "--port", "0", *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         url = re.search(r"http://\S+", proc.stdout.readline()).group(0)
         engine_pids = children(proc.pid)
         assert engine_pids and all(alive(p) for p in engine_pids)
         assert httpx.post(url + "/v1/completions", json=LONG | {"max_tokens": 3}, timeout=30).status_code == 200
-        time.sleep(0.2)
-        os.killpg(proc.pid, signal.SIGINT)                 # as a terminal's Ctrl-C: every process in the group
-        assert proc.wait(30) == 0, proc.stderr.read()
-        assert wait_for(lambda: not any(alive(p) for p in engine_pids), 10)
+        everyone = [p for e in engine_pids for p in [e, *children(e)]]
+        os.killpg(proc.pid, sig)
+        assert proc.wait(30) == 0
+        err = proc.stderr.read()
+        assert "Traceback" not in err and "leaked" not in err, err
+        assert wait_for(lambda: not any(alive(p) for p in everyone), 10)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -10,7 +10,7 @@ The two processes talk over a socket pair, one pickled message per send:
                     with anything to say, ("events", [(rid, event), ...], waiting) and ("query", token, text, stats)
 
 The engine process ignores SIGINT (a terminal's Ctrl-C reaches the whole process group; the server orders the
-stop), stops on ("stop",), and stops by itself when the pipe closes, so it never outlives the server.
+stop), stops on ("stop",) or SIGTERM, and stops by itself when the pipe closes, so it never outlives the server.
 """
 from __future__ import annotations
 
@@ -242,6 +242,8 @@ def child_main(fd: int) -> int:
         except Exception:                                    # an exception that does not pickle
             conn.send(("failed", KvlabError(str(e))))
         return 1
+    # SIGTERM (alone, or to the whole process group with the server's): stop as ("stop",) would, freeing all
+    signal.signal(signal.SIGTERM, lambda sig, frame: loop.stopping.set())
     loop.run()
     return 0
 
