@@ -3,8 +3,8 @@ detokenizing, and the engine steps with a GIL of its own, so the HTTP work of on
 next step instead of delaying it (docs/serving.md measures both ways).
 
 The two processes talk over a socket pair, one pickled message per send:
-  server -> engine: its sys.path and the EngineConfig first (as multiprocessing's spawn does: whatever the
-                    server can import, the engine can unpickle); then ("add", rid, prompt, params), ("abort", rid),
+  server -> engine: its sys.path and log level, then the EngineConfig (as multiprocessing's spawn does: what
+                    the server can import, the engine can unpickle); then ("add", rid, prompt, params), ("abort", rid),
                     ("query", token), ("stop",)
   engine -> server: ("ready", tokenizer, torch threads) or ("failed", exception) once; then, once per loop turn
                     with anything to say, ("events", [(rid, event), ...], waiting) and ("query", token, text, stats)
@@ -34,6 +34,7 @@ START_TIMEOUT_S = 300
 STOP_TIMEOUT_S = 15
 QUERY_TIMEOUT_S = 10
 SOCKET_BUFFER = 4 << 20          # a burst of requests fits: a send never blocks the event loop on a busy engine
+LOG_FORMAT = "%(name)s: %(levelname)s: %(message)s"       # as the CLI's
 CHILD = "import sys; from kvlab.experiments.serve.engine_process import child_main; sys.exit(child_main({fd}))"
 
 
@@ -59,7 +60,7 @@ class ProcessEngine(EngineHandle):
         self.alive = self.stopping = False
         self.aloop: asyncio.AbstractEventLoop | None = None
         try:
-            self.conn.send(sys.path)
+            self.conn.send((sys.path, logging.getLogger().getEffectiveLevel()))
             self.conn.send(config)
             self.tokenizer, self.torch_threads = self._wait_ready(start_timeout)
         except BaseException:                                # a bad config, or Ctrl-C while the engine builds
@@ -227,9 +228,9 @@ class PipeInbox:
 
 def child_main(fd: int) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
     conn = Connection(fd)
-    sys.path[:] = conn.recv()
+    sys.path[:], level = conn.recv()
+    logging.basicConfig(level=level, format=LOG_FORMAT)
     config = conn.recv()
     try:
         loop = _build(config, conn)
