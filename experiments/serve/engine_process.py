@@ -114,6 +114,8 @@ class ProcessEngine(EngineHandle):
         self._send(("query", token))
         try:
             return await asyncio.wait_for(future, QUERY_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise EngineGone(f"the engine process did not answer within {QUERY_TIMEOUT_S} s") from None
         finally:
             self.queries.pop(token, None)
 
