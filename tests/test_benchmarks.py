@@ -61,7 +61,8 @@ def test_family_runs_and_reports_rows(family):
     rows = importlib.import_module(FAMILIES[family]).run(QUICK)
     check_rows(rows, family)
     goals = [r for r in rows if r.goal is not None]
-    expected_goals = {"throughput": 2, "attention": 4, "end_to_end": 1, "allocator": 2, "simulator": 3}
+    expected_goals = {"throughput": 2, "attention": 4, "end_to_end": 1, "allocator": 2, "simulator": 3,
+                      "serving": 1}
     assert len(goals) == expected_goals[family]
 
 

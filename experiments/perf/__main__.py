@@ -21,6 +21,7 @@ FAMILIES = {
     "end_to_end": "kvlab.experiments.perf.end_to_end",
     "allocator": "kvlab.experiments.perf.allocator",
     "simulator": "kvlab.experiments.perf.simulator",
+    "serving": "kvlab.experiments.perf.serving",
 }
 
 
