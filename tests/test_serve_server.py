@@ -336,3 +336,27 @@ def test_offline_attribution_matches_scheduler_counters():
         assert outs[-1].error is not None and ms[-1].num_preemptions == 0
     finally:
         llm.close()
+
+
+def test_an_engine_bug_ends_every_stream_and_health_says_503():
+    """Engine.step raising (a bug, not a bad request): every open stream ends with finish_reason "abort" and
+    [DONE], the engine's KV is freed, and /health and new requests answer 503 instead of hanging."""
+    s = LiveServer()
+    try:
+        engine, steps = s.engine.loop.engine, []
+        real_step = engine.step
+
+        def failing_step():
+            steps.append(1)
+            if len(steps) > 3:
+                raise RuntimeError("injected engine bug")
+            return real_step()
+        engine.step = failing_step
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 50, "ignore_eos": True, "stream": True}
+        text = httpx.post(s.url + "/v1/completions", json=body, timeout=30).text
+        assert text.rstrip().endswith("data: [DONE]") and '"finish_reason": "abort"' in text
+        assert s.engine.loop.failed and engine.cache_stats().used_units == 0
+        assert httpx.get(s.url + "/health", timeout=5).status_code == 503
+        assert httpx.post(s.url + "/v1/completions", json=body, timeout=5).status_code == 503
+    finally:
+        s.stop()

@@ -39,6 +39,7 @@ class EngineLoop:
         self.live: dict[str, Live] = {}               # engine thread only
         self.waiting = 0                               # the scheduler's waiting queue after the last step
         self.stopping = threading.Event()
+        self.failed = False
         self.thread = threading.Thread(target=self.run, name="kvlab-engine", daemon=True)
 
     # -- any thread -----------------------------------------------------------------------------------------
@@ -77,6 +78,7 @@ class EngineLoop:
             log.warning("the server closed the engine's pipe; stopping")
         except Exception:                              # a bug in the engine: fail every request, keep no KV
             log.exception("engine loop failed; aborting every request")
+            self.failed = True
         finally:
             self._shutdown()
 

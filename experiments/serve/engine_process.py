@@ -248,7 +248,7 @@ def child_main(fd: int) -> int:
     # SIGTERM (alone, or to the whole process group with the server's): stop as ("stop",) would, freeing all
     signal.signal(signal.SIGTERM, lambda sig, frame: loop.stopping.set())
     loop.run()
-    return 0
+    return 1 if loop.failed else 0
 
 
 def _build(config: Any, conn: Connection) -> EngineLoop:
