@@ -25,6 +25,7 @@ from kvlab.experiments.serve.decoding import Decoding
 from kvlab.experiments.serve.engine_process import ProcessEngine
 from kvlab.experiments.serve.handles import ThreadEngine
 from kvlab.experiments.serve.prom import ServerMetrics
+from processes import children
 
 from kvlab import LLM
 
@@ -230,18 +231,6 @@ def memfd_count(pid: int | str = "self") -> int:
     return count
 
 
-def children_of(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
-
-
 def test_sigterm_during_load_exits_zero():
     memfds = memfd_count()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -257,7 +246,7 @@ def test_sigterm_during_load_exits_zero():
         pool = ThreadPoolExecutor(8)
         futures = [pool.submit(_post_quietly, url, body) for _ in range(8)]
         assert wait_for(lambda: _running(url) > 0, 20)
-        kids = children_of(proc.pid)
+        kids = children(proc.pid)
         assert any(memfd_count(k) for k in kids), kids      # the engine process holds the vmm page pool
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0, proc.stderr.read()

@@ -210,11 +210,9 @@ class Scheduler:
         self.queues.check_invariants(self.cache)
 
 
-def _samples(value: list[Sample] | int | None, seq: Sequence, spec: SampleSpec) -> list[Sample]:
+def _samples(value: list[Sample] | None, seq: Sequence, spec: SampleSpec) -> list[Sample]:
     if value is None:
         raise RuntimeError(f"the runner returned no sample for sequence {seq.seq_id} (it needed logits)")
-    if isinstance(value, int):
-        return [(value, 0.0)] * spec.num_samples
     if not value or (not spec.beam and len(value) != spec.num_samples):
         raise RuntimeError(f"the runner returned {len(value)} samples for sequence {seq.seq_id}, "
                            f"{spec.num_samples} were requested")

@@ -27,7 +27,7 @@ from typing import Any
 
 from kvlab.common.errors import KvlabError
 from kvlab.experiments.serve.engine_loop import EngineLoop, Sink
-from kvlab.experiments.serve.handles import EngineGone, EngineHandle
+from kvlab.experiments.serve.handles import EngineGone, EngineHandle, build_engine
 
 log = logging.getLogger("kvlab.serve")
 START_TIMEOUT_S = 300
@@ -90,12 +90,9 @@ class ProcessEngine(EngineHandle):
     def is_alive(self) -> bool:
         return self.alive and not self.stopping
 
-    def waiting(self) -> int:
-        return self.last_waiting
-
     def submit(self, request_id: str, prompt: str | list[int], params: Any, sink: Sink) -> bool:
         """False when the waiting queue is full (the caller answers 429)."""
-        if not self.admit():
+        if not self.admit(self.last_waiting):
             return False
         self.requests[request_id] = [sink, False]
         self._send(("add", request_id, prompt, params))
@@ -253,13 +250,7 @@ def child_main(fd: int) -> int:
 
 def _build(config: Any, conn: Connection) -> EngineLoop:
     import torch
-    from kvlab.common.engine import Engine
-    from kvlab.experiments.serve.prom import ServerMetrics
-
-    if config.threads:                 # as LLM does: 1 torch thread by default, `--threads 0` keeps torch's own
-        torch.set_num_threads(config.threads)
-    engine = Engine.from_config(config)
-    metrics = ServerMetrics(config.backend)
+    engine, metrics = build_engine(config)
     inbox = PipeInbox(conn, metrics)
     loop = EngineLoop(engine, metrics, inbox=inbox, flush=lambda: _flush(conn, inbox, loop))
     conn.send(("ready", engine.tokenizer, torch.get_num_threads()))

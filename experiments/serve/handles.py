@@ -28,8 +28,9 @@ class EngineHandle:
         self.max_waiting = max_waiting
         self.pending = 0
 
-    def admit(self) -> bool:
-        if self.pending + self.waiting() >= self.max_waiting:
+    def admit(self, waiting: int) -> bool:
+        """`waiting`: the engine's waiting queue after its last step."""
+        if self.pending + waiting >= self.max_waiting:
             return False
         self.pending += 1
         return True
@@ -38,8 +39,16 @@ class EngineHandle:
         if event[0] in ("accepted", "rejected"):
             self.pending -= 1
 
-    def waiting(self) -> int:
-        raise NotImplementedError
+
+def build_engine(config: Any) -> tuple[Any, Any]:
+    """(Engine, ServerMetrics) for `config`, wherever the engine will step. As LLM does, 1 torch thread by
+    default; `--threads 0` keeps torch's own count."""
+    import torch
+    from kvlab.common.engine import Engine
+    from kvlab.experiments.serve.prom import ServerMetrics
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    return Engine.from_config(config), ServerMetrics(config.backend)
 
 
 class ThreadEngine(EngineHandle):
@@ -61,12 +70,9 @@ class ThreadEngine(EngineHandle):
     def is_alive(self) -> bool:
         return self.loop.is_alive()
 
-    def waiting(self) -> int:
-        return self.loop.waiting
-
     def submit(self, request_id: str, prompt: str | list[int], params: Any, sink: Sink) -> bool:
         """False when the waiting queue is full (the caller answers 429)."""
-        if not self.admit():
+        if not self.admit(self.loop.waiting):
             return False
         aloop = self.aloop
 

@@ -12,12 +12,10 @@ from typing import Any
 
 import torch
 import uvicorn
-from kvlab.common.engine import Engine
 from kvlab.experiments import cli
 from kvlab.experiments.serve.app import Server, create_app
 from kvlab.experiments.serve.engine_process import ProcessEngine
-from kvlab.experiments.serve.handles import EngineHandle, ThreadEngine
-from kvlab.experiments.serve.prom import ServerMetrics
+from kvlab.experiments.serve.handles import EngineHandle, ThreadEngine, build_engine
 
 log = logging.getLogger("kvlab.serve")
 DEFAULT_MAX_WAITING = 1024
@@ -68,9 +66,7 @@ def start_engine(config: Any, max_waiting: int, in_thread: bool) -> tuple[Engine
     if not in_thread:
         engine = ProcessEngine(config, max_waiting)
         return engine, engine.torch_threads
-    if config.threads:                 # as LLM does: 1 torch thread by default, `--threads 0` keeps torch's own
-        torch.set_num_threads(config.threads)
-    engine = ThreadEngine(Engine.from_config(config), ServerMetrics(config.backend), max_waiting)
+    engine = ThreadEngine(*build_engine(config), max_waiting)
     engine.start()
     return engine, torch.get_num_threads()
 
@@ -86,8 +82,8 @@ def run(args: argparse.Namespace) -> int:
         where = "a thread" if args.engine_thread else "its own process"
         print(f"kvlab serve: {config.backend} on http://{args.host}:{sock.getsockname()[1]} "
               f"(engine in {where}, {threads} torch thread(s))", flush=True)
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=GRACEFUL_S)
-        SignalServer(config, engine).run(sockets=[sock])
+        uv_config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=GRACEFUL_S)
+        SignalServer(uv_config, engine).run(sockets=[sock])
     finally:
         engine.stop()
         sock.close()

@@ -96,12 +96,13 @@ def run_point(case: SimCase, spec: ServeSpec, rate: float, seed: int, max_concur
     prof = profile(spec.driver_profile, spec.calibration, case.page_size)
     settings = spec.settings(seed, max_concurrency)
     factory = TapFactory(CostLedger(prof, spec.background_mapping), watch(stop_on_miss, requests, settings))
+    point = {"backend": backend_label(case), "request_rate": rate, "burstiness": spec.burstiness,
+             "max_concurrency": settings.max_concurrency or None, "num_prompts": spec.num_requests,
+             "dataset": spec.dataset, "seed": seed}
     try:
         row = run_case(case, settings, requests, tap=factory)
     except SloMissed as missed:
-        return {**stopped_result(missed), "backend": backend_label(case), "request_rate": rate,
-                "burstiness": spec.burstiness, "max_concurrency": settings.max_concurrency or None,
-                "num_prompts": spec.num_requests, "dataset": spec.dataset, "seed": seed}
+        return {**stopped_result(missed), **point}
     records = factory.tap.records(factory.added, factory.finished)
     result = latency.summarize(records, row.sim_seconds, spec.goodput or None, percentiles=spec.percentiles,
                                max_concurrent=row.max_batch)
@@ -109,10 +110,7 @@ def run_point(case: SimCase, spec: ServeSpec, rate: float, seed: int, max_concur
     result["total_map_unmap_exposed_s"] = sum(r.kvlab["map_unmap_exposed_s"] for r in records)
     result["total_client_wait_s"] = sum(r.start - req.arrival_s for r, (_, req) in zip(records, factory.added))
     driver = factory.ledger.to_json() | {"driver_unattributed_seconds": factory.tap.unattributed_s}
-    result.update({"backend": backend_label(case), "request_rate": rate, "burstiness": spec.burstiness,
-                   "max_concurrency": settings.max_concurrency or None, "num_prompts": spec.num_requests,
-                   "dataset": spec.dataset, "seed": seed, "server_preemptions": row.preemptions,
-                   "sim": row.to_json(), "driver": driver,
+    result.update({**point, "server_preemptions": row.preemptions, "sim": row.to_json(), "driver": driver,
                    "pool_create_seconds": prof.create_s * pool_pages(case, spec),
                    "requests": [request_log(r) for r in records]})
     return result
