@@ -3,6 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.kvlab-installed
+IMPORT_ROOT := $(VENV)/kvlab-import-root
 # Where torch comes from: the pinned TORCH_SPEC from the machine's default index (on kvlab's CPU machines that is
 # the local CPU wheel). Where the default index would serve the multi-GB CUDA build, point TORCH_INDEX at
 # PyTorch's CPU wheel index:  make TORCH_INDEX=https://download.pytorch.org/whl/cpu
@@ -22,6 +23,11 @@ $(STAMP): $(PY) pyproject.toml
 		$(PIP) install $(TORCH_SPEC) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)); }
 	@echo "installing kvlab and its dependencies into $(VENV)"
 	$(PIP) install -e '.[dev]'
+	@# One more path entry, holding only the kvlab link: a regular package found on sys.path, so a folder named
+	@# kvlab beside a user's script (the clone itself) cannot shadow the install as an empty namespace package.
+	mkdir -p $(IMPORT_ROOT) && ln -sfn $(CURDIR)/kvlab $(IMPORT_ROOT)/kvlab
+	$(PY) -c 'import sys, sysconfig; open(sysconfig.get_paths()["purelib"] + "/kvlab-checkout.pth", "w").write(sys.argv[1] + "\n")' \
+		$(abspath $(IMPORT_ROOT))
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -40,7 +46,7 @@ smollm2: $(STAMP)
 
 # The README's and docs/experiments.md's samples and images, from one run (~3 minutes on 2 cores).
 docs: $(STAMP)
-	$(PY) -m kvlab.experiments.regenerate_docs
+	$(PY) -m kvlab.experiments.cli.regenerate_docs
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from kvlab.common.errors import ModelLoadError
 from kvlab.common.model import LlamaForCausalLM, ModelConfig
 from kvlab.common.tokenizer import BPETokenizer

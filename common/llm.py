@@ -18,6 +18,7 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 import torch
+
 from kvlab.common.capacity import warn_capacity
 from kvlab.common.config import make_config
 from kvlab.common.engine import Engine

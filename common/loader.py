@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from kvlab.common.errors import ConfigError, ModelLoadError
 from kvlab.common.gguf_file import load_gguf
 from kvlab.common.kv.seam import TORCH_DTYPES

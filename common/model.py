@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from kvlab.common.errors import ModelLoadError
 from kvlab.common.kv.seam import TORCH_DTYPES, KVShape
-from torch import nn
 
 if TYPE_CHECKING:
     from kvlab.common.attention.metadata import AttentionMetadata

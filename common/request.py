@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+
 from kvlab.common.attention.metadata import BatchItem
 from kvlab.common.sampling_params import SamplingParams
 from kvlab.common.sched.beam import BeamState

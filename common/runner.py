@@ -1,6 +1,6 @@
 """The TorchRunner: one step of the real model over any backend.
 
-Runner interface (the Engine needs nothing else; experiments/roofline.py implements it without a model):
+Runner interface (the Engine needs nothing else; experiments/sim/roofline.py implements it without a model):
 - `execute(out: SchedulerOutput) -> dict[seq_id, list[(token, logprob)] | token]`: compute `out.items`
   (the cache already holds room for them) and return a sample for every item with `needs_logits`;
   `out.specs[seq_id]` says how many samples (n at parallel sampling's first token, 2 * beam_width beam
@@ -13,6 +13,7 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
+
 from kvlab.common.errors import ConfigError, ModelLoadError
 from kvlab.common.sampler import Sample, Sampler
 

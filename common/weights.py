@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from kvlab.common.errors import ConfigError, ModelLoadError
 from kvlab.common.limits import fmt_bytes, ram_bytes
 from kvlab.common.model import LlamaForCausalLM, ModelConfig

@@ -15,7 +15,7 @@ if [ -n "${PYTHON:-}" ]; then py="$PYTHON"
 elif [ -x .venv/bin/python ]; then py=.venv/bin/python
 else py=python3
 fi
-script=experiments/gpu_check.py
-if [ "${1:-}" = "--first-contact" ]; then shift; script=experiments/first_contact.py; fi
+script=experiments/gpu/check.py
+if [ "${1:-}" = "--first-contact" ]; then shift; script=experiments/gpu/first_contact.py; fi
 echo "gpu_check: using $py" >&2
 exec timeout --kill-after=5 475 "$py" "$script" "$@"

@@ -4,8 +4,8 @@ scheduler and one model runner.
     from kvlab import LLM, SamplingParams, EngineConfig
 
 The subpackages `kvlab.common`, `kvlab.vmm`, `kvlab.paged` and `kvlab.experiments` live in the repository's
-top-level folders of the same names; pyproject's package-dir maps them under this one import name, so nothing
-generic lands at the top of site-packages.
+top-level folders of the same names; this folder links to them (kvlab/common -> ../common, ...), so the one import
+name resolves by path, for the interpreter and for tools alike, and nothing generic lands at the top of sys.path.
 """
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from typing import Any
 
 __all__ = ["LLM", "EngineConfig", "SamplingParams"]
 
-# A source checkout run without installing (the GPU check on a bare image): the subpackages sit beside this
-# folder. Only a kvlab checkout is added, never an arbitrary parent directory.
+# A copy of the checkout that lost its links (an archive tool that drops symlinks): the subpackages still sit
+# beside this folder. Only a kvlab checkout is added, never an arbitrary parent directory.
 _checkout = Path(__file__).resolve().parent.parent
-if (_checkout / "pyproject.toml").is_file() and (_checkout / "vmm" / "__init__.py").is_file() \
-        and str(_checkout) not in __path__:
+if not (Path(__file__).parent / "vmm").is_dir() and (_checkout / "pyproject.toml").is_file() \
+        and (_checkout / "vmm" / "__init__.py").is_file() and str(_checkout) not in __path__:
     __path__.append(str(_checkout))
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+
 from kvlab.common.attention.kv_quant import make_quant
 from kvlab.common.attention.metadata import BatchItem, PagedMetadata, base_metadata
 from kvlab.common.kv.seam import KVShape, NullStorage, Storage

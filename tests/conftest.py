@@ -13,6 +13,7 @@ if not torch.cuda.is_available():
 import pytest
 import torch.nn.functional as F
 from backends.slab import SPEC as SLAB
+
 from kvlab.common.attention.metadata import AttentionMetadata, BatchItem, base_metadata
 from kvlab.common.kv.registry import register_backend
 from kvlab.common.sequence import Sequence

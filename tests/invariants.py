@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 import torch.nn.functional as F
+
 from kvlab.common.attention.metadata import BatchItem
 from kvlab.common.config import EngineConfig, make_config
 from kvlab.common.errors import OutOfKVCache

@@ -5,6 +5,7 @@ import pytest
 import torch
 from fakes import install_fake
 from fakes.batches import contiguous_case, paged_case
+
 from kvlab.common.attention.dispatch import AttentionSpec, KernelDecl, build_dispatcher
 from kvlab.common.attention.flash_attn_contiguous import contiguous_attention_flash_attn
 from kvlab.common.errors import KernelUnavailable

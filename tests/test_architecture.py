@@ -1,14 +1,11 @@
-"""The architecture's rules, computed from the code: no import cycles among kvlab's modules, every package
-folder installed under the one `kvlab` name, and `common` reaching backends only through the registry."""
+"""The architecture's rules, computed from the code: no import cycles among kvlab's modules, every library
+folder reachable by path under the one `kvlab` name, and `common` reaching backends only through the registry."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 TOP = {"kvlab": "kvlab", "common": "kvlab.common", "vmm": "kvlab.vmm", "paged": "kvlab.paged",
@@ -19,7 +16,8 @@ BACKEND_PACKAGES = ("kvlab.vmm", "kvlab.paged", "kvlab.common.reserve")
 def project_modules() -> dict[str, Path]:
     mods = {}
     for folder, name in TOP.items():
-        for f in (ROOT / folder).rglob("*.py"):
+        files = (ROOT / folder).glob("*.py") if folder == "kvlab" else (ROOT / folder).rglob("*.py")  # kvlab/: links
+        for f in files:
             parts = [p for p in f.relative_to(ROOT / folder).with_suffix("").parts if p != "__init__"]
             mods[".".join([name, *parts])] = f
     return mods
@@ -106,9 +104,21 @@ def test_common_imports_no_backend():
             assert not bad, f"{module} imports backend modules {bad}"
 
 
-def test_every_package_folder_is_installed_under_kvlab():
-    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    listed = set(config["packages"])
-    folders = {name for name, path in project_modules().items() if path.name == "__init__.py"}
-    assert folders <= listed, f"package folders missing from pyproject's packages: {sorted(folders - listed)}"
-    assert all(p == "kvlab" or p.startswith("kvlab.") for p in listed)
+def test_every_library_folder_is_linked_under_kvlab():
+    """kvlab/common -> ../common, ...: `kvlab.X` is a real path for the interpreter and for tools."""
+    folders = {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file() and p.name not in ("kvlab", "tests")}
+    assert folders == {"common", "vmm", "paged", "experiments"}
+    for name in folders:
+        link = ROOT / "kvlab" / name
+        assert link.is_symlink() and link.resolve() == (ROOT / name).resolve(), f"kvlab/{name} must link to ../{name}"
+
+
+def test_a_script_beside_the_clone_imports_the_installed_kvlab(tmp_path):
+    """~/kvlab (the clone) and ~/exp.py: the folder named kvlab next to the script is not a package, and must not
+    shadow the install (the Makefile's path entry holds only the kvlab link)."""
+    (tmp_path / "kvlab").symlink_to(ROOT)
+    (tmp_path / "exp.py").write_text("from kvlab import LLM\nimport kvlab.common.config\nprint(LLM.__name__)\n")
+    for cwd in (tmp_path, ROOT.parent):
+        proc = subprocess.run([sys.executable, str(tmp_path / "exp.py")], cwd=cwd, capture_output=True, text=True,
+                              timeout=120, check=False)
+        assert proc.returncode == 0 and proc.stdout.strip() == "LLM", proc.stderr[-2000:]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from invariants import PAGE, SHAPE
+
 from kvlab.common.config import make_config
 from kvlab.common.engine import Engine
 from kvlab.common.kv.seam import create_cache

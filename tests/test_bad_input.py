@@ -19,15 +19,16 @@ import pytest
 import torch
 from fakes.fake_cuda_driver import FakeCudaDriver
 from invariants import one_torch_thread  # noqa: F401 - module fixture
+from safetensors.torch import save_file
+
 from kvlab.common.config import make_config
 from kvlab.common.errors import ConfigError, DriverError, KernelUnavailable, ModelLoadError, RequestError
 from kvlab.common.kv.seam import KVShape, create_cache
 from kvlab.common.llm import LLM
 from kvlab.common.loader import load_model
 from kvlab.common.sampling_params import SamplingParams
-from kvlab.experiments.cli import main
-from kvlab.experiments.workload import load_trace
-from safetensors.torch import save_file
+from kvlab.experiments.cli.main import main
+from kvlab.experiments.workloads.requests import load_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_TOKEN_BYTES = 2 * 4 * 2 * 64 * 4          # the tiny preset: 4 layers, 2 KV heads, head_dim 64, fp32
@@ -171,7 +172,7 @@ def test_cli_rejects_bad_input_with_one_line(case, argv, phrases, files, capsys)
 SUBPROCESS_CASES = [
     ([str(Path(sys.executable).with_name("kvlab")), "generate", "hi", "--kv-cache-bytes", "0"],
      "kv_cache_bytes must be a positive"),
-    ([sys.executable, "-m", "kvlab.experiments.cli", "generate", "hi", "--model", "{corrupt.gguf}"],
+    ([sys.executable, "-m", "kvlab.experiments.cli.main", "generate", "hi", "--model", "{corrupt.gguf}"],
      "not a readable GGUF file"),
 ]
 
@@ -626,7 +627,7 @@ def test_round2_api_raises_a_specific_error(category, case, make, exc, phrases, 
 
 
 def test_bench_reports_the_agreement_rate_below_fp32():
-    from kvlab.experiments.bench import BenchPlan, agreement_note
+    from kvlab.experiments.bench.offline import BenchPlan, agreement_note
     runs = [{"backend": "vmm", "outputs_match_first": 48, "num_requests": 48},
             {"backend": "paged", "outputs_match_first": 40, "num_requests": 48}]
     plan = BenchPlan(["vmm", "paged"], {"vmm": make_config(dtype="bfloat16"), "paged": make_config(dtype="bfloat16")},

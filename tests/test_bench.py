@@ -2,8 +2,9 @@ import csv
 import json
 
 import pytest
-from kvlab.experiments.bench import median_run
-from kvlab.experiments.cli import main
+
+from kvlab.experiments.bench.offline import median_run
+from kvlab.experiments.cli.main import main
 
 RUN_KEYS = ("backend", "output_tokens_per_s", "mean_batch", "kv_utilization", "preemptions", "ttft_p50", "tpot_p50",
             "allocator_seconds", "kernels", "timeline")
@@ -62,8 +63,8 @@ def test_bench_rejects_bad_repeats(capsys):
 
 def test_bench_defaults_leave_what_the_user_set(tmp_path):
     from kvlab.common.kv.seam import KVShape
-    from kvlab.experiments import cli
-    from kvlab.experiments.bench import backend_defaults, bench_defaults
+    from kvlab.experiments.bench.offline import backend_defaults, bench_defaults
+    from kvlab.experiments.cli import main as cli
     path = tmp_path / "e.toml"
     path.write_text("page_size = 65536\n")
     args = cli.build_parser().parse_args(["bench", "--config", str(path), "--kv-cache-bytes", "4MiB"])

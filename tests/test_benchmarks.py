@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from kvlab.common.attention.metadata import BatchItem, base_metadata
 from kvlab.common.sequence import Sequence
-from kvlab.experiments.perf.__main__ import FAMILIES, main
-from kvlab.experiments.perf.harness import Goal, Result, Settings, Timing, interleaved, measure
+from kvlab.experiments.bench.perf.__main__ import FAMILIES, main
+from kvlab.experiments.bench.perf.harness import Goal, Result, Settings, Timing, interleaved, measure
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICK = Settings(threads=1, repeats=1, quick=True)
@@ -68,7 +69,7 @@ def test_family_runs_and_reports_rows(family):
 
 @pytest.mark.triton_cpu
 def test_attention_rows_cover_both_layouts_and_the_triton_kernel():
-    from kvlab.experiments.perf import attention
+    from kvlab.experiments.bench.perf import attention
     rows = attention.run(QUICK)
     names = [r.name for r in rows]
     assert any(n.startswith("vmm (torch_sdpa_contiguous)") for n in names)
@@ -79,7 +80,7 @@ def test_attention_rows_cover_both_layouts_and_the_triton_kernel():
 
 def test_hf_baseline_holds_the_same_weights_and_counts_waste():
     from kvlab.common.presets import load_tiny
-    from kvlab.experiments.perf.hf_baseline import check_parity, static_batches, to_hf
+    from kvlab.experiments.bench.perf.hf_baseline import check_parity, static_batches, to_hf
     model, _ = load_tiny("float32", "cpu", 0)
     hf = to_hf(model)
     assert check_parity(model, hf) < 1e-4
@@ -88,7 +89,7 @@ def test_hf_baseline_holds_the_same_weights_and_counts_waste():
 
 
 def test_main_writes_json_and_reports_a_failing_family(tmp_path, monkeypatch, capsys):
-    from kvlab.experiments.perf import simulator
+    from kvlab.experiments.bench.perf import simulator
     out = tmp_path / "perf.json"
     assert main(["--quick", "--repeats", "1", "--only", "simulator", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())

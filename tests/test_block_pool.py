@@ -3,6 +3,7 @@ import random
 import time
 
 import pytest
+
 from kvlab.common.errors import OutOfKVCache
 from kvlab.paged.block_pool import BlockPool, BlockPoolError
 from kvlab.paged.prefix_cache import PrefixCache, chain_keys

@@ -2,8 +2,9 @@ import sys
 import types
 
 import pytest
-from kvlab.experiments import cli
-from kvlab.experiments.cli import main, parse_bytes
+
+from kvlab.experiments.cli import main as cli
+from kvlab.experiments.cli.main import main, parse_bytes
 
 
 def one_error_line(capsys) -> str:
@@ -72,16 +73,16 @@ def test_generate_parallel_samples_print_one_line_each(capsys):
 
 
 def test_bench_suite_perf_without_the_package_is_a_clear_error(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "kvlab.experiments.perf.__main__", None)     # import raises ModuleNotFoundError
+    monkeypatch.setitem(sys.modules, "kvlab.experiments.bench.perf.__main__", None)  # import raises ModuleNotFoundError
     assert main(["bench", "--suite", "perf"]) == 2
-    assert "python -m kvlab.experiments.perf" in one_error_line(capsys)
+    assert "python -m kvlab.experiments.bench.perf" in one_error_line(capsys)
 
 
 def test_bench_suite_perf_calls_the_benchmarks_main(monkeypatch, tmp_path):
     calls = []
-    fake = types.ModuleType("kvlab.experiments.perf.__main__")
+    fake = types.ModuleType("kvlab.experiments.bench.perf.__main__")
     fake.main = lambda argv: calls.append(argv) or 0
-    monkeypatch.setitem(sys.modules, "kvlab.experiments.perf.__main__", fake)
+    monkeypatch.setitem(sys.modules, "kvlab.experiments.bench.perf.__main__", fake)
     assert main(["bench", "--suite", "perf", "--out", str(tmp_path)]) == 0
     assert main(["bench", "--suite", "perf", "--threads", "2"]) == 0
     assert calls == [["--out", str(tmp_path)], ["--threads", "2"]]

@@ -1,6 +1,7 @@
 import math
 
 import pytest
+
 from kvlab.common.config import make_config
 from kvlab.common.errors import ConfigError
 from kvlab.vmm.spec import HOST_PAGE

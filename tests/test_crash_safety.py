@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from fakes.fake_cuda_driver import INVALID_VALUE, FakeCudaDriver
 from invariants import one_torch_thread  # noqa: F401 - module fixture
+
 from kvlab.common.config import make_config
 from kvlab.common.errors import DriverError, OutOfKVCache
 from kvlab.common.kv.seam import KVShape

@@ -8,14 +8,15 @@ from dataclasses import replace
 
 import pytest
 import torch
+
 from kvlab.common.attention.declarations import REGISTRY
 from kvlab.common.attention.rules import Environment
 from kvlab.common.attention.spec import AttentionSpec
-from kvlab.experiments import fallbacks
-from kvlab.experiments.fallbacks import grid as grid_module
-from kvlab.experiments.fallbacks import summary, timing
-from kvlab.experiments.fallbacks.decisions import CAUSES
-from kvlab.experiments.fallbacks.grid import Grid, default_scenarios, run_grid
+from kvlab.experiments.studies import fallbacks
+from kvlab.experiments.studies.fallbacks import grid as grid_module
+from kvlab.experiments.studies.fallbacks import summary, timing
+from kvlab.experiments.studies.fallbacks.decisions import CAUSES
+from kvlab.experiments.studies.fallbacks.grid import Grid, default_scenarios, run_grid
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +210,7 @@ def test_fallback_cost_times_chosen_against_displaced(monkeypatch):
 
 
 def test_kvlab_cli_runs_the_study(tmp_path, capsys):
-    from kvlab.experiments import cli
+    from kvlab.experiments.cli import main as cli
     small = ["--head-dims", "80", "--gqa-ratios", "4"]
     assert cli.main(["fallbacks", "--no-plot", "--out", str(tmp_path), *small]) == 0
     assert (tmp_path / "fallbacks.json").exists()

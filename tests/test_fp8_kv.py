@@ -16,6 +16,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvlab.common.attention.dispatch import AttentionSpec, dispatcher_for
 from kvlab.common.attention.kv_quant import KVQuant, decode, encode
 from kvlab.common.config import make_config
@@ -158,7 +159,7 @@ def test_config_and_cli_take_kv_cache_dtype():
         make_config(kv_cache_scale=-1.0)
     import argparse
 
-    from kvlab.experiments.cli import add_engine_flags, engine_config
+    from kvlab.experiments.cli.main import add_engine_flags, engine_config
     p = argparse.ArgumentParser()
     add_engine_flags(p)
     args = p.parse_args(["--kv-cache-dtype", "fp8_e4m3", "--kv-cache-scale", "0.25"])
@@ -167,7 +168,7 @@ def test_config_and_cli_take_kv_cache_dtype():
 
 
 def test_fallback_study_has_a_kv_dtype_axis():
-    from kvlab.experiments.fallbacks.grid import Grid, default_scenarios, row_key, run_grid
+    from kvlab.experiments.studies.fallbacks.grid import Grid, default_scenarios, row_key, run_grid
     grid = Grid((128,), ("bfloat16",), (16, 256), (4,), ("auto", "fp8_e4m3"))
     rows = run_grid(grid, default_scenarios())
     assert len(rows) == grid.num_rows(len(default_scenarios()))
@@ -179,7 +180,7 @@ def test_fallback_study_has_a_kv_dtype_axis():
 
 
 def test_roofline_reads_fp8_bytes_and_only_the_window():
-    from kvlab.experiments.roofline import model_spec
+    from kvlab.experiments.sim.roofline import model_spec
     bf16, fp8 = model_spec("llama3-8b"), model_spec("llama3-8b", kv_cache_dtype="fp8_e4m3")
     assert 2 * fp8.kv_bytes_per_token == bf16.kv_bytes_per_token
     assert fp8.kv_shape().kv_cache_dtype == "fp8_e4m3"

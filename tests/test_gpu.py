@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+
 from kvlab.common.attention.metadata import BatchItem
 from kvlab.common.config import make_config
 from kvlab.common.kv.seam import KVShape
@@ -129,7 +130,7 @@ def test_vmm_cache_prefill_then_decode_on_cuda(dtype):
 @pytest.mark.parametrize("query_lens, context_lens", [([1] * 8, [17, 64, 65, 300, 1, 1024, 511, 2048]),
                                                        ([1, 40, 1, 129], [33, 40, 900, 700])])
 def test_triton_paged_compiled_matches_sdpa(dtype, query_lens, context_lens):
-    from kvlab.experiments.perf.kernel_inputs import paged_case, reference
+    from kvlab.experiments.bench.perf.kernel_inputs import paged_case, reference
     from kvlab.paged.kernels.triton_paged import paged_attention_triton
     # Llama-3-8B heads, as gpu_check.sh's Triton part: the kernels it compiled are reused from Triton's cache
     case = paged_case(query_lens, context_lens, 16, 32, 8, 128, dtype, "cuda", seed=1)

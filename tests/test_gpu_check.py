@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-from kvlab.experiments import gpu_check
+
+from kvlab.experiments.gpu import check as gpu_check
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -144,7 +145,7 @@ def test_first_contact_dry_run_runs_every_part_on_cpu(tmp_path):
 
 
 def test_first_contact_without_a_gpu_is_a_loud_error(tmp_path, monkeypatch, capsys):
-    from kvlab.experiments import first_contact
+    from kvlab.experiments.gpu import first_contact
     monkeypatch.setattr(first_contact, "detect_gpu", lambda: {"present": False, "gpus": [], "evidence": ["none"]})
     monkeypatch.setattr(first_contact, "run_part", lambda *a: pytest.fail("no part may run"))
     assert first_contact.main(["--out", str(tmp_path / "f.json")]) == 2

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+
 from kvlab.common.attention import declarations, triton_tiles
 from kvlab.common.attention import priority as priority_module
 from kvlab.common.attention.bounds import MetadataError, check_metadata
@@ -17,7 +18,7 @@ from kvlab.common.attention.dispatch import AttentionSpec, build_dispatcher, mak
 from kvlab.common.attention.priority import PRIORITY, priority
 from kvlab.common.attention.rules import Environment
 from kvlab.common.errors import KernelUnavailable
-from kvlab.experiments.fallbacks.decisions import CAUSES, decide, kernel_head_dim, reason_cause, simulated
+from kvlab.experiments.studies.fallbacks.decisions import CAUSES, decide, kernel_head_dim, reason_cause, simulated
 
 ALL_PACKAGES = frozenset({"flash_attn", "flashinfer", "triton", "torch.nn.attention.flex_attention"})
 EVERYTHING = Environment(ALL_PACKAGES, triton_interpret=False)   # rules only: every package, a GPU's Triton
@@ -226,7 +227,7 @@ def test_device_index_and_capability_resolved():
 def test_decide_imports_no_kernel_implementation():
     code = ("import sys\n"
             "from kvlab.common.attention.dispatch import AttentionSpec\n"
-            "from kvlab.experiments.fallbacks.decisions import decide, simulated\n"
+            "from kvlab.experiments.studies.fallbacks.decisions import decide, simulated\n"
             "s = AttentionSpec('paged', 'cuda', 'bfloat16', 128, 8, 2, 16, (9, 0))\n"
             "print(decide(s, env=simulated('flash_attn', 'flashinfer')).phases['decode'].kernel)\n"
             "print(decide(AttentionSpec('contiguous', 'cpu', 'float32', 64, 4, 2)).phases['decode'].kernel)\n"
@@ -287,7 +288,7 @@ def raising_kernel(q, k_cache, v_cache, meta, scale):
 
 
 def paged_case():
-    from kvlab.experiments.fallbacks.timing import Shape, build_case
+    from kvlab.experiments.studies.fallbacks.timing import Shape, build_case
     s = AttentionSpec("paged", "cpu", "float32", 32, 4, 2, 4)
     return s, build_case(s, Shape(batch=3, context=10, query=1))
 
@@ -496,7 +497,7 @@ def test_bad_slot_mapping_stops_the_fallback():
 
 
 def contiguous_case():
-    from kvlab.experiments.fallbacks.timing import Shape, build_case
+    from kvlab.experiments.studies.fallbacks.timing import Shape, build_case
     s = AttentionSpec("contiguous", "cpu", "float32", 32, 4, 2)
     return s, build_case(s, Shape(batch=3, context=10, query=1))
 

@@ -10,12 +10,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from kvlab import LLM, SamplingParams
 from kvlab.common.config import make_config
 from kvlab.common.engine import Engine
 from kvlab.common.errors import ConfigError, KvlabError, RequestError
 from kvlab.common.model import LlamaForCausalLM, ModelConfig
-
-from kvlab import LLM, SamplingParams
 
 BACKENDS = ["paged", "vmm", "reserve"]
 SMALL = dict(kv_cache_bytes=512 * 4096, max_model_len=128, page_size=4096, block_size=8, threads=1)

@@ -7,10 +7,11 @@ import json
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+
 from kvlab.common.errors import ModelLoadError
 from kvlab.common.loader import load_model
 from kvlab.common.tokenizer import BPETokenizer
-from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers", reason="transformers (dev extra) writes the checkpoints")
 gguf = pytest.importorskip("gguf")

@@ -1,6 +1,7 @@
 """The docs' bench sample is replaced between its markers only, and says how it was made."""
 import pytest
-from kvlab.experiments import regenerate_docs as rd
+
+from kvlab.experiments.cli import regenerate_docs as rd
 
 
 def test_only_the_marked_block_is_replaced():

@@ -1,6 +1,6 @@
 """Where nothing is displaced, --measure still times the chosen kernel against every other that runs, in words."""
-from kvlab.experiments.fallbacks import timing
-from kvlab.experiments.fallbacks.grid import Row
+from kvlab.experiments.studies.fallbacks import timing
+from kvlab.experiments.studies.fallbacks.grid import Row
 
 
 def _row(kernel: str) -> Row:

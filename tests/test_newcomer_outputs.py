@@ -1,8 +1,8 @@
 """Every experiment writes its files to results/<timestamp>/ by default and says where; progress never floods a log."""
 import io
 
-from kvlab.experiments.cli import main
-from kvlab.experiments.report import progress_bar, results_dir
+from kvlab.experiments.cli.main import main
+from kvlab.experiments.reporting.tables import progress_bar, results_dir
 
 
 def test_simulate_writes_a_results_directory_by_default(tmp_path, monkeypatch, capsys):

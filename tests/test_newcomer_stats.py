@@ -1,5 +1,5 @@
 """Timed figures come with their spread, and a difference is claimed only when the runs do not overlap."""
-from kvlab.experiments.report import median, verdict, with_spread
+from kvlab.experiments.reporting.tables import median, verdict, with_spread
 
 
 def test_with_spread_gives_median_and_range():
@@ -25,9 +25,9 @@ def test_too_few_runs_claims_nothing():
 
 
 def test_perf_goal_within_noise_is_not_met():
-    from kvlab.experiments.perf.harness import Goal, Result
-    from kvlab.experiments.perf.report import table
-    from kvlab.experiments.perf.report import verdict as perf_verdict
+    from kvlab.experiments.bench.perf.harness import Goal, Result
+    from kvlab.experiments.bench.perf.report import table
+    from kvlab.experiments.bench.perf.report import verdict as perf_verdict
     goal = Goal(">=", 1.5)
     straddles = Result("attention", "ratio", 1.55, "x", goal, detail={"per_repeat": [1.43, 1.55, 1.62]})
     clears = Result("attention", "ratio", 1.8, "x", goal, detail={"per_repeat": [1.7, 1.8, 1.9]})

@@ -1,9 +1,9 @@
 """A user's workload is never transformed unless asked, and every transformation is named in the header."""
 import argparse
 
-from kvlab.experiments.bench import DEFAULT_SCALE, default_scale
-from kvlab.experiments.report import workload_changes
-from kvlab.experiments.workload import WorkloadSpec, parse_workload
+from kvlab.experiments.bench.offline import DEFAULT_SCALE, default_scale
+from kvlab.experiments.reporting.tables import workload_changes
+from kvlab.experiments.workloads.requests import WorkloadSpec, parse_workload
 
 
 def _args(workload: str, scale=None) -> argparse.Namespace:

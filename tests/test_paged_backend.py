@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 from fakes.reference import dense_attention
+
 from kvlab.common.attention.metadata import BatchItem
 from kvlab.common.config import make_config
 from kvlab.common.errors import ConfigError, OutOfKVCache

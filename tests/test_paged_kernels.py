@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fakes.batches import paged_case
+
 from kvlab.common.attention.triton_tiles import tiling
 from kvlab.paged.kernels import torch_ref
 from kvlab.paged.kernels.flex import inverse_block_tables, paged_attention_flex

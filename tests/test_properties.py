@@ -42,6 +42,7 @@ from invariants import (
     memfd_mappings,
     one_torch_thread,  # noqa: F401 - the fixture applies to this module
 )
+
 from kvlab.common.config import make_config
 from kvlab.common.engine import Engine
 from kvlab.common.kv.registry import backend_names, get_backend

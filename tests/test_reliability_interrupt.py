@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def interrupt(argv: list[str], ready) -> tuple[subprocess.Popen, str, list[int]]:
     """Start `kvlab argv`, wait until `ready(proc)` (at most 60 s), send SIGINT; -> (proc, stderr, workers seen)."""
-    proc = subprocess.Popen([sys.executable, "-m", "kvlab.experiments.cli", *argv], cwd=ROOT, text=True,
+    proc = subprocess.Popen([sys.executable, "-m", "kvlab.experiments.cli.main", *argv], cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:

@@ -5,6 +5,7 @@ import random
 
 import pytest
 import torch
+
 from kvlab.common.arena import Arena
 from kvlab.common.attention.metadata import BatchItem
 from kvlab.common.config import make_config

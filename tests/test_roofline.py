@@ -1,9 +1,10 @@
 import pytest
+
 from kvlab.common.attention.metadata import BatchItem
 from kvlab.common.errors import ConfigError
 from kvlab.common.request import SchedulerOutput
 from kvlab.common.sequence import Sequence
-from kvlab.experiments.roofline import RooflineCost, RooflineRunner, hardware, model_spec
+from kvlab.experiments.sim.roofline import RooflineCost, RooflineRunner, hardware, model_spec
 
 
 def test_llama3_8b_preset_matches_the_article():

@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+
 from kvlab.common.errors import RequestError
 from kvlab.common.request import SampleSpec
 from kvlab.common.sampler import Sampler, apply_top_k_top_p

@@ -4,13 +4,14 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from kvlab.common.config import make_config
 from kvlab.common.engine import Engine
 from kvlab.common.errors import RequestError
 from kvlab.common.kv.seam import KVShape, create_cache
 from kvlab.common.sampling_params import SamplingParams
 from kvlab.common.sequence import Sequence, SequenceStatus
-from kvlab.experiments.roofline import RooflineCost, RooflineRunner, hardware, model_spec
+from kvlab.experiments.sim.roofline import RooflineCost, RooflineRunner, hardware, model_spec
 
 SHAPE = KVShape(num_layers=1, num_kv_heads=4, head_dim=64, num_q_heads=4)   # 2 KiB/token; 4 tokens/4 KiB page
 BACKENDS = ["paged", "vmm", "reserve"]

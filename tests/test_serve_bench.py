@@ -14,12 +14,13 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
+
 from kvlab.common.errors import ConfigError
-from kvlab.experiments import cli
-from kvlab.experiments.serve.arrivals import arrival_times, intervals
-from kvlab.experiments.serve.client import run_load
-from kvlab.experiments.serve.datasets import LoadRequest, build
-from kvlab.experiments.serve.latency import RequestRecord, parse_goodput, summarize
+from kvlab.experiments.cli import main as cli
+from kvlab.experiments.loadgen.arrivals import arrival_times, intervals
+from kvlab.experiments.loadgen.client import run_load
+from kvlab.experiments.loadgen.datasets import LoadRequest, build
+from kvlab.experiments.loadgen.latency import RequestRecord, parse_goodput, summarize
 
 
 @pytest.mark.parametrize("rate,burstiness", [(4.0, 1.0), (10.0, 0.5), (2.0, 4.0)])

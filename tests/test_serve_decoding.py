@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvlab.common.tokenizer import BPETokenizer, ByteTokenizer
 from kvlab.experiments.serve.decoding import Decoding
 

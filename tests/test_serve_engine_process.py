@@ -11,11 +11,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from processes import alive, children
+from test_serve_server import LiveServer, wait_for
+
 from kvlab.common.config import make_config
 from kvlab.common.errors import ModelLoadError
 from kvlab.experiments.serve.engine_process import ProcessEngine
-from processes import alive, children
-from test_serve_server import LiveServer, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 LONG = {"model": "tiny", "prompt": "long", "max_tokens": 900, "ignore_eos": True}
@@ -55,7 +56,7 @@ def test_a_signal_to_the_process_group_exits_zero_and_stops_every_process(sig, e
     """A terminal's Ctrl-C, or `timeout`/`kill -TERM -PGID`, reaches the server, its engine process and (with
     tensor parallelism) the engine's workers at once: all stop, exit 0, nothing leaks."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-m", "kvlab.experiments.cli", "serve", "--model", "tiny",
+    proc = subprocess.Popen([sys.executable, "-m", "kvlab.experiments.cli.main", "serve", "--model", "tiny",
                              "--backend", "paged", "--port", "0", *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:

@@ -8,7 +8,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from kvlab.experiments.serve.report import write_report
+
+from kvlab.experiments.loadgen.report import write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "experiments" / "serve" / "check_report.sh"

@@ -16,6 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
+from processes import children
+
+from kvlab import LLM
 from kvlab.common.config import make_config
 from kvlab.common.engine import Engine
 from kvlab.common.sampling_params import SamplingParams
@@ -25,9 +28,6 @@ from kvlab.experiments.serve.decoding import Decoding
 from kvlab.experiments.serve.engine_process import ProcessEngine
 from kvlab.experiments.serve.handles import ThreadEngine
 from kvlab.experiments.serve.prom import ServerMetrics
-from processes import children
-
-from kvlab import LLM
 
 openai = pytest.importorskip("openai")       # a dev dependency (pyproject [dev])
 ROOT = Path(__file__).resolve().parents[1]
@@ -234,7 +234,7 @@ def memfd_count(pid: int | str = "self") -> int:
 def test_sigterm_during_load_exits_zero():
     memfds = memfd_count()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-m", "kvlab.experiments.cli", "serve", "--model", "tiny",
+    proc = subprocess.Popen([sys.executable, "-m", "kvlab.experiments.cli.main", "serve", "--model", "tiny",
                              "--backend", "vmm", "--port", "0"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:

@@ -2,15 +2,16 @@ import math
 
 import numpy as np
 import pytest
-from kvlab.experiments.cli import main
-from kvlab.experiments.roofline import hardware, model_spec
-from kvlab.experiments.serve.sweep import ROW_KEYS
-from kvlab.experiments.simserve import slo
-from kvlab.experiments.simserve.costs import CUDA_A100, ZERO, CostLedger, StepOps, profile
-from kvlab.experiments.simserve.run import ServeSpec, parse_backends, plan, run_point
-from kvlab.experiments.simserve.stats import bootstrap_ratio
-from kvlab.experiments.simulation import SimCase, SimSettings, run_case
-from kvlab.experiments.workload import WorkloadSpec
+
+from kvlab.experiments.cli.main import main
+from kvlab.experiments.loadgen.sweep import ROW_KEYS
+from kvlab.experiments.sim.core import SimCase, SimSettings, run_case
+from kvlab.experiments.sim.roofline import hardware, model_spec
+from kvlab.experiments.sim.serve import slo
+from kvlab.experiments.sim.serve.costs import CUDA_A100, ZERO, CostLedger, StepOps, profile
+from kvlab.experiments.sim.serve.run import ServeSpec, parse_backends, plan, run_point
+from kvlab.experiments.sim.serve.stats import bootstrap_ratio
+from kvlab.experiments.workloads.requests import WorkloadSpec
 
 TIMINGS = {"wall_seconds", "scheduler_seconds"}
 SMALL = 300

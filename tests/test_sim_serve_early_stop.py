@@ -7,9 +7,10 @@ import math
 
 import numpy as np
 import pytest
-from kvlab.experiments.simserve import slo
-from kvlab.experiments.simserve.early_stop import SloMissed, SloWatch, late_needed, targets
-from kvlab.experiments.simserve.run import ServeSpec, parse_backends, run_point
+
+from kvlab.experiments.sim.serve import slo
+from kvlab.experiments.sim.serve.early_stop import SloMissed, SloWatch, late_needed, targets
+from kvlab.experiments.sim.serve.run import ServeSpec, parse_backends, run_point
 
 
 @pytest.mark.parametrize("n", [1, 2, 7, 100, 101, 2000])

@@ -3,11 +3,12 @@ SLO search over it, and tensor parallelism."""
 import math
 
 import pytest
-from kvlab.experiments.cli import main
-from kvlab.experiments.simserve import slo
-from kvlab.experiments.simserve.run import ServeSpec, run_point
-from kvlab.experiments.simulation import SimCase, SimSettings, run_case
-from kvlab.experiments.workload import WorkloadSpec
+
+from kvlab.experiments.cli.main import main
+from kvlab.experiments.sim.core import SimCase, SimSettings, run_case
+from kvlab.experiments.sim.serve import slo
+from kvlab.experiments.sim.serve.run import ServeSpec, run_point
+from kvlab.experiments.workloads.requests import WorkloadSpec
 
 TIMINGS = {"wall_seconds", "scheduler_seconds"}
 VMM_2M = SimCase("vmm", 6.0, page_size=2 * 2**20, watermark=0.05)

@@ -33,7 +33,7 @@ def test_sigint_stops_simulate_serve_and_its_workers(tmp_path):
     argv = ["simulate", "serve", "--backends", "paged-16,vmm-2MiB", "--request-rates", "inf", "--num-prompts",
             "200000", "--budget-gb", "6", "--jobs", "2", "--no-save"]
     with open(err_path, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "kvlab.experiments.cli", *argv], cwd=ROOT, text=True,
+        proc = subprocess.Popen([sys.executable, "-m", "kvlab.experiments.cli.main", *argv], cwd=ROOT, text=True,
                                 stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
                                 env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:

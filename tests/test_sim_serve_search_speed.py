@@ -3,8 +3,9 @@ pool that starts those searches as soon as their hint is known."""
 from __future__ import annotations
 
 import pytest
-from kvlab.experiments.simserve import slo
-from kvlab.experiments.simserve.grid import pool_chain
+
+from kvlab.experiments.sim.serve import slo
+from kvlab.experiments.sim.serve.grid import pool_chain
 
 TARGET = slo.parse_slo("p99_ttft_ms<=2000,p99_tpot_ms<=50")
 
@@ -65,7 +66,7 @@ def test_cli_warm_started_seeds_are_verified_answers_in_fewer_runs(tmp_path):
     tolerance above it, on their own seed; and the whole search took fewer runs than independent seeds."""
     import json
 
-    from kvlab.experiments.cli import main
+    from kvlab.experiments.cli.main import main
     common = ["simulate", "serve", "--backends", "reserve,paged-16", "--num-prompts", "60", "--budget-gb", "6",
               "--jobs", "2", "--no-progress", "--seeds", "3", "--slo", "p99_ttft_ms<=300,p99_tpot_ms<=30",
               "--slo-tolerance", "0.05", "--no-plots"]

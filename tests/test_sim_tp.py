@@ -2,12 +2,13 @@
 import dataclasses
 
 import pytest
+
 from kvlab.common.config import make_config
 from kvlab.common.errors import ConfigError
 from kvlab.common.kv.seam import create_cache
-from kvlab.experiments.roofline import RooflineCost, RooflineRunner, hardware, model_spec
-from kvlab.experiments.simulation import SimCase, SimSettings, run_cases
-from kvlab.experiments.workload import WorkloadSpec
+from kvlab.experiments.sim.core import SimCase, SimSettings, run_cases
+from kvlab.experiments.sim.roofline import RooflineCost, RooflineRunner, hardware, model_spec
+from kvlab.experiments.workloads.requests import WorkloadSpec
 
 LINK = dataclasses.replace(hardware("h100"), link_bandwidth=1e9, link_latency=1e-6)   # round hand numbers
 
@@ -89,6 +90,6 @@ def test_tp2_at_half_the_per_gpu_budget_schedules_like_tp1():
 
 
 def test_cli_refuses_a_tp_that_does_not_divide(capsys):
-    from kvlab.experiments.cli import main
+    from kvlab.experiments.cli.main import main
     assert main(["simulate", "--model", "llama3-70b", "--tensor-parallel-size", "3", "--no-save"]) == 2
     assert "valid sizes: 1, 2, 4, 8" in capsys.readouterr().err

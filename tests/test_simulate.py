@@ -1,14 +1,15 @@
 import json
 
 import pytest
+
 from kvlab.common.config import make_config
 from kvlab.common.kv.seam import create_cache
 from kvlab.common.sequence import Sequence
-from kvlab.experiments.cli import main
-from kvlab.experiments.roofline import model_spec
-from kvlab.experiments.simulation import SimCase, SimSettings, held_capacity, run_cases
-from kvlab.experiments.worked_example import worked_example
-from kvlab.experiments.workload import WorkloadSpec
+from kvlab.experiments.cli.main import main
+from kvlab.experiments.sim.core import SimCase, SimSettings, held_capacity, run_cases
+from kvlab.experiments.sim.roofline import model_spec
+from kvlab.experiments.sim.worked_example import worked_example
+from kvlab.experiments.workloads.requests import WorkloadSpec
 
 # A reduced seed run: 300 requests in a 6 GB budget (reserve holds 11 sequences, paging ~40).
 SMALL = SimSettings(workload=WorkloadSpec(num_requests=300, seed=0))
@@ -87,7 +88,7 @@ def test_cli_writes_json_rows_with_the_required_keys(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_seed_preset_reproduces_the_article_headlines(tmp_path):
-    from kvlab.experiments import seed_article
+    from kvlab.experiments.sim import seed_article
     settings = SimSettings(workload=WorkloadSpec(num_requests=2000, seed=0))
     cases = seed_article.cases()
     rows = run_cases(cases, settings, jobs=2, progress=False)

@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+
 from kvlab.common.loader import load_model
 from kvlab.common.presets import SMOLLM2_GGUF, smollm2_gguf_path
 

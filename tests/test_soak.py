@@ -22,6 +22,7 @@ from invariants import (
     rss_bytes,
     settled_rss,
 )
+
 from kvlab.common.config import make_config
 from kvlab.common.engine import Engine
 from kvlab.common.kv.seam import create_cache

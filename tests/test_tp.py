@@ -9,6 +9,7 @@ import signal
 
 import pytest
 import torch
+
 from kvlab.common.config import make_config
 from kvlab.common.dist.message import Encoder, Mirror
 from kvlab.common.dist.recording import RecordingAllocator

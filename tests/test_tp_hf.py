@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+
 from kvlab.common.dist.shard import SafetensorsReader, build_shard, shard_config
 from kvlab.common.llm import LLM
 from kvlab.common.loader import load_model

@@ -15,6 +15,7 @@ import pytest
 import torch
 from fakes.batches import contiguous_case
 from fakes.reference import contiguous_reference
+
 from kvlab.common.attention.contiguous import contiguous_attention_sdpa
 from kvlab.common.attention.metadata import BatchItem
 from kvlab.common.config import EngineConfig, make_config
@@ -584,6 +585,7 @@ def test_engine_greedy_outputs_match_paged():
                                                             ([1, 7, 3], [9, 20, 3], 3)])
 def test_flash_attn_adapter_against_the_fake_library(monkeypatch, query_lens, context_lens, calls):
     from fakes import install_fake
+
     from kvlab.common.attention.flash_attn_contiguous import contiguous_attention_flash_attn
     fake = install_fake(monkeypatch, "flash_attn")
     case = contiguous_case(query_lens, context_lens, dtype=torch.float16)

@@ -15,6 +15,7 @@ from fakes.fake_cuda_driver import (
     FakeCudaDriver,
     torch_interop,
 )
+
 from kvlab.common.config import make_config
 from kvlab.common.errors import DriverError
 from kvlab.common.kv.seam import KVShape

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from kvlab.common.errors import DriverError
 from kvlab.vmm.drivers.accounting import AccountingVirtualMemory
 from kvlab.vmm.drivers.host import POOL_NAME, HostVirtualMemory, max_map_count

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from fakes.reference import contiguous_reference
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvlab.common.attention.contiguous import PLAN_KEY, RECOMPUTES_KEY, contiguous_attention_sdpa, group_decode
 from kvlab.common.attention.metadata import BatchItem, ContiguousMetadata, base_metadata
 from kvlab.common.config import make_config

@@ -6,6 +6,7 @@ import logging
 import random
 
 import pytest
+
 from kvlab.common.errors import DriverError
 from kvlab.vmm.drivers.accounting import AccountingVirtualMemory
 from kvlab.vmm.drivers.base import VirtualMemory

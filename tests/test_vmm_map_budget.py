@@ -12,6 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
 from kvlab.common.errors import ConfigError, DriverError, OutOfKVCache
 from kvlab.vmm.drivers.host import POOL_NAME, HostVirtualMemory
 from kvlab.vmm.drivers.map_budget import ENV_CAP, MapBudget, MapBudgetExhausted, cap_from_env

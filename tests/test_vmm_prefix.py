@@ -7,11 +7,11 @@ import os
 
 import pytest
 from invariants import SHAPE, Workload, check_structure
+
+from kvlab import LLM, SamplingParams
 from kvlab.common.config import make_config
 from kvlab.common.kv.seam import create_cache
 from kvlab.common.sequence import Sequence
-
-from kvlab import LLM, SamplingParams
 
 TOKEN_BYTES = SHAPE.bytes_per_token_per_layer   # 256: a 4096-byte page holds 16 tokens
 S = list(range(1000, 1096))                    # a 96-token shared system prompt

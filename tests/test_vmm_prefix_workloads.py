@@ -1,14 +1,15 @@
-"""Prefix-structured workloads (experiments/prefix_workloads.py): the Mooncake-schema loader and synthesiser,
+"""Prefix-structured workloads (experiments/workloads/prefix.py): the Mooncake-schema loader and synthesiser,
 the generators, and the simulator running them with prefix caching on both backends."""
 from __future__ import annotations
 
 import json
 
 import pytest
+
 from kvlab.common.errors import ConfigError
-from kvlab.experiments import prefix_workloads as pw
-from kvlab.experiments.simulation import SimCase, SimSettings, simulate
-from kvlab.experiments.workload import WorkloadSpec
+from kvlab.experiments.sim.core import SimCase, SimSettings, simulate
+from kvlab.experiments.workloads import prefix as pw
+from kvlab.experiments.workloads.requests import WorkloadSpec
 
 
 def test_equal_hash_ids_give_equal_blocks_and_different_ids_different_ones():
@@ -78,7 +79,7 @@ def test_the_simulator_sends_real_tokens_and_hits_with_prefix_caching(policy, un
 
 
 def test_kvlab_prefix_writes_json_csv_report_and_plot(tmp_path):
-    from kvlab.experiments import cli
+    from kvlab.experiments.cli import main as cli
     assert cli.main(["prefix", "--runs", "sim", "--workloads", "trace", "--quick", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
     assert {r["backend"] for r in rows} == {"paged", "vmm"} and len(rows) == 3
@@ -92,7 +93,7 @@ def test_kvlab_prefix_writes_json_csv_report_and_plot(tmp_path):
 
 
 def test_the_serving_bench_datasets_carry_the_prefix_structure():
-    from kvlab.experiments.serve import datasets
+    from kvlab.experiments.loadgen import datasets
     reqs = datasets.build(f"mooncake:{pw.SAMPLE_TRACE}:16", 24, 0, 1000)
     assert len(reqs) == 24 and reqs[0].timestamp == 0 and reqs[0].prompt[:64] == reqs[1].prompt[:64]
     shots = datasets.build("prefix:fewshot", 5, 0, 1000)

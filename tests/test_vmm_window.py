@@ -18,6 +18,7 @@ from pathlib import Path
 import checkpoints
 import pytest
 import torch
+
 from kvlab.common.attention.metadata import BatchItem
 from kvlab.common.config import make_config
 from kvlab.common.errors import ConfigError

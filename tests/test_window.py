@@ -12,6 +12,7 @@ from __future__ import annotations
 import checkpoints
 import pytest
 import torch
+
 from kvlab.common.attention.declarations import REGISTRY
 from kvlab.common.attention.dispatch import AttentionSpec
 from kvlab.common.attention.metadata import BatchItem

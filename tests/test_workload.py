@@ -3,8 +3,9 @@ import math
 
 import numpy as np
 import pytest
+
 from kvlab.common.errors import ConfigError
-from kvlab.experiments.workload import (
+from kvlab.experiments.workloads.requests import (
     SEED_OUTPUTS,
     SEED_PROMPTS,
     Z95,

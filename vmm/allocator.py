@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+
 from kvlab.common.errors import ConfigError, OutOfKVCache, RequestError
 from kvlab.common.kv.seam import Allocator, CacheStats, KVShape, timed, timed_allocate
 from kvlab.vmm.drivers.map_budget import MapBudgetExhausted

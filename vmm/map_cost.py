@@ -12,6 +12,7 @@ import statistics
 import time
 
 import torch
+
 from kvlab.vmm.drivers.host import HostVirtualMemory
 
 KiB, MiB = 1024, 1024**2

@@ -8,6 +8,7 @@ stops the step instead of moving to another kernel.
 from __future__ import annotations
 
 import torch
+
 from kvlab.common.attention.metadata import AttentionMetadata, ContiguousMetadata, PagedMetadata
 from kvlab.common.errors import KvlabError
 

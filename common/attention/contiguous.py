@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
 from kvlab.common.attention.kv_quant import read_kv
 from kvlab.common.attention.metadata import ContiguousMetadata, kernel_workspace
 from kvlab.common.errors import RequestError

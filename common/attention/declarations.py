@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
 from kvlab.common.attention import rules
 from kvlab.common.attention.contiguous import contiguous_attention_sdpa
 from kvlab.common.attention.rules import HERE, Environment, package_available

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from kvlab.common.attention import declarations
 from kvlab.common.attention.bounds import check_metadata
 from kvlab.common.attention.declarations import KernelDecl

@@ -5,6 +5,7 @@ reads only K[slot, :context_len] (bottom-right causal alignment = positions star
 from __future__ import annotations
 
 import torch
+
 from kvlab.common.attention.metadata import ContiguousMetadata
 
 

@@ -13,6 +13,7 @@ from kvlab.common.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
+
     from kvlab.common.config import EngineConfig
     from kvlab.common.kv.seam import KVCache, KVShape
     from kvlab.common.sequence import Sequence

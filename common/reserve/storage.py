@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
+
 from kvlab.common.attention.kv_quant import make_quant
 from kvlab.common.attention.metadata import AttentionMetadata, BatchItem, ContiguousMetadata, base_metadata
 from kvlab.common.kv.seam import NullStorage, Storage

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+
 from kvlab.common.attention.metadata import BatchItem
 from kvlab.common.request import SampleSpec, generator_seed
 from kvlab.common.sched.beam import BeamState, select_beams

@@ -15,11 +15,12 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvlab.experiments.loadgen.latency import kvlab_extension
 from kvlab.experiments.serve import protocol
 from kvlab.experiments.serve.chat import renderer
 from kvlab.experiments.serve.decoding import Decoding
 from kvlab.experiments.serve.handles import EngineGone, EngineHandle
-from kvlab.experiments.serve.latency import kvlab_extension
 from kvlab.experiments.serve.protocol import ApiError, Submission
 
 DISCONNECT_POLL_S = 0.25

@@ -44,6 +44,7 @@ def build_engine(config: Any) -> tuple[Any, Any]:
     """(Engine, ServerMetrics) for `config`, wherever the engine will step. As LLM does, 1 torch thread by
     default; `--threads 0` keeps torch's own count."""
     import torch
+
     from kvlab.common.engine import Engine
     from kvlab.experiments.serve.prom import ServerMetrics
     if config.threads:

@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 import uvicorn
-from kvlab.experiments import cli
+
+from kvlab.experiments.cli import main as cli
 from kvlab.experiments.serve.app import Server, create_app
 from kvlab.experiments.serve.engine_process import ProcessEngine
 from kvlab.experiments.serve.handles import EngineHandle, ThreadEngine, build_engine

@@ -8,6 +8,7 @@ lazily so that kvlab runs where flash-attn is not installed.
 from __future__ import annotations
 
 import torch
+
 from kvlab.common.attention.metadata import PagedMetadata
 
 

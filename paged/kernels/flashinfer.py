@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from kvlab.common.attention.metadata import PagedMetadata, kernel_workspace
 
 WORKSPACE_BYTES = 128 * 1024 * 1024

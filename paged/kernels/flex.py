@@ -9,8 +9,9 @@ materialises scores over the whole pool: correct, for tests and small pools only
 from __future__ import annotations
 
 import torch
-from kvlab.common.attention.metadata import PagedMetadata, kernel_workspace
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+from kvlab.common.attention.metadata import PagedMetadata, kernel_workspace
 
 MASK_BLOCK = 128
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from kvlab.common.attention.kv_quant import read_kv
 from kvlab.common.attention.metadata import PagedMetadata, kernel_workspace
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from kvlab.common.attention.metadata import PagedMetadata
 from kvlab.common.attention.triton_tiles import TILE_N, head_pad, tiling
 

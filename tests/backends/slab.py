@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from kvlab.common.attention.metadata import AttentionMetadata, BatchItem, ContiguousMetadata, base_metadata
 from kvlab.common.errors import OutOfKVCache
 from kvlab.common.kv.options import check_positive, check_types

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from kvlab.common.attention.metadata import BatchItem, ContiguousMetadata, PagedMetadata, base_metadata
-from kvlab.common.sequence import Sequence
 
 from fakes.reference import contiguous_reference, paged_reference
+from kvlab.common.attention.metadata import BatchItem, ContiguousMetadata, PagedMetadata, base_metadata
+from kvlab.common.sequence import Sequence
 
 
 @dataclass(slots=True)

@@ -6,6 +6,7 @@ from array import array
 from typing import Any
 
 import torch
+
 from kvlab.common.errors import DriverError
 from kvlab.vmm.drivers.base import VirtualMemory
 from kvlab.vmm.drivers.ledger import MirrorLedger

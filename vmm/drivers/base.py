@@ -23,6 +23,7 @@ from itertools import pairwise
 from typing import Any
 
 import torch
+
 from kvlab.common.errors import DriverError
 from kvlab.vmm.drivers.map_budget import MapBudget, MapBudgetExhausted
 from kvlab.vmm.drivers.mirror import MirrorRepair

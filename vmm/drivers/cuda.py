@@ -17,6 +17,7 @@ import threading
 from typing import Any
 
 import torch
+
 from kvlab.common.errors import DriverError
 from kvlab.vmm.drivers.base import VirtualMemory
 from kvlab.vmm.drivers.dlpack import byte_tensor

@@ -3,6 +3,7 @@ driver on cpu, the CUDA driver on cuda[:N]."""
 from __future__ import annotations
 
 import torch
+
 from kvlab.common.errors import ConfigError
 from kvlab.vmm.drivers.accounting import AccountingVirtualMemory
 from kvlab.vmm.drivers.base import VirtualMemory

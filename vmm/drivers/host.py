@@ -23,6 +23,7 @@ import weakref
 from typing import Any
 
 import torch
+
 from kvlab.common.errors import DriverError
 from kvlab.vmm.drivers.base import VirtualMemory
 from kvlab.vmm.drivers.map_budget import MapBudget, max_map_count, process_budget

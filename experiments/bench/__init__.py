@@ -1,0 +1,1 @@
+"""Measurements on the real engine: the offline A/B bench, calibration, the perf suite."""

@@ -1,0 +1,1 @@
+"""The GPU smoke check (run through experiments/gpu_check.sh)."""

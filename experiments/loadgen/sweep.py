@@ -1,0 +1,141 @@
+"""Paired A/B: one `kvlab serve` subprocess per backend on a free loopback port, the same arrivals and prompts
+at every rate, stopped with SIGTERM (exit 0 expected) before the next backend starts."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import json
+import logging
+import math
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvlab.common.errors import ConfigError
+from kvlab.experiments.loadgen.load_run import bench_once
+from kvlab.experiments.loadgen.sampler import StatsSampler
+
+log = logging.getLogger("kvlab.bench.serve")
+START_TIMEOUT_S = 120
+STOP_TIMEOUT_S = 30
+ROW_KEYS = ("backend", "request_rate", "completed", "failed", "duration", "request_throughput",
+            "output_throughput", "request_goodput", "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms",
+            "p50_itl_ms", "p99_itl_ms", "p50_e2el_ms", "p99_e2el_ms", "max_concurrent_requests", "server_preemptions",
+            "total_kv_wait_s", "total_num_preemptions", "total_recomputed_tokens", "total_map_unmap_s")
+
+
+def parse_rates(items: list[str]) -> list[float]:
+    try:
+        rates = [float(x) for x in items]
+    except ValueError:
+        raise ConfigError(f"bad --request-rates {','.join(items)}: numbers or inf, e.g. 1,2,4,inf") from None
+    if any(not r > 0 for r in rates):
+        raise ConfigError("every request rate must be > 0 (or inf)")
+    return rates
+
+
+@contextlib.contextmanager
+def kvlab_server(backend: str, model: str, extra: list[str]) -> Iterator[str]:
+    """A `kvlab serve` subprocess; yields its base URL; always stopped (SIGTERM, then kill after a timeout)."""
+    cmd = [sys.executable, "-m", "kvlab.experiments.cli.main", "serve", "--model", model, "--backend", backend,
+           "--host", "127.0.0.1", "--port", "0", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    try:
+        url = wait_started(proc)
+        yield url
+    finally:
+        stop(proc, backend)
+
+
+def wait_started(proc: subprocess.Popen) -> str:
+    line = proc.stdout.readline()
+    m = re.search(r"http://\S+", line)
+    if not m:
+        proc.wait(10)
+        raise ConfigError(f"kvlab serve did not start: {line.strip() or proc.stderr.read().strip()[-300:]}")
+    url, deadline = m.group(0), time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return url
+        time.sleep(0.1)
+    raise ConfigError(f"kvlab serve at {url} did not become healthy in {START_TIMEOUT_S} s")
+
+
+def stop(proc: subprocess.Popen, backend: str) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+            log.warning("%s server ignored SIGTERM for %d s; killed", backend, STOP_TIMEOUT_S)
+    if proc.returncode != 0:
+        log.warning("%s server exited with %s: %s", backend, proc.returncode, proc.stderr.read()[-300:])
+
+
+def server_counter(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    m = re.search(rf"^{name} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else math.nan
+
+
+def exit_on_sigterm(sig: int, frame) -> None:
+    raise SystemExit(128 + sig)          # unwinds through kvlab_server, which stops the child: no orphan
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, exit_on_sigterm)
+    rates = parse_rates(args.request_rates or [str(args.request_rate)])
+    out = Path(args.out or Path("results") / datetime.now().strftime("%Y%m%d-%H%M%S"))
+    out.mkdir(parents=True, exist_ok=True)
+    rows, t0 = [], time.perf_counter()
+    for backend in args.backends:
+        with kvlab_server(backend, args.model or "tiny", shlex.split(args.server_args)) as url:
+            for rate in rates:
+                before = server_counter(url, "kvlab_preemptions_total")
+                with StatsSampler(url) as sampler:
+                    row = bench_once(args, url, rate) | {"backend": backend}
+                row["timeline"] = sampler.series
+                row["timeline_poll_errors"] = sampler.errors
+                row["server_preemptions"] = server_counter(url, "kvlab_preemptions_total") - before
+                rows.append(row)
+                print(f"{backend:8} rate {rate:>6g}: {row['completed']} done, p99 TTFT {row['p99_ttft_ms']:.1f} ms, "
+                      f"p99 TPOT {row['p99_tpot_ms']:.2f} ms, {row['output_throughput']:.0f} tok/s", flush=True)
+    sweep_s = time.perf_counter() - t0
+    write(out, rows, sweep_s, args)
+    print(f"sweep: {len(args.backends)} backends x {len(rates)} rates in {sweep_s:.1f} s; wrote {out}")
+    return 0 if all(r["completed"] for r in rows) else 1
+
+
+def write(out: Path, rows: list[dict[str, Any]], sweep_s: float, args: argparse.Namespace) -> None:
+    meta = {"sweep_seconds": sweep_s, "backends": args.backends, "num_prompts": args.num_prompts,
+            "dataset": args.dataset, "burstiness": args.burstiness, "seed": args.seed, "goodput": args.goodput}
+    (out / "serve.json").write_text(json.dumps({"meta": meta, "runs": rows}, indent=1, default=str))
+    with open(out / "serve.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=ROW_KEYS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    log_rows = [{"backend": r["backend"], "request_rate": r["request_rate"]} | q for r in rows
+                for q in r.get("requests", [])]
+    if log_rows:
+        with open(out / "serve_requests.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(log_rows[0]))
+            w.writeheader()
+            w.writerows(log_rows)
+    from kvlab.experiments.loadgen.report import write_report
+    write_report(out, rows, meta)

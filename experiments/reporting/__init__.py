@@ -1,0 +1,1 @@
+"""Console tables and PNG plots shared by the experiments."""

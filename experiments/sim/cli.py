@@ -1,0 +1,229 @@
+"""`kvlab simulate`: the command line of the roofline simulator (experiments/sim/core.py) and the seed
+article's tables (experiments/sim/seed_article.py)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from kvlab.common import limits
+from kvlab.common.config import load_toml
+from kvlab.common.errors import ConfigError
+from kvlab.common.kv.registry import get_backend
+from kvlab.common.limits import MAX_BUDGET_GB, MAX_MODEL_LEN, check_finite, check_int_range
+from kvlab.experiments.cli import main as cli
+from kvlab.experiments.reporting.tables import changes_line, results_dir
+from kvlab.experiments.sim.core import SimCase, SimRow, SimSettings, policies, policy_backend, run_cases
+from kvlab.experiments.sim.roofline import HARDWARE, hardware, model_spec
+from kvlab.experiments.workloads.requests import build_workload, parse_workload
+
+PAGED_BYTES_PER_BLOCK = 160      # measured: 2**20 accounting-only blocks take ~145 MiB
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "simulate", help="roofline simulation at GPU scale (real scheduler, accounting-only caches)",
+        description="Serve a workload with the real scheduler and accounting-only caches on a roofline clock.")
+    p.add_argument("--preset", choices=["seed", "fp8", "window"],
+                   help="seed: the seed article's tables; fp8: bf16 vs fp8 KV (Llama-3-8B); window: Mistral-7B "
+                        "sliding window vs full attention at 32K (experiments/sim/kv_presets.py)")
+    p.add_argument("--worked-example", action="store_true", help="the article's hand examples, by the backends")
+    p.add_argument("--policies", type=cli.parse_list, default=["reserve", "oracle", "paged"],
+                   help=f"comma list of {', '.join(policies())}")
+    p.add_argument("--budget-gb", type=float, default=60.0,
+                   help="KV budget in GB (1e9 bytes); with --tensor-parallel-size > 1, per GPU")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--page-size", type=cli.parse_bytes, default=2 * 2**20)
+    p.add_argument("--watermark", type=float, default=0.05, help="admission watermark (paged, vmm)")
+    p.add_argument("--workload", type=cli.arg_type(parse_workload), default=parse_workload("seed"),
+                   help="seed | fixed:P:O | uniform:PLO-PHI:OLO-OHI | trace:FILE.jsonl")
+    p.add_argument("--num-requests", type=int, default=2000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=int, default=1,
+                   help="with --preset seed: run seeds SEED..SEED+N-1 and report each figure's spread")
+    p.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second (0: all at t=0)")
+    p.add_argument("--scale", type=float, default=1.0, help="multiply every length (and max length)")
+    p.add_argument("--max-len", type=int, default=4096, help="maximum prompt + output length")
+    p.add_argument("--hardware", default="h100", help=f"one of {', '.join(HARDWARE)}")
+    p.add_argument("--model", default="llama3-8b", help="llama3-8b, llama3-70b, llama2-7b, smollm2-135m, tiny, "
+                                                        "or an HF config.json")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="model TP over this many GPUs: per-rank weights and KV heads, 2 ring all-reduces per layer "
+                        "over the hardware's NVLink (docs/tensor-parallel.md, Simulator)")
+    p.add_argument("--model-prefill", action="store_true", help="charge prefill as flops / (peak x mfu)")
+    p.add_argument("--mfu", type=float, default=0.5)
+    p.add_argument("--config", metavar="FILE", help="TOML with engine overrides (e.g. max_num_seqs)")
+    p.add_argument("--max-num-seqs", type=int, help="cap the batch (default: unbounded, as the article)")
+    p.add_argument("--max-num-batched-tokens", type=int, help="per-step token budget (default: unbounded)")
+    p.add_argument("--jobs", type=int, default=2, help="worker processes for independent runs")
+    p.add_argument("--out", metavar="DIR", help="results directory (default results/<timestamp>/): rows.json, "
+                                                   "batch.png, report.txt")
+    p.add_argument("--json", metavar="PATH", help='write {"rows": [...]} to PATH only (no results directory)')
+    p.add_argument("--plot", metavar="PNG", help="running batch over simulated time to PNG only (no results directory)")
+    p.add_argument("--no-save", action="store_true", help="print only; write no files")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(run=run)
+    from kvlab.experiments.sim.serve import cli as serve_cli
+    serve_cli.add_parser(p.add_subparsers(dest="simulate_command", metavar="serve", required=False))
+
+
+def run_kv_preset(args: argparse.Namespace, settings: SimSettings, t0: float) -> int:
+    from kvlab.experiments.sim import kv_presets
+    if args.preset == "fp8":
+        variants, title = kv_presets.fp8_variants(settings), f"{settings.model}: bf16 KV vs fp8_e4m3 KV"
+    else:
+        variants, title = kv_presets.window_variants(settings), "Mistral-7B: full attention vs sliding window 4096"
+    text = kv_presets.report(title, kv_presets.run_pair(variants, args.jobs, not args.no_progress))
+    print(text)
+    print(f"\n{time.perf_counter() - t0:.1f} s host time")
+    save_report(args, text)
+    return 0
+
+
+def settings_from_args(args: argparse.Namespace) -> SimSettings:
+    spec = dataclasses.replace(args.workload, num_requests=args.num_requests, seed=args.seed, rate=args.rate,
+                               scale=args.scale, max_len=args.max_len)
+    engine = load_toml(args.config) if args.config else {}
+    engine.update({k: v for k, v in (("max_num_seqs", args.max_num_seqs),
+                                     ("max_num_batched_tokens", args.max_num_batched_tokens)) if v is not None})
+    hardware(args.hardware)          # fail fast on bad input, before any worker starts
+    model_spec(args.model, tp=args.tensor_parallel_size)
+    build_workload(spec)
+    return SimSettings(workload=spec, hardware=args.hardware, model=args.model, model_prefill=args.model_prefill,
+                       mfu=args.mfu, engine=engine, timeline_every=5 if wants_plot(args) else 0,
+                       tensor_parallel_size=args.tensor_parallel_size)
+
+
+def wants_plot(args: argparse.Namespace) -> bool:
+    return bool(args.plot) or not (args.json or args.no_save)
+
+
+def output_paths(args: argparse.Namespace) -> tuple[Path | None, str | None, str | None]:
+    """(results dir, rows JSON, plot PNG): explicit --json/--plot paths alone, else results/<timestamp>/."""
+    if args.no_save or ((args.json or args.plot) and not args.out):
+        return None, args.json, args.plot
+    out = results_dir(args.out)
+    return out, args.json or str(out / "rows.json"), args.plot or str(out / "batch.png")
+
+
+def cases_from_args(args: argparse.Namespace) -> list[SimCase]:
+    cases = []
+    for policy in args.policies:
+        growing = get_backend(policy_backend(policy)).watermark
+        cases.append(SimCase(policy, args.budget_gb, args.block_size if policy == "paged" else None,
+                             args.page_size if policy == "vmm" else None, args.watermark if growing else 0.0))
+    return cases
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Every value bounded before a worker starts or a cache is sized; output paths writable before the run."""
+    check_finite("--budget-gb", args.budget_gb, strict=True, high=MAX_BUDGET_GB)
+    check_finite("--watermark", args.watermark, high=0.999)
+    check_finite("--mfu", args.mfu, strict=True, high=1.0)
+    check_int_range("--jobs", args.jobs, 1, limits.max_threads(), " (at most 4 per CPU)")
+    check_int_range("--seeds", args.seeds, 1, 1000)
+    check_int_range("--block-size", args.block_size, 1, MAX_MODEL_LEN)
+    check_int_range("--tensor-parallel-size", args.tensor_parallel_size, 1, 1024)
+    check_paged_bookkeeping(args)
+    cli.check_output_path(args.json, "--json")
+    cli.check_output_path(args.plot, "--plot")
+
+
+def check_paged_bookkeeping(args: argparse.Namespace) -> None:
+    """Accounting-only caches allocate no KV, but the paged block pool keeps ~160 B of books per block."""
+    if "paged" not in args.policies and args.preset != "seed":
+        return
+    block_size = 16 if args.preset == "seed" else args.block_size     # the seed tables' smallest block
+    per_token = model_spec(args.model, tp=args.tensor_parallel_size).kv_shape().bytes_per_token
+    blocks = args.budget_gb * 1e9 / (block_size * per_token)
+    limits.check_fits_in_ram(f"--budget-gb {args.budget_gb:g} ({blocks:.3g} paged blocks of {block_size} tokens)",
+                      blocks * PAGED_BYTES_PER_BLOCK, "lower --budget-gb or raise --block-size")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.worked_example:
+        from kvlab.experiments.sim.worked_example import print_worked_example
+        print_worked_example()
+        if not args.preset:
+            return 0
+    if args.seeds < 1:
+        raise ConfigError(f"--seeds must be >= 1, got {args.seeds}")
+    check_args(args)
+    settings = settings_from_args(args)
+    print(changes_line(settings.workload, scale_given=args.scale != 1.0))
+    t0 = time.perf_counter()
+    if args.preset in ("fp8", "window"):
+        return run_kv_preset(args, settings, t0)
+    if args.preset == "seed" and args.seeds > 1:
+        from kvlab.experiments.sim import seed_article
+        text = seed_article.spread(settings, args.seeds, args.jobs, not args.no_progress)
+        print(text)
+        print(f"\n{time.perf_counter() - t0:.1f} s host time")
+        save_report(args, text)
+        return 0
+    if args.preset == "seed":
+        from kvlab.experiments.sim import seed_article
+        cases = seed_article.cases()
+        rows = run_cases(cases, settings, args.jobs, not args.no_progress)
+        text = seed_article.report(cases, rows, settings)
+        print(text)
+        plotted = list({c.key: r for c, r in zip(cases, rows) if c.key in seed_article.PLOTTED}.values())
+    else:
+        cases = cases_from_args(args)
+        rows = plotted = run_cases(cases, settings, args.jobs, not args.no_progress)
+        text = plain_report(rows, settings)
+        print(text)
+    print(f"\n{len({c.key for c in cases})} simulations in {time.perf_counter() - t0:.1f} s host time "
+          f"(longest {max(r.wall_seconds for r in rows):.1f} s)")
+    out, json_path, plot_path = output_paths(args)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "report.txt").write_text(text + "\n")
+    if json_path:
+        Path(json_path).write_text(json.dumps({"rows": [r.to_json() for r in rows]}, indent=1))
+        print(f"rows written to {json_path}")
+    if plot_path:
+        plot_batches(plot_path, plotted)
+        print(f"plot written to {plot_path}")
+    if out is not None:
+        print(f"results in {out}/ (report.txt, rows.json, batch.png)")
+    return 0
+
+
+def save_report(args: argparse.Namespace, text: str) -> None:
+    out = output_paths(args)[0]
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "report.txt").write_text(text + "\n")
+        print(f"report written to {out / 'report.txt'}")
+
+
+def plain_report(rows: list[SimRow], settings: SimSettings) -> str:
+    from kvlab.experiments.reporting.tables import fmt, pct, table
+    tp = settings.tensor_parallel_size
+    on = f"{tp} x {settings.hardware} (tensor parallel, GB per GPU)" if tp > 1 else settings.hardware
+    title = (f"{settings.workload.num_requests} requests ({settings.workload.kind}), {settings.model} on "
+             f"{on}, prefill {'modelled' if settings.model_prefill else 'ignored'}")
+    body = [[r.label, f"{r.budget_gb:g}", pct(r.watermark, 0), fmt(r.mean_batch), pct(r.utilization),
+             fmt(r.output_tokens_per_s), r.preemptions, fmt(r.mean_waste_tokens), f"{r.sim_seconds:.3g}"]
+            for r in rows]
+    headers = ["policy", "GB", "wm", "mean batch", "util", "tok/s", "preempt", "end waste", "sim s"]
+    if tp > 1:
+        for line, r in zip(body, rows):
+            line.append(pct(r.allreduce_seconds / r.sim_seconds if r.sim_seconds else 0.0))
+        headers.append("all-reduce")
+    return table(headers, body, title)
+
+
+def plot_batches(path: str, rows: list[SimRow]) -> None:
+    from kvlab.experiments.reporting.plots import Series, downsample, line_chart
+    series = [downsample(Series(f"{r.label} {fmt_gb(r.budget_gb)} wm {r.watermark:g}", r.timeline["time"],
+                                r.timeline["running"])) for r in rows if r.timeline]
+    line_chart(path, series, "simulated seconds", "running sequences", "Running batch over time (roofline clock)")
+
+
+def fmt_gb(gb: float) -> str:
+    return f"{gb:g} GB"

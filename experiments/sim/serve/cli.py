@@ -1,0 +1,253 @@
+"""`kvlab simulate serve`: the flags, the run (grid of rates, or an SLO search per backend and seed), the
+tables, and JSON/CSV/plots in results/<timestamp>/."""
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from kvlab.common.errors import ConfigError
+from kvlab.common.limits import check_int_range
+from kvlab.experiments.cli import main as cli
+from kvlab.experiments.loadgen import latency
+from kvlab.experiments.loadgen.sweep import ROW_KEYS, parse_rates
+from kvlab.experiments.sim.core import SimCase
+from kvlab.experiments.sim.roofline import HARDWARE, hardware, model_spec
+from kvlab.experiments.sim.serve import slo, summary
+from kvlab.experiments.sim.serve.costs import PROFILES
+from kvlab.experiments.sim.serve.grid import pool_chain, pool_map
+from kvlab.experiments.sim.serve.run import ServeSpec, backend_label, parse_backends, rate_label, run_point
+
+WARM_STEP = 1.05         # a later seed's first bracket factor around the first seed's SLO rate
+CSV_KEYS = (*ROW_KEYS[:1], "seed", *ROW_KEYS[1:], "driver_exposed_seconds", "driver_hidden_seconds",
+            "paged_overhead_seconds")
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("serve", help="online serving on the roofline clock: rates, seeds, SLO search",
+                              description="Online arrivals against the real scheduler and accounting-only "
+                                          "backends on the roofline clock; `kvlab bench serve`'s result keys.")
+    p.add_argument("--backends", type=cli.parse_list, default=["reserve", "paged-16", "vmm-2MiB", "vmm-64KiB"],
+                   help="comma list: reserve, oracle, paged-BLOCK, vmm-SIZE")
+    p.add_argument("--request-rates", type=cli.parse_list, default=["inf"], help="comma list of req/s (inf allowed)")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1 = Poisson)")
+    p.add_argument("--dataset", default="seed", help="seed | random | trace:FILE.jsonl")
+    p.add_argument("--num-prompts", type=int, default=2000)
+    p.add_argument("--scale", type=float, default=1.0, help="seed dataset: multiply every length")
+    p.add_argument("--max-len", type=int, default=4096)
+    p.add_argument("--input-len", type=int, default=1024, help="random dataset")
+    p.add_argument("--output-len", type=int, default=128, help="random dataset")
+    p.add_argument("--range-ratio", type=float, default=0.0, help="random dataset")
+    p.add_argument("--seed", type=int, default=0, help="first seed")
+    p.add_argument("--seeds", type=int, default=1, help="seeds SEED..SEED+K-1, identical arrivals for every backend")
+    p.add_argument("--budget-gb", type=float, default=60.0, help="KV budget in GB (1e9 bytes)")
+    p.add_argument("--watermark", type=float, default=0.05, help="admission watermark (paged, vmm)")
+    p.add_argument("--hardware", default="h100", help=f"one of {', '.join(HARDWARE)}")
+    p.add_argument("--model", default="llama3-8b")
+    p.add_argument("--ignore-prefill", action="store_true", help="prefill costs nothing (the seed article)")
+    p.add_argument("--mfu", type=float, default=0.5)
+    p.add_argument("--max-num-seqs", type=int, help="cap the batch (default: unbounded)")
+    p.add_argument("--max-num-batched-tokens", type=int, help="per-step token budget (default: unbounded)")
+    p.add_argument("--goodput", nargs="+", metavar="NAME:MS", help="SLOs for goodput: ttft:MS tpot:MS e2el:MS")
+    p.add_argument("--slo", type=cli.arg_type(slo.parse_slo), help="search the highest rate meeting e.g. "
+                                                                    "p99_ttft_ms<=2000,p99_tpot_ms<=100")
+    p.add_argument("--search", choices=("request-rate", "max-concurrency"), default="request-rate",
+                   help="the SLO search's axis: the request rate, or the client's max concurrency (integer, at "
+                        "the one rate of --request-rates, default inf)")
+    p.add_argument("--slo-start", type=float, default=4.0, help="first rate (or concurrency) the search tries")
+    p.add_argument("--slo-tolerance", type=float, default=0.02, help="relative width at which bisection stops")
+    p.add_argument("--independent-seeds", action="store_true",
+                   help="rate search: every seed brackets from --slo-start (default: later seeds start at the "
+                        "first seed's answer)")
+    p.add_argument("--no-early-stop", action="store_true",
+                   help="SLO search: run every point to the end (default: stop a run once its SLO is certainly "
+                        "missed; its figures are then not reported)")
+    p.add_argument("--driver-costs", default="zero", help=f"{' | '.join([*PROFILES, 'host'])}")
+    p.add_argument("--calibration", help="host profile: `kvlab calibrate`'s JSON")
+    p.add_argument("--background-mapping", action="store_true", help="hide map/unmap behind the step's compute")
+    p.add_argument("--max-concurrency", type=int, default=0,
+                   help="at most N requests in flight at the client (vllm bench serve's flag; 0 = no limit): an "
+                        "arrival finding N in flight is sent when one finishes, and is timed from its send")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="shard the model over N GPUs: per-rank costs and KV, ring all-reduces over the hardware's "
+                        "NVLink; --budget-gb is per GPU (docs/tensor-parallel.md, Simulator)")
+    p.add_argument("--jobs", type=int, default=2, help="worker processes")
+    p.add_argument("--out", metavar="DIR", help="results directory (default results/<timestamp>/)")
+    p.add_argument("--no-save", action="store_true")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(run=run)
+
+
+def spec_from_args(args: argparse.Namespace) -> ServeSpec:
+    hardware(args.hardware)
+    check_int_range("--tensor-parallel-size", args.tensor_parallel_size, 1, 1024)
+    check_int_range("--max-concurrency", args.max_concurrency, 0, 10**9)
+    model_spec(args.model, tp=args.tensor_parallel_size)
+    if args.driver_costs not in (*PROFILES, "host"):
+        raise ConfigError(f"unknown --driver-costs {args.driver_costs!r}; choose {', '.join([*PROFILES, 'host'])}")
+    if args.seeds < 1 or args.num_prompts < 1:
+        raise ConfigError("--seeds and --num-prompts must be >= 1")
+    engine = {k: v for k, v in (("max_num_seqs", args.max_num_seqs),
+                                ("max_num_batched_tokens", args.max_num_batched_tokens)) if v is not None}
+    return ServeSpec(dataset=args.dataset, num_requests=args.num_prompts, scale=args.scale, max_len=args.max_len,
+                     input_len=args.input_len, output_len=args.output_len, range_ratio=args.range_ratio,
+                     burstiness=args.burstiness, hardware=args.hardware, model=args.model,
+                     model_prefill=not args.ignore_prefill, mfu=args.mfu, engine=engine,
+                     goodput=latency.parse_goodput(args.goodput), driver_profile=args.driver_costs,
+                     calibration=args.calibration, background_mapping=args.background_mapping,
+                     tensor_parallel_size=args.tensor_parallel_size, max_concurrency=args.max_concurrency)
+
+
+def _point(a: tuple[SimCase, ServeSpec, float, int]) -> dict[str, Any]:
+    return run_point(*a)
+
+
+def _search(a: tuple[SimCase, ServeSpec, int, dict[str, float], float, float, bool, float]) -> dict[str, Any]:
+    case, spec, seed, target, start, tol, early_stop, step = a
+    stop = target if early_stop else None
+    found = slo.search(lambda rate: run_point(case, spec, rate, seed, stop_on_miss=stop), target, start, tol,
+                       step=step)
+    return {"backend": backend_label(case), "seed": seed, "slo_rate": found.rate,
+            "evaluations": found.evaluations, "runs": list(found.results.values())}
+
+
+def _search_concurrency(a: tuple[SimCase, ServeSpec, int, dict[str, float], float, float, bool]) -> dict[str, Any]:
+    case, spec, seed, target, start, rate, early_stop = a
+    stop = target if early_stop else None
+    found = slo.search_int(lambda n: run_point(case, spec, rate, seed, max_concurrency=n, stop_on_miss=stop),
+                           target, int(start), high_limit=spec.num_requests)
+    return {"backend": backend_label(case), "seed": seed, "slo_max_concurrency": found.rate,
+            "evaluations": found.evaluations, "runs": list(found.results.values())}
+
+
+def slo_jobs(args: argparse.Namespace, spec: ServeSpec, cases: list[SimCase], seeds: list[int]) -> tuple:
+    """(worker function, its jobs, the searched key) for the SLO search's axis."""
+    if args.search == "max-concurrency":
+        rates = parse_rates(args.request_rates)
+        if len(rates) != 1:
+            raise ConfigError("--search max-concurrency runs at one rate: give one --request-rates value (or inf)")
+        return (_search_concurrency, [(c, spec, s, args.slo, args.slo_start, rates[0], not args.no_early_stop)
+                                      for c in cases for s in seeds], "slo_max_concurrency")
+    return (_search, [(c, spec, s, args.slo, args.slo_start, args.slo_tolerance, not args.no_early_stop, 2.0)
+                      for c in cases for s in seeds], "slo_rate")
+
+
+def run_searches(args: argparse.Namespace, spec: ServeSpec, cases: list[SimCase], seeds: list[int]
+                 ) -> tuple[list[dict[str, Any]], str]:
+    """Every (backend, seed) search. On the rate axis, unless --independent-seeds: each backend's first seed
+    searches from --slo-start; its other seeds then start at that answer with 5% brackets (WARM_STEP), as soon
+    as it is known, which takes about half the runs. Every answer is still verified on its own seed: it passed
+    at lo and missed at hi."""
+    fn, jobs, key = slo_jobs(args, spec, cases, seeds)
+    progress = not args.no_progress
+    if args.search != "request-rate" or len(seeds) == 1 or args.independent_seeds:
+        return pool_map(fn, jobs, args.jobs, progress, unit="search"), key
+
+    def warm(first: dict[str, Any]) -> list[tuple]:
+        """The backend's other seeds, started at its first seed's answer (none found: from --slo-start)."""
+        mine = [j for j in jobs if j[2] != seeds[0] and backend_label(j[0]) == first["backend"]]
+        return [(*j[:4], first[key], *j[5:7], WARM_STEP) for j in mine] if first[key] > 0 else mine
+
+    searches = pool_chain(fn, [j for j in jobs if j[2] == seeds[0]], lambda s: warm(s) if s["seed"] == seeds[0]
+                          else [], len(jobs), args.jobs, progress)
+    order = {label: i for i, label in enumerate(backend_label(c) for c in cases)}
+    return sorted(searches, key=lambda s: (order[s["backend"]], s["seed"])), key
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = spec_from_args(args)
+    cases = parse_backends(args.backends, args.budget_gb, args.watermark)
+    seeds = list(range(args.seed, args.seed + args.seeds))
+    labels = [backend_label(c) for c in cases]
+    t0 = time.perf_counter()
+    meta = {"spec": dataclasses.asdict(spec), "backends": labels, "seeds": seeds,
+            "budget_gb": args.budget_gb, "watermark": args.watermark}
+    if args.slo:
+        searches, key = run_searches(args, spec, cases, seeds)
+        runs = [r for s in searches for r in s["runs"]]
+        rows = [r for r in runs if not r.get("stopped_early")]       # the runs with figures
+        meta["runs_stopped_early"] = len(runs) - len(rows)
+        per = {b: [s[key] for s in searches if s["backend"] == b] for b in labels}
+        result = {"slo": args.slo, "axis": args.search, **summary.slo_summary(per, labels[0], key),
+                  "searches": [{k: v for k, v in s.items() if k != "runs"} for s in searches]}
+        text = slo_table(result, args.slo, spec)
+    else:
+        rates = parse_rates(args.request_rates)
+        jobs = [(c, spec, r, s) for c in cases for r in rates for s in seeds]
+        rows = pool_map(_point, jobs, args.jobs, not args.no_progress)
+        result = {"figures": summary.fold(rows), "ratios": summary.ratios(rows, labels[0])}
+        text = grid_table(result["figures"], spec)
+    meta["host_seconds"] = time.perf_counter() - t0
+    print(text)
+    stopped = meta.get("runs_stopped_early", 0)
+    print(f"\n{len(rows) + stopped} simulated runs ({stopped} stopped once their SLO was certainly missed) in "
+          f"{meta['host_seconds']:.1f} s host time")
+    if not args.no_save:
+        out = save(args, meta, result, rows, text)
+        print(f"results in {out}/")
+    return 0
+
+
+def profile_line(spec: ServeSpec) -> str:
+    prof = PROFILES.get(spec.driver_profile)
+    src = prof.source if prof else "kvlab calibrate"
+    on = f"{spec.tensor_parallel_size} x {spec.hardware} (tensor parallel, GB per GPU)" \
+        if spec.tensor_parallel_size > 1 else spec.hardware
+    limit = f", max concurrency {spec.max_concurrency}" if spec.max_concurrency else ""
+    return (f"{spec.num_requests} requests ({spec.dataset}){limit}, {spec.model} on {on}, prefill "
+            f"{'modelled' if spec.model_prefill else 'ignored'}; driver costs {spec.driver_profile} ({src}), "
+            f"background mapping {'on' if spec.background_mapping else 'off'}")
+
+
+def pm(s: dict[str, float] | None) -> str:
+    if not s:
+        return "-"
+    return f"{s['mean']:.4g}" if s["n"] == 1 else f"{s['mean']:.4g} ± {s['std']:.2g}"
+
+
+def grid_table(figures: list[dict[str, Any]], spec: ServeSpec) -> str:
+    from kvlab.experiments.reporting.tables import table
+    keys = ("p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "output_throughput", "request_goodput")
+    body = [[f["backend"], rate_label(f["request_rate"]), *(pm(f.get(k)) for k in keys)] for f in figures]
+    return table(["backend", "rate", *keys], body, profile_line(spec) + " (mean ± std over seeds)")
+
+
+def slo_table(result: dict[str, Any], target: dict[str, float], spec: ServeSpec) -> str:
+    from kvlab.experiments.reporting.tables import table
+    body = []
+    for backend, r in result["backends"].items():
+        ratio = result["ratios"].get(backend)
+        rel = f"{ratio['ratio']:.3f} [{ratio['ci95'][0]:.3f}, {ratio['ci95'][1]:.3f}]" if ratio else "1 (reference)"
+        value = r.get("slo_max_concurrency", r.get("slo_rate"))
+        body.append([backend, f"{value:.3g}", f"[{r['ci95'][0]:.3g}, {r['ci95'][1]:.3g}]",
+                     " ".join(f"{v:.3g}" for v in r["per_seed"]), rel])
+    goal = ", ".join(f"{k} <= {v:g}" for k, v in target.items())
+    if result.get("axis") == "max-concurrency":
+        head, what = "SLO max concurrency", "Highest max concurrency"
+    else:
+        head, what = "SLO rate (req/s)", "Highest rate"
+    return table(["backend", head, "95% CI", "per seed", "ratio [95% CI]"], body,
+                 f"{what} with {goal}; {profile_line(spec)}")
+
+
+def save(args: argparse.Namespace, meta: dict, result: dict, rows: list[dict], text: str) -> Path:
+    from kvlab.experiments.reporting.tables import results_dir
+    out = results_dir(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.txt").write_text(text + "\n")
+    (out / "sim_serve.json").write_text(json.dumps({"meta": meta, "result": result, "runs": rows}, indent=1,
+                                                   default=str))
+    with open(out / "sim_serve.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_KEYS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows({**r, **r["driver"]} for r in rows)
+    if not args.no_plots:
+        from kvlab.experiments.sim.serve.plots import plot_all
+        plot_all(out, rows, result)
+    return out
+

@@ -1,0 +1,162 @@
+"""One serving run on the roofline clock, and the paired grid over backends x rates x seeds.
+
+A point is (backend case, rate, seed). The requests and arrivals depend only on (dataset, rate, seed): every
+backend gets the identical schedule (paired seeds). Results carry `kvlab bench serve`'s keys (latency.summarize)
+plus the simulator's figures under "sim" and the driver cost ledger under "driver"."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvlab.common.errors import ConfigError
+from kvlab.experiments.loadgen import latency
+from kvlab.experiments.loadgen.arrivals import arrival_times
+from kvlab.experiments.loadgen.datasets import draw_lengths
+from kvlab.experiments.loadgen.load_run import attribution_totals, request_log
+from kvlab.experiments.sim.core import SimCase, SimSettings, format_page, run_case
+from kvlab.experiments.sim.serve.costs import CostLedger, profile
+from kvlab.experiments.sim.serve.early_stop import SloMissed, SloWatch, stopped_result
+from kvlab.experiments.sim.serve.tap import ServeTap
+from kvlab.experiments.workloads.requests import SEED_MAX_LEN, Request, WorkloadSpec
+
+
+@dataclass(slots=True)
+class ServeSpec:
+    """Everything but the backend, rate and seed (picklable: points run in worker processes)."""
+    dataset: str = "seed"
+    num_requests: int = 2000
+    scale: float = 1.0
+    max_len: int = SEED_MAX_LEN
+    input_len: int = 1024
+    output_len: int = 128
+    range_ratio: float = 0.0
+    burstiness: float = 1.0
+    hardware: str = "h100"
+    model: str = "llama3-8b"
+    model_prefill: bool = False
+    mfu: float = 0.5
+    engine: dict[str, Any] = field(default_factory=dict)
+    goodput: dict[str, float] = field(default_factory=dict)
+    percentiles: tuple[float, ...] = latency.DEFAULT_PERCENTILES
+    driver_profile: str = "zero"
+    calibration: str | None = None
+    background_mapping: bool = False
+    tensor_parallel_size: int = 1      # budgets per GPU; costs and KV per rank (docs/tensor-parallel.md)
+    max_concurrency: int = 0           # client-side limit on requests in flight (0 = none)
+
+    def settings(self, seed: int, max_concurrency: int | None = None) -> SimSettings:
+        workload = WorkloadSpec(num_requests=self.num_requests, seed=seed, scale=self.scale, max_len=self.max_len)
+        limit = self.max_concurrency if max_concurrency is None else max_concurrency
+        return SimSettings(workload=workload, hardware=self.hardware, model=self.model,
+                           model_prefill=self.model_prefill, mfu=self.mfu, engine=dict(self.engine),
+                           tensor_parallel_size=self.tensor_parallel_size, max_concurrency=limit)
+
+
+def plan(spec: ServeSpec, rate: float, seed: int) -> list[Request]:
+    """The requests and their arrival times: a function of (dataset, rate, burstiness, seed) only."""
+    import numpy as np
+    lengths, stamps = draw_lengths(spec.dataset, spec.num_requests, np.random.default_rng(seed), spec.scale,
+                                   spec.max_len, spec.input_len, spec.output_len, spec.range_ratio)
+    if stamps[0] is not None:
+        arrivals = stamps
+    else:
+        arrivals = arrival_times(len(lengths), rate, spec.burstiness, seed).tolist()
+    return [Request(int(p), int(o), float(t)) for (p, o), t in zip(lengths, arrivals)]
+
+
+class TapFactory:
+    """Given to run_case: builds the ServeTap around its runner and keeps it."""
+
+    def __init__(self, ledger: CostLedger, watch: SloWatch | None = None) -> None:
+        self.ledger, self.watch = ledger, watch
+        self.tap: ServeTap | None = None
+        self.added: list = []
+        self.finished: dict[str, Any] = {}
+
+    def attach(self, runner: Any, cache: Any) -> ServeTap:
+        self.tap = ServeTap(runner, cache, self.ledger, self.watch)
+        return self.tap
+
+    def bind(self, engine: Any) -> None:
+        self.tap.bind(engine)
+
+
+def backend_label(case: SimCase) -> str:
+    if case.policy == "reserve":
+        return "reserve"
+    return case.label
+
+
+def run_point(case: SimCase, spec: ServeSpec, rate: float, seed: int, max_concurrency: int | None = None,
+              stop_on_miss: dict[str, float] | None = None) -> dict[str, Any]:
+    """One run; `max_concurrency` overrides the spec's (the concurrency search's axis). `stop_on_miss` (an SLO):
+    stop as soon as the run certainly misses it (early_stop.py) and return only that verdict, `stopped_early`."""
+    requests = plan(spec, rate, seed)
+    prof = profile(spec.driver_profile, spec.calibration, case.page_size)
+    settings = spec.settings(seed, max_concurrency)
+    factory = TapFactory(CostLedger(prof, spec.background_mapping), watch(stop_on_miss, requests, settings))
+    point = {"backend": backend_label(case), "request_rate": rate, "burstiness": spec.burstiness,
+             "max_concurrency": settings.max_concurrency or None, "num_prompts": spec.num_requests,
+             "dataset": spec.dataset, "seed": seed}
+    try:
+        row = run_case(case, settings, requests, tap=factory)
+    except SloMissed as missed:
+        return {**stopped_result(missed), **point}
+    records = factory.tap.records(factory.added, factory.finished)
+    result = latency.summarize(records, row.sim_seconds, spec.goodput or None, percentiles=spec.percentiles,
+                               max_concurrent=row.max_batch)
+    result.update(attribution_totals(records))
+    result["total_map_unmap_exposed_s"] = sum(r.kvlab["map_unmap_exposed_s"] for r in records)
+    result["total_client_wait_s"] = sum(r.start - req.arrival_s for r, (_, req) in zip(records, factory.added))
+    driver = factory.ledger.to_json() | {"driver_unattributed_seconds": factory.tap.unattributed_s}
+    result.update({**point, "server_preemptions": row.preemptions, "sim": row.to_json(), "driver": driver,
+                   "pool_create_seconds": prof.create_s * pool_pages(case, spec),
+                   "requests": [request_log(r) for r in records]})
+    return result
+
+
+def watch(slo: dict[str, float] | None, requests: list[Request], settings: SimSettings) -> SloWatch | None:
+    """The early-stop watch for `slo`. Under a client concurrency cap TTFT counts from the send, not the planned
+    arrival, so only the TPOT targets can stop such a run."""
+    if not slo:
+        return None
+    if settings.max_concurrency:
+        slo = {k: v for k, v in slo.items() if "_ttft_" not in k}
+    return SloWatch(slo, [r.arrival_s for r in requests], [r.output_len for r in requests])
+
+
+def pool_pages(case: SimCase, spec: ServeSpec) -> int:
+    """vmm: physical pages created at start-up (K and V per layer share the budget)."""
+    if case.policy != "vmm" or not case.page_size:
+        return 0
+    return int(case.budget_gb * 1e9) // case.page_size
+
+
+def parse_backends(items: list[str], budget_gb: float, watermark: float) -> list[SimCase]:
+    """reserve | oracle | paged-BLOCK | vmm-SIZE (e.g. paged-16, vmm-2MiB, vmm-64KiB)."""
+    from kvlab.experiments.cli.main import parse_bytes
+    cases = []
+    for item in items:
+        name, _, size = item.partition("-")
+        if name in ("reserve", "oracle") and not size:
+            cases.append(SimCase(name, budget_gb))
+        elif name == "paged" and size.isdigit():
+            cases.append(SimCase("paged", budget_gb, block_size=int(size), watermark=watermark))
+        elif name == "vmm" and size:
+            try:
+                page = parse_bytes(size)
+            except Exception:
+                raise ConfigError(f"bad backend {item!r}: vmm-SIZE like vmm-2MiB or vmm-64KiB") from None
+            cases.append(SimCase("vmm", budget_gb, page_size=page, watermark=watermark))
+        else:
+            raise ConfigError(f"bad backend {item!r}: use reserve, oracle, paged-BLOCK (paged-16) or vmm-SIZE "
+                              f"(vmm-2MiB)")
+    return cases
+
+
+def rate_label(rate: float) -> str:
+    return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+__all__ = ["ServeSpec", "backend_label", "format_page", "parse_backends", "plan", "run_point"]

@@ -1,0 +1,1 @@
+"""Studies: kernel fallbacks, memory saved by sharing, prefix-cache savings by unit size."""

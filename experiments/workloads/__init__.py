@@ -1,0 +1,1 @@
+"""What the experiments send: request lengths and arrivals, and prefix-structured prompts."""
