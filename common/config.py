@@ -16,7 +16,7 @@ from typing import Any
 from kvlab.common.errors import ConfigError
 from kvlab.common.kv.options import check_choice, check_positive, check_types
 from kvlab.common.kv.registry import REGISTRY
-from kvlab.common.kv.seam import KV_CACHE_DTYPES
+from kvlab.common.kv.types import KV_CACHE_DTYPES
 from kvlab.common.limits import MAX_MODEL_LEN, MAX_SEED, check_int_range, max_threads
 
 try:

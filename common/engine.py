@@ -16,7 +16,8 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvlab.common.errors import KvlabError, RequestError
-from kvlab.common.kv.seam import CacheStats, create_cache
+from kvlab.common.kv.seam import create_cache
+from kvlab.common.kv.types import CacheStats
 from kvlab.common.metrics import MetricsRecorder, RunMetrics
 from kvlab.common.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvlab.common.request import Request, SchedulerOutput, SchedulerStats

@@ -23,7 +23,7 @@ from kvlab.common.capacity import warn_capacity
 from kvlab.common.config import make_config
 from kvlab.common.engine import Engine
 from kvlab.common.errors import KvlabError, RequestError
-from kvlab.common.kv.seam import CacheStats
+from kvlab.common.kv.types import CacheStats
 from kvlab.common.metrics import RunMetrics
 from kvlab.common.outputs import RequestOutput
 from kvlab.common.sampling_params import SamplingParams

@@ -12,7 +12,7 @@ import torch
 
 from kvlab.common.errors import ConfigError, ModelLoadError
 from kvlab.common.gguf_file import load_gguf
-from kvlab.common.kv.seam import TORCH_DTYPES
+from kvlab.common.kv.types import TORCH_DTYPES
 from kvlab.common.model import LLAMA3_ROPE_KEYS, LlamaForCausalLM, ModelConfig
 from kvlab.common.presets import PRESETS, load_preset
 from kvlab.common.tokenizer import BPETokenizer

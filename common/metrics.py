@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from kvlab.common.kv.seam import CacheStats, KVCache
+    from kvlab.common.kv.seam import KVCache
+    from kvlab.common.kv.types import CacheStats
     from kvlab.common.request import Request, SchedulerOutput, SchedulerStats
 
 TIMELINE_FIELDS = ("time", "running", "batch", "tokens", "live_tokens", "allocated_token_slots", "used_units",

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvlab.common.errors import ModelLoadError
-from kvlab.common.kv.seam import TORCH_DTYPES, KVShape
+from kvlab.common.kv.types import TORCH_DTYPES, KVShape
 
 if TYPE_CHECKING:
     from kvlab.common.attention.metadata import AttentionMetadata

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvlab.common.errors import ConfigError
-from kvlab.common.kv.seam import Allocator, CacheStats, KVShape, timed, timed_allocate
+from kvlab.common.kv.seam import Allocator, timed, timed_allocate
+from kvlab.common.kv.types import CacheStats, KVShape
 from kvlab.paged.block_pool import BlockPool, BlockPoolError
 from kvlab.paged.prefix_cache import PrefixCache, PrefixIndex
 from kvlab.paged.storage import NullPagedStorage

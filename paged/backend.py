@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvlab.common.kv.seam import KVCache, KVShape
+from kvlab.common.kv.seam import KVCache
+from kvlab.common.kv.types import KVShape
 from kvlab.paged.allocator import PagedAllocator
 from kvlab.paged.storage import PagedStorage
 

@@ -11,7 +11,8 @@ import torch
 
 from kvlab.common.attention.kv_quant import make_quant
 from kvlab.common.attention.metadata import BatchItem, PagedMetadata, base_metadata
-from kvlab.common.kv.seam import KVShape, NullStorage, Storage
+from kvlab.common.kv.seam import NullStorage, Storage
+from kvlab.common.kv.types import KVShape
 from kvlab.paged.block_pool import BlockPoolError
 
 if TYPE_CHECKING:

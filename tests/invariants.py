@@ -31,7 +31,8 @@ from kvlab.common.attention.metadata import BatchItem
 from kvlab.common.config import EngineConfig, make_config
 from kvlab.common.errors import OutOfKVCache
 from kvlab.common.kv.registry import get_backend
-from kvlab.common.kv.seam import Allocator, KVCache, KVShape, create_cache
+from kvlab.common.kv.seam import Allocator, KVCache, create_cache
+from kvlab.common.kv.types import KVShape
 from kvlab.common.sequence import Sequence
 
 SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=32, num_q_heads=4)   # 256 B per token per layer

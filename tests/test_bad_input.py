@@ -23,7 +23,8 @@ from safetensors.torch import save_file
 
 from kvlab.common.config import make_config
 from kvlab.common.errors import ConfigError, DriverError, KernelUnavailable, ModelLoadError, RequestError
-from kvlab.common.kv.seam import KVShape, create_cache
+from kvlab.common.kv.seam import create_cache
+from kvlab.common.kv.types import KVShape
 from kvlab.common.llm import LLM
 from kvlab.common.loader import load_model
 from kvlab.common.sampling_params import SamplingParams

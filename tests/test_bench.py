@@ -62,7 +62,7 @@ def test_bench_rejects_bad_repeats(capsys):
 
 
 def test_bench_defaults_leave_what_the_user_set(tmp_path):
-    from kvlab.common.kv.seam import KVShape
+    from kvlab.common.kv.types import KVShape
     from kvlab.experiments.bench.offline import backend_defaults, bench_defaults
     from kvlab.experiments.cli import main as cli
     path = tmp_path / "e.toml"

@@ -19,7 +19,7 @@ from invariants import one_torch_thread  # noqa: F401 - module fixture
 
 from kvlab.common.config import make_config
 from kvlab.common.errors import DriverError, OutOfKVCache
-from kvlab.common.kv.seam import KVShape
+from kvlab.common.kv.types import KVShape
 from kvlab.common.sequence import Sequence
 from kvlab.vmm.build import build_vmm
 from kvlab.vmm.drivers.cuda import CudaVirtualMemory

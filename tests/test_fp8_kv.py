@@ -22,7 +22,8 @@ from kvlab.common.attention.kv_quant import KVQuant, decode, encode
 from kvlab.common.config import make_config
 from kvlab.common.errors import ConfigError
 from kvlab.common.kv.registry import backend_names, get_backend
-from kvlab.common.kv.seam import KVShape, create_cache
+from kvlab.common.kv.seam import create_cache
+from kvlab.common.kv.types import KVShape
 from kvlab.common.llm import LLM
 from kvlab.common.sampling_params import SamplingParams
 from kvlab.paged.kernels.torch_ref import paged_attention_torch

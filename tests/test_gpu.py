@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from kvlab.common.attention.metadata import BatchItem
 from kvlab.common.config import make_config
-from kvlab.common.kv.seam import KVShape
+from kvlab.common.kv.types import KVShape
 from kvlab.common.sequence import Sequence
 
 pytestmark = [pytest.mark.gpu,

@@ -345,7 +345,7 @@ def test_report_carries_the_decisions_and_is_json():
 def test_backend_kernel_report_names_kernel_per_phase():
     """The paged backend builds its dispatcher from this registry; its kernel_report is what metrics carry."""
     from kvlab.common.config import make_config
-    from kvlab.common.kv.seam import KVShape
+    from kvlab.common.kv.types import KVShape
     from kvlab.paged import backend
     cache = backend.build_paged(make_config(block_size=16, kv_cache_bytes=1 << 20),
                                 KVShape(num_layers=1, num_kv_heads=2, head_dim=32, num_q_heads=4))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import tracemalloc
 
-from kvlab.common.kv.seam import CacheStats
+from kvlab.common.kv.types import CacheStats
 from kvlab.common.metrics import TIMELINE_LIMIT, MetricsRecorder
 from kvlab.common.request import SchedulerOutput, SchedulerStats
 

@@ -1,7 +1,7 @@
 """Settings that cap the batch or waste most of the cache are named, with the fix, by one function."""
 from kvlab.common.capacity import capacity_warnings, warn_capacity
 from kvlab.common.config import make_config
-from kvlab.common.kv.seam import CacheStats
+from kvlab.common.kv.types import CacheStats
 
 
 def stats(unit: str, tpu: int, units: int) -> CacheStats:

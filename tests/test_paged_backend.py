@@ -15,7 +15,8 @@ from fakes.reference import dense_attention
 from kvlab.common.attention.metadata import BatchItem
 from kvlab.common.config import make_config
 from kvlab.common.errors import ConfigError, OutOfKVCache
-from kvlab.common.kv.seam import KVCache, KVShape, create_cache
+from kvlab.common.kv.seam import KVCache, create_cache
+from kvlab.common.kv.types import KVShape
 from kvlab.common.sequence import Sequence
 from kvlab.paged.allocator import PagedAllocator
 from kvlab.paged.backend import build_paged

@@ -10,7 +10,8 @@ from kvlab.common.arena import Arena
 from kvlab.common.attention.metadata import BatchItem
 from kvlab.common.config import make_config
 from kvlab.common.errors import OutOfKVCache
-from kvlab.common.kv.seam import KVCache, KVShape
+from kvlab.common.kv.seam import KVCache
+from kvlab.common.kv.types import KVShape
 from kvlab.common.reserve.allocator import ReserveAllocator
 from kvlab.common.reserve.backend import build_reserve
 from kvlab.common.sequence import Sequence

@@ -8,7 +8,8 @@ import pytest
 from kvlab.common.config import make_config
 from kvlab.common.engine import Engine
 from kvlab.common.errors import RequestError
-from kvlab.common.kv.seam import KVShape, create_cache
+from kvlab.common.kv.seam import create_cache
+from kvlab.common.kv.types import KVShape
 from kvlab.common.sampling_params import SamplingParams
 from kvlab.common.sequence import Sequence, SequenceStatus
 from kvlab.experiments.sim.roofline import RooflineCost, RooflineRunner, hardware, model_spec

@@ -20,7 +20,8 @@ from kvlab.common.attention.contiguous import contiguous_attention_sdpa
 from kvlab.common.attention.metadata import BatchItem
 from kvlab.common.config import EngineConfig, make_config
 from kvlab.common.errors import ConfigError, DriverError, OutOfKVCache, RequestError
-from kvlab.common.kv.seam import KVCache, KVShape
+from kvlab.common.kv.seam import KVCache
+from kvlab.common.kv.types import KVShape
 from kvlab.common.sequence import Sequence
 from kvlab.vmm.build import build_vmm
 from kvlab.vmm.drivers.host import HostVirtualMemory
@@ -515,7 +516,8 @@ def test_the_kernel_never_reads_past_a_readable_length_and_unmapped_pages_fault(
         import torch
         from kvlab.common.config import make_config
         from kvlab.common.attention.metadata import BatchItem
-        from kvlab.common.kv.seam import KVCache, KVShape
+        from kvlab.common.kv.seam import KVCache
+        from kvlab.common.kv.types import KVShape
         from kvlab.common.sequence import Sequence
         from kvlab.vmm.build import build_vmm
         shape = KVShape(2, 2, 16, 4)

@@ -18,7 +18,7 @@ from fakes.fake_cuda_driver import (
 
 from kvlab.common.config import make_config
 from kvlab.common.errors import DriverError
-from kvlab.common.kv.seam import KVShape
+from kvlab.common.kv.types import KVShape
 from kvlab.common.sequence import Sequence
 from kvlab.vmm.build import build_vmm
 from kvlab.vmm.drivers.cuda import CudaVirtualMemory

@@ -439,7 +439,7 @@ def test_release_and_close_go_on_past_failed_unmaps():
 def cow_cache(driver: HostVirtualMemory):
     """A real-mode vmm cache (host memory) with a 20-token parent forked into a child: page 1 is shared."""
     from kvlab.common.config import make_config
-    from kvlab.common.kv.seam import KVShape
+    from kvlab.common.kv.types import KVShape
     from kvlab.common.sequence import Sequence
     from kvlab.vmm.build import build_vmm
     shape = KVShape(num_layers=2, num_kv_heads=2, head_dim=32, num_q_heads=4)      # 16 tokens per 4 KiB page

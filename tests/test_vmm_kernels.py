@@ -21,7 +21,7 @@ from kvlab.common.attention.contiguous import PLAN_KEY, RECOMPUTES_KEY, contiguo
 from kvlab.common.attention.metadata import BatchItem, ContiguousMetadata, base_metadata
 from kvlab.common.config import make_config
 from kvlab.common.errors import RequestError
-from kvlab.common.kv.seam import KVShape
+from kvlab.common.kv.types import KVShape
 from kvlab.common.reserve.backend import build_reserve
 from kvlab.common.sequence import Sequence
 
@@ -212,7 +212,7 @@ def test_mixed_decode_on_a_real_host_vm_cache_never_touches_an_unmapped_page():
         from fakes.reference import contiguous_reference
         from kvlab.common.config import make_config
         from kvlab.common.attention.metadata import BatchItem
-        from kvlab.common.kv.seam import KVShape
+        from kvlab.common.kv.types import KVShape
         from kvlab.common.sequence import Sequence
         from kvlab.vmm.build import build_vmm
         torch.set_num_threads(1)

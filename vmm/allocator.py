@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvlab.common.errors import ConfigError, OutOfKVCache, RequestError
-from kvlab.common.kv.seam import Allocator, CacheStats, KVShape, timed, timed_allocate
+from kvlab.common.kv.seam import Allocator, timed, timed_allocate
+from kvlab.common.kv.types import CacheStats, KVShape
 from kvlab.vmm.drivers.map_budget import MapBudgetExhausted
 from kvlab.vmm.geometry import make_geometry
 from kvlab.vmm.mapper import BackgroundMapper

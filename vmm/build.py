@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvlab.common.kv.seam import KVCache, KVShape, NullStorage
+from kvlab.common.kv.seam import KVCache, NullStorage
+from kvlab.common.kv.types import KVShape
 from kvlab.vmm.allocator import VMMAllocator
 from kvlab.vmm.drivers.factory import make_driver
 from kvlab.vmm.storage import VMMStorage

@@ -12,7 +12,7 @@ from kvlab.common.errors import ConfigError
 
 if TYPE_CHECKING:
     from kvlab.common.config import EngineConfig
-    from kvlab.common.kv.seam import KVShape
+    from kvlab.common.kv.types import KVShape
 
 
 @dataclass(frozen=True, slots=True)

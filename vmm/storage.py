@@ -9,7 +9,8 @@ import torch
 
 from kvlab.common.attention.kv_quant import make_quant
 from kvlab.common.attention.metadata import ContiguousMetadata, base_metadata
-from kvlab.common.kv.seam import KVShape, Storage
+from kvlab.common.kv.seam import Storage
+from kvlab.common.kv.types import KVShape
 
 if TYPE_CHECKING:
     from kvlab.common.attention.metadata import BatchItem

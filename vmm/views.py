@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from kvlab.common.kv.seam import KVShape
+    from kvlab.common.kv.types import KVShape
     from kvlab.vmm.drivers.base import VirtualMemory
     from kvlab.vmm.drivers.types import Mirror, Region
     from kvlab.vmm.geometry import Geometry

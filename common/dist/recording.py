@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvlab.common.kv.seam import Allocator, CacheStats
+from kvlab.common.kv.seam import Allocator
+
+from kvlab.common.kv.types import CacheStats
 from kvlab.common.sequence import Sequence
 
 

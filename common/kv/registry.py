@@ -15,7 +15,8 @@ if TYPE_CHECKING:
     import torch
 
     from kvlab.common.config import EngineConfig
-    from kvlab.common.kv.seam import KVCache, KVShape
+    from kvlab.common.kv.seam import KVCache
+    from kvlab.common.kv.types import KVShape
     from kvlab.common.sequence import Sequence
 
 # The backends kvlab ships: name -> module declaring SPEC (spec modules import nothing heavy).

@@ -16,92 +16,17 @@ import functools
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from kvlab.common.kv.types import CacheStats, KVMove, KVShape, MoveSink, discard
 
 if TYPE_CHECKING:
     from kvlab.common.attention.metadata import AttentionMetadata, BatchItem
     from kvlab.common.config import EngineConfig
     from kvlab.common.sequence import Sequence
-
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# vLLM's kv_cache_dtype names -> the fp8 format stored (1 byte; kept in uint8 tensors, CPU torch lacks fp8 ops)
-FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-KV_CACHE_DTYPES = ("auto", *FP8_DTYPES)
-
-
-@dataclass(frozen=True, slots=True)
-class KVShape:
-    """What the model needs stored per token: one K and one V of [num_kv_heads, head_dim] per layer."""
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    num_q_heads: int
-    dtype: str = "float32"             # the compute dtype (q, the kernels' output)
-    device: str = "cpu"
-    kv_cache_dtype: str = "auto"       # auto (= dtype) | fp8_e4m3 | fp8_e5m2 (stored as 1-byte values)
-    sliding_window: int | None = None  # every layer attends to its last W tokens only (Mistral); None: all
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return TORCH_DTYPES[self.dtype]
-
-    @property
-    def fp8_dtype(self) -> torch.dtype | None:
-        """The fp8 format K/V are stored in, or None when they are stored in the compute dtype."""
-        return FP8_DTYPES.get(self.kv_cache_dtype)
-
-    @property
-    def cache_dtype(self) -> torch.dtype:
-        """The dtype of the cache tensors: uint8 bytes holding fp8 values, else the compute dtype."""
-        return torch.uint8 if self.fp8_dtype is not None else self.torch_dtype
-
-    @property
-    def itemsize(self) -> int:
-        """Bytes of one stored K or V element (1 with an fp8 cache)."""
-        return torch.tensor([], dtype=self.cache_dtype).element_size()
-
-    @property
-    def bytes_per_token_per_layer(self) -> int:
-        """Bytes of K (or of V) for one token in one layer."""
-        return self.num_kv_heads * self.head_dim * self.itemsize
-
-    @property
-    def bytes_per_token(self) -> int:
-        """Bytes of K and V for one token across all layers."""
-        return 2 * self.num_layers * self.bytes_per_token_per_layer
-
-
-@dataclass(slots=True)
-class CacheStats:
-    """One snapshot of a backend. Units are the backend's allocation grain (block, page group, token)."""
-    backend: str
-    unit_name: str
-    tokens_per_unit: int
-    total_units: int
-    used_units: int
-    free_units: int
-    live_tokens: int = 0               # tokens held for live sequences
-    allocated_token_slots: int = 0     # token capacity of the units those sequences hold
-    reserved_bytes: int = 0            # virtual/pool bytes set aside at start-up
-    mapped_bytes: int = 0              # physical bytes currently backing the cache
-    num_mappings: int = 0              # host VMAs / CUDA mappings in use (vmm)
-    map_calls: int = 0
-    unmap_calls: int = 0
-    map_seconds: float = 0.0
-    unmap_seconds: float = 0.0
-    cow_copies: int = 0
-    prefix_hit_tokens: int = 0
-    swapped_out_bytes: int = 0
-    swapped_in_bytes: int = 0
-    allocator_seconds: float = 0.0     # time in allocate/free/fork/swap bookkeeping and mapping
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
 
 class Allocator(ABC):
     """Capacity and lifecycle, counted in units of `tokens_per_unit` tokens. The scheduler's only view."""
@@ -110,6 +35,8 @@ class Allocator(ABC):
     unit_name: str = "unit"
     tokens_per_unit: int = 1
     allocator_seconds: float = 0.0     # accumulated by @timed
+    # Where the data movements this allocator decides go (common/kv/types.py); the cache connects it to its storage.
+    emit: MoveSink = staticmethod(discard)
 
     @abstractmethod
     def num_total_units(self) -> int: ...
@@ -194,6 +121,10 @@ class Storage(ABC):
             num_q_heads=shape.num_q_heads, num_kv_heads=shape.num_kv_heads, compute_capability=capability,
             **spec), kernel)
 
+    def move(self, order: KVMove) -> None:
+        """Carry out a data movement the allocator decided (common/kv/types.py)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot carry out {type(order).__name__}")
+
     def kernel_report(self) -> dict[str, Any]:
         """Chosen kernel per phase, refusals and runtime fallbacks."""
         return self.dispatcher.report() if self.dispatcher is not None else {}
@@ -211,6 +142,9 @@ class NullStorage(Storage):
     def attention(self, layer, q, k, v, meta, scale):
         raise RuntimeError("an accounting-only cache has no storage to run attention on")
 
+    def move(self, order: KVMove) -> None:
+        """No memory, nothing to move: the bookkeeping alone is simulated."""
+
 
 @dataclass(slots=True)
 class KVCache:
@@ -220,6 +154,9 @@ class KVCache:
     storage: Storage
     shape: KVShape
     closed: bool = False
+
+    def __post_init__(self) -> None:
+        self.allocator.emit = self.storage.move     # the one connection: allocator orders -> storage
 
     @property
     def name(self) -> str:

@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING, Any
 
 from kvlab.common.arena import Arena
 from kvlab.common.errors import OutOfKVCache
-from kvlab.common.kv.seam import Allocator, CacheStats, timed, timed_allocate
+from kvlab.common.kv.seam import Allocator, timed, timed_allocate
+from kvlab.common.kv.types import CacheStats
 
 if TYPE_CHECKING:
     from kvlab.common.config import EngineConfig
-    from kvlab.common.kv.seam import KVShape
+    from kvlab.common.kv.types import KVShape
     from kvlab.common.reserve.storage import ReserveData
     from kvlab.common.sequence import Sequence
 

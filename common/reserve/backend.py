@@ -11,7 +11,7 @@ from kvlab.common.reserve.storage import ReserveNullStorage, ReserveStorage
 
 if TYPE_CHECKING:
     from kvlab.common.config import EngineConfig
-    from kvlab.common.kv.seam import KVShape
+    from kvlab.common.kv.types import KVShape
 
 
 def build_reserve(config: EngineConfig, shape: KVShape, accounting_only: bool = False) -> KVCache:

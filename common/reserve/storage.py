@@ -24,7 +24,7 @@ from kvlab.common.kv.seam import NullStorage, Storage
 
 if TYPE_CHECKING:
     from kvlab.common.config import EngineConfig
-    from kvlab.common.kv.seam import KVShape
+    from kvlab.common.kv.types import KVShape
     from kvlab.common.reserve.allocator import ReserveAllocator
 
 

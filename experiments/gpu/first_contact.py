@@ -282,7 +282,8 @@ def cache_steps(dtype: str, device: str) -> dict[str, Any]:
 
     from kvlab.common.attention.metadata import BatchItem
     from kvlab.common.config import make_config
-    from kvlab.common.kv.seam import KVShape, create_cache
+    from kvlab.common.kv.seam import create_cache
+    from kvlab.common.kv.types import KVShape
     from kvlab.common.sequence import Sequence
     page = 2 * MiB if device == "cuda" else 64 * 1024
     shape = KVShape(num_layers=1, num_kv_heads=8, head_dim=128, num_q_heads=32, dtype=dtype, device=device)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvlab.common.errors import ConfigError
-from kvlab.common.kv.seam import KVShape
+from kvlab.common.kv.types import KVShape
 from kvlab.common.model import ModelConfig
 
 if TYPE_CHECKING:

@@ -21,7 +21,8 @@ from kvlab.experiments.workloads.requests import Request
 
 LOW_TOKEN = 3                      # ids below are pad/bos/eos in kvlab's tokenizers
 MOONCAKE_BLOCK = 512               # the block size Mooncake's published traces hash with
-SAMPLE_TRACE = Path(__file__).resolve().parents[1] / "data" / "mooncake_sample_bs16.jsonl"   # hash_ids over 16-token blocks
+# hash_ids over 16-token blocks
+SAMPLE_TRACE = Path(__file__).resolve().parents[1] / "data" / "mooncake_sample_bs16.jsonl"
 
 
 @dataclass(slots=True)

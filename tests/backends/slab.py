@@ -15,7 +15,8 @@ from kvlab.common.attention.metadata import AttentionMetadata, BatchItem, Contig
 from kvlab.common.errors import OutOfKVCache
 from kvlab.common.kv.options import check_positive, check_types
 from kvlab.common.kv.registry import BackendSpec
-from kvlab.common.kv.seam import Allocator, CacheStats, KVCache, NullStorage, Storage, timed
+from kvlab.common.kv.seam import Allocator, KVCache, NullStorage, Storage, timed
+from kvlab.common.kv.types import CacheStats
 from kvlab.common.sequence import Sequence
 
 

@@ -102,7 +102,8 @@ def measure_pair(first, second, repeats: int, timed_first: bool = True) -> Timin
 def growth_rows(settings: Settings) -> list[Result]:
     """can_allocate + allocate one token further, 16 sequences growing from 128 tokens to 128 + steps."""
     from kvlab.common.config import EngineConfig, make_config
-    from kvlab.common.kv.seam import KVShape, create_cache
+    from kvlab.common.kv.seam import create_cache
+    from kvlab.common.kv.types import KVShape
     from kvlab.common.sequence import Sequence
     shape = KVShape(num_layers=4, num_kv_heads=2, head_dim=64, num_q_heads=4)
     steps = 64 if settings.quick else 1024

@@ -19,7 +19,8 @@ import torch
 
 from kvlab.common.attention.metadata import AttentionMetadata, BatchItem
 from kvlab.common.config import make_config
-from kvlab.common.kv.seam import KVCache, KVShape, create_cache
+from kvlab.common.kv.seam import KVCache, create_cache
+from kvlab.common.kv.types import KVShape
 from kvlab.common.sequence import Sequence
 from kvlab.experiments.bench.perf.harness import (
     Goal,
