@@ -2,6 +2,7 @@
 
 One function for every entry point (generate, the LLM API, bench): it reads the built cache's stats() and the
 config, and returns one line per problem, each with the setting to change. Nothing is changed or refused here.
+The setting that sizes a unit comes from the backend's registered spec (`unit_field`), never from its name.
 """
 from __future__ import annotations
 
@@ -12,8 +13,7 @@ log = logging.getLogger("kvlab.capacity")
 
 FEW_SEQUENCES = 4          # a cache that runs fewer sequences at once than this (and than max_num_seqs) is a trap
 MOST = 0.5                 # "wastes most of the cache": more than this fraction of every unit can never be used
-
-UNIT_FLAG = {"page": "--page-size", "block": "--block-size"}
+BYTE_STEP = 4096           # a unit size given in bytes is advised in whole 4 KiB host pages
 
 
 def capacity_warnings(config: Any, stats: Any, holds_final_length: bool = False) -> list[str]:
@@ -22,7 +22,7 @@ def capacity_warnings(config: Any, stats: Any, holds_final_length: bool = False)
     unit, tpu, units = stats.unit_name, max(1, stats.tokens_per_unit), stats.total_units
     max_len, wanted = config.max_model_len, min(config.max_num_seqs, FEW_SEQUENCES)
     capacity = units * tpu
-    flag = UNIT_FLAG.get(unit, f"the {unit} size")
+    flag = config.spec.unit_flag() or f"the {unit} size"
     out = []
     if capacity < max_len:
         need = -(-max_len * config.kv_cache_bytes // max(1, capacity))
@@ -39,22 +39,23 @@ def capacity_warnings(config: Any, stats: Any, holds_final_length: bool = False)
     if tpu > 1 and 1 - max_len / tpu > MOST:
         out.append(f"each {unit} holds {tpu:,} tokens but a sequence holds at most {max_len:,} (max_model_len): at "
                    f"least {1 - max_len / tpu:.0%} of every {unit} stays empty; use a {flag} of at most "
-                   f"{largest_unit(config, unit, tpu, max_len)}")
+                   f"{largest_unit(config, tpu, max_len)}")
     return out
 
 
-def largest_unit(config: Any, unit: str, tpu: int, max_len: int) -> str:
-    """The biggest unit that still fits a max-length sequence, in the flag's own terms."""
-    if unit == "page":
-        page = config.options_of("vmm").page_size
-        return f"{max(4096, page * max_len // tpu // 4096 * 4096):,} bytes"
-    return f"{max_len:,} tokens"
+def largest_unit(config: Any, tpu: int, max_len: int) -> str:
+    """The biggest unit that still fits a max-length sequence, in the unit option's own terms (bytes or tokens)."""
+    spec = config.spec
+    field = spec.unit_field()
+    if field is None or not field.metadata.get("bytes"):
+        return f"{max_len:,} tokens"
+    size = getattr(config.options_of(spec.name), field.name)
+    return f"{max(BYTE_STEP, size * max_len // tpu // BYTE_STEP * BYTE_STEP):,} bytes"
 
 
 def warn_capacity(config: Any, cache: Any) -> list[str]:
     """Log every capacity warning for a built KVCache (one line each); returns them."""
-    from kvlab.common.kv.registry import get_backend
-    lines = capacity_warnings(config, cache.stats(), holds_final_length=not get_backend(config.backend).watermark)
+    lines = capacity_warnings(config, cache.stats(), holds_final_length=not config.spec.watermark)
     for line in lines:
         log.warning("%s: %s", config.backend, line)
     return lines

@@ -11,13 +11,16 @@ import dataclasses
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvlab.common.errors import ConfigError
 from kvlab.common.kv.options import check_choice, check_positive, check_types
 from kvlab.common.kv.registry import REGISTRY
 from kvlab.common.kv.types import KV_CACHE_DTYPES
 from kvlab.common.limits import MAX_MODEL_LEN, MAX_SEED, check_int_range, max_threads
+
+if TYPE_CHECKING:
+    from kvlab.common.kv.registry import BackendSpec
 
 try:
     import tomllib
@@ -56,6 +59,11 @@ class EngineConfig:
         for spec in REGISTRY.specs():
             self.options.setdefault(spec.name, spec.default_options())
         validate(self)
+
+    @property
+    def spec(self) -> BackendSpec:
+        """The registered spec of `backend`: how to build its cache, its unit, its options."""
+        return REGISTRY.get(self.backend)
 
     def options_of(self, backend: str) -> Any:
         """The options dataclass of `backend` (its defaults if it registered after this config was made)."""

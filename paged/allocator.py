@@ -1,53 +1,24 @@
 """The paged allocator: per-sequence block tables over one block pool, copy-on-write, prefix caching, swap.
 
-Bookkeeping only, no tensors. Whatever must happen to the data (copy a block on write, save blocks to the
-host on swap-out, restore them on swap-in) is issued to `self.storage`: the real PagedStorage, or the
-accounting NullPagedStorage whose data operations do nothing.
+Bookkeeping only, no tensors and no storage. Whatever must happen to the data (copy a block on write, save a
+sequence's blocks to the host on swap-out, restore them on swap-in) is emitted as an order (common/kv/types.py)
+that the cache hands to its storage; an accounting-only cache discards them.
 """
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvlab.common.errors import ConfigError
 from kvlab.common.kv.seam import Allocator, timed, timed_allocate
-from kvlab.common.kv.types import CacheStats, KVShape
+from kvlab.common.kv.types import CacheStats, CopyKV, DropSavedKV, KVShape, RestoreKV, SaveKV
 from kvlab.paged.block_pool import BlockPool, BlockPoolError
+from kvlab.paged.block_table import DROPPED, SeqBlocks, blocks_for, live
 from kvlab.paged.prefix_cache import PrefixCache, PrefixIndex
-from kvlab.paged.storage import NullPagedStorage
 
 if TYPE_CHECKING:
     from kvlab.common.config import EngineConfig
     from kvlab.common.sequence import Sequence
-    from kvlab.paged.storage import PagedStorage
-
-
-@dataclass(slots=True)
-class SeqBlocks:
-    seq: Sequence
-    table: list[int]                                   # logical block j -> physical block id
-    num_tokens: int = 0                                # tokens the sequence may hold (largest allocate)
-    hashes: list[int] = field(default_factory=list)   # chained hashes of its leading registered full blocks
-    dropped: int = 0                                   # leading entries the sliding window dropped
-
-
-@dataclass(slots=True)
-class SwappedSeq:
-    blocks: SeqBlocks     # table holds the ids the sequence had; they are free now
-    host: Any             # what the storage saved (a CPU tensor; None without storage)
-
-
-DROPPED = -1   # a table entry whose block fell wholly outside the sliding window and went back to the pool
-
-
-def live(table: list[int]) -> list[int]:
-    """The table's blocks, without the entries the window dropped."""
-    return [b for b in table if b != DROPPED]
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
 
 
 def cow_targets(pool: BlockPool, entry: SeqBlocks, computed: int, num_tokens: int, block_size: int) -> list[int]:
@@ -79,12 +50,10 @@ class PagedAllocator(Allocator):
         self.plain = self.prefix_cache is None and self.window is None   # allocate's fast path applies
         self.pool = BlockPool(num_blocks, self.prefix_cache)
         self.seqs: dict[int, SeqBlocks] = {}
-        self.swapped: dict[int, SwappedSeq] = {}
+        self.swapped: dict[int, SeqBlocks] = {}      # table: the ids it had, free now (the storage keeps its KV)
         self.cow_copies = self.cow_remaps = self.prefix_hit_tokens = 0
         self.swapped_out_bytes = self.swapped_in_bytes = 0
         self.allocator_seconds = 0.0
-        # where the data operations go; build_paged sets the real storage (it reads these tables back)
-        self.storage: PagedStorage | NullPagedStorage = NullPagedStorage()
 
     # -- capacity -------------------------------------------------------------------------------------
     def num_total_units(self) -> int:
@@ -101,7 +70,7 @@ class PagedAllocator(Allocator):
             return max(0, need - len(entry.table)) + len(cow)
         swapped = self.swapped.get(seq.seq_id)
         if swapped is not None:
-            return max(need - swapped.blocks.table.count(DROPPED), len(live(swapped.blocks.table)))
+            return max(need - swapped.table.count(DROPPED), len(live(swapped.table)))
         hits = self.prefix.match(seq, num_tokens, self.seqs.values())
         # a hit on a block nobody holds takes it out of the free queue, so it still costs a free unit
         return need - len(hits) + sum(1 for block, _ in hits if self.pool.ref_counts[block] == 0)
@@ -147,9 +116,9 @@ class PagedAllocator(Allocator):
         cow = cow_targets(self.pool, entry, computed, num_tokens, self.block_size)
         grow = blocks_for(num_tokens, self.block_size) - len(entry.table)
         if grow > 0 or cow:   # most decode steps neither cross a block boundary nor touch a shared block
-            partial = computed % self.block_size != 0
+            partial = computed % self.block_size     # tokens already in the block this step writes into
             for j in cow:
-                self._copy_on_write(entry, j, copy_content=partial and j == computed // self.block_size)
+                self._copy_on_write(entry, j, partial if j == computed // self.block_size else 0)
             entry.table.extend(self.pool.allocate() for _ in range(max(grow, 0)))
         entry.num_tokens = max(entry.num_tokens, num_tokens)
 
@@ -165,10 +134,11 @@ class PagedAllocator(Allocator):
             self.dropped_blocks += 1
         entry.dropped = max(entry.dropped, end)
 
-    def _copy_on_write(self, entry: SeqBlocks, j: int, copy_content: bool) -> None:
+    def _copy_on_write(self, entry: SeqBlocks, j: int, held: int) -> None:
+        """Give the sequence its own block j; the `held` tokens already in it are copied (0: nothing to copy)."""
         old, new = entry.table[j], self.pool.allocate()
-        if copy_content:
-            self.storage.copy_block(old, new)
+        if held:
+            self.emit(CopyKV(old, new, held))
             self.cow_copies += 1
         else:
             self.cow_remaps += 1                                  # shared but holds no tokens yet
@@ -178,6 +148,7 @@ class PagedAllocator(Allocator):
     @timed
     def free(self, seq: Sequence) -> None:
         if self.swapped.pop(seq.seq_id, None) is not None:
+            self.emit(DropSavedKV(seq.seq_id))
             return
         entry = self.seqs.pop(seq.seq_id, None)
         if entry is None:
@@ -205,23 +176,21 @@ class PagedAllocator(Allocator):
             raise BlockPoolError(f"cannot swap out sequence {seq.seq_id}: it holds no KV blocks")
         self.prefix.register(seq, entry)
         kept = live(entry.table)
-        host = self.storage.save_blocks(kept)
+        self.emit(SaveKV(seq.seq_id, kept, len(kept) * self.block_size))
         self.swapped_out_bytes += len(kept) * self.block_bytes
         self.pool.release_all(kept)
-        self.swapped[seq.seq_id] = SwappedSeq(entry, host)
+        self.swapped[seq.seq_id] = entry
 
     @timed
     def swap_in(self, seq: Sequence, reserve_units: int = 0) -> bool:
-        swapped = self.swapped.get(seq.seq_id)
-        if swapped is None:
+        if seq.seq_id not in self.swapped:
             raise BlockPoolError(f"cannot swap in sequence {seq.seq_id}: it is not swapped out")
         if self.units_needed(seq, seq.num_computed_tokens) + reserve_units > self.pool.num_free():
             return False
-        del self.swapped[seq.seq_id]
-        entry = swapped.blocks
+        entry = self.swapped.pop(seq.seq_id)
         entry.table = [DROPPED if b == DROPPED else self.pool.allocate() for b in entry.table]
         kept = live(entry.table)
-        self.storage.restore_blocks(kept, swapped.host)
+        self.emit(RestoreKV(seq.seq_id, kept, len(kept) * self.block_size))
         self.swapped_in_bytes += len(kept) * self.block_bytes
         self.seqs[seq.seq_id] = entry
         return True

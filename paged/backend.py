@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvlab.common.kv.seam import KVCache
+from kvlab.common.kv.seam import KVCache, NullStorage
 from kvlab.common.kv.types import KVShape
 from kvlab.paged.allocator import PagedAllocator
 from kvlab.paged.storage import PagedStorage
@@ -13,9 +13,8 @@ if TYPE_CHECKING:
 
 
 def build_paged(config: EngineConfig, shape: KVShape, accounting_only: bool = False) -> KVCache:
-    """The allocator alone issues its data operations to a NullPagedStorage (accounting mode); a real
-    storage reads the allocator's tables and becomes where those operations go."""
+    """A real storage reads the allocator's tables; the cache hands it the allocator's orders. Accounting mode
+    has the null storage, which discards them."""
     allocator = PagedAllocator(config, shape)
-    if not accounting_only:
-        allocator.storage = PagedStorage(config, shape, allocator)
-    return KVCache(allocator=allocator, storage=allocator.storage, shape=shape)
+    storage = NullStorage() if accounting_only else PagedStorage(config, shape, allocator)
+    return KVCache(allocator=allocator, storage=storage, shape=shape)

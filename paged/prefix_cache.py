@@ -10,10 +10,10 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from kvlab.common.kv.prefix_hash import BlockKey, HashFn, chain_keys, default_hash
+from kvlab.paged.block_table import SeqBlocks
 
 if TYPE_CHECKING:
     from kvlab.common.sequence import Sequence
-    from kvlab.paged.allocator import SeqBlocks
 
 __all__ = ["BlockKey", "HashFn", "PrefixCache", "PrefixIndex", "chain_keys", "default_hash"]
 

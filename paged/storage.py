@@ -1,7 +1,7 @@
 """The paged storage: one tensor [2, L, num_blocks, block_size, H_kv, D] (per-layer K and V are views), the
-step's PagedMetadata built from the allocator's block tables, attention, and the data operations the allocator
-issues (copy a block on write, save blocks for swap-out, restore them on swap-in). NullPagedStorage is the
-accounting variant: the same operations, doing nothing.
+step's PagedMetadata built from the allocator's block tables, attention, and the data movements the allocator
+orders (copy a block's tokens on write, save blocks for swap-out, restore them on swap-in). Accounting mode has
+no storage of its own: the seam's NullStorage.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from kvlab.common.attention.kv_quant import make_quant
 from kvlab.common.attention.metadata import BatchItem, PagedMetadata, base_metadata
-from kvlab.common.kv.seam import NullStorage, Storage
+from kvlab.common.kv.seam import DataStorage
 from kvlab.common.kv.types import KVShape
 from kvlab.paged.block_pool import BlockPoolError
 
@@ -20,8 +20,9 @@ if TYPE_CHECKING:
     from kvlab.paged.allocator import PagedAllocator
 
 
-class PagedStorage(Storage):
+class PagedStorage(DataStorage):
     def __init__(self, config: EngineConfig, shape: KVShape, allocator: PagedAllocator) -> None:
+        super().__init__()
         self.shape, self.allocator = shape, allocator      # the allocator's tables say where each token lives
         self.block_size = allocator.block_size
         self.check = config.check_invariants
@@ -80,37 +81,26 @@ class PagedStorage(Storage):
             return torch.empty_like(q)
         return self.dispatcher.run(meta.phase, q, k_cache, v_cache, meta, scale)
 
-    # -- data operations the allocator issues -----------------------------------------------------------
-    def copy_block(self, src: int, dst: int) -> None:
-        self.kv[:, :, dst].copy_(self.kv[:, :, src])     # every layer, K and V, in one copy
+    # -- the data movements the allocator orders (addresses are block ids) ----------------------------------
+    def copy(self, src: int, dst: int, num_tokens: int) -> None:
+        self.kv[:, :, dst, :num_tokens].copy_(self.kv[:, :, src, :num_tokens])   # every layer, K and V, at once
 
-    def save_blocks(self, blocks: list[int]) -> torch.Tensor | None:
+    def save(self, blocks: list[int], num_tokens: int) -> torch.Tensor | None:
         """The blocks' K/V of every layer, [2, L, len(blocks), block_size, H_kv, D], copied to the CPU."""
         if not blocks:
             return None
         ids = torch.tensor(blocks, dtype=torch.int64, device=self.kv.device)
         return self.kv.index_select(2, ids).to("cpu")
 
-    def restore_blocks(self, blocks: list[int], host: torch.Tensor | None) -> None:
-        """Write what save_blocks returned into `blocks` (new ids, same order)."""
+    def restore(self, blocks: list[int], num_tokens: int, host: torch.Tensor | None) -> None:
+        """Write what `save` returned into `blocks` (new ids, same order)."""
         if host is None:
             return
         ids = torch.tensor(blocks, dtype=torch.int64, device=self.kv.device)
         self.kv.index_copy_(2, ids, host.to(self.kv.device))
 
     def close(self) -> None:
+        super().close()
         self.kv = None
         self.k_caches, self.v_caches = [], []
 
-
-class NullPagedStorage(NullStorage):
-    """Accounting mode: no tensor, so the allocator's data operations have nothing to move."""
-
-    def copy_block(self, src: int, dst: int) -> None:
-        pass
-
-    def save_blocks(self, blocks: list[int]) -> None:
-        return None
-
-    def restore_blocks(self, blocks: list[int], host: None) -> None:
-        pass

@@ -15,14 +15,14 @@ from fakes.reference import dense_attention
 from kvlab.common.attention.metadata import BatchItem
 from kvlab.common.config import make_config
 from kvlab.common.errors import ConfigError, OutOfKVCache
-from kvlab.common.kv.seam import KVCache, create_cache
+from kvlab.common.kv.seam import KVCache, NullStorage, create_cache
 from kvlab.common.kv.types import KVShape
 from kvlab.common.sequence import Sequence
 from kvlab.paged.allocator import PagedAllocator
 from kvlab.paged.backend import build_paged
 from kvlab.paged.block_pool import BlockPoolError
 from kvlab.paged.probe import PROBE
-from kvlab.paged.storage import NullPagedStorage, PagedStorage
+from kvlab.paged.storage import PagedStorage
 
 SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=8, num_q_heads=4)
 BLOCK = 4
@@ -115,7 +115,8 @@ def test_pool_is_sized_from_kv_cache_bytes():
     assert store.k_caches[1].shape == (16, BLOCK, SHAPE.num_kv_heads, SHAPE.head_dim)
     assert alloc.name == "paged" and alloc.unit_name == "block" and alloc.tokens_per_unit == BLOCK
     assert alloc.max_tokens_per_seq() == 16 * BLOCK
-    assert isinstance(alloc, PagedAllocator) and isinstance(store, PagedStorage) and alloc.storage is store
+    assert isinstance(alloc, PagedAllocator) and isinstance(store, PagedStorage) and alloc.emit == store.move
+    assert not hasattr(alloc, "storage")               # one way: the allocator's orders reach the storage by the cache
 
 
 def test_kv_cache_bytes_below_one_block_is_a_config_error():
@@ -128,7 +129,7 @@ def test_accounting_mode_owns_no_tensors_and_create_cache_builds_it():
     config = make_config(backend="paged", block_size=BLOCK, kv_cache_bytes=8 * BLOCK_BYTES)
     cache = create_cache(config, SHAPE, accounting_only=True)
     assert isinstance(cache.allocator, PagedAllocator) and cache.accounting_only
-    assert isinstance(cache.storage, NullPagedStorage) and cache.allocator.storage is cache.storage
+    assert type(cache.storage) is NullStorage and cache.allocator.emit == cache.storage.move
     assert not hasattr(cache.storage, "kv") and cache.storage.dispatcher is None
     assert cache.kernel_report() == {}
 

@@ -14,13 +14,14 @@ from kvlab.common.kv.seam import KVCache
 from kvlab.common.kv.types import KVShape
 from kvlab.common.reserve.allocator import ReserveAllocator
 from kvlab.common.reserve.backend import build_reserve
+from kvlab.common.reserve.storage import ReserveStorage
 from kvlab.common.sequence import Sequence
 
 SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=8, num_q_heads=4)      # 256 bytes per token
 
 
 def cache(tokens: int, mode: str = "oracle", max_len: int = 64, real: bool = False) -> ReserveAllocator:
-    """The allocator of a reserve cache (its storage at `.data`: the arena in real mode, nothing otherwise)."""
+    """The allocator of a reserve cache (bookkeeping only; `whole_cache` for the storage too)."""
     return whole_cache(tokens, mode, max_len, real).allocator
 
 
@@ -69,7 +70,7 @@ def test_max_mode_uses_aligned_slots_and_reports_waste():
     a, b = seq(0, 10, 20), seq(1, 5, 5)
     kv.allocate(a, 10)
     kv.allocate(b, 5)
-    assert [r[0] % 64 for r in kv.regions.values()] == [0, 0]
+    assert [r[0] % 64 for r in kv.regions.spans.values()] == [0, 0]
     st = kv.stats()
     assert (st.live_tokens, st.allocated_token_slots, st.used_units) == (15, 128, 128)
     assert st.extra["reserved_waste_tokens"] == (30 - 10) + (10 - 5)     # slots the sequences will still fill
@@ -114,7 +115,7 @@ def test_random_operations_keep_invariants():
                 pass
         elif op < 0.8 and live:
             s = live.pop(rng.choice(list(live)))
-            s.num_computed_tokens = kv.held[s.seq_id]
+            s.num_computed_tokens = kv.regions.held[s.seq_id]
             kv.swap_out(s)
             swapped[s.seq_id] = s
         elif op < 0.9 and swapped:
@@ -123,37 +124,38 @@ def test_random_operations_keep_invariants():
                 live[s.seq_id] = swapped.pop(s.seq_id)
         elif live:
             s = live[rng.choice(list(live))]
-            grow = min(kv.held[s.seq_id] + 1, s.final_len)
+            grow = min(kv.regions.held[s.seq_id] + 1, s.final_len)
             assert kv.allocate(s, grow) == 0
         kv.check_invariants()
     for s in [*live.values(), *swapped.values()]:
         kv.free(s)
     st = kv.stats()
-    assert st.used_units == 0 and st.live_tokens == 0 and not kv.swap_store
+    assert st.used_units == 0 and st.live_tokens == 0 and not kv.swapped
     kv.check_invariants()
 
 
-def _write(kv: ReserveAllocator, s: Sequence) -> None:
+def _write(store: ReserveStorage, s: Sequence) -> None:
     """Write a recognisable value (seq id, position) for every token of `s` at prepare()'s write_index."""
-    meta = kv.data.prepare([BatchItem(s, 0, s.num_tokens)])
+    meta = store.prepare([BatchItem(s, 0, s.num_tokens)])
     for layer in range(SHAPE.num_layers):
         values = meta.input_positions.float()[:, None, None] + 1000 * (s.seq_id + 1) + 100 * layer
         k = values.expand(-1, SHAPE.num_kv_heads, SHAPE.head_dim).contiguous()
-        kv.data.k[layer].index_copy_(0, meta.write_index, k)
-        kv.data.v[layer].index_copy_(0, meta.write_index, -k)
+        store.k[layer].index_copy_(0, meta.write_index, k)
+        store.v[layer].index_copy_(0, meta.write_index, -k)
 
 
 @pytest.mark.parametrize("mode", ["max", "oracle"])
 def test_real_mode_rows_view_regions(mode):
-    kv = cache(160, mode=mode, max_len=32, real=True)
+    whole = whole_cache(160, mode=mode, max_len=32, real=True)
+    kv, store = whole.allocator, whole.storage
     a, b = seq(0, 5, 10), seq(1, 7, 10)
     for s in (a, b):
         kv.allocate(s, s.prompt_len)
-        _write(kv, s)
-    meta = kv.data.prepare([BatchItem(a, 0, 5), BatchItem(b, 0, 7)])
+        _write(store, s)
+    meta = store.prepare([BatchItem(a, 0, 5), BatchItem(b, 0, 7)])
     for layer in range(SHAPE.num_layers):
         for s, slot in zip((a, b), meta.slots.tolist()):
-            rows = kv.data.k_rows[layer][slot, :s.num_tokens, 0, 0]
+            rows = store.k_rows[layer][slot, :s.num_tokens, 0, 0]
             assert rows.tolist() == [1000 * (s.seq_id + 1) + 100 * layer + p for p in range(s.num_tokens)]
     if mode == "oracle":
         assert meta.slots.tolist() == [0, 15]          # slot = start token (regions of 15 and 17)
@@ -162,25 +164,26 @@ def test_real_mode_rows_view_regions(mode):
 
 
 def test_real_mode_fork_copies_and_swap_round_trips():
-    kv = cache(120, real=True)
+    whole = whole_cache(120, real=True)
+    kv, store = whole.allocator, whole.storage
     a = seq(0, 6, 4)
     kv.allocate(a, 6)
-    _write(kv, a)
+    _write(store, a)
     child = seq(1, 6, 4)
     kv.fork(a, child)
-    start_a, start_c = kv.regions[0][0], kv.regions[1][0]
+    start_a, start_c = kv.regions.spans[0][0], kv.regions.spans[1][0]
     assert start_a != start_c
-    assert torch.equal(kv.data.k[0][start_c:start_c + 6], kv.data.k[0][start_a:start_a + 6])
+    assert torch.equal(store.k[0][start_c:start_c + 6], store.k[0][start_a:start_a + 6])
     assert kv.stats().used_units == 20                 # no sharing: two full regions
-    before = kv.data.k[1][start_a:start_a + 6].clone()
+    before = store.k[1][start_a:start_a + 6].clone()
     a.num_computed_tokens = 6
     kv.swap_out(a)
     blocker = seq(2, 3, 2)                              # takes the hole: a comes back elsewhere
     kv.allocate(blocker, 3)
     assert kv.swap_in(a)
-    new_start = kv.regions[0][0]
+    new_start = kv.regions.spans[0][0]
     assert new_start != start_a
-    assert torch.equal(kv.data.k[1][new_start:new_start + 6], before)
+    assert torch.equal(store.k[1][new_start:new_start + 6], before)
     st = kv.stats()
     assert st.swapped_out_bytes == st.swapped_in_bytes == 6 * SHAPE.bytes_per_token
     for s in (a, child, blocker):
@@ -190,7 +193,8 @@ def test_real_mode_fork_copies_and_swap_round_trips():
 
 
 def test_swap_in_refused_keeps_the_host_copy():
-    kv = cache(30, real=True)
+    whole = whole_cache(30, real=True)
+    kv = whole.allocator
     a = seq(0, 10, 10)                                  # region of 20
     kv.allocate(a, 10)
     a.num_computed_tokens = 10
@@ -198,9 +202,10 @@ def test_swap_in_refused_keeps_the_host_copy():
     other = seq(1, 10, 5)                               # region of 15: leaves 15 < 20
     kv.allocate(other, 10)
     assert not kv.swap_in(a) and not kv.holds(a)
+    assert 0 in whole.storage.saved                     # the storage keeps the host copy, by seq_id
     kv.free(other)
     assert kv.swap_in(a)
-    assert kv.holds(a) and kv.held[0] == 10
+    assert kv.holds(a) and kv.regions.held[0] == 10
 
 
 def test_kernel_report_names_the_contiguous_kernel():

@@ -1,12 +1,14 @@
 """Backends register themselves: each backend package declares one `BackendSpec` in its `spec` module, and
-this registry finds them by name, importing lazily. `common` never imports a backend; adding one means one
-package and one `register_backend` call (or a line in BUILTIN for the ones kvlab ships)."""
+this registry finds them by name, importing lazily. `common` never imports a backend. A backend is found three
+ways, all ending in the same `load_spec`: kvlab's own (BUILTIN), an installed package's entry point in the group
+`kvlab.backends` (`name = "module"` declaring SPEC, or `"module:attribute"`), or a `register_backend(SPEC)` call."""
 from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from importlib.metadata import EntryPoint, entry_points
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvlab.common.errors import ConfigError
@@ -14,11 +16,11 @@ from kvlab.common.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
-    from kvlab.common.config import EngineConfig
-    from kvlab.common.kv.seam import KVCache
+    from kvlab.common.kv.seam import CacheConfig, KVCache
     from kvlab.common.kv.types import KVShape
     from kvlab.common.sequence import Sequence
 
+ENTRY_POINTS = "kvlab.backends"    # the entry-point group through which installed packages offer backends
 # The backends kvlab ships: name -> module declaring SPEC (spec modules import nothing heavy).
 BUILTIN = {"paged": "kvlab.paged.spec", "vmm": "kvlab.vmm.spec", "reserve": "kvlab.common.reserve.spec"}
 
@@ -51,15 +53,27 @@ class BackendSpec:
     unit: str                                  # the allocation unit in reports: block, page group, token
     layout: str                                # the attention layout its storage hands kernels: paged | contiguous
     options: type                              # dataclass of its options: [name] table, flat keys, CLI flags
-    build: Callable[[EngineConfig, KVShape, bool], KVCache]   # (config, shape, accounting_only) -> KVCache
+    build: Callable[[CacheConfig, KVShape, bool], KVCache]    # (config, shape, accounting_only) -> KVCache
     label: Callable[[Any], str]                # options -> a short label for reports ("paged-16", "vmm-64KiB")
     probe: str                                 # "module:attribute" of its BackendProbe (tests only)
     watermark: bool = True                     # whether the admission watermark applies to it
     window_trim: bool = False                  # frees units wholly below a sliding window (its probe: window_units)
     help: str = ""                             # one line for --help and the README
+    unit_option: str = ""                      # the options field setting tokens per unit; "": <unit>_size if any
 
     def default_options(self) -> Any:
         return self.options()
+
+    def unit_field(self) -> dataclasses.Field | None:
+        """The options field that sets how many tokens a unit holds (`unit_option`, else the one named after the
+        unit: block_size, page_size); None when the unit is fixed (reserve's token)."""
+        name = self.unit_option or f"{self.unit.split()[0]}_size"
+        return next((f for f in dataclasses.fields(self.options) if f.name == name), None)
+
+    def unit_flag(self) -> str | None:
+        """The CLI flag of `unit_field` (--block-size), as generated from the options dataclass."""
+        field = self.unit_field()
+        return None if field is None else "--" + field.name.replace("_", "-")
 
     def load_probe(self) -> BackendProbe:
         module, attr = self.probe.split(":")
@@ -71,12 +85,44 @@ class BackendSpec:
         return [d.name for d in REGISTRY if d.layout == self.layout]
 
 
-class Registry:
-    """Name -> BackendSpec; built-in specs are imported on first use."""
+def load_spec(entry: EntryPoint) -> BackendSpec:
+    """The spec an entry point names: a module declaring SPEC, or "module:attribute" (the spec itself)."""
+    try:
+        target = entry.load()
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"backend entry point {entry.name} = {entry.value!r} does not load: {e}") from None
+    spec = target if isinstance(target, BackendSpec) else getattr(target, "SPEC", None)
+    if not isinstance(spec, BackendSpec):
+        raise ConfigError(f"backend entry point {entry.name} = {entry.value!r} names no BackendSpec")
+    if spec.name != entry.name:
+        raise ConfigError(f"backend entry point {entry.name} = {entry.value!r} declares a backend named {spec.name!r}")
+    return spec
 
-    def __init__(self, builtin: dict[str, str]) -> None:
-        self._modules = dict(builtin)
+
+def installed_entry_points() -> Iterable[EntryPoint]:
+    return entry_points(group=ENTRY_POINTS)
+
+
+class Registry:
+    """Name -> BackendSpec. Specs named by an entry point (kvlab's own, then the installed ones, looked up on
+    first use) are imported on first use; a name already taken keeps its first owner."""
+
+    def __init__(self, builtin: dict[str, str],
+                 find_installed: Callable[[], Iterable[EntryPoint]] = installed_entry_points) -> None:
+        self._entries = {name: EntryPoint(name, module, ENTRY_POINTS) for name, module in builtin.items()}
+        self._find_installed: Callable[[], Iterable[EntryPoint]] | None = find_installed
         self._specs: dict[str, BackendSpec] = {}
+
+    def discover(self, entries: Iterable[EntryPoint]) -> None:
+        """Offer backends by entry point (the installed ones come this way); each loads when first asked for."""
+        for entry in entries:
+            self._entries.setdefault(entry.name, entry)
+
+    def _entry_points(self) -> dict[str, EntryPoint]:
+        if self._find_installed is not None:     # once, on first use: importing the registry reads no metadata
+            find, self._find_installed = self._find_installed, None
+            self.discover(find())
+        return self._entries
 
     def register(self, spec: BackendSpec) -> BackendSpec:
         if spec.name in self.names() and self._specs.get(spec.name) is not spec:
@@ -86,16 +132,17 @@ class Registry:
 
     def unregister(self, name: str) -> None:
         self._specs.pop(name, None)
-        self._modules.pop(name, None)
+        self._entry_points().pop(name, None)
 
     def names(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys([*self._modules, *self._specs]))
+        return tuple(dict.fromkeys([*self._entry_points(), *self._specs]))
 
     def get(self, name: str) -> BackendSpec:
         if name not in self._specs:
-            if name not in self._modules:
+            entries = self._entry_points()
+            if name not in entries:
                 raise ConfigError(f"unknown backend {name!r}; choose one of: {', '.join(self.names())}")
-            self._specs[name] = importlib.import_module(self._modules[name]).SPEC
+            self._specs[name] = load_spec(entries[name])
         return self._specs[name]
 
     def specs(self) -> list[BackendSpec]:

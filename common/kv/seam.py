@@ -6,8 +6,11 @@
   K/V and runs the kernel the dispatcher picked. The simulator gets a `NullStorage`: the same allocator
   bookkeeping with no memory behind it, instead of accounting branches inside each backend.
 - `KVCache` puts the two together for the engine and owns what every backend shares: `close`,
-  `kernel_report`, `stats`. `timed` is the one allocator timer.
-Neither side ever asks which backend it talks to; backends are found by name in common/kv/registry.py.
+  `kernel_report`, `stats`. It connects the one way between them: the allocator's data-movement orders go to
+  the storage's `move` (common/kv/types.py); neither holds the other's reference for that. `timed` is the one
+  allocator timer.
+Neither side ever asks which backend it talks to; `create_cache` reaches the backend through the configuration's
+registered spec (common/kv/registry.py), so this module imports neither the registry nor the configuration.
 """
 from __future__ import annotations
 
@@ -17,16 +20,43 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from kvlab.common.kv.types import CacheStats, KVMove, KVShape, MoveSink, discard
+from kvlab.common.kv.types import (CacheStats, CopyKV, DropSavedKV, KVMove, KVShape, MoveSink, RestoreKV, SaveKV,
+                                   discard)
 
 if TYPE_CHECKING:
     from kvlab.common.attention.metadata import AttentionMetadata, BatchItem
-    from kvlab.common.config import EngineConfig
     from kvlab.common.sequence import Sequence
+
+
+class CacheConfig(Protocol):
+    """What building a cache reads from the engine configuration; EngineConfig (common/config.py) is the one
+    implementation. Named here as a protocol because config.py imports the registry, which imports this module."""
+    backend: str
+    kv_cache_bytes: int
+    kv_cache_dtype: str
+    kv_cache_scale: float
+    max_model_len: int
+    device: str
+    kernel: str
+    enable_prefix_caching: bool
+    check_invariants: bool
+
+    @property
+    def spec(self) -> CacheBuilder:
+        """The registered spec of `backend`."""
+
+    def options_of(self, backend: str) -> Any:
+        """The options dataclass of a registered backend."""
+
+
+class CacheBuilder(Protocol):
+    """A backend's way to build its cache (BackendSpec, common/kv/registry.py)."""
+
+    def build(self, config: CacheConfig, shape: KVShape, accounting_only: bool) -> KVCache: ...
 
 class Allocator(ABC):
     """Capacity and lifecycle, counted in units of `tokens_per_unit` tokens. The scheduler's only view."""
@@ -125,12 +155,49 @@ class Storage(ABC):
         """Carry out a data movement the allocator decided (common/kv/types.py)."""
         raise NotImplementedError(f"{type(self).__name__} cannot carry out {type(order).__name__}")
 
+    def add_to_stats(self, stats: CacheStats) -> None:
+        """Add what the storage holds beyond the allocator's units (the reserve arena's padding rows)."""
+
     def kernel_report(self) -> dict[str, Any]:
         """Chosen kernel per phase, refusals and runtime fallbacks."""
         return self.dispatcher.report() if self.dispatcher is not None else {}
 
     def close(self) -> None:
         """Drop the device memory. Idempotent."""
+
+
+class DataStorage(Storage):
+    """A storage with memory behind it: it carries out the allocator's orders with three operations on its own
+    addresses (`copy`, `save` to the host, `restore`), and keeps each swapped-out sequence's host copy, keyed
+    by seq_id, until the sequence is swapped in or freed. Orders are synchronous: done when `move` returns."""
+
+    def __init__(self) -> None:
+        self.saved: dict[int, Any] = {}
+
+    @abstractmethod
+    def copy(self, src: Any, dst: Any, num_tokens: int) -> None: ...
+
+    @abstractmethod
+    def save(self, where: Any, num_tokens: int) -> Any:
+        """A host copy of the tokens held at `where`."""
+
+    @abstractmethod
+    def restore(self, where: Any, num_tokens: int, host: Any) -> None:
+        """Write what `save` returned at `where`."""
+
+    def move(self, order: KVMove) -> None:
+        match order:
+            case CopyKV(src, dst, num_tokens):
+                self.copy(src, dst, num_tokens)
+            case SaveKV(seq_id, where, num_tokens):
+                self.saved[seq_id] = self.save(where, num_tokens)
+            case RestoreKV(seq_id, where, num_tokens):
+                self.restore(where, num_tokens, self.saved.pop(seq_id))
+            case DropSavedKV(seq_id):
+                del self.saved[seq_id]
+
+    def close(self) -> None:
+        self.saved.clear()
 
 
 class NullStorage(Storage):
@@ -168,6 +235,7 @@ class KVCache:
 
     def stats(self) -> CacheStats:
         stats = self.allocator.stats()
+        self.storage.add_to_stats(stats)
         stats.extra["kv_cache_dtype"] = self.shape.kv_cache_dtype
         return stats
 
@@ -216,12 +284,11 @@ def timed_allocate(method: Callable) -> Callable:
     return allocate
 
 
-def create_cache(config: EngineConfig, shape: KVShape, accounting_only: bool = False) -> KVCache:
-    """Build the backend named by `config.backend`, found through the registry (no backend import here)."""
-    from kvlab.common.kv.registry import get_backend
+def create_cache(config: CacheConfig, shape: KVShape, accounting_only: bool = False) -> KVCache:
+    """Build the backend named by `config.backend`, through its registered spec (no backend import here)."""
     if config.kv_cache_dtype != shape.kv_cache_dtype:   # the config's KV dtype decides what is stored
         shape = dataclasses.replace(shape, kv_cache_dtype=config.kv_cache_dtype)
     from kvlab.common.limits import check_physical_budget
     if not accounting_only:
         check_physical_budget(config.device, config.kv_cache_bytes)
-    return get_backend(config.backend).build(config, shape, accounting_only)
+    return config.spec.build(config, shape, accounting_only)

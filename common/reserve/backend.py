@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvlab.common.kv.seam import KVCache
+from kvlab.common.kv.seam import KVCache, NullStorage
 from kvlab.common.reserve.allocator import ReserveAllocator
-from kvlab.common.reserve.storage import ReserveNullStorage, ReserveStorage
+from kvlab.common.reserve.storage import ReserveStorage
 
 if TYPE_CHECKING:
     from kvlab.common.config import EngineConfig
@@ -16,6 +16,5 @@ if TYPE_CHECKING:
 
 def build_reserve(config: EngineConfig, shape: KVShape, accounting_only: bool = False) -> KVCache:
     books = ReserveAllocator(config, shape)
-    storage = ReserveNullStorage() if accounting_only else ReserveStorage(config, shape, books)
-    books.data = storage
+    storage = NullStorage() if accounting_only else ReserveStorage(config, shape, books)
     return KVCache(allocator=books, storage=storage, shape=shape)

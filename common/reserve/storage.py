@@ -10,33 +10,23 @@ The kernels get a view `[num_rows, max_len, H_kv, D]` with `ContiguousMetadata.s
   budget so the last rows of the view stay inside the storage (reported as extra["padding_tokens"]; the
   padding is never allocated to a sequence and is not part of the capacity).
 This backend writes the step's K/V itself (one index_copy_ per layer through `write_index`) before the kernel.
+The allocator's orders arrive through `move` (DataStorage): addresses are start tokens in the arena.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvlab.common.attention.kv_quant import make_quant
 from kvlab.common.attention.metadata import AttentionMetadata, BatchItem, ContiguousMetadata, base_metadata
-from kvlab.common.kv.seam import NullStorage, Storage
+from kvlab.common.kv.seam import DataStorage
 
 if TYPE_CHECKING:
     from kvlab.common.config import EngineConfig
-    from kvlab.common.kv.types import KVShape
+    from kvlab.common.kv.types import CacheStats, KVShape
     from kvlab.common.reserve.allocator import ReserveAllocator
-
-
-class ReserveData(Protocol):
-    """The data operations the allocator issues (no-ops without memory)."""
-    padding_tokens: int
-
-    def copy(self, src: int, dst: int, n: int) -> None: ...
-
-    def save(self, start: int, n: int) -> torch.Tensor | None: ...
-
-    def restore(self, start: int, n: int, host: torch.Tensor | None) -> None: ...
 
 
 @dataclass(slots=True)
@@ -44,8 +34,9 @@ class ReserveMetadata(ContiguousMetadata):
     write_index: torch.Tensor = None       # int64 [T]: arena row of each of this step's tokens
 
 
-class ReserveStorage(Storage):
+class ReserveStorage(DataStorage):
     def __init__(self, config: EngineConfig, shape: KVShape, books: ReserveAllocator) -> None:
+        super().__init__()
         self.shape, self.books, self.check = shape, books, config.check_invariants
         self.quant = make_quant(shape, config.kv_cache_scale)   # None: K/V stored in the compute dtype
         self.padding_tokens = 0 if books.mode == "max" else books.max_len - 1
@@ -70,7 +61,13 @@ class ReserveStorage(Storage):
         return arena.as_strided((num_rows, b.max_len, s.num_kv_heads, s.head_dim),
                                 (b.row_stride * hd, hd, s.head_dim, 1))
 
-    # -- data operations --------------------------------------------------------------------------------------
+    def add_to_stats(self, stats: CacheStats) -> None:
+        """The padding rows are backed too (never allocated, not part of the capacity)."""
+        stats.extra["padding_tokens"] = self.padding_tokens
+        stats.reserved_bytes += self.padding_tokens * self.shape.bytes_per_token
+        stats.mapped_bytes += self.padding_tokens * self.shape.bytes_per_token
+
+    # -- the data movements the allocator orders ----------------------------------------------------------------
     def copy(self, src: int, dst: int, n: int) -> None:
         for t in (*self.k, *self.v):
             t[dst:dst + n].copy_(t[src:src + n])
@@ -84,7 +81,7 @@ class ReserveStorage(Storage):
             host[1, layer].copy_(self.v[layer][start:start + n])
         return host
 
-    def restore(self, start: int, n: int, host: torch.Tensor | None) -> None:
+    def restore(self, start: int, n: int, host: torch.Tensor) -> None:
         for layer in range(self.shape.num_layers):
             self.k[layer][start:start + n].copy_(host[0, layer])
             self.v[layer][start:start + n].copy_(host[1, layer])
@@ -93,10 +90,11 @@ class ReserveStorage(Storage):
     def prepare(self, items: list[BatchItem]) -> AttentionMetadata:
         device = self.shape.device
         kw = base_metadata(items, device=device)
-        regions = [self.books.region(it.seq.seq_id) for it in items]
+        book = self.books.regions
+        regions = [book.spans[it.seq.seq_id] for it in items]
         if self.check:
             for it in items:
-                assert it.context_len <= self.books.held[it.seq.seq_id], f"sequence {it.seq.seq_id} not allocated"
+                assert it.context_len <= book.held[it.seq.seq_id], f"sequence {it.seq.seq_id} not allocated"
         start_t = torch.tensor([start for start, _ in regions], dtype=torch.int64, device=device)
         write_index = kw["input_positions"] + start_t.repeat_interleave(kw["query_lens"].long())
         readable = torch.tensor([min(size, self.books.max_len) for _, size in regions],
@@ -114,19 +112,7 @@ class ReserveStorage(Storage):
         return self.dispatcher.run(meta.phase, q, self.k_rows[layer], self.v_rows[layer], meta, scale)
 
     def close(self) -> None:
+        super().close()
         self.k, self.v = [], []
         self.k_rows, self.v_rows = [], []
 
-
-class ReserveNullStorage(NullStorage):
-    """Accounting mode: the same regions, no arena, no padding."""
-    padding_tokens = 0
-
-    def copy(self, src: int, dst: int, n: int) -> None:
-        pass
-
-    def save(self, start: int, n: int) -> None:
-        return None
-
-    def restore(self, start: int, n: int, host: None) -> None:
-        pass

@@ -15,8 +15,8 @@ from kvlab.common.attention.metadata import AttentionMetadata, BatchItem, Contig
 from kvlab.common.errors import OutOfKVCache
 from kvlab.common.kv.options import check_positive, check_types
 from kvlab.common.kv.registry import BackendSpec
-from kvlab.common.kv.seam import Allocator, KVCache, NullStorage, Storage, timed
-from kvlab.common.kv.types import CacheStats
+from kvlab.common.kv.seam import Allocator, DataStorage, KVCache, NullStorage, timed
+from kvlab.common.kv.types import CacheStats, CopyKV, DropSavedKV, RestoreKV, SaveKV
 from kvlab.common.sequence import Sequence
 
 
@@ -41,9 +41,7 @@ class SlabAllocator(Allocator):
         self.free_slots = list(range(self.num_slots - 1, -1, -1))    # pop() hands out slot 0 first
         self.slot_of: dict[int, int] = {}
         self.held: dict[int, int] = {}
-        self.swapped: dict[int, tuple[int, Any]] = {}
-        self.bytes_per_token = shape.bytes_per_token
-        self.data = None                                 # set by build_slab: the storage's data operations
+        self.swapped: dict[int, int] = {}                # seq_id -> tokens saved (the storage holds the copy)
 
     def num_total_units(self) -> int:
         return self.num_slots
@@ -82,31 +80,30 @@ class SlabAllocator(Allocator):
     def free(self, seq: Sequence) -> None:
         if seq.seq_id in self.slot_of:
             self._drop(seq.seq_id)
-        self.swapped.pop(seq.seq_id, None)
+        elif self.swapped.pop(seq.seq_id, None) is not None:
+            self.emit(DropSavedKV(seq.seq_id))
 
     @timed
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        if self._take_slot(child, 0) is None:
+        slot = self._take_slot(child, 0)
+        if slot is None:
             raise OutOfKVCache(f"slab cache: no free slot to fork sequence {parent.seq_id}")
-        n = self.held[child.seq_id] = self.held[parent.seq_id]
-        self.data.copy(self.slot_of[parent.seq_id], self.slot_of[child.seq_id], n)
+        self.held[child.seq_id] = self.held[parent.seq_id]
+        self.emit(CopyKV(self.slot_of[parent.seq_id], slot, self.held[parent.seq_id]))
 
     @timed
     def swap_out(self, seq: Sequence) -> None:
-        n = self.held[seq.seq_id]
-        host = self.data.save(self.slot_of[seq.seq_id], n)
+        self.swapped[seq.seq_id] = self.held[seq.seq_id]
+        self.emit(SaveKV(seq.seq_id, self.slot_of[seq.seq_id], self.held[seq.seq_id]))
         self._drop(seq.seq_id)
-        self.swapped[seq.seq_id] = (n, host)
 
     @timed
     def swap_in(self, seq: Sequence, reserve_units: int = 0) -> bool:
-        n, host = self.swapped[seq.seq_id]
         slot = self._take_slot(seq, reserve_units)
         if slot is None:
             return False
-        del self.swapped[seq.seq_id]
-        self.held[seq.seq_id] = n
-        self.data.restore(slot, n, host)
+        self.held[seq.seq_id] = self.swapped.pop(seq.seq_id)
+        self.emit(RestoreKV(seq.seq_id, slot, self.held[seq.seq_id]))
         return True
 
     def holds(self, seq: Sequence) -> bool:
@@ -130,8 +127,11 @@ class SlabAllocator(Allocator):
         assert all(n <= self.max_len for n in self.held.values())
 
 
-class SlabStorage(Storage):
+class SlabStorage(DataStorage):
+    """Addresses in the allocator's orders are slots."""
+
     def __init__(self, config, shape, books: SlabAllocator) -> None:
+        super().__init__()
         self.books, self.shape = books, shape
         dims = (max(books.num_slots, 1), books.max_len, shape.num_kv_heads, shape.head_dim)
         self.k = [torch.zeros(dims, dtype=shape.torch_dtype, device=shape.device) for _ in range(shape.num_layers)]
@@ -163,24 +163,13 @@ class SlabStorage(Storage):
         return self.dispatcher.run(meta.phase, q, self.k[layer], self.v[layer], meta, scale)
 
     def close(self) -> None:
+        super().close()
         self.k, self.v = [], []
-
-
-class SlabNullStorage(NullStorage):
-    def copy(self, src: int, dst: int, n: int) -> None:
-        pass
-
-    def save(self, slot: int, n: int) -> None:
-        return None
-
-    def restore(self, slot: int, n: int, host: None) -> None:
-        pass
 
 
 def build_slab(config, shape, accounting_only: bool = False) -> KVCache:
     books = SlabAllocator(config, shape)
-    storage = SlabNullStorage() if accounting_only else SlabStorage(config, shape, books)
-    books.data = storage
+    storage = NullStorage() if accounting_only else SlabStorage(config, shape, books)
     return KVCache(allocator=books, storage=storage, shape=shape)
 
 

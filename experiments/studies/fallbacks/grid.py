@@ -12,9 +12,9 @@ from kvlab.common.attention.priority import priority
 from kvlab.common.attention.rules import Environment
 from kvlab.common.attention.spec import PHASES, AttentionSpec
 from kvlab.common.errors import ConfigError
+from kvlab.common.kv.registry import REGISTRY
 from kvlab.experiments.studies.fallbacks.decisions import CAUSES, decide, kernel_head_dim, reason_cause, simulated
 
-BACKEND_LAYOUTS = {"paged": "paged", "vmm": "contiguous"}
 NUM_KV_HEADS = 2
 H200_CC = (9, 0)
 EXTRA_PACKAGES = ("flash_attn", "flashinfer")
@@ -31,7 +31,7 @@ class Grid:
     kv_dtypes: tuple[str, ...] = ("auto",)      # the KV-cache dtype axis (auto = the model dtype; fp8 variants)
 
     def num_rows(self, num_scenarios: int) -> int:
-        """Paged rows vary with block size; vmm (contiguous, no blocks) rows do not."""
+        """Rows of the paged layout vary with block size; rows of the contiguous one (no blocks) do not."""
         shapes = len(self.head_dims) * len(self.dtypes) * len(self.gqa_ratios)
         return num_scenarios * len(PHASES) * shapes * (len(self.block_sizes) + 1) * len(self.kv_dtypes)
 
@@ -85,8 +85,18 @@ class Row:
     kv_cache_dtype: str = "auto"
 
 
-def grid_points(grid: Grid, backend: str) -> Iterator[tuple[int, str, int | None, int]]:
-    blocks = grid.block_sizes if BACKEND_LAYOUTS[backend] == "paged" else (None,)
+def layout_backends() -> dict[str, str]:
+    """Backend -> layout, one backend per attention layout: the first registered backend that hands kernels
+    that layout (paged -> paged, vmm -> contiguous). Kernels are chosen by layout, so one backend speaks for all
+    that share it."""
+    first: dict[str, str] = {}
+    for spec in REGISTRY.specs():
+        first.setdefault(spec.layout, spec.name)
+    return {name: layout for layout, name in first.items()}
+
+
+def grid_points(grid: Grid, layout: str) -> Iterator[tuple[int, str, int | None, int]]:
+    blocks = grid.block_sizes if layout == "paged" else (None,)
     for head_dim in grid.head_dims:
         for dtype in grid.dtypes:
             for block_size in blocks:
@@ -102,9 +112,8 @@ def causes_of(reasons: list[str]) -> list[str]:
     return sorted({reason_cause(r) for r in reasons}, key=cause_order)
 
 
-def decide_rows(scenario: Scenario, backend: str, head_dim: int, dtype: str, block_size: int | None,
+def decide_rows(scenario: Scenario, backend: str, layout: str, head_dim: int, dtype: str, block_size: int | None,
                 gqa: int, kv_dtype: str = "auto") -> list[Row]:
-    layout = BACKEND_LAYOUTS[backend]
     spec = AttentionSpec(layout, scenario.device, dtype, head_dim, gqa * NUM_KV_HEADS, NUM_KV_HEADS,
                          block_size, scenario.compute_capability, kv_cache_dtype=kv_dtype)
     decision = decide(spec, env=scenario.env)
@@ -128,8 +137,8 @@ def decide_rows(scenario: Scenario, backend: str, head_dim: int, dtype: str, blo
 
 
 def run_grid(grid: Grid, scenarios: list[Scenario], progress: bool = False) -> list[Row]:
-    jobs = [(s, b, *p, kv) for s in scenarios for b in BACKEND_LAYOUTS for p in grid_points(grid, b)
-            for kv in grid.kv_dtypes]
+    jobs = [(s, b, layout, *p, kv) for s in scenarios for b, layout in layout_backends().items()
+            for p in grid_points(grid, layout) for kv in grid.kv_dtypes]
     if progress:
         from kvlab.experiments.reporting.tables import progress_bar
         jobs = progress_bar(jobs, desc="deciding", unit="config", leave=False)
