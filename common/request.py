@@ -3,7 +3,7 @@ step's output, and the scheduler's counters."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -11,9 +11,6 @@ from kvlab.common.attention.metadata import BatchItem
 from kvlab.common.sampling_params import SamplingParams
 from kvlab.common.sched.beam import BeamState
 from kvlab.common.sequence import Sequence
-
-if TYPE_CHECKING:
-    from kvlab.common.sched.groups import SequenceGroup
 
 Sample = tuple[int, float]          # (token id, log-probability)
 
@@ -27,6 +24,27 @@ class SampleSpec:
     num_samples: int = 1
     generators: list[torch.Generator] | None = None
     beam: bool = False
+
+
+class SequenceGroup(Protocol):
+    """A request's sampling, fork, idle and park rules; common/sched/groups.py has one class per kind."""
+
+    def spec(self, seq: Sequence) -> SampleSpec:
+        """How the runner samples `seq`'s logits row this step."""
+
+    def on_samples(self, seq: Sequence, samples: list[Sample], spec: SampleSpec) -> None: ...
+
+    def on_token(self, seq: Sequence, token: int, spec: SampleSpec) -> None:
+        """A runner without logits (the simulator's) gave `token` for every requested sample."""
+
+    def has_proposed(self, seq: Sequence) -> bool:
+        """Idle (running) or parked (waiting) until its siblings catch up."""
+
+    def expects_more(self) -> bool:
+        """Sequences may still appear (a fork pending, a beam live): the request cannot complete yet."""
+
+    def drop(self) -> None:
+        """The request failed or was aborted: expect nothing more."""
 
 
 @dataclass(slots=True)

@@ -1,5 +1,6 @@
-"""The architecture's rules, computed from the code: no import cycles among kvlab's modules, every library
-folder reachable by path under the one `kvlab` name, and `common` reaching backends only through the registry."""
+"""The architecture's rules, computed from the code: no import cycles among kvlab's modules (not even through
+imports made only for type checking), every library folder reachable by path under the one `kvlab` name, and
+`common` reaching backends only through the registry."""
 from __future__ import annotations
 
 import ast
@@ -23,13 +24,14 @@ def project_modules() -> dict[str, Path]:
     return mods
 
 
-def runtime_imports(path: Path, modules: dict[str, Path]) -> set[str]:
-    """Project modules `path` imports when it runs: module level and inside functions, not under
-    `if TYPE_CHECKING:`; `from pkg import name` counts as pkg.name when that is a module."""
+def imports_of(path: Path, modules: dict[str, Path], type_checking: bool = False) -> set[str]:
+    """Project modules `path` imports: module level and inside functions, and with `type_checking` also those
+    under `if TYPE_CHECKING:` (skipped otherwise: they never run); `from pkg import name` counts as pkg.name when
+    that is a module."""
     tree = ast.parse(path.read_text())
-    hidden = {id(n) for node in ast.walk(tree)
-              if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-              for n in ast.walk(node)}
+    hidden = set() if type_checking else {
+        id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for n in ast.walk(node)}
     found = set()
     for node in ast.walk(tree):
         if id(node) in hidden:
@@ -43,9 +45,9 @@ def runtime_imports(path: Path, modules: dict[str, Path]) -> set[str]:
     return {m for m in found if m in modules}
 
 
-def import_graph() -> dict[str, set[str]]:
-    modules = project_modules()
-    return {m: runtime_imports(f, modules) - {m} for m, f in modules.items()}
+def import_graph(type_checking: bool = False, modules: dict[str, Path] | None = None) -> dict[str, set[str]]:
+    modules = project_modules() if modules is None else modules
+    return {m: imports_of(f, modules, type_checking) - {m} for m, f in modules.items()}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -93,6 +95,20 @@ def test_no_import_cycles():
 
 def test_the_cycle_finder_finds_a_planted_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_cycles_even_through_type_checking_imports():
+    """A type-only import back is still a cycle in the design: shared types go in one module both sides import,
+    and a type needed only as a type is a protocol on the side that uses it."""
+    assert cycles(import_graph(type_checking=True)) == []
+
+
+def test_a_cycle_planted_through_a_type_checking_import_is_found(tmp_path):
+    (tmp_path / "a.py").write_text("from kvlab.b import B\n")
+    (tmp_path / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvlab.a import A\n")
+    modules = {"kvlab.a": tmp_path / "a.py", "kvlab.b": tmp_path / "b.py"}
+    assert cycles(import_graph(modules=modules)) == []
+    assert cycles(import_graph(type_checking=True, modules=modules)) == [["kvlab.a", "kvlab.b"]]
 
 
 def test_common_imports_no_backend():

@@ -145,9 +145,6 @@ class BeamGroup(SingleGroup):
         life.maybe_finish_request(req)
 
 
-SequenceGroup = SingleGroup          # the interface every group implements
-
-
 def make_group(req: Request, life: Lifecycle) -> SingleGroup:
     p = req.params
     kind = BeamGroup if p.use_beam_search else ParallelGroup if p.n > 1 else SingleGroup
