@@ -3,10 +3,19 @@ imports made only for type checking), every library folder reachable by path und
 `common` reaching backends only through the registry."""
 from __future__ import annotations
 
+import argparse
 import ast
 import subprocess
 import sys
+from importlib.metadata import EntryPoint
 from pathlib import Path
+
+import pytest
+from backends.slab import SPEC as SLAB
+
+from kvlab.common.config import make_config
+from kvlab.common.errors import ConfigError
+from kvlab.common.kv.registry import BUILTIN, ENTRY_POINTS, REGISTRY, Registry, load_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 TOP = {"kvlab": "kvlab", "common": "kvlab.common", "vmm": "kvlab.vmm", "paged": "kvlab.paged",
@@ -138,3 +147,58 @@ def test_a_script_beside_the_clone_imports_the_installed_kvlab(tmp_path):
         proc = subprocess.run([sys.executable, str(tmp_path / "exp.py")], cwd=cwd, capture_output=True, text=True,
                               timeout=120, check=False)
         assert proc.returncode == 0 and proc.stdout.strip() == "LLM", proc.stderr[-2000:]
+
+
+# -- backends outside kvlab's tree: the entry-point group kvlab.backends ----------------------------------------
+SLAB_ENTRY = EntryPoint(name="slab", value="backends.slab", group=ENTRY_POINTS)
+
+
+def test_an_entry_point_names_a_module_with_spec_or_the_spec_itself():
+    assert load_spec(SLAB_ENTRY) is SLAB
+    assert load_spec(EntryPoint("slab", "backends.slab:SPEC", ENTRY_POINTS)) is SLAB
+    for value, error in (("backends.slab:PROBE", "names no BackendSpec"), ("no_such_module", "does not load")):
+        with pytest.raises(ConfigError, match=error):
+            load_spec(EntryPoint("slab", value, ENTRY_POINTS))
+    with pytest.raises(ConfigError, match="declares a backend named 'slab'"):
+        load_spec(EntryPoint("other", "backends.slab", ENTRY_POINTS))
+
+
+def test_the_registry_looks_for_installed_backends_on_first_use_only():
+    looked: list[int] = []
+
+    def installed() -> list[EntryPoint]:
+        looked.append(1)
+        return [SLAB_ENTRY]
+
+    registry = Registry(BUILTIN, find_installed=installed)
+    assert not looked                                    # importing kvlab reads no package metadata
+    assert registry.names() == (*BUILTIN, "slab") and registry.get("slab") is SLAB
+    registry.specs()
+    assert looked == [1]
+
+
+@pytest.fixture
+def slab_by_entry_point():
+    """slab offered the way an installed package offers it (conftest registered it by register_backend)."""
+    REGISTRY.unregister("slab")
+    REGISTRY.discover([SLAB_ENTRY])
+    yield
+    REGISTRY.unregister("slab")
+    REGISTRY.register(SLAB)
+
+
+def test_an_entry_point_backend_gets_cli_flags_a_toml_table_and_builds(slab_by_entry_point, tmp_path):
+    from invariants import SHAPE
+
+    from kvlab.common.kv.seam import create_cache
+    from kvlab.experiments.cli.main import add_engine_flags, engine_config
+    toml = tmp_path / "engine.toml"
+    toml.write_text('backend = "slab"\n[slab]\nslab_spare_slots = 1\n')
+    assert make_config(toml).options_of("slab").slab_spare_slots == 1
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    config = engine_config(parser.parse_args(["--config", str(toml), "--slab-spare-slots", "2"]))
+    assert config.backend == "slab" and config.options_of("slab").slab_spare_slots == 2
+    cache = create_cache(config, SHAPE, accounting_only=True)
+    assert cache.name == "slab" and cache.allocator.num_total_units() == config.kv_cache_bytes // (
+        config.max_model_len * SHAPE.bytes_per_token) - 2
