@@ -20,6 +20,7 @@ import gc
 import os
 import random
 import threading
+from abc import ABC, abstractmethod
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -544,12 +545,11 @@ def random_workload(backend: str, accounting_only: bool, seed: int, num_ops: int
 EOS = 2
 
 
-class CheapRunner:
-    """A runner without a model: random distinct tokens (EOS now and then) for every item that needs logits,
-    as many as the spec asks for, with descending log-probabilities; a step counter is the clock."""
+class FakeClockRunner(ABC):
+    """A runner without a model: a step counter is the clock, and every item that needs logits gets the
+    candidates `candidates` proposes, as many as its spec asks for."""
 
-    def __init__(self, seed: int) -> None:
-        self.rng = random.Random(seed)
+    def __init__(self) -> None:
         self.now = 0.0
 
     def clock(self) -> float:
@@ -557,11 +557,22 @@ class CheapRunner:
 
     def execute(self, out) -> dict[int, list[tuple[int, float]]]:
         self.now += 1.0
-        sampled = {}
-        for it in out.items:
-            if it.needs_logits:
-                k = out.specs[it.seq.seq_id].num_samples
-                tokens = self.rng.sample(range(EOS, EOS + 60), k)
-                logprobs = sorted((-5 * self.rng.random() for _ in range(k)), reverse=True)
-                sampled[it.seq.seq_id] = list(zip(tokens, logprobs))
-        return sampled
+        return {it.seq.seq_id: self.candidates(it.seq, out.specs[it.seq.seq_id].num_samples)
+                for it in out.items if it.needs_logits}
+
+    @abstractmethod
+    def candidates(self, seq: Sequence, k: int) -> list[tuple[int, float]]:
+        """k distinct tokens with descending log-probabilities."""
+
+
+class CheapRunner(FakeClockRunner):
+    """Random distinct tokens (EOS now and then) from one seeded generator."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.rng = random.Random(seed)
+
+    def candidates(self, seq: Sequence, k: int) -> list[tuple[int, float]]:
+        tokens = self.rng.sample(range(EOS, EOS + 60), k)
+        logprobs = sorted((-5 * self.rng.random() for _ in range(k)), reverse=True)
+        return list(zip(tokens, logprobs))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from invariants import FakeClockRunner
 
 from kvlab.common.config import make_config
 from kvlab.common.engine import Engine
@@ -326,26 +327,14 @@ def test_random_mixed_traffic_with_aborts(backend, mode, seed):
 
 
 # -- beam search under memory pressure (the livelock of issue 8) -------------------------------------------------
-class TokenHashRunner:
+class TokenHashRunner(FakeClockRunner):
     """Candidates that are a pure function of the sequence's tokens, as a model's would be: recomputing a sequence
     proposes the same candidates, so a tight cache must give exactly the results of a roomy one."""
 
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def clock(self) -> float:
-        return self.now
-
-    def execute(self, out) -> dict[int, list[tuple[int, float]]]:
-        self.now += 1.0
-        sampled = {}
-        for it in out.items:
-            if it.needs_logits:
-                rng = random.Random(",".join(map(str, it.seq.token_ids)))
-                k = out.specs[it.seq.seq_id].num_samples
-                logprobs = sorted((-5 * rng.random() for _ in range(k)), reverse=True)
-                sampled[it.seq.seq_id] = list(zip(rng.sample(range(3, 63), k), logprobs))
-        return sampled
+    def candidates(self, seq: Sequence, k: int) -> list[tuple[int, float]]:
+        rng = random.Random(",".join(map(str, seq.token_ids)))
+        logprobs = sorted((-5 * rng.random() for _ in range(k)), reverse=True)
+        return list(zip(rng.sample(range(3, 63), k), logprobs))
 
 
 BEAM_PRESSURE = [([3], SamplingParams(max_tokens=1)),

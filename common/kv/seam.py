@@ -24,8 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from kvlab.common.kv.types import (CacheStats, CopyKV, DropSavedKV, KVMove, KVShape, MoveSink, RestoreKV, SaveKV,
-                                   discard)
+from kvlab.common.kv.types import CacheStats, CopyKV, DropSavedKV, KVMove, KVShape, MoveSink, RestoreKV, SaveKV, discard
 
 if TYPE_CHECKING:
     from kvlab.common.attention.metadata import AttentionMetadata, BatchItem
