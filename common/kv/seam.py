@@ -39,6 +39,7 @@ class CacheConfig(Protocol):
     kv_cache_dtype: str
     kv_cache_scale: float
     max_model_len: int
+    max_num_seqs: int
     device: str
     kernel: str
     enable_prefix_caching: bool
@@ -56,6 +57,7 @@ class CacheBuilder(Protocol):
     """A backend's way to build its cache (BackendSpec, common/kv/registry.py)."""
 
     def build(self, config: CacheConfig, shape: KVShape, accounting_only: bool) -> KVCache: ...
+
 
 class Allocator(ABC):
     """Capacity and lifecycle, counted in units of `tokens_per_unit` tokens. The scheduler's only view."""
