@@ -18,7 +18,7 @@ BYTE_STEP = 4096           # a unit size given in bytes is advised in whole 4 Ki
 
 def capacity_warnings(config: Any, stats: Any, holds_final_length: bool = False) -> list[str]:
     """config: EngineConfig; stats: CacheStats of the built cache; holds_final_length: the backend reserves a
-    request's whole length at admission (reserve) instead of growing unit by unit."""
+    request's whole length at admission instead of growing unit by unit (its spec takes no watermark)."""
     unit, tpu, units = stats.unit_name, max(1, stats.tokens_per_unit), stats.total_units
     max_len, wanted = config.max_model_len, min(config.max_num_seqs, FEW_SEQUENCES)
     capacity = units * tpu

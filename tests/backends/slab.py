@@ -70,11 +70,9 @@ class SlabAllocator(Allocator):
         self.held[seq.seq_id] = max(self.held[seq.seq_id], num_tokens)
         return 0
 
-    def _drop(self, seq_id: int) -> int:
-        slot = self.slot_of.pop(seq_id)
+    def _drop(self, seq_id: int) -> None:
+        self.free_slots.append(self.slot_of.pop(seq_id))
         self.held.pop(seq_id)
-        self.free_slots.append(slot)
-        return slot
 
     @timed
     def free(self, seq: Sequence) -> None:
