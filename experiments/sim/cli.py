@@ -207,7 +207,7 @@ def plain_report(rows: list[SimRow], settings: SimSettings) -> str:
     on = f"{tp} x {settings.hardware} (tensor parallel, GB per GPU)" if tp > 1 else settings.hardware
     title = (f"{settings.workload.num_requests} requests ({settings.workload.kind}), {settings.model} on "
              f"{on}, prefill {'modelled' if settings.model_prefill else 'ignored'}")
-    body = [[r.label, f"{r.budget_gb:g}", pct(r.watermark, 0), fmt(r.mean_batch), pct(r.utilization),
+    body = [[r.label, f"{r.budget_gb:g}", pct(r.watermark, 0), fmt(r.mean_batch), pct(r.kv_utilization),
              fmt(r.output_tokens_per_s), r.preemptions, fmt(r.mean_waste_tokens), f"{r.sim_seconds:.3g}"]
             for r in rows]
     headers = ["policy", "GB", "wm", "mean batch", "util", "tok/s", "preempt", "end waste", "sim s"]
