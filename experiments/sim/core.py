@@ -122,6 +122,8 @@ class SimSettings:
 OLD_KEYS = {"utilization": "kv_utilization", "steps": "num_steps", "recompute_tokens": "recomputed_tokens",
             "failed_requests": "num_failed"}
 OLD_OPTION_KEYS = ("block_size", "page_size")
+# The row's figures on the host clock: they vary from run to run of the same case
+HOST_TIMED = ("wall_seconds", "scheduler_seconds", "allocator_seconds", "allocator_share")
 
 
 @dataclass(slots=True)
