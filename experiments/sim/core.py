@@ -291,8 +291,8 @@ def run_case(case: SimCase, settings: SimSettings, requests: list[Request] | Non
         tensor_parallel_size=settings.tensor_parallel_size, allreduce_seconds=run.comm_seconds)
 
 
-def _run_case_job(args: tuple[SimCase, SimSettings]) -> SimRow:
-    return run_case(*args)
+def _run_case_job(job: tuple[SimCase, SimSettings]) -> SimRow:
+    return run_case(*job)
 
 
 def run_cases(cases: list[SimCase], settings: SimSettings, jobs: int = 1, progress: bool = True) -> list[SimRow]:

@@ -2,14 +2,9 @@
 its cases, the figures it reports, and a report that prints each reproduced figure beside the article's."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from kvlab.common.kv.registry import get_backend
 from kvlab.experiments.reporting.tables import fmt, pct, table
-from kvlab.experiments.sim.core import SimCase
-
-if TYPE_CHECKING:
-    from kvlab.experiments.sim.core import SimRow, SimSettings
+from kvlab.experiments.sim.core import SimCase, SimRow, SimSettings, format_page, run_cases
 
 HEADLINE_WATERMARK = 0.05
 BLOCK_SIZES = (16, 32, 128, 512)
@@ -74,7 +69,7 @@ def report(all_cases: list[SimCase], rows: list[SimRow], settings: SimSettings) 
     head = (f"Seed article reproduction: {w.num_requests} requests (seed {w.seed}), {settings.model} on "
             f"{settings.hardware}, decode-only roofline. Each cell: kvlab (article).")
     parts = [head, "", _policies(by_key), "", _ratios(by_key), "", _blocks(by_key), "", _watermarks(by_key),
-             "", _vmm(by_key, settings)]
+             "", _vmm(by_key)]
     return "\n".join(parts)
 
 
@@ -128,17 +123,12 @@ def _watermarks(by_key: dict) -> str:
                   "output tok/s", "vs wm 0"], body, "Admission watermark (paged-16, 60 GB); article: 5% costs -0.7%")
 
 
-def _vmm(by_key: dict, settings: SimSettings) -> str:
-    from kvlab.experiments.sim.core import format_page
-    from kvlab.experiments.sim.roofline import model_spec
-    spec = model_spec(settings.model, settings.dtype)
-    k_bytes_per_token = spec.config.num_kv_heads * spec.config.head_dim * spec.itemsize   # one layer's K
-    rows = [("paged-16", by_key[key("paged", 60.0, 16, watermark=HEADLINE_WATERMARK)], 16)]
-    rows += [(f"vmm {format_page(p)}", by_key[key("vmm", 60.0, page_size=p, watermark=HEADLINE_WATERMARK)],
-              p // k_bytes_per_token)
+def _vmm(by_key: dict) -> str:
+    rows = [("paged-16", by_key[key("paged", 60.0, 16, watermark=HEADLINE_WATERMARK)])]
+    rows += [(f"vmm {format_page(p)}", by_key[key("vmm", 60.0, page_size=p, watermark=HEADLINE_WATERMARK)])
              for p in VMM_PAGES]
-    body = [[name, tokens, fmt(r.mean_batch), pct(r.kv_utilization), fmt(r.output_tokens_per_s),
-             fmt(r.mean_waste_tokens), r.preemptions] for name, r, tokens in rows]
+    body = [[name, r.tokens_per_unit, fmt(r.mean_batch), pct(r.kv_utilization), fmt(r.output_tokens_per_s),
+             fmt(r.mean_waste_tokens), r.preemptions] for name, r in rows]
     return table(["backend", "tokens/unit", "mean batch", "KV util", "output tok/s", "end waste", "preemptions"],
                  body, "vAttention page size vs paging (60 GB, wm 5%; the article has no vmm figures)")
 
@@ -162,7 +152,6 @@ def spread(settings: SimSettings, num_seeds: int, jobs: int, progress: bool) -> 
     import dataclasses
     import statistics
 
-    from kvlab.experiments.sim.core import run_cases
     all_cases = cases(include_vmm=False)
     samples: dict[str, list[float]] = {}
     article_value: dict[str, float] = {}
