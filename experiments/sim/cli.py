@@ -16,7 +16,15 @@ from kvlab.common.kv.registry import get_backend
 from kvlab.common.limits import MAX_BUDGET_GB, MAX_MODEL_LEN, check_finite, check_int_range
 from kvlab.experiments.cli import main as cli
 from kvlab.experiments.reporting.tables import changes_line, results_dir
-from kvlab.experiments.sim.core import SimCase, SimRow, SimSettings, policies, policy_backend, run_cases
+from kvlab.experiments.sim.core import (
+    SimCase,
+    SimRow,
+    SimSettings,
+    declared_options,
+    policies,
+    policy_backend,
+    run_cases,
+)
 from kvlab.experiments.sim.roofline import HARDWARE, hardware, model_spec
 from kvlab.experiments.workloads.requests import build_workload, parse_workload
 
@@ -113,8 +121,8 @@ def cases_from_args(args: argparse.Namespace) -> list[SimCase]:
     cases = []
     for policy in args.policies:
         growing = get_backend(policy_backend(policy)).watermark
-        cases.append(SimCase(policy, args.budget_gb, args.block_size if policy == "paged" else None,
-                             args.page_size if policy == "vmm" else None, args.watermark if growing else 0.0))
+        options = declared_options(policy, {"block_size": args.block_size, "page_size": args.page_size})
+        cases.append(SimCase(policy, args.budget_gb, watermark=args.watermark if growing else 0.0, **options))
     return cases
 
 

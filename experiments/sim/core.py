@@ -71,7 +71,7 @@ class SimCase:
         """Its backend's options dataclass: the alias's fixed options, then the case's own."""
         spec = get_backend(self.backend)
         values = {**ALIASES.get(self.policy, (spec.name, {}))[1], **self.options}
-        unknown = sorted(set(values) - {f.name for f in fields(spec.options)})
+        unknown = sorted(set(values) - set(declared_options(self.policy, values)))
         if unknown:
             raise ConfigError(f"backend {spec.name!r} has no option {', '.join(unknown)} (policy {self.policy!r})")
         return spec.options(**values)
@@ -89,6 +89,12 @@ class SimCase:
     @property
     def key(self) -> tuple:
         return case_key(self.policy, self.budget_gb, self.options, self.watermark)
+
+
+def declared_options(policy: str, values: dict[str, Any]) -> dict[str, Any]:
+    """Those of `values` (flat options, e.g. from the command line) that the policy's backend declares."""
+    declared = {f.name for f in fields(get_backend(policy_backend(policy)).options)}
+    return {k: v for k, v in values.items() if k in declared}
 
 
 def case_key(policy: str, budget_gb: float, options: dict[str, Any], watermark: float) -> tuple:
