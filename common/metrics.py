@@ -1,5 +1,8 @@
 """Per-run metrics, measured the same way for every backend and runner (times on the runner's clock).
 
+RunMetrics is the run record: bench writes it, the simulator's rows extend it (SimRow) and the server's /metrics
+names come from its names (docs/run-record.md); one quantity, one name.
+
 KV utilisation is live tokens / allocated token slots, averaged over steps. Waste per step is allocated - live
 token slots, split into reserved waste (slots held for tokens a sequence will still produce: backends that
 reserve ahead of need report it as stats().extra["reserved_waste_tokens"]) and internal waste (the rest:

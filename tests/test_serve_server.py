@@ -21,13 +21,15 @@ from processes import children
 from kvlab import LLM
 from kvlab.common.config import make_config
 from kvlab.common.engine import Engine
+from kvlab.common.kv.types import CacheStats
+from kvlab.common.metrics import RunMetrics
 from kvlab.common.sampling_params import SamplingParams
 from kvlab.common.tokenizer import ByteTokenizer
 from kvlab.experiments.serve.app import Server, create_app
 from kvlab.experiments.serve.decoding import Decoding
 from kvlab.experiments.serve.engine_process import ProcessEngine
 from kvlab.experiments.serve.handles import ThreadEngine
-from kvlab.experiments.serve.prom import ServerMetrics
+from kvlab.experiments.serve.prom import METRICS, ServerMetrics
 
 openai = pytest.importorskip("openai")       # a dev dependency (pyproject [dev])
 ROOT = Path(__file__).resolve().parents[1]
@@ -349,3 +351,44 @@ def test_an_engine_bug_ends_every_stream_and_health_says_503():
         assert httpx.post(s.url + "/v1/completions", json=body, timeout=5).status_code == 503
     finally:
         s.stop()
+
+
+class RecordedEngine:
+    """What ServerMetrics reads from an engine: the cache's stats and the run record."""
+
+    def __init__(self, stats: CacheStats, metrics: RunMetrics) -> None:
+        self.stats, self.record = stats, metrics
+
+    def cache_stats(self) -> CacheStats:
+        return self.stats
+
+    def metrics(self) -> RunMetrics:
+        return self.record
+
+    def reset_metrics(self) -> None:
+        self.record = RunMetrics(self.record.backend)
+
+
+def test_metrics_are_named_from_the_record_with_the_old_names_kept():
+    stats = CacheStats("paged", "block", 16, total_units=10, used_units=4, free_units=6, live_tokens=50,
+                       allocated_token_slots=64, map_calls=3, map_seconds=0.5)
+    engine = RecordedEngine(stats, RunMetrics("paged", preemptions=2, recomputed_tokens=30, num_steps=5))
+    m = ServerMetrics("paged")
+    for _ in range(2):                                 # counters go to the running totals, not up by them
+        m.on_step(engine, 3, 1, 0, force=True)
+    text = m.text().decode()
+    value = lambda name: float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))      # noqa: E731
+    assert value("kvlab_used_units") == value("kvlab_kv_units_used") == 4
+    assert value("kvlab_total_units") == value("kvlab_kv_units_total") == 10
+    assert value("kvlab_kv_utilization_ratio") == value("kvlab_kv_utilization") == 50 / 64
+    assert value("kvlab_num_requests_running") == 3 and value("kvlab_num_requests_waiting") == 1
+    assert (value("kvlab_preemptions_total"), value("kvlab_recomputed_tokens_total")) == (2, 30)
+    assert (value("kvlab_map_calls_total"), value("kvlab_map_seconds_total")) == (3, 0.5)
+    assert m.stats() == {"running": 3, "waiting": 1, "swapped": 0, "used_units": 4, "total_units": 10,
+                         "kv_usage_ratio": 0.4, "kv_utilization": 50 / 64, "kv_units_used": 4, "kv_units_total": 10}
+    types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
+    assert all(name.startswith("kvlab_") for name in types)
+    for e in METRICS:                                  # _total for counters, and only for counters
+        total = "_total" if e.kind.__name__ == "Counter" else ""
+        assert all(types[name + total] == e.kind.__name__.lower() for name in e.prom_names)
+        assert total or not e.prom_name.endswith("_total")

@@ -5,7 +5,7 @@ import pytest
 
 from kvlab.experiments.cli.main import main
 from kvlab.experiments.loadgen.sweep import ROW_KEYS
-from kvlab.experiments.sim.core import SimCase, SimSettings, run_case
+from kvlab.experiments.sim.core import HOST_TIMED, SimCase, SimSettings, run_case
 from kvlab.experiments.sim.roofline import hardware, model_spec
 from kvlab.experiments.sim.serve import slo
 from kvlab.experiments.sim.serve.costs import CUDA_A100, ZERO, CostLedger, StepOps, profile
@@ -13,7 +13,7 @@ from kvlab.experiments.sim.serve.run import ServeSpec, parse_backends, plan, run
 from kvlab.experiments.sim.serve.stats import bootstrap_ratio
 from kvlab.experiments.workloads.requests import WorkloadSpec
 
-TIMINGS = {"wall_seconds", "scheduler_seconds"}
+TIMINGS = set(HOST_TIMED)
 SMALL = 300
 CASES = [SimCase("reserve", 6.0), SimCase("paged", 6.0, 16, watermark=0.05),
          SimCase("vmm", 6.0, page_size=2 * 2**20, watermark=0.05), SimCase("paged", 6.0, 16)]

@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 
+from kvlab.experiments.sim.core import HOST_TIMED
 from kvlab.experiments.sim.serve import slo
 from kvlab.experiments.sim.serve.early_stop import SloMissed, SloWatch, late_needed, targets
 from kvlab.experiments.sim.serve.run import ServeSpec, parse_backends, run_point
@@ -87,5 +88,5 @@ def test_search_with_early_stop_finds_the_same_rate_in_fewer_simulated_steps(bac
 
 def figures(result: dict) -> str:
     """The result without host timings, as text (so NaN equals NaN)."""
-    sim = {k: v for k, v in result["sim"].items() if k not in ("wall_seconds", "scheduler_seconds")}
+    sim = {k: v for k, v in result["sim"].items() if k not in HOST_TIMED}
     return json.dumps({**result, "sim": sim}, sort_keys=True, default=str)

@@ -83,7 +83,7 @@ def test_tp2_at_half_the_per_gpu_budget_schedules_like_tp1():
     one, = run_cases([SimCase("paged", 3.0, 16)], SimSettings(workload=workload), progress=False)
     two, = run_cases([SimCase("paged", 1.5, 16)], SimSettings(workload=workload, tensor_parallel_size=2),
                      progress=False)
-    assert (two.mean_batch, two.steps, two.preemptions) == (one.mean_batch, one.steps, one.preemptions)
+    assert (two.mean_batch, two.num_steps, two.preemptions) == (one.mean_batch, one.num_steps, one.preemptions)
     assert 0 < two.allreduce_seconds < two.sim_seconds < one.sim_seconds
     assert "allreduce_seconds" in two.to_json() and "allreduce_seconds" not in one.to_json()
     assert "tensor_parallel_size" not in one.to_json()       # tp=1 rows keep the seed article's keys

@@ -3,10 +3,13 @@ import json
 import pytest
 
 from kvlab.common.config import make_config
+from kvlab.common.errors import ConfigError
+from kvlab.common.kv.registry import get_backend
 from kvlab.common.kv.seam import create_cache
+from kvlab.common.metrics import RunMetrics
 from kvlab.common.sequence import Sequence
 from kvlab.experiments.cli.main import main
-from kvlab.experiments.sim.core import SimCase, SimSettings, held_capacity, run_cases
+from kvlab.experiments.sim.core import OLD_KEYS, SimCase, SimSettings, held_capacity, run_cases
 from kvlab.experiments.sim.roofline import model_spec
 from kvlab.experiments.sim.worked_example import worked_example
 from kvlab.experiments.workloads.requests import WorkloadSpec
@@ -24,15 +27,31 @@ def small_rows():
 
 def test_paging_doubles_the_batch_but_not_the_throughput(small_rows):
     r, o, p = small_rows["reserve"], small_rows["oracle"], small_rows["paged"]
-    assert r.output_tokens == p.output_tokens == o.output_tokens and r.failed_requests == 0
+    assert r.output_tokens == p.output_tokens == o.output_tokens and r.num_failed == 0
     assert r.mean_batch < o.mean_batch < p.mean_batch
     batch_gain = p.mean_batch / r.mean_batch
     tput_gain = p.output_tokens_per_s / r.output_tokens_per_s
     assert batch_gain > 1.5
     assert 1.0 < tput_gain < batch_gain          # the KV term of the step grows with the batch
-    assert r.utilization < 0.5
-    assert p.utilization > 0.95
+    assert r.kv_utilization < 0.5
+    assert p.kv_utilization > 0.95
     assert r.max_batch <= 11                      # 6e9 / (4096 x 131,072) = 11.2 reservations
+
+
+def test_old_attribute_names_read_the_record(small_rows):
+    r = small_rows["paged16wm0"]
+    assert (r.steps, r.utilization, r.recompute_tokens, r.failed_requests) == \
+        (r.num_steps, r.kv_utilization, r.recomputed_tokens, r.num_failed)
+    assert not hasattr(r, "no_such_figure")
+
+
+def test_the_case_asks_the_registered_spec_for_its_label():
+    slab = get_backend("slab")                     # registered by tests/conftest.py only
+    assert SimCase("slab", 1.0).label == slab.label(slab.default_options()) != "oracle"
+    assert SimCase("vmm", 1.0, page_size=64 * 1024).label == "vmm-64KiB"
+    assert SimCase("oracle", 1.0).label == "oracle" and SimCase("reserve", 1.0).label == "reserve-max"
+    with pytest.raises(ConfigError, match="no option block_size"):
+        SimCase("reserve", 1.0, 16).backend_options()
 
 
 def test_end_of_sequence_waste_is_about_half_a_block(small_rows):
@@ -45,7 +64,7 @@ def test_end_of_sequence_waste_is_about_half_a_block(small_rows):
 def test_watermark_trades_preemptions_for_batch(small_rows):
     none, five = small_rows["paged16wm0"], small_rows["paged"]
     assert none.preemptions > five.preemptions
-    assert none.recompute_tokens > 0 and none.recompute_seconds > 0
+    assert none.recomputed_tokens > 0 and none.recompute_seconds > 0
     assert five.mean_batch <= none.mean_batch
 
 
@@ -82,6 +101,8 @@ def test_cli_writes_json_rows_with_the_required_keys(tmp_path, capsys):
                     "output_tokens_per_s", "preemptions", "recompute_tokens", "mean_waste_tokens"):
             assert key in r
         assert 0 < r["utilization"] <= 1
+        assert {k for k in RunMetrics.__dataclass_fields__ if k != "timeline"} <= set(r)   # the run record's names
+        assert all(r[old] == r[new] for old, new in OLD_KEYS.items())                     # old keys as aliases
     assert rows[1]["block_size"] == 16 and rows[2]["page_size"] == 2 * 2**20
     assert "paged-16" in capsys.readouterr().out
 
@@ -97,8 +118,8 @@ def test_seed_preset_reproduces_the_article_headlines(tmp_path):
     assert ratios["batch_60"] == pytest.approx(1.88, rel=0.05)
     assert ratios["tput_60"] == pytest.approx(1.36, rel=0.05)
     assert ratios["tput_20"] == pytest.approx(1.81, rel=0.05)
-    assert by_key[("paged", 60.0, 512, None, 0.0)].utilization == pytest.approx(0.87, abs=0.02)
+    assert by_key[seed_article.key("paged", 60.0, 512)].kv_utilization == pytest.approx(0.87, abs=0.02)
     for b in seed_article.BLOCK_SIZES:
-        assert by_key[("paged", 60.0, b, None, 0.0)].mean_waste_tokens == pytest.approx((b - 1) / 2, rel=0.1)
-    pre = [by_key[("paged", 60.0, 16, None, w)].preemptions for w in seed_article.WATERMARKS]
+        assert by_key[seed_article.key("paged", 60.0, b)].mean_waste_tokens == pytest.approx((b - 1) / 2, rel=0.1)
+    pre = [by_key[seed_article.key("paged", 60.0, 16, watermark=w)].preemptions for w in seed_article.WATERMARKS]
     assert 150 < pre[0] < 350 and 5 < pre[1] < 40 and pre[2] == 0

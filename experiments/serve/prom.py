@@ -1,12 +1,17 @@
 """The server's /metrics: one prometheus_client registry per server (no global state), written by the engine
 thread after each step and at each finish, read by the HTTP thread.
 
+Every metric is one row of METRICS, named by the run record (common/metrics.py: RunMetrics, the cache's
+CacheStats, the scheduler's queues) and exported as `kvlab_` + that name + its unit (+ `_total` for a counter),
+or under vLLM's name where vLLM has one. A row's `old` name is exported too for one release (docs/run-record.md).
+
 Engine per-step records are bounded: every RESET_STEPS steps the engine's recorder is folded into running
 totals here and reset, so a server that runs for days keeps constant memory.
 """
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -14,35 +19,71 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 RESET_STEPS = 4096
 READ_EVERY_S = 0.2
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-COUNTED = ("preemptions", "recomputed_tokens", "num_steps")
-CACHE_COUNTED = ("map_calls", "unmap_calls", "map_seconds", "unmap_seconds")
+COUNTED = ("preemptions", "recomputed_tokens", "num_steps")                  # RunMetrics, since the last reset
+CACHE_COUNTED = ("map_calls", "unmap_calls", "map_seconds", "unmap_seconds")  # CacheStats, since the start
+
+
+@dataclass(frozen=True, slots=True)
+class Exported:
+    name: str                 # the record's name; also the key in GET /kvlab/stats for a gauge
+    kind: type                # Gauge | Counter | Histogram
+    help: str
+    unit: str = ""            # the Prometheus unit suffix, unless the name already ends with it
+    vllm: str = ""            # vLLM's name for it, used instead of the derived one
+    old: str = ""             # the name exported before the shared record (one more release)
+
+    @property
+    def prom_name(self) -> str:
+        if self.vllm:
+            return "kvlab_" + self.vllm
+        unit = f"_{self.unit}" if self.unit and not self.name.endswith(self.unit) else ""
+        return f"kvlab_{self.name}{unit}"       # prometheus_client adds a counter's _total
+
+    @property
+    def prom_names(self) -> tuple[str, ...]:
+        return (self.prom_name, "kvlab_" + self.old) if self.old else (self.prom_name,)
+
+
+METRICS = (
+    Exported("running", Gauge, "sequences holding KV and decoding", vllm="num_requests_running"),
+    Exported("waiting", Gauge, "sequences waiting for admission", vllm="num_requests_waiting"),
+    Exported("swapped", Gauge, "sequences swapped out to host memory", vllm="num_requests_swapped"),
+    Exported("used_units", Gauge, "KV allocation units in use", old="kv_units_used"),
+    Exported("total_units", Gauge, "KV allocation units in the budget", old="kv_units_total"),
+    Exported("kv_usage_ratio", Gauge, "used units / total units", unit="ratio"),
+    Exported("kv_utilization", Gauge, "live tokens / allocated token slots", unit="ratio", old="kv_utilization"),
+    Exported("preemptions", Counter, "cumulative preemptions"),
+    Exported("recomputed_tokens", Counter, "cumulative tokens recomputed after a preemption"),
+    Exported("num_steps", Counter, "cumulative engine steps"),
+    Exported("map_calls", Counter, "cumulative map calls"),
+    Exported("unmap_calls", Counter, "cumulative unmap calls"),
+    Exported("map_seconds", Counter, "cumulative seconds in map calls", unit="seconds"),
+    Exported("unmap_seconds", Counter, "cumulative seconds in unmap calls", unit="seconds"),
+    Exported("requests_finished", Counter, "requests that finished"),
+    Exported("num_failed", Counter, "requests that failed alone", old="requests_failed"),
+    Exported("requests_aborted", Counter, "requests aborted (client gone or server stopping)"),
+    Exported("output_tokens", Counter, "output tokens of finished requests", vllm="generation_tokens"),
+    Exported("prompt_tokens", Counter, "prompt tokens of finished requests"),
+    Exported("ttft", Histogram, "arrival to first token (engine clock)", vllm="time_to_first_token_seconds"),
+    Exported("tpot", Histogram, "(e2e - ttft) / (output tokens - 1)", vllm="time_per_output_token_seconds"),
+    Exported("e2e", Histogram, "arrival to finish (engine clock)", vllm="e2e_request_latency_seconds"),
+)
+OLD_STATS_KEYS = {"kv_units_used": "used_units", "kv_units_total": "total_units"}   # GET /kvlab/stats, one release
+
+
+def _register(m: Exported, name: str, registry: CollectorRegistry) -> Any:
+    if m.kind is Histogram:
+        return Histogram(name, m.help, buckets=LATENCY_BUCKETS, registry=registry)
+    return m.kind(name, m.help, registry=registry)
 
 
 class ServerMetrics:
     def __init__(self, backend: str) -> None:
         self.registry = r = CollectorRegistry()
-        g = lambda name, doc: Gauge("kvlab_" + name, doc, registry=r)
-        self.running = g("num_requests_running", "sequences holding KV and decoding")
-        self.waiting = g("num_requests_waiting", "sequences waiting for admission")
-        self.swapped = g("num_requests_swapped", "sequences swapped out to host memory")
-        self.kv_used = g("kv_units_used", "KV allocation units in use")
-        self.kv_total = g("kv_units_total", "KV allocation units in the budget")
-        self.kv_util = g("kv_utilization", "live tokens / allocated token slots")
-        self.kv_usage = g("kv_usage_ratio", "used units / total units")
-        self.counts = {k: g(k + "_total", f"cumulative {k.replace('_', ' ')}") for k in COUNTED}
-        self.cache_counts = {k: g(k + "_total", f"cumulative {k.replace('_', ' ')}") for k in CACHE_COUNTED}
-        c = lambda name, doc: Counter("kvlab_" + name, doc, registry=r)
-        self.finished = c("requests_finished", "requests that finished")
-        self.failed = c("requests_failed", "requests that failed alone")
-        self.aborted = c("requests_aborted", "requests aborted (client gone or server stopping)")
-        self.output_tokens = c("generation_tokens", "output tokens of finished requests")
-        self.prompt_tokens = c("prompt_tokens", "prompt tokens of finished requests")
-        h = lambda name, doc: Histogram("kvlab_" + name, doc, buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = h("time_to_first_token_seconds", "arrival to first token (engine clock)")
-        self.tpot = h("time_per_output_token_seconds", "(e2e - ttft) / (output tokens - 1)")
-        self.e2e = h("e2e_request_latency_seconds", "arrival to finish (engine clock)")
+        self.exported = {m.name: [_register(m, name, r) for name in m.prom_names] for m in METRICS}
         Gauge("kvlab_backend_info", "the KV backend", ["backend"], registry=r).labels(backend).set(1)
-        self.base = dict.fromkeys(COUNTED, 0)
+        self.base = dict.fromkeys(COUNTED, 0)       # RunMetrics counts folded in at each reset
+        self.sent: dict[str, float] = {}            # what each counter fed from a running total has counted
         self.last_read = 0.0
         self.latest: dict[str, float] = {}         # GET /kvlab/stats: the last step's gauges (replaced whole)
 
@@ -53,50 +94,66 @@ class ServerMetrics:
         """The gauges after the last step, as JSON-ready numbers (cheaper to poll than /metrics)."""
         return dict(self.latest)
 
+    def _set(self, name: str, value: float) -> None:
+        for gauge in self.exported[name]:
+            gauge.set(value)
+
+    def _inc(self, name: str, amount: float = 1) -> None:
+        for counter in self.exported[name]:
+            counter.inc(amount)
+
+    def _observe(self, name: str, value: float) -> None:
+        for histogram in self.exported[name]:
+            histogram.observe(value)
+
+    def _count_to(self, name: str, total: float) -> None:
+        """Advance a counter to a running total read from the engine."""
+        if total > self.sent.get(name, 0):
+            self._inc(name, total - self.sent.get(name, 0))
+            self.sent[name] = total
+
     def on_step(self, engine: Any, running: int, waiting: int, swapped: int, force: bool = False) -> None:
-        self.running.set(running)
-        self.waiting.set(waiting)
-        self.swapped.set(swapped)
         s = engine.cache_stats()
-        self.kv_used.set(s.used_units)
-        self.kv_total.set(s.total_units)
-        usage = s.used_units / s.total_units if s.total_units else 0.0
-        util = s.live_tokens / s.allocated_token_slots if s.allocated_token_slots else 0.0
-        self.kv_usage.set(usage)
-        self.kv_util.set(util)
-        for k, gauge in self.cache_counts.items():
-            gauge.set(getattr(s, k))
-        self.latest = {"running": running, "waiting": waiting, "swapped": swapped, "kv_units_used": s.used_units,
-                       "kv_units_total": s.total_units, "kv_usage_ratio": usage,
-                       "kv_utilization": util}
+        gauges = {"running": running, "waiting": waiting, "swapped": swapped, "used_units": s.used_units,
+                  "total_units": s.total_units,
+                  "kv_usage_ratio": s.used_units / s.total_units if s.total_units else 0.0,
+                  "kv_utilization": s.live_tokens / s.allocated_token_slots if s.allocated_token_slots else 0.0}
+        for name, value in gauges.items():
+            self._set(name, value)
+        for name in CACHE_COUNTED:
+            self._count_to(name, getattr(s, name))
+        self.latest = gauges | {old: gauges[new] for old, new in OLD_STATS_KEYS.items()}
         now = time.monotonic()
         if now - self.last_read < READ_EVERY_S and not force:
             return
         self.last_read = now
+        self._read_counts(engine)
+
+    def _read_counts(self, engine: Any) -> None:
         m = engine.metrics()                       # computes percentiles: read a few times a second, not per step
-        for k, gauge in self.counts.items():
-            gauge.set(self.base[k] + getattr(m, k))
+        for name in COUNTED:
+            self._count_to(name, self.base[name] + getattr(m, name))
         if m.num_steps >= RESET_STEPS:
-            for k in COUNTED:
-                self.base[k] += getattr(m, k)
+            for name in COUNTED:
+                self.base[name] += getattr(m, name)
             engine.reset_metrics()
 
     def on_finished(self, out: Any, now: float) -> None:
         if out.error is not None:
-            self.failed.inc()
+            self._inc("num_failed")
             return
-        self.finished.inc()
+        self._inc("requests_finished")
         n_out = max(len(c.token_ids) for c in out.outputs) if out.outputs else 0
-        self.output_tokens.inc(sum(len(c.token_ids) for c in out.outputs))
-        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self._inc("output_tokens", sum(len(c.token_ids) for c in out.outputs))
+        self._inc("prompt_tokens", len(out.prompt_token_ids))
         m = out.metrics
         if m is None or m.first_token_time is None:
             return
         end = m.finished_time if m.finished_time is not None else now
-        self.ttft.observe(m.first_token_time - m.arrival_time)
-        self.e2e.observe(end - m.arrival_time)
+        self._observe("ttft", m.first_token_time - m.arrival_time)
+        self._observe("e2e", end - m.arrival_time)
         if n_out > 1:
-            self.tpot.observe((end - m.first_token_time) / (n_out - 1))
+            self._observe("tpot", (end - m.first_token_time) / (n_out - 1))
 
     def on_abort(self) -> None:
-        self.aborted.inc()
+        self._inc("requests_aborted")

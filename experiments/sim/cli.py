@@ -16,7 +16,15 @@ from kvlab.common.kv.registry import get_backend
 from kvlab.common.limits import MAX_BUDGET_GB, MAX_MODEL_LEN, check_finite, check_int_range
 from kvlab.experiments.cli import main as cli
 from kvlab.experiments.reporting.tables import changes_line, results_dir
-from kvlab.experiments.sim.core import SimCase, SimRow, SimSettings, policies, policy_backend, run_cases
+from kvlab.experiments.sim.core import (
+    SimCase,
+    SimRow,
+    SimSettings,
+    declared_options,
+    policies,
+    policy_backend,
+    run_cases,
+)
 from kvlab.experiments.sim.roofline import HARDWARE, hardware, model_spec
 from kvlab.experiments.workloads.requests import build_workload, parse_workload
 
@@ -113,8 +121,8 @@ def cases_from_args(args: argparse.Namespace) -> list[SimCase]:
     cases = []
     for policy in args.policies:
         growing = get_backend(policy_backend(policy)).watermark
-        cases.append(SimCase(policy, args.budget_gb, args.block_size if policy == "paged" else None,
-                             args.page_size if policy == "vmm" else None, args.watermark if growing else 0.0))
+        options = declared_options(policy, {"block_size": args.block_size, "page_size": args.page_size})
+        cases.append(SimCase(policy, args.budget_gb, watermark=args.watermark if growing else 0.0, **options))
     return cases
 
 
@@ -207,7 +215,7 @@ def plain_report(rows: list[SimRow], settings: SimSettings) -> str:
     on = f"{tp} x {settings.hardware} (tensor parallel, GB per GPU)" if tp > 1 else settings.hardware
     title = (f"{settings.workload.num_requests} requests ({settings.workload.kind}), {settings.model} on "
              f"{on}, prefill {'modelled' if settings.model_prefill else 'ignored'}")
-    body = [[r.label, f"{r.budget_gb:g}", pct(r.watermark, 0), fmt(r.mean_batch), pct(r.utilization),
+    body = [[r.label, f"{r.budget_gb:g}", pct(r.watermark, 0), fmt(r.mean_batch), pct(r.kv_utilization),
              fmt(r.output_tokens_per_s), r.preemptions, fmt(r.mean_waste_tokens), f"{r.sim_seconds:.3g}"]
             for r in rows]
     headers = ["policy", "GB", "wm", "mean batch", "util", "tok/s", "preempt", "end waste", "sim s"]

@@ -15,16 +15,18 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvlab.common.config import EngineConfig, make_config
 from kvlab.common.errors import ConfigError
-from kvlab.common.kv.registry import backend_names
+from kvlab.common.kv.registry import backend_names, get_backend
+from kvlab.common.metrics import RunMetrics
 from kvlab.experiments.sim.roofline import RooflineCost, RooflineRunner, hardware, model_spec
 from kvlab.experiments.workloads.requests import Request, WorkloadSpec, build_workload, scaled
 
 ALIASES = {"oracle": ("reserve", {"reserve_mode": "oracle"})}   # policy -> (backend, its options)
+ARTICLE_LABELS = {"reserve": "reserve-max"}     # a spec's label -> the seed article's name for that run
 
 
 def policies() -> tuple[str, ...]:
@@ -38,29 +40,66 @@ def policy_backend(policy: str) -> str:
     if policy not in backend_names():
         raise ConfigError(f"unknown policy {policy!r}; choose one of: {', '.join(policies())}")
     return policy
+
+
 PROMPT_TOKEN = 5           # the prompt of a request without token_ids (content matters to prefix caching only)
 SAMPLED_TOKEN = 0
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class SimCase:
-    policy: str                       # reserve | oracle | paged | vmm
+    """One simulated run's backend (a registered one, or an alias of one with fixed options: oracle), its options
+    as flat keys (block_size=16, page_size=2MiB, ...), its KV budget and admission watermark."""
+    policy: str
     budget_gb: float
-    block_size: int | None = None     # tokens (paged)
-    page_size: int | None = None      # bytes (vmm)
-    watermark: float = 0.0
+    watermark: float
+    options: dict[str, Any]
+
+    def __init__(self, policy: str, budget_gb: float, block_size: int | None = None, page_size: int | None = None,
+                 watermark: float = 0.0, **options: Any) -> None:
+        # block_size and page_size keep their positions for the callers written before `options`: both are flat
+        # options, like any in **options
+        given = {"block_size": block_size, "page_size": page_size, **options}
+        self.policy, self.budget_gb, self.watermark = policy, budget_gb, watermark
+        self.options = {k: v for k, v in given.items() if v is not None}
+
+    @property
+    def backend(self) -> str:
+        return policy_backend(self.policy)
+
+    def backend_options(self) -> Any:
+        """Its backend's options dataclass: the alias's fixed options, then the case's own."""
+        spec = get_backend(self.backend)
+        values = {**ALIASES.get(self.policy, (spec.name, {}))[1], **self.options}
+        unknown = sorted(set(values) - set(declared_options(self.policy, values)))
+        if unknown:
+            raise ConfigError(f"backend {spec.name!r} has no option {', '.join(unknown)} (policy {self.policy!r})")
+        return spec.options(**values)
+
+    @property
+    def backend_label(self) -> str:
+        """The registered spec's label for these options (paged-16, vmm-2MiB, oracle)."""
+        return get_backend(self.backend).label(self.backend_options())
 
     @property
     def label(self) -> str:
-        if self.policy == "paged":
-            return f"paged-{self.block_size}"
-        if self.policy == "vmm":
-            return f"vmm-{format_page(self.page_size)}"
-        return "reserve-max" if self.policy == "reserve" else "oracle"
+        """The backend label in the seed article's words, where they differ."""
+        return ARTICLE_LABELS.get(self.backend_label, self.backend_label)
 
     @property
     def key(self) -> tuple:
-        return (self.policy, self.budget_gb, self.block_size, self.page_size, self.watermark)
+        return case_key(self.policy, self.budget_gb, self.options, self.watermark)
+
+
+def declared_options(policy: str, values: dict[str, Any]) -> dict[str, Any]:
+    """Those of `values` (flat options, e.g. from the command line) that the policy's backend declares."""
+    declared = {f.name for f in fields(get_backend(policy_backend(policy)).options)}
+    return {k: v for k, v in values.items() if k in declared}
+
+
+def case_key(policy: str, budget_gb: float, options: dict[str, Any], watermark: float) -> tuple:
+    """What tells two runs apart: the same for a case and its row."""
+    return (policy, budget_gb, tuple(sorted(options.items())), watermark)
 
 
 def format_page(nbytes: int | None) -> str:
@@ -84,36 +123,46 @@ class SimSettings:
     max_concurrency: int = 0          # serving: at most this many requests in flight at the client (0 = no limit)
 
 
+# The row keys of the releases before the shared run record, kept one more release: old name -> canonical name
+# (docs/run-record.md). `block_size` and `page_size` are printed on every row too, None where not an option.
+OLD_KEYS = {"utilization": "kv_utilization", "steps": "num_steps", "recompute_tokens": "recomputed_tokens",
+            "failed_requests": "num_failed"}
+OLD_OPTION_KEYS = ("block_size", "page_size")
+# The row's figures on the host clock: they vary from run to run of the same case
+HOST_TIMED = ("wall_seconds", "scheduler_seconds", "allocator_seconds", "allocator_share")
+
+
 @dataclass(slots=True)
-class SimRow:
-    policy: str
-    budget_gb: float
-    block_size: int | None
-    page_size: int | None
-    watermark: float
-    mean_batch: float
-    utilization: float
-    output_tokens_per_s: float
-    preemptions: int
-    recompute_tokens: int
-    mean_waste_tokens: float
+class SimRow(RunMetrics):
+    """One simulated run: the run record (common/metrics.py: the names bench and /metrics use), the case, and
+    the simulator's own figures. `wall_seconds` is the host time the simulation took; the engine's clock is the
+    roofline's, and the run's length on it is `sim_seconds`."""
+    policy: str = ""
+    budget_gb: float = 0.0
+    watermark: float = 0.0
+    options: dict[str, Any] = field(default_factory=dict)
     label: str = ""
-    max_batch: int = 0
-    steps: int = 0
-    output_tokens: int = 0
-    failed_requests: int = 0
+    mean_waste_tokens: float = 0.0       # allocated-but-empty slots before a sequence's last step, mean
     sim_seconds: float = 0.0
-    recompute_seconds: float = 0.0       # the recompute tokens as prefill at the mfu (article: 50%)
-    wall_seconds: float = 0.0            # host time of this simulation
-    scheduler_seconds: float = 0.0       # host time in schedule() + update()
-    timeline: dict[str, list] = field(default_factory=dict)
+    recompute_seconds: float = 0.0       # the recomputed tokens as prefill at the mfu (article: 50%)
     tensor_parallel_size: int = 1        # budget_gb is per GPU; the cluster holds tp x budget_gb
     allreduce_seconds: float = 0.0       # simulated time in all-reduces (part of sim_seconds)
 
+    @property
+    def key(self) -> tuple:
+        return case_key(self.policy, self.budget_gb, self.options, self.watermark)
+
+    def __getattr__(self, name: str) -> Any:
+        """The old attribute names (OLD_KEYS) for one release; called only when no field matches."""
+        if name in OLD_KEYS:
+            return getattr(self, OLD_KEYS[name])
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def to_json(self) -> dict[str, Any]:
-        """At tp=1 the keys of the seed article's rows, unchanged (no TP keys)."""
-        d = asdict(self)
-        d.pop("timeline")
+        """The record without its timeline, the old keys beside the new; at tp=1 no TP keys."""
+        d = self.to_dict()
+        d.update({old: d[new] for old, new in OLD_KEYS.items()})
+        d.update({key: self.options.get(key) for key in OLD_OPTION_KEYS})
         if self.tensor_parallel_size == 1:
             d.pop("tensor_parallel_size")
             d.pop("allreduce_seconds")
@@ -131,10 +180,7 @@ def case_config(case: SimCase, settings: SimSettings, requests: list[Request]) -
     values.update(settings.engine)
     values.update(backend=backend, kv_cache_bytes=int(case.budget_gb * 1e9), watermark=case.watermark)
     values.update(ALIASES.get(case.policy, (backend, {}))[1])
-    if case.block_size is not None:
-        values["block_size"] = case.block_size
-    if case.page_size is not None:
-        values["page_size"] = case.page_size
+    values.update(case.options)
     return make_config(**values)
 
 
@@ -242,20 +288,17 @@ def run_case(case: SimCase, settings: SimSettings, requests: list[Request] | Non
     requests = requests if requests is not None else build_workload(settings.workload)
     run = simulate(case, settings, requests, tap)
     m, waste = run.metrics, run.waste
+    record = {f.name: getattr(m, f.name) for f in fields(m)}
+    record.update(wall_seconds=run.wall_seconds, timeline=m.timeline if settings.timeline_every else {})
     return SimRow(
-        policy=case.policy, budget_gb=case.budget_gb, block_size=case.block_size, page_size=case.page_size,
-        watermark=case.watermark, mean_batch=m.mean_batch, utilization=m.kv_utilization,
-        output_tokens_per_s=m.output_tokens_per_s, preemptions=m.preemptions, recompute_tokens=m.recomputed_tokens,
-        mean_waste_tokens=sum(waste) / len(waste) if waste else 0.0, label=case.label,
-        max_batch=m.max_batch, steps=m.num_steps, output_tokens=m.output_tokens, failed_requests=m.num_failed,
-        sim_seconds=m.wall_seconds, recompute_seconds=run.cost.prefill_seconds(m.recomputed_tokens),
-        wall_seconds=run.wall_seconds, scheduler_seconds=m.scheduler_seconds,
-        timeline=m.timeline if settings.timeline_every else {},
+        **record, policy=case.policy, budget_gb=case.budget_gb, watermark=case.watermark, options=case.options,
+        label=case.label, mean_waste_tokens=sum(waste) / len(waste) if waste else 0.0, sim_seconds=m.wall_seconds,
+        recompute_seconds=run.cost.prefill_seconds(m.recomputed_tokens),
         tensor_parallel_size=settings.tensor_parallel_size, allreduce_seconds=run.comm_seconds)
 
 
-def _run_case_job(args: tuple[SimCase, SimSettings]) -> SimRow:
-    return run_case(*args)
+def _run_case_job(job: tuple[SimCase, SimSettings]) -> SimRow:
+    return run_case(*job)
 
 
 def run_cases(cases: list[SimCase], settings: SimSettings, jobs: int = 1, progress: bool = True) -> list[SimRow]:
@@ -303,7 +346,4 @@ def _progress(total: int, enabled: bool):
         return None
     from kvlab.experiments.reporting.tables import progress_bar
     return progress_bar(total=total, desc="simulate", unit="run", leave=False)
-
-
-# -- CLI ------------------------------------------------------------------------------------------------------
 

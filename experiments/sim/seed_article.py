@@ -2,12 +2,9 @@
 its cases, the figures it reports, and a report that prints each reproduced figure beside the article's."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from kvlab.common.kv.registry import get_backend
 from kvlab.experiments.reporting.tables import fmt, pct, table
-
-if TYPE_CHECKING:
-    from kvlab.experiments.sim.core import SimCase, SimRow, SimSettings
+from kvlab.experiments.sim.core import SimCase, SimRow, SimSettings, format_page, run_cases
 
 HEADLINE_WATERMARK = 0.05
 BLOCK_SIZES = (16, 32, 128, 512)
@@ -15,31 +12,37 @@ WATERMARKS = (0.0, 0.01, 0.05)
 VMM_PAGES = (2 * 2**20, 64 * 2**10)
 BUDGETS = (60.0, 20.0)
 
-# The article's figures, by case key (policy, budget_gb, block_size, page_size, watermark).
+
+
+def key(policy: str, budget_gb: float, block_size: int | None = None, page_size: int | None = None,
+        watermark: float = 0.0) -> tuple:
+    """A case's key (SimCase.key), for the tables below."""
+    return SimCase(policy, budget_gb, block_size, page_size, watermark).key
+
+
+# The article's figures, by case key, under the run record's names.
 ARTICLE: dict[tuple, dict[str, float]] = {
-    ("reserve", 60.0, None, None, 0.0): {"mean_batch": 79, "utilization": 0.396, "output_tokens_per_s": 9460},
-    ("paged", 60.0, 16, None, 0.05): {"mean_batch": 149, "utilization": 0.996, "output_tokens_per_s": 12894,
-                                          "preemptions": 0},
-    ("reserve", 20.0, None, None, 0.0): {"mean_batch": 35, "output_tokens_per_s": 5490},
-    ("paged", 20.0, 16, None, 0.05): {"mean_batch": 87, "output_tokens_per_s": 9933},
-    ("paged", 60.0, 16, None, 0.0): {"output_tokens_per_s": 12990, "mean_waste_tokens": 7.4, "preemptions": 251,
-                                         "recompute_tokens": 196631, "recompute_seconds": 6.4, "sim_seconds": 57.5},
-    ("paged", 60.0, 32, None, 0.0): {"mean_waste_tokens": 15.3},
-    ("paged", 60.0, 128, None, 0.0): {"output_tokens_per_s": 12886, "mean_waste_tokens": 63.9},
-    ("paged", 60.0, 512, None, 0.0): {"utilization": 0.87, "output_tokens_per_s": 12585, "mean_waste_tokens": 257},
-    ("paged", 60.0, 16, None, 0.01): {"preemptions": 17},
+    key("reserve", 60.0): {"mean_batch": 79, "kv_utilization": 0.396, "output_tokens_per_s": 9460},
+    key("paged", 60.0, 16, watermark=0.05): {"mean_batch": 149, "kv_utilization": 0.996,
+                                            "output_tokens_per_s": 12894, "preemptions": 0},
+    key("reserve", 20.0): {"mean_batch": 35, "output_tokens_per_s": 5490},
+    key("paged", 20.0, 16, watermark=0.05): {"mean_batch": 87, "output_tokens_per_s": 9933},
+    key("paged", 60.0, 16): {"output_tokens_per_s": 12990, "mean_waste_tokens": 7.4, "preemptions": 251,
+                             "recomputed_tokens": 196631, "recompute_seconds": 6.4, "sim_seconds": 57.5},
+    key("paged", 60.0, 32): {"mean_waste_tokens": 15.3},
+    key("paged", 60.0, 128): {"output_tokens_per_s": 12886, "mean_waste_tokens": 63.9},
+    key("paged", 60.0, 512): {"kv_utilization": 0.87, "output_tokens_per_s": 12585, "mean_waste_tokens": 257},
+    key("paged", 60.0, 16, watermark=0.01): {"preemptions": 17},
 }
 ARTICLE_RATIOS = {"batch_60": 1.88, "tput_60": 1.36, "batch_20": 87 / 35, "tput_20": 1.81}
 
 
 # the runs drawn by --plot: the three policies at 60 GB, and vAttention's two page sizes
-PLOTTED = {("reserve", 60.0, None, None, 0.0), ("oracle", 60.0, None, None, 0.0),
-           ("paged", 60.0, 16, None, HEADLINE_WATERMARK),
-           *(("vmm", 60.0, None, p, HEADLINE_WATERMARK) for p in VMM_PAGES)}
+PLOTTED = {key("reserve", 60.0), key("oracle", 60.0), key("paged", 60.0, 16, watermark=HEADLINE_WATERMARK),
+           *(key("vmm", 60.0, page_size=p, watermark=HEADLINE_WATERMARK) for p in VMM_PAGES)}
 
 
 def cases(include_vmm: bool = True) -> list[SimCase]:
-    from kvlab.experiments.sim.core import SimCase
     out = []
     for gb in BUDGETS:
         out += [SimCase("reserve", gb), SimCase("oracle", gb), SimCase("paged", gb, 16, watermark=HEADLINE_WATERMARK)]
@@ -51,7 +54,7 @@ def cases(include_vmm: bool = True) -> list[SimCase]:
 
 
 def article(row: SimRow) -> dict[str, float]:
-    return ARTICLE.get((row.policy, row.budget_gb, row.block_size, row.page_size, row.watermark), {})
+    return ARTICLE.get(row.key, {})
 
 
 def both(row: SimRow, key: str, formatter=fmt) -> str:
@@ -66,18 +69,17 @@ def report(all_cases: list[SimCase], rows: list[SimRow], settings: SimSettings) 
     head = (f"Seed article reproduction: {w.num_requests} requests (seed {w.seed}), {settings.model} on "
             f"{settings.hardware}, decode-only roofline. Each cell: kvlab (article).")
     parts = [head, "", _policies(by_key), "", _ratios(by_key), "", _blocks(by_key), "", _watermarks(by_key),
-             "", _vmm(by_key, settings)]
+             "", _vmm(by_key)]
     return "\n".join(parts)
 
 
 def _policies(by_key: dict) -> str:
     body = []
     for gb in BUDGETS:
-        for key in (("reserve", gb, None, None, 0.0), ("oracle", gb, None, None, 0.0),
-                    ("paged", gb, 16, None, HEADLINE_WATERMARK)):
-            r = by_key[key]
+        for k in (key("reserve", gb), key("oracle", gb), key("paged", gb, 16, watermark=HEADLINE_WATERMARK)):
+            r = by_key[k]
             name = {"reserve": "reserve 4,096", "oracle": "oracle (exact length)"}.get(r.policy, "paged-16, wm 5%")
-            body.append([f"{gb:g} GB  {name}", both(r, "mean_batch"), both(r, "utilization", pct),
+            body.append([f"{gb:g} GB  {name}", both(r, "mean_batch"), both(r, "kv_utilization", pct),
                          both(r, "output_tokens_per_s"), both(r, "preemptions")])
     return table(["budget / policy", "mean batch", "KV util", "output tok/s", "preemptions"], body,
                  "Reservation vs paging")
@@ -86,7 +88,7 @@ def _policies(by_key: dict) -> str:
 def ratios(by_key: dict) -> dict[str, float]:
     out = {}
     for gb, tag in ((60.0, "60"), (20.0, "20")):
-        reserve, paged = by_key[("reserve", gb, None, None, 0.0)], by_key[("paged", gb, 16, None, HEADLINE_WATERMARK)]
+        reserve, paged = by_key[key("reserve", gb)], by_key[key("paged", gb, 16, watermark=HEADLINE_WATERMARK)]
         out[f"batch_{tag}"] = paged.mean_batch / reserve.mean_batch
         out[f"tput_{tag}"] = paged.output_tokens_per_s / reserve.output_tokens_per_s
     return out
@@ -102,35 +104,31 @@ def _ratios(by_key: dict) -> str:
 def _blocks(by_key: dict) -> str:
     body = []
     for b in BLOCK_SIZES:
-        r = by_key[("paged", 60.0, b, None, 0.0)]
-        body.append([f"{b}", both(r, "utilization", pct), both(r, "output_tokens_per_s"),
+        r = by_key[key("paged", 60.0, b)]
+        body.append([f"{b}", both(r, "kv_utilization", pct), both(r, "output_tokens_per_s"),
                      both(r, "mean_waste_tokens"), fmt((b - 1) / 2), r.preemptions])
     return table(["block", "KV util", "output tok/s", "end waste", "(b-1)/2", "preemptions"], body,
                  "Block size (60 GB, no watermark)")
 
 
 def _watermarks(by_key: dict) -> str:
-    base = by_key[("paged", 60.0, 16, None, 0.0)].output_tokens_per_s
+    base = by_key[key("paged", 60.0, 16)].output_tokens_per_s
     body = []
     for wm in WATERMARKS:
-        r = by_key[("paged", 60.0, 16, None, wm)]
-        body.append([pct(wm, 0), both(r, "preemptions"), both(r, "recompute_tokens"),
+        r = by_key[key("paged", 60.0, 16, watermark=wm)]
+        body.append([pct(wm, 0), both(r, "preemptions"), both(r, "recomputed_tokens"),
                      both(r, "recompute_seconds"), both(r, "sim_seconds"), both(r, "output_tokens_per_s"),
                      pct(r.output_tokens_per_s / base - 1, 2)])
     return table(["watermark", "preemptions", "tokens to recompute", "recompute s @50% MFU", "decode s",
                   "output tok/s", "vs wm 0"], body, "Admission watermark (paged-16, 60 GB); article: 5% costs -0.7%")
 
 
-def _vmm(by_key: dict, settings: SimSettings) -> str:
-    from kvlab.experiments.sim.core import format_page
-    from kvlab.experiments.sim.roofline import model_spec
-    spec = model_spec(settings.model, settings.dtype)
-    k_bytes_per_token = spec.config.num_kv_heads * spec.config.head_dim * spec.itemsize   # one layer's K
-    rows = [("paged-16", by_key[("paged", 60.0, 16, None, HEADLINE_WATERMARK)], 16)]
-    rows += [(f"vmm {format_page(p)}", by_key[("vmm", 60.0, None, p, HEADLINE_WATERMARK)], p // k_bytes_per_token)
+def _vmm(by_key: dict) -> str:
+    rows = [("paged-16", by_key[key("paged", 60.0, 16, watermark=HEADLINE_WATERMARK)])]
+    rows += [(f"vmm {format_page(p)}", by_key[key("vmm", 60.0, page_size=p, watermark=HEADLINE_WATERMARK)])
              for p in VMM_PAGES]
-    body = [[name, tokens, fmt(r.mean_batch), pct(r.utilization), fmt(r.output_tokens_per_s),
-             fmt(r.mean_waste_tokens), r.preemptions] for name, r, tokens in rows]
+    body = [[name, r.tokens_per_unit, fmt(r.mean_batch), pct(r.kv_utilization), fmt(r.output_tokens_per_s),
+             fmt(r.mean_waste_tokens), r.preemptions] for name, r in rows]
     return table(["backend", "tokens/unit", "mean batch", "KV util", "output tok/s", "end waste", "preemptions"],
                  body, "vAttention page size vs paging (60 GB, wm 5%; the article has no vmm figures)")
 
@@ -141,9 +139,9 @@ def figures(by_key: dict) -> dict[str, tuple[float, float]]:
     """Every figure the article reports, as name -> (kvlab, article)."""
     names = {"batch": "paged-16/reserve mean batch", "tput": "paged-16/reserve throughput"}
     out = {f"{names[k.split('_')[0]]}, {k.split('_')[1]} GB": (v, ARTICLE_RATIOS[k]) for k, v in ratios(by_key).items()}
-    for key, figs in ARTICLE.items():
-        row = by_key[key]
-        name = row.label if row.policy != "paged" else f"paged-{row.block_size} wm {row.watermark:g}"
+    for k, figs in ARTICLE.items():
+        row = by_key[k]
+        name = f"{row.label} wm {row.watermark:g}" if get_backend(row.backend).watermark else row.label
         for metric, value in figs.items():
             out[f"{row.budget_gb:g} GB {name}: {metric}"] = (getattr(row, metric), value)
     return out
@@ -154,7 +152,6 @@ def spread(settings: SimSettings, num_seeds: int, jobs: int, progress: bool) -> 
     import dataclasses
     import statistics
 
-    from kvlab.experiments.sim.core import run_cases
     all_cases = cases(include_vmm=False)
     samples: dict[str, list[float]] = {}
     article_value: dict[str, float] = {}

@@ -83,9 +83,7 @@ class TapFactory:
 
 
 def backend_label(case: SimCase) -> str:
-    if case.policy == "reserve":
-        return "reserve"
-    return case.label
+    return case.backend_label
 
 
 def run_point(case: SimCase, spec: ServeSpec, rate: float, seed: int, max_concurrency: int | None = None,
@@ -93,7 +91,7 @@ def run_point(case: SimCase, spec: ServeSpec, rate: float, seed: int, max_concur
     """One run; `max_concurrency` overrides the spec's (the concurrency search's axis). `stop_on_miss` (an SLO):
     stop as soon as the run certainly misses it (early_stop.py) and return only that verdict, `stopped_early`."""
     requests = plan(spec, rate, seed)
-    prof = profile(spec.driver_profile, spec.calibration, case.page_size)
+    prof = profile(spec.driver_profile, spec.calibration, case.options.get("page_size"))
     settings = spec.settings(seed, max_concurrency)
     factory = TapFactory(CostLedger(prof, spec.background_mapping), watch(stop_on_miss, requests, settings))
     point = {"backend": backend_label(case), "request_rate": rate, "burstiness": spec.burstiness,
@@ -128,9 +126,10 @@ def watch(slo: dict[str, float] | None, requests: list[Request], settings: SimSe
 
 def pool_pages(case: SimCase, spec: ServeSpec) -> int:
     """vmm: physical pages created at start-up (K and V per layer share the budget)."""
-    if case.policy != "vmm" or not case.page_size:
+    page_size = case.options.get("page_size")
+    if case.policy != "vmm" or not page_size:
         return 0
-    return int(case.budget_gb * 1e9) // case.page_size
+    return int(case.budget_gb * 1e9) // page_size
 
 
 def parse_backends(items: list[str], budget_gb: float, watermark: float) -> list[SimCase]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvlab.common.kv.registry import get_backend
 from kvlab.experiments.loadgen.latency import RequestRecord, kvlab_extension
 from kvlab.experiments.sim.roofline import RooflineRunner
 from kvlab.experiments.sim.serve.costs import CostLedger, StepOps
@@ -24,7 +25,9 @@ class ServeTap:
         self.watch = watch if watch is not None and watch.active else None   # raises SloMissed to stop the run
         allocator = cache.allocator
         self.driver_stats = getattr(getattr(allocator, "driver", None), "stats", None)   # vmm: the driver's counters
-        self.block_size = getattr(allocator, "block_size", 0) if allocator.name == "paged" else 0
+        # a backend of the paged layout uploads a block table each step: one entry per unit
+        paged = get_backend(allocator.name).layout == "paged"
+        self.block_size = allocator.tokens_per_unit if paged else 0
         self.last = self._counters()
         self.tokens: dict[str, list[float]] = {}
         self.zero = ledger.profile.is_zero
