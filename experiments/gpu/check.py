@@ -10,7 +10,7 @@ through the LLM API on cuda); gpu_tests (pytest -m gpu); unmapped_access (touchi
 Whether a GPU is present is decided before any part runs, by `nvidia-smi -L` (or, where it cannot answer, a
 torch probe with a generous timeout), never by a part's result. Without a GPU the check fails loudly (exit 2)
 unless --dry-run-cpu asks for the dry run: every part as far as a CPU allows, the driver calls against the
-recording fake (tests/fakes/fake_cuda_driver.py), the Triton kernel in its interpreter on a tiny shape, the
+recording fake (vmm/drivers/fake_cuda.py), the Triton kernel in its interpreter on a tiny shape, the
 bench on cpu. Numbers from a dry run check the plumbing, not a GPU.
 """
 from __future__ import annotations
@@ -76,15 +76,9 @@ def device_timer(device: str, fn: Callable[[], Any], repeats: int, warmup: int =
 
 
 def load_fake_driver() -> Any:
-    """The recording fake of cuda.bindings.driver (written for the tests), loaded by path."""
-    path = ROOT / "tests" / "fakes" / "fake_cuda_driver.py"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: the dry run drives the CUDA VMM code against it")
-    spec = importlib.util.spec_from_file_location("kvlab_fake_cuda_driver", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module      # its dataclasses look their module up while being defined
-    spec.loader.exec_module(module)
-    return module.FakeCudaDriver()
+    """The recording fake of cuda.bindings.driver (vmm/drivers/fake_cuda.py)."""
+    from kvlab.vmm.drivers.fake_cuda import FakeCudaDriver
+    return FakeCudaDriver()
 
 
 def mem_free() -> int | None:
@@ -219,7 +213,7 @@ def part_cuda_vmm(dry: bool) -> dict[str, Any]:
     recommended = drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
     try:
         out: dict[str, Any] = {
-            "driver": "recording fake (tests/fakes/fake_cuda_driver.py)" if dry else "cuda.bindings.driver",
+            "driver": "recording fake (vmm/drivers/fake_cuda.py)" if dry else "cuda.bindings.driver",
             "minimum_granularity": vm.granularity(),
             "recommended_granularity": int(vm.call("cuMemGetAllocationGranularity", allocation_prop(drv),
                                                    recommended)),

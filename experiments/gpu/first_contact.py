@@ -15,7 +15,7 @@ PYTHONPATH at the repository). In order:
   unmapped_touch last, alone: a read of an unmapped page, recorded as the fault it raises
 The driver is used directly (cuda.bindings.driver), plus kvlab's public create_cache path, so a reorganisation
 of vmm's internals does not break it. --dry-run-cpu runs the same parts on CPU: the recording fake driver
-(tests/fakes/fake_cuda_driver.py), the Triton interpreter on tiny shapes, the vmm cache on host memory; what
+(vmm/drivers/fake_cuda.py), the Triton interpreter on tiny shapes, the vmm cache on host memory; what
 needs device memory says so. Without a GPU and without --dry-run-cpu it exits 2.
 """
 from __future__ import annotations
