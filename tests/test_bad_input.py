@@ -628,7 +628,8 @@ def test_round2_api_raises_a_specific_error(category, case, make, exc, phrases, 
 
 
 def test_bench_reports_the_agreement_rate_below_fp32():
-    from kvlab.experiments.bench.offline import BenchPlan, agreement_note
+    from kvlab.experiments.bench.plan import BenchPlan
+    from kvlab.experiments.bench.report import agreement_note
     runs = [{"backend": "vmm", "outputs_match_first": 48, "num_requests": 48},
             {"backend": "paged", "outputs_match_first": 40, "num_requests": 48}]
     plan = BenchPlan(["vmm", "paged"], {"vmm": make_config(dtype="bfloat16"), "paged": make_config(dtype="bfloat16")},
