@@ -17,7 +17,6 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from fakes.fake_cuda_driver import FakeCudaDriver
 from invariants import one_torch_thread  # noqa: F401 - module fixture
 from safetensors.torch import save_file
 
@@ -30,6 +29,7 @@ from kvlab.common.loader import load_model
 from kvlab.common.sampling_params import SamplingParams
 from kvlab.experiments.cli.main import main
 from kvlab.experiments.workloads.requests import load_trace
+from kvlab.vmm.drivers.fake_cuda import FakeCudaDriver
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_TOKEN_BYTES = 2 * 4 * 2 * 64 * 4          # the tiny preset: 4 layers, 2 KV heads, head_dim 64, fp32
@@ -628,7 +628,8 @@ def test_round2_api_raises_a_specific_error(category, case, make, exc, phrases, 
 
 
 def test_bench_reports_the_agreement_rate_below_fp32():
-    from kvlab.experiments.bench.offline import BenchPlan, agreement_note
+    from kvlab.experiments.bench.plan import BenchPlan
+    from kvlab.experiments.bench.report import agreement_note
     runs = [{"backend": "vmm", "outputs_match_first": 48, "num_requests": 48},
             {"backend": "paged", "outputs_match_first": 40, "num_requests": 48}]
     plan = BenchPlan(["vmm", "paged"], {"vmm": make_config(dtype="bfloat16"), "paged": make_config(dtype="bfloat16")},

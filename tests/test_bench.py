@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from kvlab.experiments.bench.offline import median_run
+from kvlab.experiments.bench.runs import median_run
 from kvlab.experiments.cli.main import main
 
 RUN_KEYS = ("backend", "output_tokens_per_s", "mean_batch", "kv_utilization", "preemptions", "ttft_p50", "tpot_p50",
@@ -63,22 +63,24 @@ def test_bench_rejects_bad_repeats(capsys):
 
 def test_bench_defaults_leave_what_the_user_set(tmp_path):
     from kvlab.common.kv.types import KVShape
-    from kvlab.experiments.bench.offline import backend_defaults, bench_defaults
+    from kvlab.experiments.bench.offline import settings_from
+    from kvlab.experiments.bench.plan import backend_defaults, bench_defaults
     from kvlab.experiments.cli import main as cli
     path = tmp_path / "e.toml"
     path.write_text("page_size = 65536\n")
-    args = cli.build_parser().parse_args(["bench", "--config", str(path), "--kv-cache-bytes", "4MiB"])
+    args = settings_from(cli.build_parser().parse_args(["bench", "--config", str(path), "--kv-cache-bytes", "4MiB"]))
     shape = KVShape(4, 2, 64, 4)                         # tiny: 512 B of K per token per layer
-    defaults = bench_defaults(args, cli.engine_config(args), shape, max_len=512)
+    defaults = bench_defaults(args, args.engine_config("vmm"), shape, max_len=512)
     assert "page_size" not in defaults and "kv_cache_bytes" not in defaults
     assert defaults["max_model_len"] == 512 and defaults["threads"] == 1
-    plain = cli.build_parser().parse_args(["bench"])
-    auto = bench_defaults(plain, cli.engine_config(plain), shape, max_len=512)
+    plain = settings_from(cli.build_parser().parse_args(["bench"]))
+    auto = bench_defaults(plain, plain.engine_config("vmm"), shape, max_len=512)
     assert auto["page_size"] == 16 * 512                # one page holds one 16-token block's worth
     assert auto["kv_cache_bytes"] == 8 * 512 * shape.bytes_per_token
     assert backend_defaults(plain, "reserve") == {"watermark": 0.0}
     assert backend_defaults(plain, "paged") == {}
-    assert backend_defaults(cli.build_parser().parse_args(["bench", "--watermark", "0.1"]), "reserve") == {}
+    watermarked = settings_from(cli.build_parser().parse_args(["bench", "--watermark", "0.1"]))
+    assert backend_defaults(watermarked, "reserve") == {}
 
 
 def test_bench_budget_error_prints_nothing_before_it(capsys):

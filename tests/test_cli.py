@@ -4,7 +4,8 @@ import types
 import pytest
 
 from kvlab.experiments.cli import main as cli
-from kvlab.experiments.cli.main import main, parse_bytes
+from kvlab.experiments.cli.flags import engine_config, parse_bytes
+from kvlab.experiments.cli.main import main
 
 
 def one_error_line(capsys) -> str:
@@ -54,9 +55,9 @@ def test_engine_flags_override_the_toml_file(tmp_path):
     path.write_text('[engine]\nbackend = "vmm"\nblock_size = 32\nmax_num_seqs = 8\n')
     parser = cli.build_parser()
     args = parser.parse_args(["generate", "--config", str(path), "--block-size", "64", "hi"])
-    config = cli.engine_config(args)
+    config = engine_config(vars(args))
     assert (config.backend, config.block_size, config.max_num_seqs) == ("vmm", 64, 8)
-    assert cli.engine_config(args, block_size=128).block_size == 128
+    assert engine_config(vars(args), block_size=128).block_size == 128
 
 
 def test_generate_prints_a_continuation(capsys):

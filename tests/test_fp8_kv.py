@@ -160,11 +160,11 @@ def test_config_and_cli_take_kv_cache_dtype():
         make_config(kv_cache_scale=-1.0)
     import argparse
 
-    from kvlab.experiments.cli.main import add_engine_flags, engine_config
+    from kvlab.experiments.cli.flags import add_engine_flags, engine_config
     p = argparse.ArgumentParser()
     add_engine_flags(p)
     args = p.parse_args(["--kv-cache-dtype", "fp8_e4m3", "--kv-cache-scale", "0.25"])
-    config = engine_config(args)
+    config = engine_config(vars(args))
     assert (config.kv_cache_dtype, config.kv_cache_scale) == ("fp8_e4m3", 0.25)
 
 

@@ -12,12 +12,9 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from kvlab.common.attention.metadata import BatchItem
 from kvlab.common.config import make_config
 from kvlab.common.kv.types import KVShape
-from kvlab.common.sequence import Sequence
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (torch.cuda is "
@@ -84,41 +81,15 @@ def vmm_cache(num_seqs: int, dtype: str):
     return build_vmm(config, shape)
 
 
-def causal_reference(q, k, v, scale):
-    """q [n, H, D] = the last n positions over k, v [ctx, H_kv, D]; fp32, bottom-right causal."""
-    n, ctx = q.shape[0], k.shape[0]
-    mask = torch.arange(ctx, device=q.device)[None, :] <= torch.arange(ctx - n, ctx, device=q.device)[:, None]
-    out = F.scaled_dot_product_attention(*(t.float().transpose(0, 1)[None] for t in (q, k, v)), attn_mask=mask,
-                                         scale=scale, enable_gqa=True)
-    return out[0].transpose(0, 1)
-
-
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_vmm_cache_prefill_then_decode_on_cuda(dtype):
+    from kvlab.experiments.gpu.cache_steps import prefill_then_decode
     cache = vmm_cache(3, dtype)
-    torch_dtype, scale = getattr(torch, dtype), 64 ** -0.5
-    g = torch.Generator(device="cuda").manual_seed(0)
+    tolerance = TOLERANCE[getattr(torch, dtype)]
     try:
-        seqs = [Sequence(i, str(i), [1] * n, 4) for i, n in enumerate((100, 37, 300))]
-        history = {s.seq_id: ([], []) for s in seqs}
-        steps = [[BatchItem(s, 0, s.num_tokens) for s in seqs], [BatchItem(s, s.num_tokens, 1) for s in seqs]]
-        for items in steps:
-            for it in items:
-                cache.allocator.allocate(it.seq, it.context_len)
-            meta = cache.storage.prepare(items)
-            total = sum(it.num_tokens for it in items)
-            q, k, v = (torch.randn(total, h, 64, generator=g, device="cuda").to(torch_dtype) for h in (4, 2, 2))
-            out = cache.storage.attention(0, q, k, v, meta, scale)
-            start = 0
-            for it in items:
-                keys, values = history[it.seq.seq_id]
-                keys.append(k[start:start + it.num_tokens])
-                values.append(v[start:start + it.num_tokens])
-                expected = causal_reference(q[start:start + it.num_tokens], torch.cat(keys), torch.cat(values), scale)
-                torch.testing.assert_close(out[start:start + it.num_tokens].float(), expected,
-                                           atol=TOLERANCE[torch_dtype], rtol=TOLERANCE[torch_dtype])
-                start += it.num_tokens
-                it.seq.num_computed_tokens = it.context_len
+        for step in prefill_then_decode(cache, (100, 37, 300)):
+            for got, expected in step:
+                torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
         cache.check_invariants()
         assert cache.kernel_report()["runtime_fallbacks"] == []
     finally:

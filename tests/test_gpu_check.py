@@ -1,6 +1,6 @@
 """The GPU check's harness on this CPU (issue 18): GPU presence is decided by nvidia-smi or a torch probe,
 never by a part's result, and no GPU without --dry-run-cpu is a loud error; a part killed on timeout keeps
-the result it had written; the first-contact script's dry run."""
+the result it had written; the first-contact selection's dry run."""
 from __future__ import annotations
 
 import json
@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvlab.experiments.gpu import check as gpu_check
+from kvlab.experiments.gpu import detect, harness
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,8 +35,8 @@ def no_probe(timeout: float = 0) -> tuple[int | None, str]:
 def test_nvidia_smi_listing_a_gpu_decides_presence(tmp_path, monkeypatch):
     fake_nvidia_smi(tmp_path / "bin", 'echo "GPU 0: NVIDIA H200 (UUID: GPU-1234)"')
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setattr(gpu_check, "torch_probe", no_probe)
-    gpu = gpu_check.detect_gpu()
+    monkeypatch.setattr(detect, "torch_probe", no_probe)
+    gpu = detect.detect_gpu()
     assert gpu["present"] and gpu["gpus"] == ["GPU 0: NVIDIA H200 (UUID: GPU-1234)"]
 
 
@@ -43,16 +44,16 @@ def test_nvidia_smi_listing_a_gpu_decides_presence(tmp_path, monkeypatch):
 def test_nvidia_smi_without_an_answer_defers_to_the_torch_probe(body, tmp_path, monkeypatch):
     fake_nvidia_smi(tmp_path / "bin", body)
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setattr(gpu_check.nvidia_smi_gpus, "__defaults__", (1,))      # a 1 s timeout
+    monkeypatch.setattr(detect.nvidia_smi_gpus, "__defaults__", (1,))      # a 1 s timeout
     probed = []
-    monkeypatch.setattr(gpu_check, "torch_probe", lambda timeout=0: probed.append(1) or (1, "device_count() = 1"))
-    gpu = gpu_check.detect_gpu()
+    monkeypatch.setattr(detect, "torch_probe", lambda timeout=0: probed.append(1) or (1, "device_count() = 1"))
+    gpu = detect.detect_gpu()
     assert probed and gpu["present"] and len(gpu["evidence"]) == 2
     assert "exited with 6" in gpu["evidence"][0] or "did not answer" in gpu["evidence"][0]
 
 
 def test_the_torch_probe_on_this_cpu_finds_no_gpu():
-    count, why = gpu_check.torch_probe(timeout=120)
+    count, why = detect.torch_probe(timeout=120)
     assert count == 0, why
 
 
@@ -88,13 +89,13 @@ def test_a_part_that_wrote_its_result_then_hung_keeps_it(tmp_path):
     code = (f"import json, subprocess; open({str(result)!r}, 'w').write(json.dumps({{'ok': True, "
             f"'result': {{'faulted': True}}}})); subprocess.run(['sleep', '60'])")
     t0 = time.perf_counter()
-    doc = gpu_check.run_subprocess([sys.executable, "-c", code], dict(os.environ), 3, result)
+    doc = harness.run_subprocess([sys.executable, "-c", code], dict(os.environ), 3, result)
     assert time.perf_counter() - t0 < 30
     assert doc["ok"] and doc["result"] == {"faulted": True} and "killed after 3 s" in doc["timed_out"]
 
 
 def test_a_part_that_hung_before_writing_is_a_timeout(tmp_path):
-    doc = gpu_check.run_subprocess([sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ), 2,
+    doc = harness.run_subprocess([sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ), 2,
                                    tmp_path / "part.json")
     assert not doc["ok"] and doc["error"] == "timed out after 2 s and wrote no result"
 
@@ -117,7 +118,7 @@ def test_gpu_check_sh_prefers_the_given_then_the_project_interpreter(tmp_path):
     assert run({**env, "PYTHON": "/opt/py"}) == "/opt/py"
 
 
-# -- the first-contact script --------------------------------------------------------------------------------------
+# -- the first-contact selection -----------------------------------------------------------------------------------
 def test_first_contact_dry_run_runs_every_part_on_cpu(tmp_path):
     out = tmp_path / "first_contact.json"
     env = {**os.environ, "PYTHON": sys.executable}
@@ -127,10 +128,10 @@ def test_first_contact_dry_run_runs_every_part_on_cpu(tmp_path):
     doc = json.loads(out.read_text())
     parts = doc["parts"]
     assert proc.returncode == 0, {k: v.get("error") for k, v in parts.items()}
-    assert doc["mode"] == "cpu-dry-run" and list(parts) == ["versions", "unmapped_view", "vmm_round_trip",
-                                                           "vmm_cache", "triton_kernel", "vmm_latency",
-                                                           "unmapped_touch"]
-    versions = parts["versions"]["result"]
+    assert doc["mode"] == "cpu-dry-run" and doc["selection"] == "first-contact"
+    assert list(parts) == ["environment", "unmapped_view", "vmm_round_trip", "vmm_latency", "vmm_cache",
+                           "triton_kernel", "unmapped_access"]
+    versions = parts["environment"]["result"]
     assert versions["minimum_granularity"] == versions["recommended_granularity"] == 2 * 2**20
     assert {"torch", "triton", "numpy", "cuda.bindings", "driver"} <= set(versions)
     trip = parts["vmm_round_trip"]["result"]
@@ -138,16 +139,22 @@ def test_first_contact_dry_run_runs_every_part_on_cpu(tmp_path):
     assert trip["worker_thread"] == {"without_context": "CUDA_ERROR_INVALID_CONTEXT", "with_primary_context": "ok"}
     for dtype, row in parts["vmm_cache"]["result"]["dtypes"].items():
         assert row["ok"] and row["kernels"]["decode"] and row["runtime_fallbacks"] == [], dtype
-    assert all(c["ok"] and c["max_abs_err_vs_sdpa"] < 1e-4 for c in parts["triton_kernel"]["result"]["cases"])
+    assert all(c["ok"] and c["max_abs_err"] < 1e-4 for c in parts["triton_kernel"]["result"]["configs"])
     latency = parts["vmm_latency"]["result"]
-    assert latency["pages"] == 16 and set(latency["median_us"]) == {"create", "map", "set_access", "unmap", "release"}
-    assert parts["unmapped_touch"]["result"]["ran"] is False
+    assert latency["pages"] == 16 and set(latency["us"]) == {"create", "map", "set_access", "unmap", "release"}
+    assert parts["unmapped_access"]["result"]["ran"] is False
 
 
 def test_first_contact_without_a_gpu_is_a_loud_error(tmp_path, monkeypatch, capsys):
-    from kvlab.experiments.gpu import first_contact
-    monkeypatch.setattr(first_contact, "detect_gpu", lambda: {"present": False, "gpus": [], "evidence": ["none"]})
-    monkeypatch.setattr(first_contact, "run_part", lambda *a: pytest.fail("no part may run"))
-    assert first_contact.main(["--out", str(tmp_path / "f.json")]) == 2
+    monkeypatch.setattr(gpu_check, "detect_gpu", lambda: {"present": False, "gpus": [], "evidence": ["none"]})
+    monkeypatch.setattr(gpu_check, "run_part", lambda *a: pytest.fail("no part may run"))
+    assert gpu_check.main(["--first-contact", "--out", str(tmp_path / "f.json")]) == 2
     assert "--dry-run-cpu" in capsys.readouterr().err
     assert json.loads((tmp_path / "f.json").read_text())["mode"] == "no-gpu"
+
+
+def test_an_unknown_part_is_one_line_and_runs_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(gpu_check, "run_part", lambda *a: pytest.fail("no part may run"))
+    assert gpu_check.main(["--dry-run-cpu", "--parts", "environment,nope", "--out", str(tmp_path / "g.json")]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and "unknown part(s) nope" in err[0] and "cuda_vmm" in err[0]

@@ -1,22 +1,16 @@
 """A user's workload is never transformed unless asked, and every transformation is named in the header."""
-import argparse
-
-from kvlab.experiments.bench.offline import DEFAULT_SCALE, default_scale
+from kvlab.experiments.bench.plan import DEFAULT_SCALE, default_scale
 from kvlab.experiments.reporting.tables import workload_changes
 from kvlab.experiments.workloads.requests import WorkloadSpec, parse_workload
-
-
-def _args(workload: str, scale=None) -> argparse.Namespace:
-    return argparse.Namespace(workload=parse_workload(workload), scale=scale)
 
 
 def test_scale_defaults_only_for_the_builtin_seed_distribution(tmp_path):
     trace = tmp_path / "t.jsonl"
     trace.write_text('{"prompt_len": 300, "output_len": 40}\n')
-    assert default_scale(_args("seed")) == DEFAULT_SCALE
-    assert default_scale(_args(f"trace:{trace}")) == 1.0
-    assert default_scale(_args("fixed:100:20")) == 1.0
-    assert default_scale(_args(f"trace:{trace}", scale=0.5)) == 0.5
+    assert default_scale(parse_workload("seed"), None) == DEFAULT_SCALE
+    assert default_scale(parse_workload(f"trace:{trace}"), None) == 1.0
+    assert default_scale(parse_workload("fixed:100:20"), None) == 1.0
+    assert default_scale(parse_workload(f"trace:{trace}"), 0.5) == 0.5
 
 
 def test_trace_as_given_reports_no_change(tmp_path):

@@ -6,7 +6,14 @@ import threading
 
 import pytest
 import torch
-from fakes.fake_cuda_driver import (
+
+from kvlab.common.config import make_config
+from kvlab.common.errors import DriverError
+from kvlab.common.kv.types import KVShape
+from kvlab.common.sequence import Sequence
+from kvlab.vmm.build import build_vmm
+from kvlab.vmm.drivers.cuda import CudaVirtualMemory
+from kvlab.vmm.drivers.fake_cuda import (
     INVALID_CONTEXT,
     INVALID_VALUE,
     NOT_INITIALIZED,
@@ -15,13 +22,6 @@ from fakes.fake_cuda_driver import (
     FakeCudaDriver,
     torch_interop,
 )
-
-from kvlab.common.config import make_config
-from kvlab.common.errors import DriverError
-from kvlab.common.kv.types import KVShape
-from kvlab.common.sequence import Sequence
-from kvlab.vmm.build import build_vmm
-from kvlab.vmm.drivers.cuda import CudaVirtualMemory
 
 MiB = 1024**2
 GRAN = 2 * MiB

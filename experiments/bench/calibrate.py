@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvlab.experiments.cli import main as cli
+from kvlab.experiments.cli import flags
 from kvlab.experiments.sim.serve.costs import DEFAULT_CALIBRATION
 
 
@@ -19,7 +19,7 @@ def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("calibrate", help="measure host map/unmap latency per page size (driver profile)",
                               description="Map and unmap pool pages one call per page with the host VMM driver; "
                                           "write the medians as the `host` driver profile.")
-    p.add_argument("--page-sizes", type=cli.parse_list, default=["64KiB", "2MiB"])
+    p.add_argument("--page-sizes", type=flags.parse_list, default=["64KiB", "2MiB"])
     p.add_argument("--pages", type=int, default=64, help="pages mapped then unmapped per repeat")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default=str(DEFAULT_CALIBRATION), help="JSON to write")
@@ -54,7 +54,7 @@ def measure(page_size: int, pages: int, repeats: int) -> dict[str, float]:
 def run(args: argparse.Namespace) -> int:
     table = {}
     for text in args.page_sizes:
-        size = cli.parse_bytes(text)
+        size = flags.parse_bytes(text)
         table[str(size)] = measure(size, args.pages, args.repeats)
         print(f"{text:>8}: map {table[str(size)]['map_s'] * 1e6:8.2f} us/page, "
               f"unmap {table[str(size)]['unmap_s'] * 1e6:8.2f} us/page")

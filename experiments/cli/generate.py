@@ -7,7 +7,7 @@ import logging
 import sys
 from typing import Any
 
-from kvlab.experiments.cli import main as cli
+from kvlab.experiments.cli import flags
 
 
 def add_parser(subparsers: Any) -> None:
@@ -23,7 +23,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--sample-seed", type=int, help="per-request sampling seed")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--stats", action="store_true", help="print run metrics to stderr")
-    cli.add_engine_flags(p)
+    flags.add_engine_flags(p)
     p.set_defaults(run=run)
 
 
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     from kvlab.common.llm import LLM
     from kvlab.common.sampling_params import SamplingParams
     from kvlab.experiments.reporting.tables import threads_label
-    config = cli.engine_config(args)
+    config = flags.engine_config(vars(args))
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.sample_seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
                             beam_width=args.beam_width)

@@ -2,9 +2,9 @@
 seed only) and the vLLM-named result. Shared by `kvlab bench serve` and the paired sweep."""
 from __future__ import annotations
 
-import argparse
 import asyncio
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from kvlab.common.errors import ConfigError
@@ -13,27 +13,46 @@ from kvlab.experiments.loadgen.arrivals import arrival_times
 from kvlab.experiments.loadgen.client import run_load
 
 
-def load_plan(args: argparse.Namespace, rate: float) -> tuple[list[datasets.LoadRequest], list[float]]:
-    """Prompts and arrivals depend only on the flags and seed: every backend and rerun gets the same."""
-    reqs = datasets.build(args.dataset, args.num_prompts, args.seed, args.vocab_size, scale=args.scale,
-                          input_len=args.input_len, output_len=args.output_len, range_ratio=args.range_ratio)
+@dataclass(frozen=True)
+class LoadSpec:
+    """What one load run sends and measures, built once from `kvlab bench serve`'s flags (loadgen/cli.py)."""
+    dataset: str = "seed"
+    num_prompts: int = 100
+    seed: int = 0
+    vocab_size: int = 259
+    scale: float = 1 / 8
+    input_len: int = 64
+    output_len: int = 32
+    range_ratio: float = 0.0
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    model: str | None = None         # the model id sent (None: the server's first /v1/models entry)
+    goodput: tuple[str, ...] | None = None
+    percentile_metrics: tuple[str, ...] = tuple(latency.METRICS)
+    metric_percentiles: tuple[str, ...] = ("50", "90", "99")
+
+
+def load_plan(spec: LoadSpec, rate: float) -> tuple[list[datasets.LoadRequest], list[float]]:
+    """Prompts and arrivals depend only on the spec and seed: every backend and rerun gets the same."""
+    reqs = datasets.build(spec.dataset, spec.num_prompts, spec.seed, spec.vocab_size, scale=spec.scale,
+                          input_len=spec.input_len, output_len=spec.output_len, range_ratio=spec.range_ratio)
     if reqs[0].timestamp is not None:
         return reqs, [r.timestamp for r in reqs]
-    return reqs, arrival_times(len(reqs), rate, args.burstiness, args.seed).tolist()
+    return reqs, arrival_times(len(reqs), rate, spec.burstiness, spec.seed).tolist()
 
 
-def bench_once(args: argparse.Namespace, base_url: str, rate: float, model: str | None = None) -> dict[str, Any]:
+def bench_once(spec: LoadSpec, base_url: str, rate: float, model: str | None = None) -> dict[str, Any]:
     try:
-        percentiles = tuple(float(p) for p in args.metric_percentiles)
+        percentiles = tuple(float(p) for p in spec.metric_percentiles)
     except ValueError:
-        raise ConfigError(f"bad --metric-percentiles {args.metric_percentiles}: numbers like 50,90,99") from None
-    slos = latency.parse_goodput(args.goodput)
-    reqs, arrivals = load_plan(args, rate)
-    records, duration, peak = asyncio.run(run_load(base_url, reqs, arrivals, args.max_concurrency,
-                                                   model if model is not None else args.model))
-    result = latency.summarize(records, duration, slos, tuple(args.percentile_metrics), percentiles, peak)
-    result.update({"request_rate": rate, "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
-                   "num_prompts": args.num_prompts, "dataset": args.dataset, "seed": args.seed,
+        raise ConfigError(f"bad --metric-percentiles {list(spec.metric_percentiles)}: numbers like 50,90,99") from None
+    slos = latency.parse_goodput(list(spec.goodput) if spec.goodput is not None else None)
+    reqs, arrivals = load_plan(spec, rate)
+    records, duration, peak = asyncio.run(run_load(base_url, reqs, arrivals, spec.max_concurrency,
+                                                   model if model is not None else spec.model))
+    result = latency.summarize(records, duration, slos, spec.percentile_metrics, percentiles, peak)
+    result.update({"request_rate": rate, "burstiness": spec.burstiness, "max_concurrency": spec.max_concurrency,
+                   "num_prompts": spec.num_prompts, "dataset": spec.dataset, "seed": spec.seed,
                    "errors": sorted({r.error for r in records if r.error})[:5]})
     result.update(attribution_totals(records))
     result["requests"] = [request_log(r) for r in records]

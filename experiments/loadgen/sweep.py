@@ -2,7 +2,6 @@
 at every rate, stopped with SIGTERM (exit 0 expected) before the next backend starts."""
 from __future__ import annotations
 
-import argparse
 import contextlib
 import csv
 import json
@@ -24,7 +23,7 @@ from typing import Any
 import httpx
 
 from kvlab.common.errors import ConfigError
-from kvlab.experiments.loadgen.load_run import bench_once
+from kvlab.experiments.loadgen.load_run import LoadSpec, bench_once
 from kvlab.experiments.loadgen.sampler import StatsSampler
 
 log = logging.getLogger("kvlab.bench.serve")
@@ -97,19 +96,19 @@ def exit_on_sigterm(sig: int, frame) -> None:
     raise SystemExit(128 + sig)          # unwinds through kvlab_server, which stops the child: no orphan
 
 
-def run_sweep(args: argparse.Namespace) -> int:
+def run_sweep(spec: LoadSpec, backends: list[str], rates: list[float], out_dir: str | None, server_args: str) -> int:
+    """Every backend's server in turn, every rate against it; `spec.model` is the kvlab preset served."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, exit_on_sigterm)
-    rates = parse_rates(args.request_rates or [str(args.request_rate)])
-    out = Path(args.out or Path("results") / datetime.now().strftime("%Y%m%d-%H%M%S"))
+    out = Path(out_dir or Path("results") / datetime.now().strftime("%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
     rows, t0 = [], time.perf_counter()
-    for backend in args.backends:
-        with kvlab_server(backend, args.model or "tiny", shlex.split(args.server_args)) as url:
+    for backend in backends:
+        with kvlab_server(backend, spec.model or "tiny", shlex.split(server_args)) as url:
             for rate in rates:
                 before = server_counter(url, "kvlab_preemptions_total")
                 with StatsSampler(url) as sampler:
-                    row = bench_once(args, url, rate) | {"backend": backend}
+                    row = bench_once(spec, url, rate) | {"backend": backend}
                 row["timeline"] = sampler.series
                 row["timeline_poll_errors"] = sampler.errors
                 row["server_preemptions"] = server_counter(url, "kvlab_preemptions_total") - before
@@ -117,14 +116,15 @@ def run_sweep(args: argparse.Namespace) -> int:
                 print(f"{backend:8} rate {rate:>6g}: {row['completed']} done, p99 TTFT {row['p99_ttft_ms']:.1f} ms, "
                       f"p99 TPOT {row['p99_tpot_ms']:.2f} ms, {row['output_throughput']:.0f} tok/s", flush=True)
     sweep_s = time.perf_counter() - t0
-    write(out, rows, sweep_s, args)
-    print(f"sweep: {len(args.backends)} backends x {len(rates)} rates in {sweep_s:.1f} s; wrote {out}")
+    write(out, rows, sweep_s, spec, backends)
+    print(f"sweep: {len(backends)} backends x {len(rates)} rates in {sweep_s:.1f} s; wrote {out}")
     return 0 if all(r["completed"] for r in rows) else 1
 
 
-def write(out: Path, rows: list[dict[str, Any]], sweep_s: float, args: argparse.Namespace) -> None:
-    meta = {"sweep_seconds": sweep_s, "backends": args.backends, "num_prompts": args.num_prompts,
-            "dataset": args.dataset, "burstiness": args.burstiness, "seed": args.seed, "goodput": args.goodput}
+def write(out: Path, rows: list[dict[str, Any]], sweep_s: float, spec: LoadSpec, backends: list[str]) -> None:
+    meta = {"sweep_seconds": sweep_s, "backends": backends, "num_prompts": spec.num_prompts,
+            "dataset": spec.dataset, "burstiness": spec.burstiness, "seed": spec.seed,
+            "goodput": list(spec.goodput) if spec.goodput is not None else None}
     (out / "serve.json").write_text(json.dumps({"meta": meta, "runs": rows}, indent=1, default=str))
     with open(out / "serve.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=ROW_KEYS, extrasaction="ignore")

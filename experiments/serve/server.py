@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import uvicorn
 
-from kvlab.experiments.cli import main as cli
+from kvlab.experiments.cli import flags as cli
 from kvlab.experiments.serve.app import Server, create_app
 from kvlab.experiments.serve.engine_process import ProcessEngine
 from kvlab.experiments.serve.handles import EngineHandle, ThreadEngine, build_engine
@@ -73,7 +73,7 @@ def start_engine(config: Any, max_waiting: int, in_thread: bool) -> tuple[Engine
 
 
 def run(args: argparse.Namespace) -> int:
-    config = cli.engine_config(args)
+    config = cli.engine_config(vars(args))
     engine, threads = start_engine(config, args.max_waiting, args.engine_thread)
     app = create_app(Server(engine, args.served_model_name or str(config.model)))
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)

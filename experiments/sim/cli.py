@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ from kvlab.common.config import load_toml
 from kvlab.common.errors import ConfigError
 from kvlab.common.kv.registry import get_backend
 from kvlab.common.limits import MAX_BUDGET_GB, MAX_MODEL_LEN, check_finite, check_int_range
-from kvlab.experiments.cli import main as cli
+from kvlab.experiments.cli import flags
 from kvlab.experiments.reporting.tables import changes_line, results_dir
 from kvlab.experiments.sim.core import (
     SimCase,
@@ -26,7 +27,7 @@ from kvlab.experiments.sim.core import (
     run_cases,
 )
 from kvlab.experiments.sim.roofline import HARDWARE, hardware, model_spec
-from kvlab.experiments.workloads.requests import build_workload, parse_workload
+from kvlab.experiments.workloads.requests import WorkloadSpec, build_workload, parse_workload
 
 PAGED_BYTES_PER_BLOCK = 160      # measured: 2**20 accounting-only blocks take ~145 MiB
 
@@ -39,14 +40,14 @@ def add_parser(subparsers: Any) -> None:
                    help="seed: the seed article's tables; fp8: bf16 vs fp8 KV (Llama-3-8B); window: Mistral-7B "
                         "sliding window vs full attention at 32K (experiments/sim/kv_presets.py)")
     p.add_argument("--worked-example", action="store_true", help="the article's hand examples, by the backends")
-    p.add_argument("--policies", type=cli.parse_list, default=["reserve", "oracle", "paged"],
+    p.add_argument("--policies", type=flags.parse_list, default=["reserve", "oracle", "paged"],
                    help=f"comma list of {', '.join(policies())}")
     p.add_argument("--budget-gb", type=float, default=60.0,
                    help="KV budget in GB (1e9 bytes); with --tensor-parallel-size > 1, per GPU")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--page-size", type=cli.parse_bytes, default=2 * 2**20)
+    p.add_argument("--page-size", type=flags.parse_bytes, default=2 * 2**20)
     p.add_argument("--watermark", type=float, default=0.05, help="admission watermark (paged, vmm)")
-    p.add_argument("--workload", type=cli.arg_type(parse_workload), default=parse_workload("seed"),
+    p.add_argument("--workload", type=flags.arg_type(parse_workload), default=parse_workload("seed"),
                    help="seed | fixed:P:O | uniform:PLO-PHI:OLO-OHI | trace:FILE.jsonl")
     p.add_argument("--num-requests", type=int, default=2000)
     p.add_argument("--seed", type=int, default=0)
@@ -78,76 +79,103 @@ def add_parser(subparsers: Any) -> None:
     serve_cli.add_parser(p.add_subparsers(dest="simulate_command", metavar="serve", required=False))
 
 
-def run_kv_preset(args: argparse.Namespace, settings: SimSettings, t0: float) -> int:
+@dataclass(frozen=True)
+class SimulateOptions:
+    """What `kvlab simulate` was asked for, built once from its flags (options_from)."""
+    preset: str | None
+    policies: tuple[str, ...]
+    budget_gb: float
+    block_size: int
+    page_size: int
+    watermark: float
+    workload: WorkloadSpec           # the --workload kind with its sizes, seed, rate and scale filled in
+    seeds: int
+    hardware: str
+    model: str
+    tensor_parallel_size: int
+    model_prefill: bool
+    mfu: float
+    config: str | None               # TOML with engine overrides
+    max_num_seqs: int | None
+    max_num_batched_tokens: int | None
+    jobs: int
+    out: str | None
+    json: str | None
+    plot: str | None
+    no_save: bool
+    progress: bool
+
+
+def run_kv_preset(opts: SimulateOptions, settings: SimSettings, t0: float) -> int:
     from kvlab.experiments.sim import kv_presets
-    if args.preset == "fp8":
+    if opts.preset == "fp8":
         variants, title = kv_presets.fp8_variants(settings), f"{settings.model}: bf16 KV vs fp8_e4m3 KV"
     else:
         variants, title = kv_presets.window_variants(settings), "Mistral-7B: full attention vs sliding window 4096"
-    text = kv_presets.report(title, kv_presets.run_pair(variants, args.jobs, not args.no_progress))
+    text = kv_presets.report(title, kv_presets.run_pair(variants, opts.jobs, opts.progress))
     print(text)
     print(f"\n{time.perf_counter() - t0:.1f} s host time")
-    save_report(args, text)
+    save_report(opts, text)
     return 0
 
 
-def settings_from_args(args: argparse.Namespace) -> SimSettings:
-    spec = dataclasses.replace(args.workload, num_requests=args.num_requests, seed=args.seed, rate=args.rate,
-                               scale=args.scale, max_len=args.max_len)
-    engine = load_toml(args.config) if args.config else {}
-    engine.update({k: v for k, v in (("max_num_seqs", args.max_num_seqs),
-                                     ("max_num_batched_tokens", args.max_num_batched_tokens)) if v is not None})
-    hardware(args.hardware)          # fail fast on bad input, before any worker starts
-    model_spec(args.model, tp=args.tensor_parallel_size)
+def sim_settings(opts: SimulateOptions) -> SimSettings:
+    """The simulator's settings; a bad hardware, model or workload fails here, before any worker starts."""
+    spec = opts.workload
+    engine = load_toml(opts.config) if opts.config else {}
+    engine.update({k: v for k, v in (("max_num_seqs", opts.max_num_seqs),
+                                     ("max_num_batched_tokens", opts.max_num_batched_tokens)) if v is not None})
+    hardware(opts.hardware)          # fail fast on bad input, before any worker starts
+    model_spec(opts.model, tp=opts.tensor_parallel_size)
     build_workload(spec)
-    return SimSettings(workload=spec, hardware=args.hardware, model=args.model, model_prefill=args.model_prefill,
-                       mfu=args.mfu, engine=engine, timeline_every=5 if wants_plot(args) else 0,
-                       tensor_parallel_size=args.tensor_parallel_size)
+    return SimSettings(workload=spec, hardware=opts.hardware, model=opts.model, model_prefill=opts.model_prefill,
+                       mfu=opts.mfu, engine=engine, timeline_every=5 if wants_plot(opts) else 0,
+                       tensor_parallel_size=opts.tensor_parallel_size)
 
 
-def wants_plot(args: argparse.Namespace) -> bool:
-    return bool(args.plot) or not (args.json or args.no_save)
+def wants_plot(opts: SimulateOptions) -> bool:
+    return bool(opts.plot) or not (opts.json or opts.no_save)
 
 
-def output_paths(args: argparse.Namespace) -> tuple[Path | None, str | None, str | None]:
+def output_paths(opts: SimulateOptions) -> tuple[Path | None, str | None, str | None]:
     """(results dir, rows JSON, plot PNG): explicit --json/--plot paths alone, else results/<timestamp>/."""
-    if args.no_save or ((args.json or args.plot) and not args.out):
-        return None, args.json, args.plot
-    out = results_dir(args.out)
-    return out, args.json or str(out / "rows.json"), args.plot or str(out / "batch.png")
+    if opts.no_save or ((opts.json or opts.plot) and not opts.out):
+        return None, opts.json, opts.plot
+    out = results_dir(opts.out)
+    return out, opts.json or str(out / "rows.json"), opts.plot or str(out / "batch.png")
 
 
-def cases_from_args(args: argparse.Namespace) -> list[SimCase]:
+def cases_from(opts: SimulateOptions) -> list[SimCase]:
     cases = []
-    for policy in args.policies:
+    for policy in opts.policies:
         growing = get_backend(policy_backend(policy)).watermark
-        options = declared_options(policy, {"block_size": args.block_size, "page_size": args.page_size})
-        cases.append(SimCase(policy, args.budget_gb, watermark=args.watermark if growing else 0.0, **options))
+        options = declared_options(policy, {"block_size": opts.block_size, "page_size": opts.page_size})
+        cases.append(SimCase(policy, opts.budget_gb, watermark=opts.watermark if growing else 0.0, **options))
     return cases
 
 
-def check_args(args: argparse.Namespace) -> None:
+def check_options(opts: SimulateOptions) -> None:
     """Every value bounded before a worker starts or a cache is sized; output paths writable before the run."""
-    check_finite("--budget-gb", args.budget_gb, strict=True, high=MAX_BUDGET_GB)
-    check_finite("--watermark", args.watermark, high=0.999)
-    check_finite("--mfu", args.mfu, strict=True, high=1.0)
-    check_int_range("--jobs", args.jobs, 1, limits.max_threads(), " (at most 4 per CPU)")
-    check_int_range("--seeds", args.seeds, 1, 1000)
-    check_int_range("--block-size", args.block_size, 1, MAX_MODEL_LEN)
-    check_int_range("--tensor-parallel-size", args.tensor_parallel_size, 1, 1024)
-    check_paged_bookkeeping(args)
-    cli.check_output_path(args.json, "--json")
-    cli.check_output_path(args.plot, "--plot")
+    check_finite("--budget-gb", opts.budget_gb, strict=True, high=MAX_BUDGET_GB)
+    check_finite("--watermark", opts.watermark, high=0.999)
+    check_finite("--mfu", opts.mfu, strict=True, high=1.0)
+    check_int_range("--jobs", opts.jobs, 1, limits.max_threads(), " (at most 4 per CPU)")
+    check_int_range("--seeds", opts.seeds, 1, 1000)
+    check_int_range("--block-size", opts.block_size, 1, MAX_MODEL_LEN)
+    check_int_range("--tensor-parallel-size", opts.tensor_parallel_size, 1, 1024)
+    check_paged_bookkeeping(opts)
+    flags.check_output_path(opts.json, "--json")
+    flags.check_output_path(opts.plot, "--plot")
 
 
-def check_paged_bookkeeping(args: argparse.Namespace) -> None:
+def check_paged_bookkeeping(opts: SimulateOptions) -> None:
     """Accounting-only caches allocate no KV, but the paged block pool keeps ~160 B of books per block."""
-    if "paged" not in args.policies and args.preset != "seed":
+    if "paged" not in opts.policies and opts.preset != "seed":
         return
-    block_size = 16 if args.preset == "seed" else args.block_size     # the seed tables' smallest block
-    per_token = model_spec(args.model, tp=args.tensor_parallel_size).kv_shape().bytes_per_token
-    blocks = args.budget_gb * 1e9 / (block_size * per_token)
-    limits.check_fits_in_ram(f"--budget-gb {args.budget_gb:g} ({blocks:.3g} paged blocks of {block_size} tokens)",
+    block_size = 16 if opts.preset == "seed" else opts.block_size     # the seed tables' smallest block
+    per_token = model_spec(opts.model, tp=opts.tensor_parallel_size).kv_shape().bytes_per_token
+    blocks = opts.budget_gb * 1e9 / (block_size * per_token)
+    limits.check_fits_in_ram(f"--budget-gb {opts.budget_gb:g} ({blocks:.3g} paged blocks of {block_size} tokens)",
                       blocks * PAGED_BYTES_PER_BLOCK, "lower --budget-gb or raise --block-size")
 
 
@@ -157,36 +185,64 @@ def run(args: argparse.Namespace) -> int:
         print_worked_example()
         if not args.preset:
             return 0
-    if args.seeds < 1:
-        raise ConfigError(f"--seeds must be >= 1, got {args.seeds}")
-    check_args(args)
-    settings = settings_from_args(args)
-    print(changes_line(settings.workload, scale_given=args.scale != 1.0))
+    return simulate(options_from(args))
+
+
+def options_from(args: argparse.Namespace) -> SimulateOptions:
+    """The one place `kvlab simulate`'s flags are read."""
+    spec = dataclasses.replace(args.workload, num_requests=args.num_requests, seed=args.seed, rate=args.rate,
+                               scale=args.scale, max_len=args.max_len)
+    return SimulateOptions(
+        preset=args.preset, policies=tuple(args.policies), budget_gb=args.budget_gb, block_size=args.block_size,
+        page_size=args.page_size, watermark=args.watermark, workload=spec, seeds=args.seeds, hardware=args.hardware,
+        model=args.model, tensor_parallel_size=args.tensor_parallel_size, model_prefill=args.model_prefill,
+        mfu=args.mfu, config=args.config, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, jobs=args.jobs, out=args.out, json=args.json,
+        plot=args.plot, no_save=args.no_save, progress=not args.no_progress)
+
+
+def simulate(opts: SimulateOptions) -> int:
+    if opts.seeds < 1:
+        raise ConfigError(f"--seeds must be >= 1, got {opts.seeds}")
+    check_options(opts)
+    settings = sim_settings(opts)
+    print(changes_line(settings.workload, scale_given=opts.workload.scale != 1.0))
     t0 = time.perf_counter()
-    if args.preset in ("fp8", "window"):
-        return run_kv_preset(args, settings, t0)
-    if args.preset == "seed" and args.seeds > 1:
+    if opts.preset in ("fp8", "window"):
+        return run_kv_preset(opts, settings, t0)
+    if opts.preset == "seed" and opts.seeds > 1:
         from kvlab.experiments.sim import seed_article
-        text = seed_article.spread(settings, args.seeds, args.jobs, not args.no_progress)
+        text = seed_article.spread(settings, opts.seeds, opts.jobs, opts.progress)
         print(text)
         print(f"\n{time.perf_counter() - t0:.1f} s host time")
-        save_report(args, text)
+        save_report(opts, text)
         return 0
-    if args.preset == "seed":
+    cases, rows, plotted, text = run_simulations(opts, settings)
+    print(f"\n{len({c.key for c in cases})} simulations in {time.perf_counter() - t0:.1f} s host time "
+          f"(longest {max(r.wall_seconds for r in rows):.1f} s)")
+    write_outputs(opts, text, rows, plotted)
+    return 0
+
+
+def run_simulations(opts: SimulateOptions, settings: SimSettings) -> tuple:
+    """(cases, rows, the rows plotted, the report printed): the seed article's tables, or one row per policy."""
+    if opts.preset == "seed":
         from kvlab.experiments.sim import seed_article
         cases = seed_article.cases()
-        rows = run_cases(cases, settings, args.jobs, not args.no_progress)
+        rows = run_cases(cases, settings, opts.jobs, opts.progress)
         text = seed_article.report(cases, rows, settings)
         print(text)
         plotted = list({c.key: r for c, r in zip(cases, rows) if c.key in seed_article.PLOTTED}.values())
-    else:
-        cases = cases_from_args(args)
-        rows = plotted = run_cases(cases, settings, args.jobs, not args.no_progress)
-        text = plain_report(rows, settings)
-        print(text)
-    print(f"\n{len({c.key for c in cases})} simulations in {time.perf_counter() - t0:.1f} s host time "
-          f"(longest {max(r.wall_seconds for r in rows):.1f} s)")
-    out, json_path, plot_path = output_paths(args)
+        return cases, rows, plotted, text
+    cases = cases_from(opts)
+    rows = run_cases(cases, settings, opts.jobs, opts.progress)
+    text = plain_report(rows, settings)
+    print(text)
+    return cases, rows, rows, text
+
+
+def write_outputs(opts: SimulateOptions, text: str, rows: list[SimRow], plotted: list[SimRow]) -> None:
+    out, json_path, plot_path = output_paths(opts)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "report.txt").write_text(text + "\n")
@@ -198,11 +254,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"plot written to {plot_path}")
     if out is not None:
         print(f"results in {out}/ (report.txt, rows.json, batch.png)")
-    return 0
 
 
-def save_report(args: argparse.Namespace, text: str) -> None:
-    out = output_paths(args)[0]
+def save_report(opts: SimulateOptions, text: str) -> None:
+    out = output_paths(opts)[0]
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "report.txt").write_text(text + "\n")

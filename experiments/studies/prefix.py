@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.common.errors import ConfigError
-from kvlab.experiments.cli import main as cli
+from kvlab.experiments.cli import flags as cli
 from kvlab.experiments.reporting.tables import results_dir
 from kvlab.experiments.workloads import prefix as pw
 

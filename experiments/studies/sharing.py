@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.common.errors import ConfigError
-from kvlab.experiments.cli import main as cli
+from kvlab.experiments.cli import flags
 from kvlab.experiments.reporting.tables import changes_line, progress_bar, results_dir, threads_label
 from kvlab.experiments.workloads.requests import WorkloadSpec, build_workload, parse_workload, prompt_token_ids
 
@@ -42,11 +42,11 @@ class SharingRow:
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("sharing", help="KV memory saved by sharing: parallel sampling and beam search",
                               description="Measure KV memory saved by fork/copy-on-write on paged and vmm.")
-    p.add_argument("--backends", type=cli.parse_list, default=["paged", "vmm"])
-    p.add_argument("--modes", type=cli.parse_list, default=["parallel", "beam"])
-    p.add_argument("--widths", type=cli.parse_list, default=[str(w) for w in WIDTHS], help="n / beam widths")
+    p.add_argument("--backends", type=flags.parse_list, default=["paged", "vmm"])
+    p.add_argument("--modes", type=flags.parse_list, default=["parallel", "beam"])
+    p.add_argument("--widths", type=flags.parse_list, default=[str(w) for w in WIDTHS], help="n / beam widths")
     p.add_argument("--num-requests", type=int, default=16)
-    p.add_argument("--workload", type=cli.arg_type(parse_workload), default=parse_workload(ALPACA_LIKE),
+    p.add_argument("--workload", type=flags.arg_type(parse_workload), default=parse_workload(ALPACA_LIKE),
                    help=f"default {ALPACA_LIKE} (Alpaca-like); seed | fixed:P:O | uniform:PLO-PHI:OLO-OHI | "
                         "trace:FILE.jsonl")
     p.add_argument("--scale", type=float, default=1.0, help="multiply every length")
@@ -54,7 +54,7 @@ def add_parser(subparsers: Any) -> None:
                                                    "report.txt")
     p.add_argument("--json", metavar="PATH", help='write {"rows": [...]} to PATH only (no results directory)')
     p.add_argument("--no-progress", action="store_true")
-    cli.add_engine_flags(p, skip=("backend",))
+    flags.add_engine_flags(p, skip=("backend",))
     p.set_defaults(run=run)
 
 
@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvlab.common.loader import load_model
     widths = parse_widths(args.widths)
-    cli.check_output_path(args.json, "--json")
+    flags.check_output_path(args.json, "--json")
     for mode in args.modes:
         if mode not in ARTICLE:
             raise ConfigError(f"unknown sharing mode {mode!r}; choose parallel or beam")
@@ -71,43 +71,51 @@ def run(args: argparse.Namespace) -> int:
                                seed=args.seed if args.seed is not None else 0)
     requests = build_workload(spec)
     print(changes_line(spec, scale_given=args.scale != 1.0))
-    probe = cli.engine_config(args, backend=args.backends[0])
+    engine_flags = vars(args)
+    probe = flags.engine_config(engine_flags, backend=args.backends[0])
     if probe.threads:
         torch.set_num_threads(probe.threads)
     print(f"kvlab sharing: model {probe.model} ({probe.dtype}, {probe.device}, {threads_label(probe.threads)})")
     model, _ = load_model(probe.model, probe.dtype, probe.device, probe.seed)
-    prompts = prompt_token_ids(requests, model.config.vocab_size, spec.seed)
+    jobs = [(b, m, w) for b in args.backends for m in args.modes for w in widths]
+    rows = measure_all(jobs, engine_flags, model, requests, spec.seed, not args.no_progress)
+    text = report(rows, spec, probe.model)
+    print(text)
+    save(rows, text, args.out, args.json)
+    return 0
+
+
+def measure_all(jobs: list[tuple[str, str, int]], engine_flags: dict[str, Any], model: Any, requests: list,
+                seed: int, progress: bool) -> list[SharingRow]:
+    """One row per (backend, mode, width), each on a fresh engine over the same prompts."""
+    prompts = prompt_token_ids(requests, model.config.vocab_size, seed)
     outputs = [r.output_len for r in requests]
     rows = []
-    jobs = [(b, m, w) for b in args.backends for m in args.modes for w in widths]
-    bar = None if args.no_progress else progress_bar(total=len(jobs), desc="sharing", unit="run")
+    bar = progress_bar(total=len(jobs), desc="sharing", unit="run") if progress else None
     for backend, mode, width in jobs:
-        config = sharing_config(args, backend, model, requests, width)
+        config = sharing_config(engine_flags, backend, model, requests, width)
         rows.append(measure(config, model, prompts, outputs, mode, width))
         if bar is not None:
             bar.set_postfix_str(f"{backend} {mode} {width}")
             bar.update(1)
     if bar is not None:
         bar.close()
-    text = report(rows, spec, probe.model)
-    print(text)
-    save(args, rows, text)
-    return 0
+    return rows
 
 
-def save(args: argparse.Namespace, rows: list[SharingRow], text: str) -> None:
+def save(rows: list[SharingRow], text: str, out_dir: str | None, json_path: str | None) -> None:
     """--json PATH alone, else rows.json and report.txt in --out or results/<timestamp>/."""
     payload = json.dumps({"rows": [asdict(r) for r in rows]}, indent=1)
-    if args.json and not args.out:
-        Path(args.json).write_text(payload)
-        print(f"rows written to {args.json}")
+    if json_path and not out_dir:
+        Path(json_path).write_text(payload)
+        print(f"rows written to {json_path}")
         return
-    out = results_dir(args.out)
+    out = results_dir(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "rows.json").write_text(payload)
     (out / "report.txt").write_text(text + "\n")
-    if args.json:
-        Path(args.json).write_text(payload)
+    if json_path:
+        Path(json_path).write_text(payload)
     print(f"results in {out}/ (rows.json, report.txt)")
 
 
@@ -124,20 +132,21 @@ def parse_widths(values: list[str]) -> list[int]:
     return widths
 
 
-def sharing_config(args: argparse.Namespace, backend: str, model: Any, requests: list, width: int):
+def sharing_config(engine_flags: dict[str, Any], backend: str, model: Any, requests: list, width: int):
     """Room for every sequence at full length (no preemption: this measures sharing, not pressure); vmm pages
-    of the same grain as the paged blocks unless --page-size is given."""
+    of the same grain as the paged blocks unless --page-size is given. `engine_flags`: the engine flags as
+    given (None: not given)."""
     longest = max(r.total_len for r in requests)
-    shape = model.kv_shape(args.dtype or "float32", args.device or "cpu")
-    block = args.block_size or 16
+    shape = model.kv_shape(engine_flags.get("dtype") or "float32", engine_flags.get("device") or "cpu")
+    block = engine_flags.get("block_size") or 16
     seqs = len(requests) * width * (2 if backend == "vmm" else 1)   # beam search keeps 2x candidates briefly
     defaults = {"max_model_len": longest, "max_num_seqs": seqs,
                     "max_num_batched_tokens": max(2048, seqs), "watermark": 0.0,
                     "kv_cache_bytes": 2 * seqs * (longest + block) * shape.bytes_per_token}
-    if args.page_size is None:
+    if engine_flags.get("page_size") is None:
         defaults["page_size"] = -(-block * shape.bytes_per_token_per_layer // 4096) * 4096
-    given = {k for k in cli.engine_flag_names() if getattr(args, k, None) is not None}
-    return cli.engine_config(args, backend=backend, **{k: v for k, v in defaults.items() if k not in given})
+    given = {k for k in flags.engine_flag_names() if engine_flags.get(k) is not None}
+    return flags.engine_config(engine_flags, backend=backend, **{k: v for k, v in defaults.items() if k not in given})
 
 
 def measure(config: Any, model: Any, prompts: list[list[int]], outputs: list[int], mode: str,

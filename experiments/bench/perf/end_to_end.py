@@ -14,7 +14,7 @@ from kvlab.experiments.bench.perf.harness import (
     Goal,
     Result,
     Settings,
-    interleaved,
+    interleaved_llms,
     paired_ratios,
     ratio,
     timing_detail,
@@ -57,8 +57,10 @@ def make_llm(backend: str, w: LongContext, settings: Settings):
                kv_cache_bytes=2 * w.num_requests * w.max_len * per_token + 2**24)
 
 
-def runner(llm, w: LongContext, prompts: list[list[int]], runs: list):
+def runner(backend: str, w: LongContext, settings: Settings, prompts: list[list[int]], runs: list):
+    """The backend's LLM and a function timing one generate() of every prompt (its metrics kept in `runs`)."""
     from kvlab import SamplingParams
+    llm = make_llm(backend, w, settings)
     params = SamplingParams(max_tokens=w.output_len, ignore_eos=True, temperature=0.0)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0))   # warm-up
 
@@ -68,23 +70,15 @@ def runner(llm, w: LongContext, prompts: list[list[int]], runs: list):
         seconds = time.perf_counter() - t0
         runs.append(llm.metrics())
         return seconds
-    return run
+    return llm, run
 
 
 def run(settings: Settings) -> list[Result]:
     w = workload_for(settings)
     prompts = w.prompts(settings.seed)
-    llms = {}
     metrics: dict[str, list] = {b: [] for b in BACKENDS}
-    try:
-        fns = {}
-        for backend in BACKENDS:
-            llms[backend] = make_llm(backend, w, settings)
-            fns[backend] = runner(llms[backend], w, prompts, metrics[backend])
-        timings = interleaved(fns, min(settings.repeats, MAX_REPEATS))
-    finally:
-        for llm in llms.values():
-            llm.close()
+    timings = interleaved_llms(lambda backend: runner(backend, w, settings, prompts, metrics[backend]), BACKENDS,
+                               min(settings.repeats, MAX_REPEATS))
     tokens = w.num_requests * w.output_len
     shape = {"requests": w.num_requests, "prompt_len": [w.prompt_low, w.prompt_high], "output_len": w.output_len}
     rows = []

@@ -53,6 +53,21 @@ def interleaved(fns: dict[str, Callable[[], float]], repeats: int) -> dict[str, 
     return {name: Timing.of(s) for name, s in samples.items()}
 
 
+def interleaved_llms(make: Callable[[str], tuple[Any, Callable[[], float]]], backends: tuple[str, ...],
+                     repeats: int, others: dict[str, Callable[[], float]] | None = None) -> dict[str, Timing]:
+    """One LLM per backend, each with its timed run, from `make(backend)`; the runs (after `others`, e.g. a
+    baseline) timed `interleaved`; every LLM built is closed, also when building or a run fails."""
+    llms, fns = [], dict(others or {})
+    try:
+        for backend in backends:
+            llm, fns[backend] = make(backend)
+            llms.append(llm)
+        return interleaved(fns, repeats)
+    finally:
+        for llm in llms:
+            llm.close()
+
+
 @dataclass(frozen=True, slots=True)
 class Goal:
     op: str          # one of COMPARE

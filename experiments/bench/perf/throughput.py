@@ -14,7 +14,7 @@ from kvlab.experiments.bench.perf.harness import (
     Goal,
     Result,
     Settings,
-    interleaved,
+    interleaved_llms,
     paired_ratios,
     ratio,
     timing_detail,
@@ -91,16 +91,8 @@ def run(settings: Settings) -> list[Result]:
     prompts, lens = make_requests(w, model.config.vocab_size, settings.seed)
     useful = sum(lens)
     hf_run, hf_info = hf_runner(model, w, prompts, lens)
-    llms, fns = [], {"hf": hf_run}
-    try:
-        for backend in BACKENDS:
-            llm, fn = engine_runner(backend, w, settings, prompts, lens)
-            llms.append(llm)
-            fns[backend] = fn
-        timings = interleaved(fns, settings.repeats)
-    finally:
-        for llm in llms:
-            llm.close()
+    timings = interleaved_llms(lambda backend: engine_runner(backend, w, settings, prompts, lens), BACKENDS,
+                               settings.repeats, others={"hf": hf_run})
     hf_tps = useful / timings["hf"].median
     shape = {"requests": w.num_requests, "batch_size": w.batch_size, "max_len": w.max_len,
              "useful_tokens": useful, "prompt_tokens": sum(len(p) for p in prompts)}

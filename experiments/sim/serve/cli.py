@@ -7,12 +7,13 @@ import csv
 import dataclasses
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvlab.common.errors import ConfigError
 from kvlab.common.limits import check_int_range
-from kvlab.experiments.cli import main as cli
+from kvlab.experiments.cli import flags
 from kvlab.experiments.loadgen import latency
 from kvlab.experiments.loadgen.sweep import ROW_KEYS, parse_rates
 from kvlab.experiments.sim.core import SimCase
@@ -31,9 +32,9 @@ def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("serve", help="online serving on the roofline clock: rates, seeds, SLO search",
                               description="Online arrivals against the real scheduler and accounting-only "
                                           "backends on the roofline clock; `kvlab bench serve`'s result keys.")
-    p.add_argument("--backends", type=cli.parse_list, default=["reserve", "paged-16", "vmm-2MiB", "vmm-64KiB"],
+    p.add_argument("--backends", type=flags.parse_list, default=["reserve", "paged-16", "vmm-2MiB", "vmm-64KiB"],
                    help="comma list: reserve, oracle, paged-BLOCK, vmm-SIZE")
-    p.add_argument("--request-rates", type=cli.parse_list, default=["inf"], help="comma list of req/s (inf allowed)")
+    p.add_argument("--request-rates", type=flags.parse_list, default=["inf"], help="comma list of req/s (inf allowed)")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1 = Poisson)")
     p.add_argument("--dataset", default="seed", help="seed | random | trace:FILE.jsonl")
     p.add_argument("--num-prompts", type=int, default=2000)
@@ -53,7 +54,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--max-num-seqs", type=int, help="cap the batch (default: unbounded)")
     p.add_argument("--max-num-batched-tokens", type=int, help="per-step token budget (default: unbounded)")
     p.add_argument("--goodput", nargs="+", metavar="NAME:MS", help="SLOs for goodput: ttft:MS tpot:MS e2el:MS")
-    p.add_argument("--slo", type=cli.arg_type(slo.parse_slo), help="search the highest rate meeting e.g. "
+    p.add_argument("--slo", type=flags.arg_type(slo.parse_slo), help="search the highest rate meeting e.g. "
                                                                     "p99_ttft_ms<=2000,p99_tpot_ms<=100")
     p.add_argument("--search", choices=("request-rate", "max-concurrency"), default="request-rate",
                    help="the SLO search's axis: the request rate, or the client's max concurrency (integer, at "
@@ -83,24 +84,58 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(run=run)
 
 
-def spec_from_args(args: argparse.Namespace) -> ServeSpec:
-    hardware(args.hardware)
-    check_int_range("--tensor-parallel-size", args.tensor_parallel_size, 1, 1024)
-    check_int_range("--max-concurrency", args.max_concurrency, 0, 10**9)
-    model_spec(args.model, tp=args.tensor_parallel_size)
-    if args.driver_costs not in (*PROFILES, "host"):
-        raise ConfigError(f"unknown --driver-costs {args.driver_costs!r}; choose {', '.join([*PROFILES, 'host'])}")
-    if args.seeds < 1 or args.num_prompts < 1:
-        raise ConfigError("--seeds and --num-prompts must be >= 1")
+@dataclass(frozen=True)
+class ServeSettings:
+    """What `kvlab simulate serve` was asked for, built once from its flags (settings_from)."""
+    spec: ServeSpec
+    backends: tuple[str, ...]
+    budget_gb: float
+    watermark: float
+    seeds: tuple[int, ...]
+    request_rates: tuple[str, ...]
+    slo: dict[str, float] | None = None     # None: the grid of rates; else the search's target
+    search: str = "request-rate"            # the SLO search's axis: request-rate | max-concurrency
+    slo_start: float = 4.0
+    slo_tolerance: float = 0.02
+    independent_seeds: bool = False
+    early_stop: bool = True
+    jobs: int = 2
+    progress: bool = True
+    out: str | None = None
+    save: bool = True
+    plots: bool = True
+
+
+def settings_from(args: argparse.Namespace) -> ServeSettings:
+    """The one place `kvlab simulate serve`'s flags are read; checked before anything is built."""
+    check_flags(args.hardware, args.model, args.tensor_parallel_size, args.max_concurrency, args.driver_costs,
+                args.seeds, args.num_prompts)
     engine = {k: v for k, v in (("max_num_seqs", args.max_num_seqs),
                                 ("max_num_batched_tokens", args.max_num_batched_tokens)) if v is not None}
-    return ServeSpec(dataset=args.dataset, num_requests=args.num_prompts, scale=args.scale, max_len=args.max_len,
+    spec = ServeSpec(dataset=args.dataset, num_requests=args.num_prompts, scale=args.scale, max_len=args.max_len,
                      input_len=args.input_len, output_len=args.output_len, range_ratio=args.range_ratio,
                      burstiness=args.burstiness, hardware=args.hardware, model=args.model,
                      model_prefill=not args.ignore_prefill, mfu=args.mfu, engine=engine,
                      goodput=latency.parse_goodput(args.goodput), driver_profile=args.driver_costs,
                      calibration=args.calibration, background_mapping=args.background_mapping,
                      tensor_parallel_size=args.tensor_parallel_size, max_concurrency=args.max_concurrency)
+    return ServeSettings(spec, tuple(args.backends), args.budget_gb, args.watermark,
+                         tuple(range(args.seed, args.seed + args.seeds)), tuple(args.request_rates), args.slo,
+                         args.search, args.slo_start, args.slo_tolerance, args.independent_seeds,
+                         not args.no_early_stop, args.jobs, not args.no_progress, args.out, not args.no_save,
+                         not args.no_plots)
+
+
+def check_flags(hardware_name: str, model: str, tp: int, max_concurrency: int, driver_costs: str, seeds: int,
+                num_prompts: int) -> None:
+    hardware(hardware_name)
+    check_int_range("--tensor-parallel-size", tp, 1, 1024)
+    check_int_range("--max-concurrency", max_concurrency, 0, 10**9)
+    model_spec(model, tp=tp)
+    if driver_costs not in (*PROFILES, "host"):
+        raise ConfigError(f"unknown --driver-costs {driver_costs!r}; choose {', '.join([*PROFILES, 'host'])}")
+    if seeds < 1 or num_prompts < 1:
+        raise ConfigError("--seeds and --num-prompts must be >= 1")
 
 
 def _point(a: tuple[SimCase, ServeSpec, float, int]) -> dict[str, Any]:
@@ -125,72 +160,83 @@ def _search_concurrency(a: tuple[SimCase, ServeSpec, int, dict[str, float], floa
             "evaluations": found.evaluations, "runs": list(found.results.values())}
 
 
-def slo_jobs(args: argparse.Namespace, spec: ServeSpec, cases: list[SimCase], seeds: list[int]) -> tuple:
+def slo_jobs(s: ServeSettings, cases: list[SimCase]) -> tuple:
     """(worker function, its jobs, the searched key) for the SLO search's axis."""
-    if args.search == "max-concurrency":
-        rates = parse_rates(args.request_rates)
+    if s.search == "max-concurrency":
+        rates = parse_rates(list(s.request_rates))
         if len(rates) != 1:
             raise ConfigError("--search max-concurrency runs at one rate: give one --request-rates value (or inf)")
-        return (_search_concurrency, [(c, spec, s, args.slo, args.slo_start, rates[0], not args.no_early_stop)
-                                      for c in cases for s in seeds], "slo_max_concurrency")
-    return (_search, [(c, spec, s, args.slo, args.slo_start, args.slo_tolerance, not args.no_early_stop, 2.0)
-                      for c in cases for s in seeds], "slo_rate")
+        return (_search_concurrency, [(c, s.spec, seed, s.slo, s.slo_start, rates[0], s.early_stop)
+                                      for c in cases for seed in s.seeds], "slo_max_concurrency")
+    return (_search, [(c, s.spec, seed, s.slo, s.slo_start, s.slo_tolerance, s.early_stop, 2.0)
+                      for c in cases for seed in s.seeds], "slo_rate")
 
 
-def run_searches(args: argparse.Namespace, spec: ServeSpec, cases: list[SimCase], seeds: list[int]
-                 ) -> tuple[list[dict[str, Any]], str]:
+def run_searches(s: ServeSettings, cases: list[SimCase]) -> tuple[list[dict[str, Any]], str]:
     """Every (backend, seed) search. On the rate axis, unless --independent-seeds: each backend's first seed
     searches from --slo-start; its other seeds then start at that answer with 5% brackets (WARM_STEP), as soon
     as it is known, which takes about half the runs. Every answer is still verified on its own seed: it passed
     at lo and missed at hi."""
-    fn, jobs, key = slo_jobs(args, spec, cases, seeds)
-    progress = not args.no_progress
-    if args.search != "request-rate" or len(seeds) == 1 or args.independent_seeds:
-        return pool_map(fn, jobs, args.jobs, progress, unit="search"), key
+    fn, jobs, key = slo_jobs(s, cases)
+    seeds = s.seeds
+    if s.search != "request-rate" or len(seeds) == 1 or s.independent_seeds:
+        return pool_map(fn, jobs, s.jobs, s.progress, unit="search"), key
 
     def warm(first: dict[str, Any]) -> list[tuple]:
         """The backend's other seeds, started at its first seed's answer (none found: from --slo-start)."""
         mine = [j for j in jobs if j[2] != seeds[0] and backend_label(j[0]) == first["backend"]]
         return [(*j[:4], first[key], *j[5:7], WARM_STEP) for j in mine] if first[key] > 0 else mine
 
-    searches = pool_chain(fn, [j for j in jobs if j[2] == seeds[0]], lambda s: warm(s) if s["seed"] == seeds[0]
-                          else [], len(jobs), args.jobs, progress)
+    searches = pool_chain(fn, [j for j in jobs if j[2] == seeds[0]], lambda f: warm(f) if f["seed"] == seeds[0]
+                          else [], len(jobs), s.jobs, s.progress)
     order = {label: i for i, label in enumerate(backend_label(c) for c in cases)}
     return sorted(searches, key=lambda s: (order[s["backend"]], s["seed"])), key
 
 
 def run(args: argparse.Namespace) -> int:
-    spec = spec_from_args(args)
-    cases = parse_backends(args.backends, args.budget_gb, args.watermark)
-    seeds = list(range(args.seed, args.seed + args.seeds))
+    return simulate_serve(settings_from(args))
+
+
+def simulate_serve(s: ServeSettings) -> int:
+    cases = parse_backends(list(s.backends), s.budget_gb, s.watermark)
     labels = [backend_label(c) for c in cases]
     t0 = time.perf_counter()
-    meta = {"spec": dataclasses.asdict(spec), "backends": labels, "seeds": seeds,
-            "budget_gb": args.budget_gb, "watermark": args.watermark}
-    if args.slo:
-        searches, key = run_searches(args, spec, cases, seeds)
-        runs = [r for s in searches for r in s["runs"]]
-        rows = [r for r in runs if not r.get("stopped_early")]       # the runs with figures
-        meta["runs_stopped_early"] = len(runs) - len(rows)
-        per = {b: [s[key] for s in searches if s["backend"] == b] for b in labels}
-        result = {"slo": args.slo, "axis": args.search, **summary.slo_summary(per, labels[0], key),
-                  "searches": [{k: v for k, v in s.items() if k != "runs"} for s in searches]}
-        text = slo_table(result, args.slo, spec)
+    meta = {"spec": dataclasses.asdict(s.spec), "backends": labels, "seeds": list(s.seeds),
+            "budget_gb": s.budget_gb, "watermark": s.watermark}
+    if s.slo:
+        rows, result, text = slo_search(s, cases, labels, meta)
     else:
-        rates = parse_rates(args.request_rates)
-        jobs = [(c, spec, r, s) for c in cases for r in rates for s in seeds]
-        rows = pool_map(_point, jobs, args.jobs, not args.no_progress)
-        result = {"figures": summary.fold(rows), "ratios": summary.ratios(rows, labels[0])}
-        text = grid_table(result["figures"], spec)
+        rows, result, text = rate_grid(s, cases, labels)
     meta["host_seconds"] = time.perf_counter() - t0
     print(text)
     stopped = meta.get("runs_stopped_early", 0)
     print(f"\n{len(rows) + stopped} simulated runs ({stopped} stopped once their SLO was certainly missed) in "
           f"{meta['host_seconds']:.1f} s host time")
-    if not args.no_save:
-        out = save(args, meta, result, rows, text)
+    if s.save:
+        out = save(s.out, s.plots, meta, result, rows, text)
         print(f"results in {out}/")
     return 0
+
+
+def slo_search(s: ServeSettings, cases: list[SimCase], labels: list[str], meta: dict) -> tuple:
+    """(rows with figures, result, table) of every (backend, seed) SLO search; counts the stopped runs in meta."""
+    searches, key = run_searches(s, cases)
+    runs = [r for found in searches for r in found["runs"]]
+    rows = [r for r in runs if not r.get("stopped_early")]       # the runs with figures
+    meta["runs_stopped_early"] = len(runs) - len(rows)
+    per = {b: [found[key] for found in searches if found["backend"] == b] for b in labels}
+    result = {"slo": s.slo, "axis": s.search, **summary.slo_summary(per, labels[0], key),
+              "searches": [{k: v for k, v in found.items() if k != "runs"} for found in searches]}
+    return rows, result, slo_table(result, s.slo, s.spec)
+
+
+def rate_grid(s: ServeSettings, cases: list[SimCase], labels: list[str]) -> tuple:
+    """(rows, result, table) of every backend at every rate and seed."""
+    rates = parse_rates(list(s.request_rates))
+    jobs = [(c, s.spec, r, seed) for c in cases for r in rates for seed in s.seeds]
+    rows = pool_map(_point, jobs, s.jobs, s.progress)
+    result = {"figures": summary.fold(rows), "ratios": summary.ratios(rows, labels[0])}
+    return rows, result, grid_table(result["figures"], s.spec)
 
 
 def profile_line(spec: ServeSpec) -> str:
@@ -235,9 +281,9 @@ def slo_table(result: dict[str, Any], target: dict[str, float], spec: ServeSpec)
                  f"{what} with {goal}; {profile_line(spec)}")
 
 
-def save(args: argparse.Namespace, meta: dict, result: dict, rows: list[dict], text: str) -> Path:
+def save(out_dir: str | None, plots: bool, meta: dict, result: dict, rows: list[dict], text: str) -> Path:
     from kvlab.experiments.reporting.tables import results_dir
-    out = results_dir(args.out)
+    out = results_dir(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.txt").write_text(text + "\n")
     (out / "sim_serve.json").write_text(json.dumps({"meta": meta, "result": result, "runs": rows}, indent=1,
@@ -246,7 +292,7 @@ def save(args: argparse.Namespace, meta: dict, result: dict, rows: list[dict], t
         w = csv.DictWriter(f, fieldnames=CSV_KEYS, extrasaction="ignore")
         w.writeheader()
         w.writerows({**r, **r["driver"]} for r in rows)
-    if not args.no_plots:
+    if plots:
         from kvlab.experiments.sim.serve.plots import plot_all
         plot_all(out, rows, result)
     return out

@@ -134,7 +134,7 @@ def pool_pages(case: SimCase, spec: ServeSpec) -> int:
 
 def parse_backends(items: list[str], budget_gb: float, watermark: float) -> list[SimCase]:
     """reserve | oracle | paged-BLOCK | vmm-SIZE (e.g. paged-16, vmm-2MiB, vmm-64KiB)."""
-    from kvlab.experiments.cli.main import parse_bytes
+    from kvlab.experiments.cli.flags import parse_bytes
     cases = []
     for item in items:
         name, _, size = item.partition("-")

@@ -1,4 +1,5 @@
-"""A recording fake of `cuda.bindings.driver` for the VMM calls (gpu-apis.md §1.2-1.5), for machines without a GPU.
+"""A recording fake of `cuda.bindings.driver` for the VMM calls (gpu-apis.md §1.2-1.5), for machines without a GPU: the
+tests drive vmm/drivers/cuda.py against it, and so does the GPU check's CPU dry run (experiments/gpu/).
 
 Like the real module every cuXxx returns a tuple `(CUresult, *values)`; structs and enums are the real ones from
 cuda.bindings (they work without a driver). It enforces the documented rules: cuInit first; a current context on

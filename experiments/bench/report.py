@@ -1,0 +1,83 @@
+"""`kvlab bench`'s report: the side-by-side table, the greedy-agreement note, and the results directory
+(results.json, results.csv, throughput.png, batch.png, kv_memory.png)."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kvlab.experiments.bench.plan import BenchPlan
+
+
+def side_by_side(runs: list[dict[str, Any]]) -> str:
+    """Deterministic figures once; every timed figure as `median [min-max]` over the repeats; then, per
+    backend against the first, whether their throughput runs overlap."""
+    from kvlab.experiments.reporting.tables import fmt, pct, table, verdict, with_spread
+    ms = lambda v: "-" if v is None else f"{1000 * v:.1f}"
+    timed = lambda key, f=fmt: lambda r: with_spread(r.get("repeats", {}).get(key) or [r[key]], f)
+    rows = [
+        ("output tok/s median [min-max]", timed("output_tokens_per_s")),
+        ("  every run", lambda r: " ".join(f"{v:,.0f}" for v in r["repeats_output_tokens_per_s"])),
+        ("mean batch (max)", lambda r: f"{r['mean_batch']:.1f} ({r['max_batch']})"),
+        ("KV utilisation", lambda r: pct(r["kv_utilization"])),
+        ("preemptions", lambda r: fmt(r["preemptions"])),
+        ("TTFT p50 ms", timed("ttft_p50", ms)),
+        ("TPOT p50 ms", timed("tpot_p50", ms)),
+        ("allocator share", timed("allocator_share", pct)),
+        ("scheduler s", timed("scheduler_seconds", lambda v: f"{v:.2f}")),
+        ("wall s", timed("wall_seconds", lambda v: f"{v:.1f}")),
+        ("steps", lambda r: fmt(r["num_steps"])),
+        ("peak units used", lambda r: f"{r['peak_used_units']:,}/{r['total_units']:,} {r['unit_name']}s"),
+        ("kernels (prefill, decode)", lambda r: ", ".join(r["kernels"].get(p, "-") for p in ("prefill", "decode"))),
+        ("kernel fallbacks", lambda r: str(len(r["kernel_fallbacks"]))),
+        ("outputs = first backend", lambda r: f"{r['outputs_match_first']}/{r['num_requests']}"),
+    ]
+    if any(r.get("tp_comm") for r in runs):       # tensor parallelism: rank 0's communication per step
+        rows.append(("TP bcast + allreduce us/step", lambda r: "-" if not r.get("tp_comm") else
+                     f"{r['tp_comm']['broadcast_us']:,.0f} + {r['tp_comm']['allreduce_us']:,.0f} "
+                     f"({pct(r['tp_comm']['comm_share'])} of {r['tp_comm']['step_us']:,.0f})"))
+    body = [[label, *(f(r) for r in runs)] for label, f in rows]
+    first = runs[0]
+    verdicts = [verdict(r["backend"], r["repeats_output_tokens_per_s"], first["backend"],
+                        first["repeats_output_tokens_per_s"]) for r in runs[1:]]
+    return "\n".join([table(["", *(r["backend"] for r in runs)], body), "", *verdicts])
+
+
+def agreement_note(plan: BenchPlan, runs: list[dict[str, Any]]) -> str:
+    """Below fp32 the backends' kernels reduce in different orders, so greedy tokens may differ (not a bug,
+    docs/reliability.md "Mixed precision"): say how often they agree instead of implying they must."""
+    dtype = plan.configs[plan.backends[0]].dtype
+    if dtype == "float32" or len(runs) < 2:
+        return ""
+    rates = ", ".join(f"{r['backend']} {r['outputs_match_first']}/{r['num_requests']} "
+                      f"({100 * r['outputs_match_first'] / max(1, r['num_requests']):.0f}%)" for r in runs[1:])
+    return (f"{dtype}: greedy outputs equal to {runs[0]['backend']}'s: {rates}; below float32 the kernels' "
+            "reduction order may change a token (expected, see docs/reliability.md)")
+
+
+def write_results(plan: BenchPlan, runs: list[dict[str, Any]]) -> None:
+    from kvlab.experiments.reporting.plots import Series, bar_chart, line_chart
+    from kvlab.experiments.reporting.tables import write_csv
+    out = plan.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    settings = {"backends": plan.backends, "configs": {b: c.to_dict() for b, c in plan.configs.items()},
+                "workload": [r.to_json() for r in plan.requests], "warmup_requests": plan.warmup}
+    slim = [{k: v for k, v in r.items() if k != "output_ids"} for r in runs]
+    (out / "results.json").write_text(json.dumps({"settings": settings, "runs": slim}, indent=1, default=str))
+    write_csv(out / "results.csv", [{k: v for k, v in r.items() if k not in ("timeline", "cache_extra", "cache")}
+                                    for r in slim])
+    names = [r["backend"] for r in runs]
+    spread = [(min(r["repeats_output_tokens_per_s"]), max(r["repeats_output_tokens_per_s"])) for r in runs]
+    bar_chart(out / "throughput.png", names, [r["output_tokens_per_s"] for r in runs], "output tokens / s",
+              f"Throughput: median of {len(runs[0]['repeats_output_tokens_per_s'])} runs, bars min-max", spread)
+    by_step = plan.x_axis == "step"      # step index: identical schedules draw identical lines
+    xs = lambda r: list(range(len(r["timeline"]["time"]))) if by_step else r["timeline"]["time"]
+    xlabel = "engine step" if by_step else "seconds"
+    line_chart(out / "batch.png", [Series(r["backend"], xs(r), r["timeline"]["running"]) for r in runs],
+               xlabel, "running sequences", "Running batch")
+    mib = lambda r, key: [v * r["bytes_per_token"] / 2**20 for v in r["timeline"][key]]
+    memory = []
+    for i, r in enumerate(runs):
+        memory.append(Series(f"{r['backend']} allocated", xs(r), mib(r, "allocated_token_slots"), color=f"C{i}",
+                             linestyle="-"))
+        memory.append(Series(f"{r['backend']} live", xs(r), mib(r, "live_tokens"), color=f"C{i}", linestyle=":"))
+    line_chart(out / "kv_memory.png", memory, xlabel, "KV MiB", "KV memory held by sequences (dotted: live)")
