@@ -21,10 +21,12 @@ from kvlab.common.attention.metadata import BatchItem
 from kvlab.common.config import EngineConfig, make_config
 from kvlab.common.errors import ConfigError, DriverError, OutOfKVCache, RequestError
 from kvlab.common.kv.seam import KVCache
-from kvlab.common.kv.types import KVShape
+from kvlab.common.kv.types import CopyKV, DropSavedKV, KVShape, RestoreKV, SaveKV
 from kvlab.common.sequence import Sequence
 from kvlab.vmm.build import build_vmm
 from kvlab.vmm.drivers.host import HostMemory, HostVirtualMemory
+from kvlab.vmm.storage import VMMStorage
+from kvlab.vmm.views import KVViews
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = 4096
@@ -269,6 +271,31 @@ def test_a_failed_mapping_leaves_the_books_balanced(make_cache):
 
 
 # -- fork and copy-on-write ---------------------------------------------------------------------------------------
+def test_the_allocator_moves_data_only_by_orders_to_the_storage(make_cache):
+    """Copy-on-write and swap reach the K/V only as orders (common/kv/types.py) the storage carries out, in the
+    allocator's own addresses: (slot, page) for a copy, (slot, first token) for a save or restore."""
+    cache = make_cache()
+    orders = []
+    carry_out = cache.storage.move
+    cache.allocator.emit = lambda order: (orders.append(order), carry_out(order))
+    assert not any(isinstance(v, (KVViews, VMMStorage)) for v in vars(cache.allocator).values())
+    parent, child = seq(0, 40), seq(1, 40)
+    step(cache, [BatchItem(parent, 0, 40)])
+    child.num_computed_tokens = 40
+    cache.allocator.fork(parent, child)
+    child.append_token(7)
+    step(cache, [BatchItem(child, 40, 1)])
+    c = cache.allocator.snapshot()["slot_of"][1]
+    assert orders == [CopyKV((0, 1), (c, 1), TPP)]                            # the shared page the write touches
+    cache.allocator.swap_out(child)
+    assert orders[1:] == [SaveKV(1, (c, 0), 41)] and set(cache.storage.saved) == {1}   # its computed tokens
+    assert cache.allocator.swap_in(child)
+    assert orders[2:] == [RestoreKV(1, (cache.allocator.snapshot()["slot_of"][1], 0), 41)] and not cache.storage.saved
+    cache.allocator.swap_out(child)
+    cache.allocator.free(child)
+    assert orders[-1] == DropSavedKV(1) and not cache.storage.saved
+
+
 def test_fork_shares_pages_and_copies_a_shared_page_on_write(make_cache):
     cache = make_cache()
     parent = seq(0, 40)
