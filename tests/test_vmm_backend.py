@@ -21,10 +21,12 @@ from kvlab.common.attention.metadata import BatchItem
 from kvlab.common.config import EngineConfig, make_config
 from kvlab.common.errors import ConfigError, DriverError, OutOfKVCache, RequestError
 from kvlab.common.kv.seam import KVCache
-from kvlab.common.kv.types import KVShape
+from kvlab.common.kv.types import CopyKV, DropSavedKV, KVShape, RestoreKV, SaveKV
 from kvlab.common.sequence import Sequence
 from kvlab.vmm.build import build_vmm
-from kvlab.vmm.drivers.host import HostVirtualMemory
+from kvlab.vmm.drivers.host import HostMemory, HostVirtualMemory
+from kvlab.vmm.storage import VMMStorage
+from kvlab.vmm.views import KVViews
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = 4096
@@ -90,7 +92,7 @@ def pool_page(cache: KVCache, tensor: int, slot: int, page: int) -> bytes:
     """The bytes of a slot's page read straight from the memfd (not through any mapping)."""
     group = slots(cache)[slot].groups[page]
     driver = cache.allocator.driver
-    return os.pread(driver.fd, PAGE, driver.pool_offset(tensor * cache.allocator.geo.num_groups + group))
+    return os.pread(driver.os.fd, PAGE, driver.os.pool_offset(tensor * cache.allocator.geo.num_groups + group))
 
 
 def as_tokens(raw: bytes, shape: KVShape = SHAPE) -> torch.Tensor:
@@ -116,7 +118,7 @@ def test_garbage_in_fresh_pages_never_reaches_the_output(make_cache):
     prefill and padded decode groups still match a reference that reads only the written tokens."""
     cache = make_cache()
     driver = cache.allocator.driver
-    os.pwrite(driver.fd, b"\xff" * (driver.stats.pool_pages * PAGE), 0)   # 0xffffffff: a float32 NaN
+    os.pwrite(driver.os.fd, b"\xff" * (driver.stats.pool_pages * PAGE), 0)   # 0xffffffff: a float32 NaN
     a, b, c, d = seq(0, 40), seq(1, 5), seq(2, 33), seq(3, 20)
     meta, q, *_, out = step(cache, [BatchItem(a, 0, 40), BatchItem(b, 0, 5), BatchItem(c, 0, 33),
                                     BatchItem(d, 0, 20)])
@@ -247,20 +249,20 @@ def test_no_free_slot_means_no_admission(make_cache):
 
 
 def test_a_failed_mapping_leaves_the_books_balanced(make_cache):
-    class FailingHost(HostVirtualMemory):
+    class FailingHost(HostMemory):
         fail_at: int | None = None
 
-        def _os_map(self, addr, first_page, num_pages):
+        def map(self, addr, first_page, num_pages):
             if self.fail_at is not None:
                 self.fail_at -= 1
                 if self.fail_at < 0:
                     self.fail_at = None
                     raise DriverError("mmap (map pool pages) failed: injected")
-            return super()._os_map(addr, first_page, num_pages)
-    driver = FailingHost(PAGE)
+            return super().map(addr, first_page, num_pages)
+    driver = HostVirtualMemory(memory=FailingHost(PAGE))
     cache = make_cache(driver=driver)
     s = seq(0, 50)
-    driver.fail_at = 2                                               # the 3rd of 4 tensors fails
+    driver.os.fail_at = 2                                               # the 3rd of 4 tensors fails
     with pytest.raises(DriverError, match="injected"):
         cache.allocator.allocate(s, 50)
     cache.check_invariants()
@@ -269,6 +271,31 @@ def test_a_failed_mapping_leaves_the_books_balanced(make_cache):
 
 
 # -- fork and copy-on-write ---------------------------------------------------------------------------------------
+def test_the_allocator_moves_data_only_by_orders_to_the_storage(make_cache):
+    """Copy-on-write and swap reach the K/V only as orders (common/kv/types.py) the storage carries out, in the
+    allocator's own addresses: (slot, page) for a copy, (slot, first token) for a save or restore."""
+    cache = make_cache()
+    orders = []
+    carry_out = cache.storage.move
+    cache.allocator.emit = lambda order: (orders.append(order), carry_out(order))
+    assert not any(isinstance(v, (KVViews, VMMStorage)) for v in vars(cache.allocator).values())
+    parent, child = seq(0, 40), seq(1, 40)
+    step(cache, [BatchItem(parent, 0, 40)])
+    child.num_computed_tokens = 40
+    cache.allocator.fork(parent, child)
+    child.append_token(7)
+    step(cache, [BatchItem(child, 40, 1)])
+    c = cache.allocator.snapshot()["slot_of"][1]
+    assert orders == [CopyKV((0, 1), (c, 1), TPP)]                            # the shared page the write touches
+    cache.allocator.swap_out(child)
+    assert orders[1:] == [SaveKV(1, (c, 0), 41)] and set(cache.storage.saved) == {1}   # its computed tokens
+    assert cache.allocator.swap_in(child)
+    assert orders[2:] == [RestoreKV(1, (cache.allocator.snapshot()["slot_of"][1], 0), 41)] and not cache.storage.saved
+    cache.allocator.swap_out(child)
+    cache.allocator.free(child)
+    assert orders[-1] == DropSavedKV(1) and not cache.storage.saved
+
+
 def test_fork_shares_pages_and_copies_a_shared_page_on_write(make_cache):
     cache = make_cache()
     parent = seq(0, 40)
@@ -362,12 +389,12 @@ def test_background_mapping_under_concurrent_growth(make_cache):
 
 
 def test_a_background_mapping_error_reaches_the_caller(make_cache):
-    class WorkerFails(HostVirtualMemory):
-        def _os_map(self, addr, first_page, num_pages):
+    class WorkerFails(HostMemory):
+        def map(self, addr, first_page, num_pages):
             if threading.current_thread().name.startswith("kvlab-vmm-mapper"):
                 raise DriverError("mmap (map pool pages) failed: injected in the worker")
-            return super()._os_map(addr, first_page, num_pages)
-    cache = make_cache(driver=WorkerFails(PAGE), background_mapping=True)
+            return super().map(addr, first_page, num_pages)
+    cache = make_cache(driver=HostVirtualMemory(memory=WorkerFails(PAGE)), background_mapping=True)
     s = seq(0, TPP - 1)
     cache.allocator.allocate(s, TPP - 1)                                       # close to a boundary: maps ahead
     s.num_computed_tokens = TPP - 1

@@ -15,7 +15,7 @@ import torch
 
 from kvlab.common.errors import DriverError
 from kvlab.vmm.drivers.accounting import AccountingVirtualMemory
-from kvlab.vmm.drivers.host import POOL_NAME, HostVirtualMemory, max_map_count
+from kvlab.vmm.drivers.host import POOL_NAME, HostMemory, HostVirtualMemory, max_map_count
 from kvlab.vmm.drivers.types import TornMirror
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
@@ -85,9 +85,9 @@ def test_writes_through_the_view_land_in_the_pool_pages_mapped(vm):
     view = vm.tensor_view(region, torch.int32, (3, page // 4))
     view.copy_(torch.arange(3 * page // 4, dtype=torch.int32).reshape(3, -1))
     for va, pool in enumerate((5, 3, 7)):
-        raw = os.pread(vm.fd, page, vm.pool_offset(pool))           # syscall read of the memfd
+        raw = os.pread(vm.os.fd, page, vm.os.pool_offset(pool))           # syscall read of the memfd
         assert torch.equal(torch.frombuffer(bytearray(raw), dtype=torch.int32), view[va])
-    fd = os.open(f"/proc/self/fd/{vm.fd}", os.O_RDONLY)                # a second open file, a second mapping
+    fd = os.open(f"/proc/self/fd/{vm.os.fd}", os.O_RDONLY)                # a second open file, a second mapping
     try:
         with mmap.mmap(fd, 8 * page, mmap.MAP_SHARED, mmap.PROT_READ) as second:
             assert torch.equal(torch.frombuffer(bytearray(second[3 * page:4 * page]), dtype=torch.int32), view[1])
@@ -105,18 +105,18 @@ def test_discard_and_shrink_give_memory_back(vm):
     vm.map(region, 0, 0, 8)
     view = vm.tensor_view(region, torch.uint8, (8 * vm.page_size,))
     view.fill_(1)
-    full = os.fstat(vm.fd).st_blocks * 512
+    full = os.fstat(vm.os.fd).st_blocks * 512
     assert full >= 8 * vm.page_size
     vm.unmap(region, 0, 8)
-    assert os.fstat(vm.fd).st_blocks * 512 == full                 # unmapped, but the pool keeps its pages
+    assert os.fstat(vm.os.fd).st_blocks * 512 == full                 # unmapped, but the pool keeps its pages
     vm.map(region, 0, 0, 2)
     with pytest.raises(DriverError, match="some are mapped"):
         vm.discard(0, 2)
     vm.unmap(region, 0, 2)
     vm.discard(0, 4)
-    assert os.fstat(vm.fd).st_blocks * 512 == full - 4 * vm.page_size
+    assert os.fstat(vm.os.fd).st_blocks * 512 == full - 4 * vm.page_size
     vm.resize_pool(2)                                               # cut pages 2..7: punched as well
-    assert os.fstat(vm.fd).st_blocks == 0
+    assert os.fstat(vm.os.fd).st_blocks == 0
     assert vm.stats.discarded_pages == 4 + 6
     del view
 
@@ -306,12 +306,12 @@ def test_a_driver_dropped_without_close_frees_its_memory_but_never_under_a_live_
 
 
 # -- failed OS calls: the books keep saying what the kernel maps ------------------------------------------------
-class FlakyHost(HostVirtualMemory):
-    """The host driver with injected failures: `fail_next("unmap", 1)` makes the second _os_unmap call from now
+class FlakyMemory(HostMemory):
+    """The host's OS calls with injected failures: `fail_next("unmap", 1)` makes the second unmap call from now
     raise instead of reaching the kernel."""
 
-    def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, page_size: int) -> None:
+        super().__init__(page_size)
         self.calls = {"map": 0, "unmap": 0}
         self.failing: dict[str, set[int]] = {"map": set(), "unmap": set()}
 
@@ -323,13 +323,13 @@ class FlakyHost(HostVirtualMemory):
         if n in self.failing[call]:
             raise DriverError(f"injected {call} failure")
 
-    def _os_map(self, addr: int, first_page: int, num_pages: int) -> int:
+    def map(self, addr: int, first_page: int, num_pages: int) -> int:
         self._injected("map")
-        return super()._os_map(addr, first_page, num_pages)
+        return super().map(addr, first_page, num_pages)
 
-    def _os_unmap(self, addr: int, num_pages: int) -> int:
+    def unmap(self, addr: int, num_pages: int) -> int:
         self._injected("unmap")
-        return super()._os_unmap(addr, num_pages)
+        return super().unmap(addr, num_pages)
 
 
 def kernel_pages(region, page_size: int) -> dict[int, int]:
@@ -359,14 +359,14 @@ def assert_books_are_the_kernels(vm, spots) -> None:
 
 
 def test_a_mirrored_unmap_failing_in_a_later_place_maps_the_earlier_ones_back():
-    vm = FlakyHost(page_size=64 * KiB)
+    vm = HostVirtualMemory(memory=FlakyMemory(64 * KiB))
     spots, mirror = three_places(vm)
     vm.map_mirrored(mirror, 0, 1, 2)
     views = [vm.tensor_view(region, torch.int32, (2, vm.page_size // 4)) for region, _ in spots]
     for t, view in enumerate(views):
         view.fill_(t + 1)
     before = [dict(region.mapped) for region, _ in spots]
-    vm.fail_next("unmap", 2)                                  # the third place refuses
+    vm.os.fail_next("unmap", 2)                                  # the third place refuses
     with pytest.raises(DriverError, match="injected unmap failure"):
         vm.unmap_mirrored(mirror, 0, 2)
     assert [region.mapped for region, _ in spots] == before
@@ -379,9 +379,9 @@ def test_a_mirrored_unmap_failing_in_a_later_place_maps_the_earlier_ones_back():
 
 
 def test_a_mirrored_map_failing_in_a_later_place_unmaps_the_earlier_ones():
-    vm = FlakyHost(page_size=64 * KiB)
+    vm = HostVirtualMemory(memory=FlakyMemory(64 * KiB))
     spots, mirror = three_places(vm)
-    vm.fail_next("map", 1)
+    vm.os.fail_next("map", 1)
     with pytest.raises(DriverError, match="injected map failure"):
         vm.map_mirrored(mirror, vm.page_size, 0, 3)
     assert all(region.mapped == {} for region, _ in spots)
@@ -392,11 +392,11 @@ def test_a_mirrored_map_failing_in_a_later_place_unmaps_the_earlier_ones():
 
 
 def test_when_the_undo_fails_too_the_places_are_torn_and_the_books_exact():
-    vm = FlakyHost(page_size=64 * KiB)
+    vm = HostVirtualMemory(memory=FlakyMemory(64 * KiB))
     spots, mirror = three_places(vm)
     vm.map_mirrored(mirror, 0, 0, 2)
-    vm.fail_next("unmap", 1)                                  # place 1 refuses ...
-    vm.fail_next("map", 0)                                    # ... and mapping place 0 back fails
+    vm.os.fail_next("unmap", 1)                                  # place 1 refuses ...
+    vm.os.fail_next("map", 0)                                    # ... and mapping place 0 back fails
     with pytest.raises(TornMirror, match="undoing it failed too"):
         vm.unmap_mirrored(mirror, 0, 2)
     assert [len(region.mapped) for region, _ in spots] == [0, 2, 2]
@@ -410,25 +410,25 @@ def test_when_the_undo_fails_too_the_places_are_torn_and_the_books_exact():
 
 
 def test_release_and_close_go_on_past_failed_unmaps():
-    vm = FlakyHost(page_size=64 * KiB)
+    vm = HostVirtualMemory(memory=FlakyMemory(64 * KiB))
     a, b = vm.reserve(4 * vm.page_size), vm.reserve(2 * vm.page_size)
     vm.create_pool(8)
     vm.map(a, 0, 0)
     vm.map(a, 2 * vm.page_size, 5, 2)
     vm.map(b, 0, 1, 2)
-    vm.fail_next("unmap", 0)                                  # once: the retry, page by page, succeeds
+    vm.os.fail_next("unmap", 0)                                  # once: the retry, page by page, succeeds
     with pytest.raises(DriverError, match=r"closing .* 1 driver call\(s\) failed \(injected unmap failure\); every "
                                           "range was released in the end"):
         vm.close()
     assert vm.stats.release_retries == 1 and vm.stats.mapped_pages == 0 and vm.stats.reserved_bytes == 0
     assert kernel_pages(a, vm.page_size) == {} and kernel_pages(b, vm.page_size) == {}
 
-    vm = FlakyHost(page_size=64 * KiB)                        # every unmap fails: munmap frees the range anyway
+    vm = HostVirtualMemory(memory=FlakyMemory(64 * KiB))   # every unmap fails: munmap frees the range anyway
     region = vm.reserve(4 * vm.page_size)
     vm.create_pool(4)
     vm.map(region, 0, 0, 2)
     vm.map(region, 3 * vm.page_size, 3)
-    vm.fail_next("unmap", *range(10))
+    vm.os.fail_next("unmap", *range(10))
     with pytest.raises(DriverError, match=r"5 driver call\(s\) failed .* the range was released in the end"):
         vm.release(region)
     assert region.released and region.mapped == {} and kernel_pages(region, vm.page_size) == {}
@@ -465,10 +465,10 @@ def child_kv(cache) -> list[float]:
 def test_a_failed_copy_on_write_keeps_the_shared_page_its_data_and_the_pool():
     """Reported: an unmap failing in tensor 1 during copy-on-write lost the group taken from the pool and left
     tensor 0 unmapped while the slot still listed the page."""
-    driver = FlakyHost(page_size=4096)
+    driver = HostVirtualMemory(memory=FlakyMemory(4096))
     cache, child = cow_cache(driver)
     free = cache.allocator.num_free_units()
-    driver.fail_next("unmap", 1)
+    driver.os.fail_next("unmap", 1)
     with pytest.raises(DriverError, match="injected unmap failure"):
         cache.allocator.allocate(child, 21)                             # writes into the shared page 1: copy-on-write
     assert cache.allocator.num_free_units() == free and cache.stats().cow_copies == 0
@@ -481,10 +481,10 @@ def test_a_failed_copy_on_write_keeps_the_shared_page_its_data_and_the_pool():
 
 
 def test_a_copy_on_write_whose_undo_fails_is_reported_torn_and_freeing_clears_it():
-    driver = FlakyHost(page_size=4096)
+    driver = HostVirtualMemory(memory=FlakyMemory(4096))
     cache, child = cow_cache(driver)
-    driver.fail_next("unmap", 1)
-    driver.fail_next("map", 0)                                # mapping tensor 0 back fails as well
+    driver.os.fail_next("unmap", 1)
+    driver.os.fail_next("map", 0)                                # mapping tensor 0 back fails as well
     with pytest.raises(TornMirror, match="close the cache"):
         cache.allocator.allocate(child, 21)
     with pytest.raises(AssertionError, match="tensor 0 is not mapped"):

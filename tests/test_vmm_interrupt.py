@@ -43,7 +43,7 @@ SCRIPT = """
     if {in_process!r}:
         llm = build()
         driver = llm.engine.cache.allocator.driver
-        fd = driver.fd
+        fd = driver.os.fd
         timer, interrupted = interrupt_soon(), False
         try:
             for _ in range(40):

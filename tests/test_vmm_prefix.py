@@ -71,7 +71,7 @@ def test_hand_made_trace_on_paged_block_16_and_without_the_cache():
 def _pool_offsets(w: Workload, sid: int) -> list[int]:
     snap, driver = w.cache.snapshot(), w.cache.driver
     groups = snap["slots"][snap["slot_of"][sid]]["groups"]
-    return [driver.pool_offset(g) for g in groups]   # tensor 0 (layer 0's K)
+    return [driver.os.pool_offset(g) for g in groups]   # tensor 0 (layer 0's K)
 
 
 def test_a_hit_maps_the_same_pool_pages_and_a_write_after_copy_on_write_splits_them():
@@ -85,7 +85,7 @@ def test_a_hit_maps_the_same_pool_pages_and_a_write_after_copy_on_write_splits_t
     off_a, off_b = _pool_offsets(w, a), _pool_offsets(w, b)
     assert off_a[:2] == off_b[:2] and off_a[2] != off_b[2]  # two slots backed by the same pool offsets
     driver, page = w.cache.driver, 4096
-    shared = os.pread(driver.fd, page, off_a[0])
+    shared = os.pread(driver.os.fd, page, off_a[0])
     assert shared.strip(b"\0"), "the shared page holds the prefix's K"
     # b rewrites its first page: copy-on-write gives it its own pool page first, with the same bytes
     w.seq(b).num_computed_tokens = 0
@@ -93,9 +93,9 @@ def test_a_hit_maps_the_same_pool_pages_and_a_write_after_copy_on_write_splits_t
     assert w.cache.stats().cow_copies == 1
     off_b2 = _pool_offsets(w, b)
     assert off_b2[0] != off_a[0] and off_b2[1] == off_a[1]
-    assert os.pread(driver.fd, page, off_b2[0]) == shared
-    os.pwrite(driver.fd, b"\x01" * page, off_b2[0])        # the write lands in b's copy only
-    assert os.pread(driver.fd, page, off_a[0]) == shared
+    assert os.pread(driver.os.fd, page, off_b2[0]) == shared
+    os.pwrite(driver.os.fd, b"\x01" * page, off_b2[0])        # the write lands in b's copy only
+    assert os.pread(driver.os.fd, page, off_a[0]) == shared
     w.free(a)
     w.free(b)
     w.drain()

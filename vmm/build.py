@@ -1,5 +1,6 @@
 """Building a vmm cache: the one place that tells the accounting mode (the simulator) from a real one. Accounting
-is the accounting driver (no memory), `NoViews` and the seam's `NullStorage`; the classes never ask which."""
+is the accounting driver (no memory) and the seam's `NullStorage` (no views, the allocator's orders discarded); the
+classes never ask which."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -9,7 +10,7 @@ from kvlab.common.kv.types import KVShape
 from kvlab.vmm.allocator import VMMAllocator
 from kvlab.vmm.drivers.factory import make_driver
 from kvlab.vmm.storage import VMMStorage
-from kvlab.vmm.views import KVViews, NoViews
+from kvlab.vmm.views import KVViews
 
 if TYPE_CHECKING:
     from kvlab.common.config import EngineConfig
@@ -21,12 +22,12 @@ def build_vmm(config: EngineConfig, shape: KVShape, accounting_only: bool = Fals
     """`driver`: one already made (tests: a failing or a fake-backed one); else the device's, or the accounting
     driver when `accounting_only`."""
     driver = driver or make_driver(shape.device, config.options_of("vmm").page_size, accounting_only)
-    allocator = VMMAllocator(config, shape, driver, NoViews if accounting_only else KVViews, single_range)
+    allocator = VMMAllocator(config, shape, driver, single_range)
     if accounting_only:
         return KVCache(allocator=allocator, storage=NullStorage(), shape=shape)
     try:
-        storage = VMMStorage(allocator, allocator.data, shape, config.kernel, config.check_invariants,
-                             config.kv_cache_scale)
+        views = KVViews(allocator.driver, allocator.geo, shape, allocator.ranges)
+        storage = VMMStorage(allocator, views, shape, config.kernel, config.check_invariants, config.kv_cache_scale)
     except BaseException:
         allocator.close()
         raise

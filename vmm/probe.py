@@ -29,7 +29,7 @@ class VMMProbe:
         pages = -(-(n * s.bytes_per_token_per_layer) // geo["page_size"])
         per_tensor = []
         for t in range(geo["num_tensors"]):
-            raw = b"".join(os.pread(driver.fd, geo["page_size"], driver.pool_offset(t * geo["num_groups"] + g))
+            raw = b"".join(os.pread(driver.os.fd, geo["page_size"], driver.os.pool_offset(t * geo["num_groups"] + g))
                            if g >= 0 else bytes(geo["page_size"])   # below a sliding window: unmapped, zeros
                            for g in groups[:pages])
             flat = torch.frombuffer(bytearray(raw), dtype=s.torch_dtype) if raw else torch.zeros(0)

@@ -13,6 +13,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvlab.common.errors import RequestError
+
 if TYPE_CHECKING:
     from kvlab.vmm.geometry import Geometry
 
@@ -85,6 +87,30 @@ class SlotTable:
     def of(self, seq_id: int) -> Slot | None:
         index = self.slot_of.get(seq_id)
         return None if index is None else self.slots[index]
+
+    def owned(self, seq_id: int, refusal: str) -> Slot:
+        """The sequence's slot, for a call that needs one (`refusal` names it): RequestError if it holds none."""
+        slot = self.of(seq_id)
+        if slot is None:
+            raise RequestError(f"{refusal} {seq_id}: it holds no vmm slot")
+        return slot
+
+    def unowned(self, seq_id: int, refusal: str) -> None:
+        """For a call that gives the sequence a slot: RequestError if it already holds one."""
+        if seq_id in self.slot_of:
+            raise RequestError(f"{refusal} {seq_id}: it already holds a slot")
+
+    def covering(self, seq_id: int, context_len: int) -> Slot:
+        """The slot a kernel reads the sequence's first `context_len` positions from: RequestError if they are
+        not allocated."""
+        slot = self.of(seq_id)
+        if slot is None:
+            raise RequestError(f"sequence {seq_id} holds no vmm slot; allocate it before prepare")
+        mapped = min(len(slot.groups) * self.geo.tokens_per_page, slot.held)
+        if context_len > mapped:
+            raise RequestError(f"sequence {seq_id}: positions up to {context_len} are not allocated ({mapped} are); "
+                               f"call allocate(seq, {context_len}) before prepare")
+        return slot
 
     def has_free(self) -> bool:
         return len(self.slot_of) < self.geo.num_slots

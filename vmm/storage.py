@@ -1,6 +1,8 @@
 """The vmm storage (the runner's and model's side): K/V are contiguous views over the allocator's reserved ranges
 (vmm/views.py), so a step's metadata names each sequence's slot (its row) and readable length, and attention is
-the contiguous kernels picked once by the dispatcher."""
+the contiguous kernels picked once by the dispatcher. It owns the views and the host copies of swapped-out
+sequences, and carries out the data movements the allocator orders (`move`): a page copied for copy-on-write,
+a sequence saved, restored or dropped for swap. Addresses are (slot, page) for a copy, (slot, first token) else."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -10,7 +12,7 @@ import torch
 from kvlab.common.attention.kv_quant import make_quant
 from kvlab.common.attention.metadata import ContiguousMetadata, base_metadata
 from kvlab.common.kv.seam import Storage
-from kvlab.common.kv.types import KVShape
+from kvlab.common.kv.types import CopyKV, DropSavedKV, KVMove, KVShape, RestoreKV, SaveKV
 
 if TYPE_CHECKING:
     from kvlab.common.attention.metadata import BatchItem
@@ -24,6 +26,8 @@ class VMMStorage(Storage):
         self.allocator, self.views, self.shape, self.check = allocator, views, shape, check
         self.quant = make_quant(shape, kv_scale)   # None: K/V stored in the compute dtype
         self._step: tuple[ContiguousMetadata, torch.Tensor] | None = None   # this step's metadata, token slots
+        self.saved: dict[int, torch.Tensor] = {}   # seq_id -> [2L, tokens, H_kv, D] on the host (swapped out)
+        self._moves = {CopyKV: self._copy, SaveKV: self._save, RestoreKV: self._restore, DropSavedKV: self._drop}
         self.build_dispatcher(shape, "contiguous", kernel)
 
     @property
@@ -61,7 +65,27 @@ class VMMStorage(Storage):
             self.allocator.rows(meta.items, check=True)
         return self.dispatcher.run(meta.phase, q, k_cache, v_cache, meta, scale)
 
+    def move(self, order: KVMove) -> None:
+        """Carry out the allocator's order now (it may unmap the pages a save reads right after)."""
+        self._moves[type(order)](order)
+
+    def _copy(self, order: CopyKV) -> None:
+        self.views.copy_page(order.src, order.dst)
+
+    def _save(self, order: SaveKV) -> None:
+        slot, start = order.where
+        self.saved[order.seq_id] = self.views.copy_out(slot, start, order.num_tokens)
+
+    def _restore(self, order: RestoreKV) -> None:
+        slot, start = order.where
+        self.views.copy_in(slot, start, self.saved.pop(order.seq_id))
+
+    def _drop(self, order: DropSavedKV) -> None:
+        self.saved.pop(order.seq_id, None)
+
     def close(self) -> None:
-        """Drop this step's tensors and the views (the allocator's driver refuses to close while one lives)."""
+        """Drop this step's tensors, the host copies and the views (the allocator's driver refuses to close while
+        one lives)."""
         self._step = None
+        self.saved.clear()
         self.views.drop()

@@ -1,5 +1,5 @@
-"""The 2L virtual tensors (K_0..K_{L-1}, then V_0..V_{L-1}): their reserved address ranges (`Ranges`), and the
-K/V views over them (`KVViews`) or none (`NoViews`, the accounting mode, whose driver has no memory).
+"""The 2L virtual tensors (K_0..K_{L-1}, then V_0..V_{L-1}): their reserved address ranges (`Ranges`, the
+allocator's), and the K/V views over them (`KVViews`, the storage's; an accounting-only cache has none).
 
 Tensor t lives at `places[t] = (region, offset)`: its own reserved range, or one slice of a single range shared
 by all (`single_range`). Slot s, page j of tensor t is the page at offset + s * row_bytes + j * page_size. The
@@ -8,7 +8,7 @@ views are built before any page is mapped and never read memory (vmm/drivers/dlp
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -48,45 +48,9 @@ class Ranges:
         assert driver.stats.mapped_pages == total, "the driver maps pages no slot accounts for"
 
 
-class PageData(Protocol):
-    """What the allocator needs of the K/V bytes: copy-on-write copies a page, swap copies a slot's tokens."""
-
-    def save_page(self, slot: int, page: int) -> list[torch.Tensor]: ...
-
-    def restore_page(self, slot: int, page: int, saved: list[torch.Tensor]) -> None: ...
-
-    def copy_out(self, slot: int, tokens: int, start: int = 0) -> torch.Tensor | None: ...
-
-    def copy_in(self, slot: int, data: torch.Tensor | None, start: int = 0) -> None: ...
-
-    def drop(self) -> None: ...
-
-
-class NoViews:
-    """The accounting mode's K/V: none. Copies copy nothing and swapped sequences keep no data."""
-
-    def __init__(self, *_: object) -> None:   # built like KVViews (driver, geometry, shape, ranges)
-        pass
-
-    def save_page(self, slot: int, page: int) -> list[torch.Tensor]:
-        return []
-
-    def restore_page(self, slot: int, page: int, saved: list[torch.Tensor]) -> None:
-        pass
-
-    def copy_out(self, slot: int, tokens: int, start: int = 0) -> None:
-        return None
-
-    def copy_in(self, slot: int, data: torch.Tensor | None, start: int = 0) -> None:
-        pass
-
-    def drop(self) -> None:
-        pass
-
-
 class KVViews:
     """Zero-copy views over the ranges: `k[layer]`, `v[layer]` [num_slots, max_len, H_kv, D], and each tensor as
-    raw bytes (copy-on-write copies pages)."""
+    raw bytes (copy-on-write copies pages). The storage's: it carries out the allocator's data movements on them."""
 
     def __init__(self, driver: VirtualMemory, geo: Geometry, shape: KVShape, ranges: Ranges) -> None:
         self.geo, self.shape = geo, shape
@@ -106,26 +70,24 @@ class KVViews:
         start = slot * self.geo.row_bytes + page * self.geo.page_size
         return slice(start, start + self.geo.page_size)
 
-    def save_page(self, slot: int, page: int) -> list[torch.Tensor]:
-        """The bytes of one page in every tensor."""
-        return [b[self._page_span(slot, page)].clone() for b in self.page_bytes]
+    def copy_page(self, src: tuple[int, int], dst: tuple[int, int]) -> None:
+        """The bytes of page src = (slot, page) in every tensor, written at dst (copy-on-write: a page's bytes, not
+        its tokens, since tokens may straddle pages)."""
+        for b in self.page_bytes:
+            b[self._page_span(*dst)].copy_(b[self._page_span(*src)])
 
-    def restore_page(self, slot: int, page: int, saved: list[torch.Tensor]) -> None:
-        for b, data in zip(self.page_bytes, saved):
-            b[self._page_span(slot, page)].copy_(data)
-
-    def copy_out(self, slot: int, tokens: int, start: int = 0) -> torch.Tensor:
-        """Tokens [start, tokens) of a slot in every tensor, on the host: [2L, tokens - start, H_kv, D] (a sliding
-        window's slot has nothing mapped below `start`)."""
+    def copy_out(self, slot: int, start: int, num_tokens: int) -> torch.Tensor:
+        """Tokens [start, start + num_tokens) of a slot in every tensor, on the host: [2L, num_tokens, H_kv, D] (a
+        sliding window's slot has nothing mapped below `start`)."""
         s = self.shape
         pin = s.device.startswith("cuda") and torch.cuda.is_available()
-        data = torch.empty((self.geo.num_tensors, tokens - start, s.num_kv_heads, s.head_dim), dtype=s.cache_dtype,
+        data = torch.empty((self.geo.num_tensors, num_tokens, s.num_kv_heads, s.head_dim), dtype=s.cache_dtype,
                            pin_memory=pin)
         for t, cache in enumerate(self.k + self.v):
-            data[t].copy_(cache[slot, start:tokens])
+            data[t].copy_(cache[slot, start:start + num_tokens])
         return data
 
-    def copy_in(self, slot: int, data: torch.Tensor | None, start: int = 0) -> None:
+    def copy_in(self, slot: int, start: int, data: torch.Tensor) -> None:
         end = start + data.shape[1]
         for t, cache in enumerate(self.k + self.v):
             cache[slot, start:end].copy_(data[t], non_blocking=True)

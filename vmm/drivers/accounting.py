@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import logging
 from array import array
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from kvlab.common.errors import DriverError
+from kvlab.vmm.drivers import checks
 from kvlab.vmm.drivers.base import VirtualMemory
 from kvlab.vmm.drivers.ledger import MirrorLedger
 from kvlab.vmm.drivers.types import Mirror, Region
@@ -16,19 +18,15 @@ log = logging.getLogger("kvlab.vmm")
 
 
 class AccountingVirtualMemory(VirtualMemory):
-    """Same bookkeeping, no memory: addresses are invented, maps cost nothing, views are refused.
+    """Same bookkeeping over `NoMemory`: addresses are invented, maps cost nothing, views are refused.
 
     A mirror is booked once for all its places (vmm/drivers/ledger.py): its ranges' tables, mapping counts and the pool
     page counts are brought up to date when read. A direct map or unmap on one of its ranges ends that (logged,
     counted in `per_place_fallbacks`): from then on the mirror is booked place by place."""
 
-    name = "accounting"
-
     def __init__(self, page_size: int, merges: bool = True, mapping_limit: int | None = None) -> None:
         self._ledgers: list[MirrorLedger] = []
-        super().__init__(page_size, mapping_limit)
-        self.merges = merges
-        self._next_base = 1 << 40
+        super().__init__(NoMemory(page_size, merges), page_size, mapping_limit)
         self.per_place_fallbacks = 0
 
     @property
@@ -56,12 +54,13 @@ class AccountingVirtualMemory(VirtualMemory):
         ledger = mirror.ledger
         if ledger is None:
             return super().map_mirrored(mirror, offset, page, num_pages)
-        self._check_mirror_offset(mirror, offset, num_pages)
-        self._check_pool(page, num_pages + (ledger.width - 1) * mirror.pool_stride, len(self._pool_maps))
+        self._check_open()
+        checks.mirror_offset(mirror, offset, num_pages, self.page_size)
+        checks.pool_pages(page, num_pages + (ledger.width - 1) * mirror.pool_stride, len(self._pool_maps))
         first = offset // self.page_size
         ledger.check_unmapped(first, num_pages)
         delta = ledger.map_delta(first, num_pages, page)
-        self._check_mapping_limit(delta, "map")
+        self.mappings.check(delta, "map")
         ledger.map(first, num_pages, page, delta)
         st, pages = self.stats, ledger.width * num_pages
         st.map_calls += ledger.width
@@ -73,11 +72,12 @@ class AccountingVirtualMemory(VirtualMemory):
         ledger = mirror.ledger
         if ledger is None:
             return super().unmap_mirrored(mirror, offset, num_pages)
-        self._check_mirror_offset(mirror, offset, num_pages)
+        self._check_open()
+        checks.mirror_offset(mirror, offset, num_pages, self.page_size)
         first = offset // self.page_size
         ledger.check_mapped(first, num_pages)
         delta = ledger.unmap_delta(first, num_pages)
-        self._check_mapping_limit(delta, "unmap")
+        self.mappings.check(delta, "unmap")
         ledger.unmap(first, num_pages, delta)
         st, pages = self.stats, ledger.width * num_pages
         st.unmap_calls += ledger.width
@@ -124,30 +124,40 @@ class AccountingVirtualMemory(VirtualMemory):
             log.info("accounting driver: a direct %s on a mirrored range; booking that mirror per place from now "
                      "on (slower)", call)
 
+
+class NoMemory:
+    """The OS calls of no memory (`OSMemory`): addresses are invented, maps cost nothing, views are refused."""
+
+    name = "accounting"
+
+    def __init__(self, page_size: int, merges: bool) -> None:
+        self.page_size, self.merges = page_size, merges
+        self._next_base = 1 << 40
+
     def granularity(self) -> int:
         return self.page_size
 
-    def _os_reserve(self, nbytes: int) -> int:
+    def reserve(self, nbytes: int) -> int:
         base, self._next_base = self._next_base, self._next_base + nbytes + self.page_size
         return base
 
-    def _os_release(self, region: Region) -> None:
+    def release(self, region: Region) -> None:
         pass
 
-    def _os_resize_pool(self, old_pages: int, new_pages: int) -> None:
+    def resize_pool(self, old_pages: int, new_pages: int) -> None:
         pass
 
-    def _os_map(self, addr: int, first_page: int, num_pages: int) -> int:
+    def map(self, addr: int, first_page: int, num_pages: int) -> int:
         return 1
 
-    def _os_unmap(self, addr: int, num_pages: int) -> int:
+    def unmap(self, addr: int, num_pages: int) -> int:
         return 1
 
-    def _os_discard(self, first_page: int, num_pages: int) -> None:
+    def discard(self, first_page: int, num_pages: int) -> None:
         pass
 
-    def _os_view(self, region: Region, offset: int, nbytes: int) -> tuple[torch.Tensor, Any]:
+    def view(self, region: Region, offset: int, nbytes: int) -> tuple[torch.Tensor, Any]:
         raise DriverError("the accounting-only driver has no memory to view; use a real device driver")
 
-    def _os_close(self) -> None:
+    def close(self, pool_maps: Sequence[int]) -> None:
         pass

@@ -20,6 +20,7 @@ import mmap
 import os
 import sys
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -29,7 +30,8 @@ from kvlab.vmm.drivers.base import VirtualMemory
 from kvlab.vmm.drivers.map_budget import MapBudget, max_map_count, process_budget
 from kvlab.vmm.drivers.types import DriverStats, Region
 
-__all__ = ["DEFAULT_PAGE_SIZE", "POOL_NAME", "HostVirtualMemory", "max_map_count"]   # max_map_count: map_budget.py
+__all__ = ["DEFAULT_PAGE_SIZE", "POOL_NAME", "HostMemory", "HostVirtualMemory",
+           "max_map_count"]   # max_map_count: map_budget.py
 
 PROT_NONE, PROT_READ, PROT_WRITE = 0x0, 0x1, 0x2
 MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS = 0x1, 0x2, 0x10, 0x20
@@ -52,27 +54,23 @@ def _libc() -> ctypes.CDLL:
     return libc
 
 
-class HostVirtualMemory(VirtualMemory):
-    """`populate`: fault pages in at map time (MAP_POPULATE) so the cost is paid, and measured, in `map`.
-    `budget`: the map budget to draw on, by default the one this process's host drivers share; `mapping_limit`:
-    a limit of this driver's own on top of it (tests)."""
+class HostMemory:
+    """The host's OS calls (`OSMemory`). `populate`: fault pages in at map time (MAP_POPULATE) so the cost is paid,
+    and measured, in `map`. `collected`: what releases the memory if the driver is collected unclosed."""
 
     name = "host"
     merges = True
 
-    def __init__(self, page_size: int = DEFAULT_PAGE_SIZE, populate: bool = True,
-                 mapping_limit: int | None = None, budget: MapBudget | None = None) -> None:
+    def __init__(self, page_size: int = DEFAULT_PAGE_SIZE, populate: bool = True) -> None:
         if not sys.platform.startswith("linux"):
             raise DriverError(f"the host VMM driver needs Linux (memfd, MAP_FIXED); this is {sys.platform}")
         if page_size <= 0 or page_size % mmap.PAGESIZE:
             raise DriverError(f"page_size {page_size} is not a positive multiple of the OS page ({mmap.PAGESIZE})")
-        super().__init__(page_size, mapping_limit, process_budget() if budget is None else budget)
-        self.populate = populate
-        self._libc = _libc()
+        self.page_size, self.populate = page_size, populate
+        self.libc = _libc()
         self.fd = os.memfd_create(POOL_NAME, os.MFD_CLOEXEC)
         self._file_pages = 0
-        self._finalizer = weakref.finalize(self, _release_unclosed, self._libc, self.fd, self.regions, self.budget,
-                                           self.stats)
+        self.collected: weakref.finalize | None = None
 
     def granularity(self) -> int:
         return mmap.PAGESIZE
@@ -81,9 +79,8 @@ class HostVirtualMemory(VirtualMemory):
         """Byte offset of pool page `page` in the memfd (for independent reads of the pool)."""
         return page * self.page_size
 
-    # -- OS calls -----------------------------------------------------------------------------------------
     def _mmap(self, what: str, addr: int | None, nbytes: int, prot: int, flags: int, fd: int, offset: int) -> int:
-        got = self._libc.mmap(addr, nbytes, prot, flags, fd, offset)
+        got = self.libc.mmap(addr, nbytes, prot, flags, fd, offset)
         if got == MAP_FAILED or got is None:
             err = ctypes.get_errno()
             raise DriverError(f"mmap ({what}) of {nbytes} bytes failed: {os.strerror(err)} (errno {err})")
@@ -91,46 +88,60 @@ class HostVirtualMemory(VirtualMemory):
             raise DriverError(f"mmap ({what}) returned {got:#x} instead of the fixed address {addr:#x}")
         return got
 
-    def _os_reserve(self, nbytes: int) -> int:
+    def reserve(self, nbytes: int) -> int:
         return self._mmap("reserve", None, nbytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
 
-    def _os_release(self, region: Region) -> None:
-        if self._libc.munmap(region.base, region.nbytes) != 0:
+    def release(self, region: Region) -> None:
+        if self.libc.munmap(region.base, region.nbytes) != 0:
             err = ctypes.get_errno()
             raise DriverError(f"munmap of the range at {region.base:#x} failed: {os.strerror(err)}")
 
-    def _os_resize_pool(self, old_pages: int, new_pages: int) -> None:
+    def resize_pool(self, old_pages: int, new_pages: int) -> None:
         if new_pages > self._file_pages:
             os.ftruncate(self.fd, new_pages * self.page_size)
             self._file_pages = new_pages
         elif new_pages < old_pages:
-            self._os_discard(new_pages, old_pages - new_pages)
+            self.discard(new_pages, old_pages - new_pages)
 
-    def _os_map(self, addr: int, first_page: int, num_pages: int) -> int:
+    def map(self, addr: int, first_page: int, num_pages: int) -> int:
         flags = MAP_SHARED | MAP_FIXED | (MAP_POPULATE if self.populate else 0)
         self._mmap("map pool pages", addr, num_pages * self.page_size, PROT_READ | PROT_WRITE, flags, self.fd,
                    first_page * self.page_size)
         return 1
 
-    def _os_unmap(self, addr: int, num_pages: int) -> int:
+    def unmap(self, addr: int, num_pages: int) -> int:
         self._mmap("unmap to PROT_NONE", addr, num_pages * self.page_size, PROT_NONE,
                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0)
         return 1
 
-    def _os_discard(self, first_page: int, num_pages: int) -> None:
+    def discard(self, first_page: int, num_pages: int) -> None:
         mode = FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
-        if self._libc.fallocate(self.fd, mode, first_page * self.page_size, num_pages * self.page_size) != 0:
+        if self.libc.fallocate(self.fd, mode, first_page * self.page_size, num_pages * self.page_size) != 0:
             err = ctypes.get_errno()
             raise DriverError(f"fallocate(PUNCH_HOLE) of pool pages [{first_page}, +{num_pages}) failed: "
                               f"{os.strerror(err)}")
 
-    def _os_view(self, region: Region, offset: int, nbytes: int) -> tuple[torch.Tensor, Any]:
+    def view(self, region: Region, offset: int, nbytes: int) -> tuple[torch.Tensor, Any]:
         buffer = (ctypes.c_uint8 * nbytes).from_address(region.base + offset)
         return torch.frombuffer(buffer, dtype=torch.uint8), buffer   # the tensor keeps `buffer` alive
 
-    def _os_close(self) -> None:
-        self._finalizer.detach()
+    def close(self, pool_maps: Sequence[int]) -> None:
+        if self.collected is not None:
+            self.collected.detach()
         os.close(self.fd)
+
+
+class HostVirtualMemory(VirtualMemory):
+    """Virtual memory over `HostMemory` (built from `page_size` and `populate` unless given as `memory`).
+    `budget`: the map budget to draw on, by default the one this process's host drivers share; `mapping_limit`:
+    a limit of this driver's own on top of it (tests)."""
+
+    def __init__(self, page_size: int = DEFAULT_PAGE_SIZE, populate: bool = True, mapping_limit: int | None = None,
+                 budget: MapBudget | None = None, memory: HostMemory | None = None) -> None:
+        memory = memory or HostMemory(page_size, populate)
+        super().__init__(memory, memory.page_size, mapping_limit, process_budget() if budget is None else budget)
+        memory.collected = weakref.finalize(self, _release_unclosed, memory.libc, memory.fd, self.regions,
+                                            self.budget, self.stats)
 
 
 def _release_unclosed(libc: ctypes.CDLL, fd: int, regions: list[Region], budget: MapBudget,

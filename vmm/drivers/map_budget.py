@@ -17,8 +17,12 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from kvlab.common.errors import ConfigError, DriverError, OutOfKVCache
+
+if TYPE_CHECKING:
+    from kvlab.vmm.drivers.types import DriverStats
 
 log = logging.getLogger("kvlab.vmm")
 
@@ -101,6 +105,36 @@ class MapBudget:
     def add(self, delta: int) -> None:
         with self._lock:
             self.held += delta
+
+
+class MappingCount:
+    """One driver's OS mappings (`stats.num_mappings`), checked against its own limit (`limit`, None: none) and the
+    budget it shares with the process's other drivers (`budget`, None: none), and booked in both."""
+
+    def __init__(self, stats: DriverStats, limit: int | None, budget: MapBudget | None) -> None:
+        self.stats, self.limit, self.budget = stats, limit, budget
+
+    def check(self, delta: int, call: str) -> None:
+        """Refuse growth past this driver's limit or the process's budget (MapBudgetExhausted: out of room, nothing
+        changed). An unmap is checked against the driver's own limit only: freeing never waits for room."""
+        st = self.stats
+        if self.limit is not None and delta > 0 and st.num_mappings + delta > self.limit:
+            st.map_refusals += 1
+            raise MapBudgetExhausted(f"{call} would need {st.num_mappings + delta} mappings, above this driver's "
+                                     f"budget of {self.limit} (vm.max_map_count); use a larger page_size or fewer "
+                                     "scattered pages")
+        if self.budget is not None and delta > 0 and call != "unmap":
+            try:
+                self.budget.check(delta, call)
+            except MapBudgetExhausted:
+                st.map_refusals += 1
+                raise
+
+    def add(self, delta: int) -> None:
+        """Every change of this driver's mapping count, also booked in the process's budget."""
+        self.stats.num_mappings += delta
+        if self.budget is not None and delta:
+            self.budget.add(delta)
 
 
 _process: MapBudget | None = None

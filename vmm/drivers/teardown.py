@@ -12,7 +12,7 @@ log = logging.getLogger("kvlab.vmm")
 
 
 class Teardown:
-    """`release` and `close` of a driver (vmm/drivers/base.py), built on its `unmap`, `_os_release`, `_os_close`."""
+    """`release` and `close` of a driver (vmm/drivers/base.py), built on its `unmap` and its OS calls (`os`)."""
 
     def __init__(self, driver: Books) -> None:
         self.driver = driver
@@ -36,7 +36,7 @@ class Teardown:
     def _release(self, region: Region) -> list[DriverError]:
         errors = self._unmap_all(region)
         try:
-            self.driver._os_release(region)
+            self.driver.os.release(region)
         except DriverError as exc:
             return errors + [exc]
         for start, count in runs(sorted(region.pages)):   # still mapped after failed unmaps: gone with the range
@@ -44,7 +44,7 @@ class Teardown:
         region.released = True
         self.driver.regions.remove(region)
         self.driver.stats.reserved_bytes -= region.nbytes
-        self.driver._count_mappings(-region.vmas)
+        self.driver.mappings.add(-region.vmas)
         return errors
 
     def _unmap_all(self, region: Region) -> list[DriverError]:
@@ -97,7 +97,7 @@ class Teardown:
             log.info("closing the %s virtual-memory driver: %d range(s) a tensor view still reads are released when "
                      "their last view is dropped", driver.name, len(deferred))
         try:
-            driver._os_close()
+            driver.os.close(driver.pool_maps)
         except DriverError as exc:
             errors.append(exc)
         driver.closed = True

@@ -1,9 +1,10 @@
 """The plain data the virtual-memory drivers share: a reserved range (`Region`), mirrored places (`Mirror`), the
-counters (`DriverStats`), the two partial-failure errors, and `Books`, what the composed parts (vmm/drivers/mirror.py,
-vmm/drivers/teardown.py) need of a driver. A leaf: it imports nothing of vmm."""
+counters (`DriverStats`), the two partial-failure errors, `OSMemory`, the OS calls each driver makes (host, cuda,
+accounting), and `Books`, what the composed parts (vmm/drivers/mirror.py, vmm/drivers/teardown.py) need of a
+driver. A leaf: it imports nothing of vmm."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -11,7 +12,7 @@ from kvlab.common.errors import DriverError
 
 
 class PartialCall(DriverError):
-    """Raised by `_os_map`/`_os_unmap` when a call failed after its first `pages_done` pages took effect (and could
+    """Raised by `OSMemory.map`/`unmap` when a call failed after its first `pages_done` pages took effect (and could
     not be undone); any other exception from them means no page changed."""
 
     def __init__(self, message: str, pages_done: int) -> None:
@@ -78,15 +79,51 @@ class DriverStats:
     deferred_releases: int = 0   # ranges close() left to be released when their last tensor view dies
 
 
+class OSMemory(Protocol):
+    """The calls a driver makes of the OS (or the CUDA driver), each one thing with no books: vmm/drivers/base.py
+    checks every request and books what changed. `merges`: whether neighbouring mappings of consecutive pool pages
+    coalesce into one OS mapping (Linux VMAs do; CUDA mappings do not)."""
+    name: str
+    merges: bool
+
+    def granularity(self) -> int:
+        """The smallest page size the OS/driver allows; page_size is a multiple of it."""
+
+    def reserve(self, nbytes: int) -> int:
+        """Reserve `nbytes` of address space; returns its base."""
+
+    def release(self, region: Region) -> None: ...
+
+    def resize_pool(self, old_pages: int, new_pages: int) -> None: ...
+
+    def map(self, addr: int, first_page: int, num_pages: int) -> int:
+        """Map pool pages [first_page, +num_pages) at addr; returns the number of OS calls made. On failure undo
+        what it can: raise `PartialCall` if the first pages stay mapped, any other error if none does."""
+
+    def unmap(self, addr: int, num_pages: int) -> int:
+        """Unmap num_pages pages at addr, leaving the range reserved; returns the number of OS calls made. Raise
+        `PartialCall` if the first pages were unmapped before the failure, any other error if none was."""
+
+    def discard(self, first_page: int, num_pages: int) -> None: ...
+
+    def view(self, region: Region, offset: int, nbytes: int) -> tuple[Any, Any]:
+        """A zero-copy uint8 tensor over [base + offset, +nbytes) and the object whose life tracks the view."""
+
+    def close(self, pool_maps: Sequence[int]) -> None:
+        """Give the pool back; `pool_maps`: the mappings each pool page still has."""
+
+
 class Books(Protocol):
     """What a driver offers its composed parts (package-private: they are part of the driver): checked, booked
-    map/unmap, its ranges and counters, booking an unmap the OS did implicitly, and the two OS calls that end a
-    range and the driver."""
+    map/unmap, its ranges and counters, booking an unmap the OS did implicitly, and its OS calls."""
     name: str
     page_size: int
     stats: DriverStats
     regions: list[Region]
     closed: bool
+    os: OSMemory
+    mappings: Any
+    pool_maps: Sequence[int]
 
     def map(self, region: Region, offset: int, page: int, num_pages: int = 1) -> None: ...
 
@@ -97,12 +134,6 @@ class Books(Protocol):
     def live_views(self, region: Region | None = None) -> int: ...
 
     def _book_unmap(self, region: Region, first: int, num_pages: int, delta: int) -> None: ...
-
-    def _count_mappings(self, delta: int) -> None: ...
-
-    def _os_release(self, region: Region) -> None: ...
-
-    def _os_close(self) -> None: ...
 
 
 def runs(indices: list[int], pages: dict[int, int] | None = None) -> list[tuple[int, int]]:

@@ -3,6 +3,11 @@ VMAs): the rule for one edge between VA pages, and what mapping or unmapping a r
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvlab.vmm.drivers.types import Region
+
 
 def boundary(a: int | None, b: int | None) -> bool:
     """Whether neighbouring VA pages mapping pool pages a and b (None: unmapped) lie in different OS mappings,
@@ -46,3 +51,16 @@ def count_vmas(pages: dict[int, int], size: int) -> int:
     edges = {e for v in pages for e in (v, v + 1) if 1 <= e < size}
     return 1 + sum(boundary(pages.get(e - 1), pages.get(e)) for e in edges)
 
+
+
+def region_map_delta(region: Region, first: int, count: int, page: int, page_size: int, merges: bool) -> int:
+    """`map_delta` on a range's own table; without merging every page is its own mapping."""
+    if not count:
+        return 0
+    return map_delta(region.pages, first, count, page, region.nbytes // page_size) if merges else count
+
+
+def region_unmap_delta(region: Region, first: int, count: int, page_size: int, merges: bool) -> int:
+    if not count:
+        return 0
+    return unmap_delta(region.pages, first, count, region.nbytes // page_size) if merges else -count

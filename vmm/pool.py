@@ -1,0 +1,137 @@
+"""The page groups of the vmm cache: which are in the pool and how many slots map each (`PagePool`), and the
+counters the moves of pages keep (`PageCounters`).
+
+Group g is pool page t*G + g of tensor t, so groups with consecutive ids are consecutive pool pages in every
+tensor: taking runs of consecutive groups lets neighbouring mappings merge (host VMAs).
+"""
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvlab.vmm.prefix import PagePrefixCache
+    from kvlab.vmm.slots import Slot
+
+
+@dataclass(slots=True)
+class PageCounters:
+    cow_copies: int = 0            # shared pages copied for a writer
+    swapped_out_bytes: int = 0
+    swapped_in_bytes: int = 0
+    reclaimed_units: int = 0       # pages unmapped to make room (stale slots, pages mapped ahead)
+    lookahead_pages: int = 0       # pages the background mapper mapped ahead of need
+    lookahead_skipped: int = 0     # background jobs that found the pool empty
+    torn_pages: int = 0            # pages waiting to be cleared after a TornMirror
+    window_dropped_pages: int = 0  # page groups unmapped below a sliding window (back to the pool)
+
+
+class PagePool:
+    """Free flags and per-group slot counts (forks and prefix hits share groups copy-on-write). With a prefix
+    cache, a cached group no slot maps is neither free nor mapped: it is idle in the cache until evicted."""
+
+    def __init__(self, num_groups: int, cache: PagePrefixCache | None = None) -> None:
+        self.num_groups, self.cache = num_groups, cache
+        self.free = bytearray(b"\x01") * num_groups   # 1 = group in the pool, unmapped
+        self.num_free = num_groups
+        self.refs = array("i", [0]) * num_groups      # slots mapping each group
+        self.num_shared = 0                           # groups more than one slot maps (0: no copy-on-write)
+
+    def take(self, count: int, prefer: int | None) -> list[int]:
+        """Prefer the groups right after `prefer`, then the first run of `count` free groups, then any."""
+        taken: list[int] = []
+
+        def take(g: int) -> None:
+            self.free[g] = 0
+            taken.append(g)
+        g = prefer if prefer is not None else self.num_groups
+        while len(taken) < count and g < self.num_groups and self.free[g]:
+            take(g)
+            g += 1
+        rest = count - len(taken)
+        start = self.free.find(b"\x01" * rest) if rest else -1
+        for g in range(start, start + rest) if start >= 0 else ():
+            take(g)
+        while len(taken) < count:
+            take(self.free.find(b"\x01"))
+        self.num_free -= count
+        return taken
+
+    def own(self, groups: Iterable[int]) -> None:
+        """Groups just taken are now mapped by one slot."""
+        for g in groups:
+            self.refs[g] = 1
+
+    def share(self, groups: Iterable[int]) -> None:
+        """One slot more maps each group (a fork child, or a prefix hit: an idle cached group leaves the LRU)."""
+        refs = self.refs
+        for g in groups:
+            if refs[g] == 0:
+                self.cache.unpark(g)
+            refs[g] += 1
+            self.num_shared += refs[g] == 2
+
+    def unshare(self, g: int) -> None:
+        """A slot stops mapping a shared group; the other slots still map it."""
+        self.refs[g] -= 1
+        self.num_shared -= self.refs[g] == 1
+
+    def is_shared(self, g: int) -> bool:
+        return self.refs[g] > 1
+
+    def put_back(self, groups: list[int]) -> None:
+        """One slot fewer maps each group; a group no slot maps returns to the pool, or, if cached, idles in the
+        cache's LRU (last pages first, so a chain's tail is evicted before its head)."""
+        refs, cache = self.refs, self.cache
+        for g in reversed(groups):
+            refs[g] -= 1
+            if refs[g] == 0:
+                if cache is not None and cache.is_cached(g):
+                    cache.park(g)
+                    continue
+                self.free[g] = 1
+                self.num_free += 1
+            elif refs[g] == 1:
+                self.num_shared -= 1
+
+    def num_idle(self) -> int:
+        """Cached groups no slot maps: free capacity once evicted."""
+        return len(self.cache.idle) if self.cache is not None else 0
+
+    def is_cached(self, g: int) -> bool:
+        return self.cache is not None and self.cache.is_cached(g)
+
+    def evict(self, count: int) -> int:
+        """Return up to `count` idle cached groups to the pool, least recently used first (whole groups)."""
+        if self.cache is None:
+            return 0
+        groups = self.cache.evict(count)
+        for g in groups:
+            self.free[g] = 1
+        self.num_free += len(groups)
+        return len(groups)
+
+    def return_untaken(self, groups: Iterable[int]) -> None:
+        """After a failed mapping: groups taken but never owned go back to the pool."""
+        for g in groups:
+            if self.refs[g] == 0 and not self.free[g] and not self.is_cached(g):
+                self.free[g] = 1
+                self.num_free += 1
+
+    def check(self, slots: list[Slot]) -> None:
+        refs = [0] * self.num_groups
+        for slot in slots:
+            groups = slot.live_groups()
+            assert len(set(groups)) == len(groups), f"slot {slot.index} maps a group twice"
+            for g in groups:
+                refs[g] += 1
+        assert list(self.refs) == refs, "page refcounts differ from the slots mapping them"
+        for g in range(self.num_groups):
+            assert bool(self.free[g]) == (refs[g] == 0 and not self.is_cached(g)), \
+                f"group {g}: free flag and mappings disagree"
+        if self.cache is not None:
+            self.cache.check(refs)
+        assert self.num_free == sum(self.free), "free-page count drifted"
+        assert self.num_shared == sum(1 for r in refs if r > 1), "shared-page count drifted"
