@@ -155,9 +155,9 @@ class Engine:
         out = self.scheduler.schedule()
         self.attributor.on_schedule(out, t0)
         held = list(self.scheduler.running)
+        w1 = time.perf_counter()
         req_of = self.scheduler.req_of          # a request whose item the scheduler dropped may be gone already
         sampled = [req for req in dict.fromkeys(map(req_of.get, out.specs)) if req is not None]
-        w1 = time.perf_counter()
         samples = self.runner.execute(out) if out.items else {}
         w2 = time.perf_counter()
         t1 = clock()

@@ -349,3 +349,17 @@ def test_an_engine_bug_ends_every_stream_and_health_says_503():
         assert httpx.post(s.url + "/v1/completions", json=body, timeout=5).status_code == 503
     finally:
         s.stop()
+
+
+def test_serve_never_imports_the_load_generator():
+    """The server side stands alone: the `kvlab` response field lives in serve/extension.py, not in loadgen/."""
+    import ast
+    imported = set()
+    for path in (ROOT / "experiments" / "serve").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                imported.add(node.module)
+            elif isinstance(node, ast.Import):
+                imported.update(alias.name for alias in node.names)
+    assert "kvlab.experiments.serve.extension" in imported
+    assert not [m for m in imported if m.startswith("kvlab.experiments.loadgen")]
