@@ -4,7 +4,7 @@ Low-level use (bench, simulator):
     engine = Engine(config, cache, runner, eos_token_ids=...)      # any runner with execute() and clock()
     engine.add_request([1, 2, 3], SamplingParams(max_tokens=8))
     while engine.has_unfinished():
-        for output in engine.step(): ...
+        result = engine.step()         # StepResult: result.new_tokens (per request, per sample), result.finished
     engine.metrics()                                                # RunMetrics since reset_metrics()
 `Engine.from_config(config)` loads the model and builds the real cache and a TorchRunner.
 """
@@ -19,7 +19,7 @@ from kvlab.common.errors import KvlabError, RequestError
 from kvlab.common.kv.seam import create_cache
 from kvlab.common.kv.types import CacheStats
 from kvlab.common.metrics import MetricsRecorder, RunMetrics
-from kvlab.common.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvlab.common.outputs import StepResult, TokenStream, request_output
 from kvlab.common.request import Request, SchedulerOutput, SchedulerStats
 from kvlab.common.sampling_params import SamplingParams
 from kvlab.common.sched.attribution import KVAttributor
@@ -38,8 +38,9 @@ class Runner(Protocol):
 
 
 class Engine:
-    """The loop (add_request, step, abort) and what callers may see of it. 21 methods: the loop is five; the rest
-    are the read-only views the LLM API, the server and the experiments need, so none reaches into the scheduler."""
+    """The loop (add_request, step, abort) and what callers may see of it: the read-only views the LLM API, the
+    server and the experiments need, so none reaches into the scheduler. What a step returns is built in
+    common/outputs.py."""
 
     def __init__(self, config: EngineConfig, cache: KVCache, runner: Runner, tokenizer: Any = None,
                  eos_token_ids: tuple[int, ...] = (), vocab_size: int | None = None,
@@ -52,6 +53,7 @@ class Engine:
         self.scheduler = Scheduler(config, cache.allocator, eos_token_ids)
         self.recorder = MetricsRecorder(cache, timeline_every)
         self.attributor = KVAttributor(self.scheduler.req_of)
+        self.stream = TokenStream()
         self._ids = itertools.count()
         self._closed = False
 
@@ -108,20 +110,20 @@ class Engine:
         return None, list(prompt)
 
     def abort(self, request_id: str) -> bool:
+        """Drop a request and free its KV; it produces no output. False if it is unknown or already finished."""
+        self.stream.forget(str(request_id))
         return self.scheduler.abort(str(request_id))
 
     def abort_all(self, request_ids: Iterable[str]) -> None:
         """Abort these requests and discard every output not yet returned: the engine is left empty of them."""
         for request_id in request_ids:
-            self.scheduler.abort(str(request_id))
-        self.scheduler.pop_finished()
+            self.abort(request_id)
+        for req in self.scheduler.pop_finished():
+            self.stream.forget(req.request_id)
 
     def has_unfinished(self) -> bool:
         """Requests still running, or finished ones whose output the next step() returns."""
         return self.scheduler.has_unfinished() or self.scheduler.has_finished()
-
-    def unfinished_request_ids(self) -> list[str]:
-        return list(self.scheduler.requests)
 
     def running_sequences(self) -> list[Sequence]:
         """The sequences holding KV now, oldest admission first (a copy)."""
@@ -132,63 +134,42 @@ class Engine:
         s = self.scheduler
         return len(s.running), len(s.waiting), len(s.swapped)
 
-    def partial_tokens(self, request_id: str) -> list[list[int]] | None:
-        """The output tokens of an unfinished request so far, one list per sample (a copy); None when the engine
-        no longer holds it or it is a beam search (whose beams are not final until the end)."""
-        req = self.scheduler.requests.get(request_id)
-        if req is None or req.beam is not None:
-            return None
-        return [list(s.output_token_ids) for s in req.seqs]
-
     # -- the loop -------------------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """One iteration; returns the requests that finished (or failed) in it."""
+    def step(self) -> StepResult:
+        """One iteration: each request's new tokens, and the requests that finished (or failed) in it."""
         self._check_open()
+        held, sampled, stats = self._advance()
+        finished = self.scheduler.pop_finished()
+        self.attributor.on_step_end(held, finished, stats.map_seconds + stats.unmap_seconds)
+        for req in finished:
+            self.attributor.on_finished(req)
+            self.recorder.on_finished(req)
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        return self.stream.step(sampled, [request_output(req, decode) for req in finished])
+
+    def _advance(self) -> tuple[list[Sequence], list[Request], CacheStats]:
+        """schedule -> execute -> update, timed and recorded. Returns the sequences holding KV during the step,
+        the requests that sampled in it and the cache's stats after it."""
         clock = self.runner.clock
         t0, w0 = clock(), time.perf_counter()
         out = self.scheduler.schedule()
         self.attributor.on_schedule(out, t0)
-        held = list(self.scheduler.running)           # the sequences holding KV during this step
-        running = len(held)
+        held = list(self.scheduler.running)
         w1 = time.perf_counter()
-        sampled = self.runner.execute(out) if out.items else {}
+        req_of = self.scheduler.req_of          # a request whose item the scheduler dropped may be gone already
+        sampled = [req for req in dict.fromkeys(map(req_of.get, out.specs)) if req is not None]
+        samples = self.runner.execute(out) if out.items else {}
         w2 = time.perf_counter()
         t1 = clock()
-        self.scheduler.update(out, sampled, now=t1)
+        self.scheduler.update(out, samples, now=t1)
         w3 = time.perf_counter()
         if self.config.check_invariants:
             self.scheduler.check_invariants()
             self.cache.check_invariants()
         stats = self.cache.stats()
         if out.items:
-            self.recorder.on_step(t0, t1, out, running, (w1 - w0) + (w3 - w2), stats)
-        finished = self.scheduler.pop_finished()
-        self.attributor.on_step_end(held, finished, stats.map_seconds + stats.unmap_seconds)
-        outputs = []
-        for req in finished:
-            self.attributor.on_finished(req)
-            self.recorder.on_finished(req)
-            outputs.append(self.request_output(req))
-        return outputs
-
-    def request_output(self, req: Request) -> RequestOutput:
-        decode = self.tokenizer.decode if self.tokenizer is not None else None
-        if req.beam is not None and req.error is None:
-            completions = [CompletionOutput(i, h.token_ids, decode(h.token_ids) if decode else None,
-                                            h.finish_reason, h.score)
-                           for i, h in enumerate(req.beam.best(req.params.n))]
-        elif req.beam is not None:
-            completions = [CompletionOutput(0, [], "" if decode else None, "error")]
-        else:
-            completions = [CompletionOutput(i, s.output_token_ids,
-                                            decode(s.output_token_ids) if decode else None,
-                                            s.finish_reason, s.cumulative_logprob)
-                           for i, s in enumerate(req.seqs)]
-        att = req.attribution
-        metrics = RequestMetrics(req.arrival_time, req.first_token_time, req.finished_time,
-                                 req.num_preemptions, att.kv_wait_s, att.recomputed_tokens, att.map_unmap_s)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, True, metrics,
-                             req.error)
+            self.recorder.on_step(t0, t1, out, len(held), (w1 - w0) + (w3 - w2), stats)
+        return held, sampled, stats
 
     # -- observability --------------------------------------------------------------------------------------
     def reset_metrics(self) -> None:

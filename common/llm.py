@@ -72,7 +72,7 @@ class LLM:
         try:
             while engine.has_unfinished():
                 self._check_open()
-                for output in engine.step():
+                for output in engine.step().finished:
                     results[index[output.request_id]] = output
                     if bar is not None:
                         bar.update(1)

@@ -39,7 +39,7 @@ def one_at_a_time(backend: str, preemption: bool) -> dict[str, object]:
                                arrival_time=0.0)
         outputs = {}
         while engine.has_unfinished():
-            outputs.update({o.request_id: o for o in engine.step()})
+            outputs.update({o.request_id: o for o in engine.step().finished})
         return outputs
     finally:
         engine.close()

@@ -350,7 +350,7 @@ def test_bad_requests_added_mid_run_fail_alone(backend, llms):
     impossible = engine.add_request([12] * 30, SamplingParams(max_tokens=50, ignore_eos=True))
     done = {}
     while engine.has_unfinished():
-        for out in engine.step():
+        for out in engine.step().finished:
             done[out.request_id] = out
     assert set(done) == set(good) | {impossible}
     assert done[impossible].error and "holds at most 64" in done[impossible].error

@@ -149,11 +149,11 @@ ENGINE_WORKLOAD = """
         for _ in range(rng.randint(1, 12)):
             if rng.random() < 0.2 and engine.scheduler.requests:
                 aborted += engine.abort(rng.choice(sorted(engine.scheduler.requests)))
-            for out in engine.step():
+            for out in engine.step().finished:
                 finished += 1
                 failed += out.error is not None
     while engine.has_unfinished():
-        for out in engine.step():
+        for out in engine.step().finished:
             finished += 1
             failed += out.error is not None
     stats = engine.cache.stats()

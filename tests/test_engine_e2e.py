@@ -168,3 +168,32 @@ def test_prefix_caching_skips_shared_prompt_blocks(expected):
         assert [o.outputs[0].token_ids for o in out] == want
         assert engine.cache_stats().prefix_hit_tokens >= 3 * 40
         assert m.computed_tokens <= sum(len(p) for p in prompts) + 4 * 6 - 3 * 40
+
+
+@pytest.mark.parametrize("backend, mode", [("paged", "recompute"), ("vmm", "swap"), ("vmm", "recompute")])
+def test_step_results_stream_exactly_the_final_outputs(backend, mode):
+    """Each step's new tokens, joined per sample, are the final outputs (n = 1, n = 3, beam search), under a
+    budget that preempts; a sample gains at most one token a step, and a beam search reports once, whole."""
+    prompts, _ = workload(seed=4, count=6)
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+              SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=20, ignore_eos=True),
+              SamplingParams(beam_width=2, n=2, max_tokens=8, ignore_eos=True)] * 2
+    with llm(backend, 120, preemption_mode=mode) as engine:
+        e = engine.engine
+        ids = [e.add_request(p, sp) for p, sp in zip(prompts, params)]
+        streamed, reports, finished = {i: [] for i in ids}, {i: 0 for i in ids}, {}
+        while e.has_unfinished():
+            result = e.step()
+            for rid, new in result.new_tokens.items():
+                reports[rid] += 1
+                got = streamed[rid]
+                got += [[] for _ in range(len(new) - len(got))]
+                for sample, ids_ in zip(got, new):
+                    sample += ids_
+                is_beam = params[ids.index(rid)].use_beam_search
+                assert is_beam or all(len(t) <= 1 for t in new), new
+            finished.update({o.request_id: o for o in result.finished})
+        assert e.scheduler_stats().preemptions > 0
+    for rid, sp in zip(ids, params):
+        assert streamed[rid] == [c.token_ids for c in finished[rid].outputs]
+        assert reports[rid] == 1 if sp.use_beam_search else reports[rid] >= sp.max_tokens

@@ -50,7 +50,7 @@ def small_engine(model, backend: str, **overrides) -> Engine:
 def run(engine: Engine) -> dict:
     outputs = {}
     while engine.has_unfinished():
-        for o in engine.step():
+        for o in engine.step().finished:
             outputs[o.request_id] = o
     return outputs
 

@@ -383,7 +383,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         for req in self.engine.scheduler.requests.values():
             for s in req.seqs:
                 self.seen[s.seq_id] = s
-        for out in self.engine.step():
+        for out in self.engine.step().finished:
             self.outputs[out.request_id] += 1
             assert out.request_id not in self.aborted, f"aborted request {out.request_id} produced output"
             if out.error is None:

@@ -49,7 +49,7 @@ def run(eng: Engine, max_steps: int = 10_000) -> dict:
     for _ in range(max_steps):
         if not eng.has_unfinished():
             return outputs
-        for o in eng.step():
+        for o in eng.step().finished:
             outputs[o.request_id] = o
     raise AssertionError("engine did not finish")
 

@@ -3,6 +3,7 @@ start, and when a terminal's Ctrl-C reaches both processes."""
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import signal
 import subprocess
@@ -16,6 +17,9 @@ from test_serve_server import LiveServer, wait_for
 
 from kvlab.common.config import make_config
 from kvlab.common.errors import ModelLoadError
+from kvlab.common.outputs import CompletionOutput, RequestOutput
+from kvlab.common.sampling_params import SamplingParams
+from kvlab.experiments.serve import events as ev
 from kvlab.experiments.serve.engine_process import ProcessEngine
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,3 +78,21 @@ def test_a_signal_to_the_process_group_exits_zero_and_stops_every_process(sig, e
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+
+def test_every_message_pickles_as_its_fields():
+    """The records crossing the socket pair come back equal, each pickled as (class, field values): no state
+    dict per object, the cheap form (one EventBatch per engine step)."""
+    out = RequestOutput("r1", None, [1, 2], [CompletionOutput(0, [5, 6], None, "length")])
+    messages = [ev.AddCommand("r1", [1, 2], SamplingParams(max_tokens=3)), ev.AbortCommand("r1"), ev.StopCommand(),
+                ev.StatsQuery(7), ev.StatsReply(7, b"text", {"running": 1.0}), ev.ProcessSetup(["/x"], 20),
+                ev.EngineReady(None, 1), ev.EngineFailed(ModelLoadError("no model")),
+                ev.EventBatch([ev.AcceptedEvent("r1"), ev.RejectedEvent("r2", "full", 503),
+                               ev.TokensEvent("r1", [[5], []]), ev.FinishedEvent("r1", out),
+                               ev.AbortedEvent("r3")], waiting=2)]
+    for msg in messages:
+        back = pickle.loads(pickle.dumps(msg))
+        assert type(back) is type(msg) and (back == msg or isinstance(msg, ev.EngineFailed)), msg
+        cls, fields = msg.__reduce__()
+        assert cls is type(msg) and isinstance(fields, tuple), msg
+    assert str(pickle.loads(pickle.dumps(messages[7])).error) == "no model"

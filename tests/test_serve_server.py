@@ -392,3 +392,16 @@ def test_metrics_are_named_from_the_record_with_the_old_names_kept():
         total = "_total" if e.kind.__name__ == "Counter" else ""
         assert all(types[name + total] == e.kind.__name__.lower() for name in e.prom_names)
         assert total or not e.prom_name.endswith("_total")
+
+def test_serve_never_imports_the_load_generator():
+    """The server side stands alone: the `kvlab` response field lives in serve/extension.py, not in loadgen/."""
+    import ast
+    imported = set()
+    for path in (ROOT / "experiments" / "serve").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                imported.add(node.module)
+            elif isinstance(node, ast.Import):
+                imported.update(alias.name for alias in node.names)
+    assert "kvlab.experiments.serve.extension" in imported
+    assert not [m for m in imported if m.startswith("kvlab.experiments.loadgen")]

@@ -75,7 +75,7 @@ def drive(engine: Engine, num_requests: int, seed: int, max_prompt: int, max_tok
             r.requests += 1
         if sched.requests and rng.random() < abort_p:
             r.aborted += engine.abort(rng.choice(list(sched.requests)))
-        for out in engine.step():
+        for out in engine.step().finished:
             outputs[out.request_id] += 1
             r.finished += out.error is None
             r.failed += out.error is not None

@@ -7,7 +7,6 @@ completed requests that meet every given SLO (ms). Shared by the load generator 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -48,13 +47,6 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
         if slos[name] <= 0:
             raise ConfigError(f"bad --goodput {item!r}: the target must be > 0 ms")
     return slos
-
-
-def kvlab_extension(m: Any) -> dict[str, Any]:
-    """The `kvlab` field of a kvlab server's response: what KV memory cost this request (m: its RequestMetrics,
-    engine clock, seconds)."""
-    return {"num_preemptions": m.num_preemptions, "engine_ttft_s": m.ttft, "kv_wait_s": m.kv_wait_s,
-            "recomputed_tokens": m.recomputed_tokens, "map_unmap_s": m.map_unmap_s}
 
 
 def meets(r: RequestRecord, slos: dict[str, float]) -> bool:

@@ -16,10 +16,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvlab.experiments.loadgen.latency import kvlab_extension
+from kvlab.common.outputs import RequestOutput
 from kvlab.experiments.serve import protocol
 from kvlab.experiments.serve.chat import renderer
 from kvlab.experiments.serve.decoding import Decoding
+from kvlab.experiments.serve.events import Event, FinishedEvent, RejectedEvent, TokensEvent
+from kvlab.experiments.serve.extension import kvlab_extension
 from kvlab.experiments.serve.handles import EngineGone, EngineHandle
 from kvlab.experiments.serve.protocol import ApiError, Submission
 
@@ -113,11 +115,10 @@ async def generate(server: Server, request: Request, chat: bool) -> Response:
     except asyncio.CancelledError:                             # the client left before the engine took it
         engine.abort(rid)
         raise
-    if first[0] == "rejected":
-        status = first[2] if len(first) > 2 else 400
-        if status == 503:
-            raise EngineGone(first[1])
-        raise ApiError(status, first[1], "prompt" if "prompt" in first[1] else None)
+    if isinstance(first, RejectedEvent):
+        if first.status == 503:
+            raise EngineGone(first.message)
+        raise ApiError(first.status, first.message, "prompt" if "prompt" in first.message else None)
     n_prompt = len(prompt) if isinstance(prompt, list) else 0
     resp = Response_(server, sub, rid, n_prompt, events)
     if sub.stream:
@@ -137,29 +138,34 @@ class Response_:
         self.extra: dict[str, Any] = {}
 
     # -- events ---------------------------------------------------------------------------------------------
-    def apply(self, event: tuple) -> list[tuple[int, list[int], str]]:
-        """Update state; return (sample, ids, text) pieces to send."""
+    def apply(self, event: Event) -> list[tuple[int, list[int], str]]:
+        """Update state; return (sample, ids, text) pieces to send. After acceptance a request's events are
+        tokens, then finished or aborted."""
+        if isinstance(event, TokensEvent):
+            return self._tokens(event.token_ids)
+        return self._done(event.output if isinstance(event, FinishedEvent) else None)
+
+    def _tokens(self, token_ids: list[list[int]]) -> list[tuple[int, list[int], str]]:
+        pieces = [(i, *self.dec.add(i, ids)) for i, ids in enumerate(token_ids) if ids]
+        if self.dec.all_stopped():
+            self.server.engine.abort(self.rid)              # every sample hit a stop string
+        return pieces
+
+    def _done(self, out: RequestOutput | None) -> list[tuple[int, list[int], str]]:
+        """The request ended: its output, or None when it was aborted (or the engine stopped)."""
+        self.done = True
         pieces = []
-        if event[0] == "tokens":
-            for i, ids in enumerate(event[1]):
-                if ids:
-                    pieces.append((i, *self.dec.add(i, ids)))
-            if self.dec.all_stopped():
-                self.server.engine.abort(self.rid)              # every sample hit a stop string
-        elif event[0] == "done":
-            self.done = True
-            out = event[1]
-            for i in range(len(self.dec.samples)):
-                ids, text = self.dec.add(i, [], final=True)
-                if text:
-                    pieces.append((i, ids, text))
-                reason = out.outputs[i].finish_reason if out is not None and i < len(out.outputs) else "abort"
-                self.dec.finish(i, reason)
-            if out is not None:
-                self.n_prompt = len(out.prompt_token_ids)
-                self.error = out.error
-                if out.metrics is not None:
-                    self.extra = kvlab_extension(out.metrics)
+        for i in range(len(self.dec.samples)):
+            ids, text = self.dec.add(i, [], final=True)
+            if text:
+                pieces.append((i, ids, text))
+            reason = out.outputs[i].finish_reason if out is not None and i < len(out.outputs) else "abort"
+            self.dec.finish(i, reason)
+        if out is not None:
+            self.n_prompt = len(out.prompt_token_ids)
+            self.error = out.error
+            if out.metrics is not None:
+                self.extra = kvlab_extension(out.metrics)
         return pieces
 
     def usage(self) -> dict[str, int]:

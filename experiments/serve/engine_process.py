@@ -2,12 +2,12 @@
 detokenizing, and the engine steps with a GIL of its own, so the HTTP work of one step's tokens overlaps the
 next step instead of delaying it (docs/serving.md measures both ways).
 
-The two processes talk over a socket pair, one pickled message per send:
-  server -> engine: its sys.path and log level, then the EngineConfig (as multiprocessing's spawn does: what
-                    the server can import, the engine can unpickle); then ("add", rid, prompt, params), ("abort", rid),
-                    ("query", token), ("stop",)
-  engine -> server: ("ready", tokenizer, torch threads) or ("failed", exception) once; then, once per loop turn
-                    with anything to say, ("events", [(rid, event), ...], waiting) and ("query", token, text, stats)
+The two processes talk over a socket pair, one pickled record (experiments/serve/events.py) per send:
+  server -> engine: ProcessSetup (its sys.path and log level), then the EngineConfig (as multiprocessing's spawn
+                    does: what the server can import, the engine can unpickle); then AddCommand, AbortCommand,
+                    StatsQuery, StopCommand
+  engine -> server: EngineReady or EngineFailed once; then an EventBatch once per loop turn with anything to say,
+                    and a StatsReply for each StatsQuery, answered between steps
 
 The engine process ignores SIGINT (a terminal's Ctrl-C reaches the whole process group; the server orders the
 stop), stops on ("stop",) or SIGTERM, and stops by itself when the pipe closes, so it never outlives the server.
@@ -26,7 +26,17 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from kvlab.common.errors import KvlabError
-from kvlab.experiments.serve.engine_loop import EngineLoop, Sink
+from kvlab.experiments.serve.engine_loop import EngineLoop
+from kvlab.experiments.serve.events import (
+    Command,
+    EngineFailed,
+    EngineReady,
+    EventBatch,
+    ProcessSetup,
+    StatsQuery,
+    StatsReply,
+    StopCommand,
+)
 from kvlab.experiments.serve.handles import EngineGone, EngineHandle, build_engine
 
 log = logging.getLogger("kvlab.serve")
@@ -43,7 +53,7 @@ class ProcessEngine(EngineHandle):
     raised here); then `attach` reads its messages on the asyncio loop (no extra thread)."""
 
     def __init__(self, config: Any, max_waiting: int, start_timeout: float = START_TIMEOUT_S) -> None:
-        super().__init__(max_waiting)
+        super().__init__(max_waiting, self._send)
         ours, theirs = socket.socketpair()
         for s in (ours, theirs):
             s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
@@ -53,14 +63,12 @@ class ProcessEngine(EngineHandle):
         self.proc = subprocess.Popen([sys.executable, "-c", CHILD.format(fd=fd)], pass_fds=[fd], stdout=2)
         theirs.close()
         self.conn = Connection(ours.detach())
-        self.requests: dict[str, list] = {}                  # rid -> [sink, accepted]
         self.queries: dict[int, asyncio.Future] = {}
         self.query_ids = itertools.count()
-        self.last_waiting = 0
         self.alive = self.stopping = False
         self.aloop: asyncio.AbstractEventLoop | None = None
         try:
-            self.conn.send((sys.path, logging.getLogger().getEffectiveLevel()))
+            self.conn.send(ProcessSetup(sys.path, logging.getLogger().getEffectiveLevel()))
             self.conn.send(config)
             self.tokenizer, self.torch_threads = self._wait_ready(start_timeout)
         except BaseException:                                # a bad config, or Ctrl-C while the engine builds
@@ -78,9 +86,9 @@ class ProcessEngine(EngineHandle):
         except EOFError:
             raise KvlabError(f"the engine process exited (code {self.proc.wait()}) before it was ready; "
                              "its error is above") from None
-        if msg[0] == "failed":
-            raise msg[1]
-        return msg[1], msg[2]
+        if isinstance(msg, EngineFailed):
+            raise msg.error
+        return msg.tokenizer, msg.torch_threads
 
     # -- the asyncio loop's thread -----------------------------------------------------------------------------
     def attach(self, aloop: asyncio.AbstractEventLoop) -> None:
@@ -90,25 +98,13 @@ class ProcessEngine(EngineHandle):
     def is_alive(self) -> bool:
         return self.alive and not self.stopping
 
-    def submit(self, request_id: str, prompt: str | list[int], params: Any, sink: Sink) -> bool:
-        """False when the waiting queue is full (the caller answers 429)."""
-        if not self.admit(self.last_waiting):
-            return False
-        self.requests[request_id] = [sink, False]
-        self._send(("add", request_id, prompt, params))
-        return True
-
-    def abort(self, request_id: str) -> None:
-        if request_id in self.requests:
-            self._send(("abort", request_id))
-
     async def snapshot(self) -> tuple[bytes, dict[str, float]]:
         """(Prometheus text, /kvlab/stats dict), read in the engine process after its current step."""
         if not self.alive:
             raise EngineGone("the engine process is not running")
         token = next(self.query_ids)
         self.queries[token] = future = self.aloop.create_future()
-        self._send(("query", token))
+        self._send(StatsQuery(token))
         try:
             return await asyncio.wait_for(future, QUERY_TIMEOUT_S)
         except asyncio.TimeoutError:
@@ -116,9 +112,9 @@ class ProcessEngine(EngineHandle):
         finally:
             self.queries.pop(token, None)
 
-    def _send(self, msg: tuple) -> None:
+    def _send(self, command: Command) -> None:
         try:
-            self.conn.send(msg)
+            self.conn.send(command)
         except OSError:
             self._engine_gone()
 
@@ -129,23 +125,13 @@ class ProcessEngine(EngineHandle):
         except (EOFError, OSError):
             self._engine_gone()
 
-    def _dispatch(self, msg: tuple) -> None:
-        if msg[0] == "events":
-            _, events, self.last_waiting = msg
-            for rid, event in events:
-                entry = self.requests.get(rid)
-                if entry is None:
-                    continue
-                if event[0] == "accepted":
-                    entry[1] = True
-                elif event[0] in ("done", "rejected"):
-                    del self.requests[rid]
-                self.settle(event)
-                entry[0](event)
-        elif msg[0] == "query":
-            future = self.queries.get(msg[1])
-            if future is not None and not future.done():
-                future.set_result((msg[2], msg[3]))
+    def _dispatch(self, msg: EventBatch | StatsReply) -> None:
+        if isinstance(msg, EventBatch):
+            self.deliver(msg)
+            return
+        future = self.queries.get(msg.token)
+        if future is not None and not future.done():
+            future.set_result((msg.text, msg.stats))
 
     def _engine_gone(self) -> None:
         """The pipe closed: after a stop, or because the engine process died. End every request either way."""
@@ -154,9 +140,7 @@ class ProcessEngine(EngineHandle):
         self.alive = False
         if self.aloop is not None:
             self.aloop.remove_reader(self.conn.fileno())
-        requests, self.requests, self.pending = self.requests, {}, 0
-        for sink, accepted in requests.values():
-            sink(("done", None) if accepted else ("rejected", "the engine process is not running", 503))
+        self.end_all("the engine process is not running")
         for future in self.queries.values():
             if not future.done():
                 future.set_exception(EngineGone("the engine process is not running"))
@@ -166,13 +150,13 @@ class ProcessEngine(EngineHandle):
         """From a signal handler: the stop message is sent from the loop, never in the middle of another send."""
         self.stopping = True
         if self.aloop is not None and not self.aloop.is_closed():
-            self.aloop.call_soon_threadsafe(self._send, ("stop",))
+            self.aloop.call_soon_threadsafe(self._send, StopCommand())
 
     async def aclose(self) -> None:
         """Stop the engine while the loop still delivers its last events (aborted streams end cleanly)."""
         self.stopping = True
         if self.alive:
-            self._send(("stop",))
+            self._send(StopCommand())
             await asyncio.to_thread(self._wait_exit)
             self._on_readable()                              # the last events, then EOF
 
@@ -181,7 +165,7 @@ class ProcessEngine(EngineHandle):
         self.stopping = True
         if self.proc.poll() is None:
             try:
-                self.conn.send(("stop",))
+                self.conn.send(StopCommand())
             except OSError:
                 pass
             self._wait_exit()
@@ -199,37 +183,31 @@ class ProcessEngine(EngineHandle):
 
 # -- the engine process ---------------------------------------------------------------------------------------
 class PipeInbox:
-    """The engine loop's inbox, read from the pipe: an "add" gets a sink that queues its events for the next
-    flush; a metrics query is answered right here, on the engine's thread, between steps."""
+    """The engine loop's inbox, read from the pipe. A StatsQuery is answered right here, on the engine's thread,
+    between steps; every other command goes to the loop."""
 
     def __init__(self, conn: Connection, metrics: Any) -> None:
         self.conn, self.metrics = conn, metrics
-        self.events: list[tuple[str, tuple]] = []
-        self.replies: list[tuple] = []
 
-    def get(self, timeout: float | None = None) -> tuple:
+    def get(self, timeout: float | None = None) -> Command:
         while self.conn.poll(timeout):
             cmd = self.conn.recv()                           # EOFError once the server is gone
-            if cmd[0] == "add":
-                return (*cmd, self._sink(cmd[1]))
-            if cmd[0] != "query":
+            if not isinstance(cmd, StatsQuery):
                 return cmd
-            self.replies.append(("query", cmd[1], self.metrics.text(), self.metrics.stats()))
+            send_quietly(self.conn, StatsReply(cmd.token, self.metrics.text(), self.metrics.stats()))
             timeout = 0
         raise queue.Empty
 
-    def get_nowait(self) -> tuple:
+    def get_nowait(self) -> Command:
         return self.get(0)
-
-    def _sink(self, rid: str) -> Sink:
-        return lambda event: self.events.append((rid, event))
 
 
 def child_main(fd: int) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = Connection(fd)
-    sys.path[:], level = conn.recv()
-    logging.basicConfig(level=level, format=LOG_FORMAT)
+    setup = conn.recv()
+    sys.path[:] = setup.sys_path
+    logging.basicConfig(level=setup.log_level, format=LOG_FORMAT)
     config = conn.recv()
     try:
         loop = _build(config, conn)
@@ -238,11 +216,11 @@ def child_main(fd: int) -> int:
             log.exception("the engine failed to start")
             e = KvlabError(f"the engine failed to start: {type(e).__name__}: {e}")
         try:
-            conn.send(("failed", e))
+            conn.send(EngineFailed(e))
         except Exception:                                    # an exception that does not pickle
-            conn.send(("failed", KvlabError(str(e))))
+            conn.send(EngineFailed(KvlabError(str(e))))
         return 1
-    # SIGTERM (alone, or to the whole process group with the server's): stop as ("stop",) would, freeing all
+    # SIGTERM (alone, or to the whole process group with the server's): stop as a StopCommand would, freeing all
     signal.signal(signal.SIGTERM, lambda sig, frame: loop.stopping.set())
     loop.run()
     return 1 if loop.failed else 0
@@ -251,18 +229,13 @@ def child_main(fd: int) -> int:
 def _build(config: Any, conn: Connection) -> EngineLoop:
     import torch
     engine, metrics = build_engine(config)
-    inbox = PipeInbox(conn, metrics)
-    loop = EngineLoop(engine, metrics, inbox=inbox, flush=lambda: _flush(conn, inbox, loop))
-    conn.send(("ready", engine.tokenizer, torch.get_num_threads()))
+    loop = EngineLoop(engine, metrics, lambda batch: send_quietly(conn, batch), inbox=PipeInbox(conn, metrics))
+    conn.send(EngineReady(engine.tokenizer, torch.get_num_threads()))
     return loop
 
 
-def _flush(conn: Connection, inbox: PipeInbox, loop: EngineLoop) -> None:
+def send_quietly(conn: Connection, msg: EventBatch | StatsReply) -> None:
     try:
-        if inbox.events:
-            conn.send(("events", inbox.events, loop.waiting))
-        for reply in inbox.replies:
-            conn.send(reply)
+        conn.send(msg)
     except OSError:                                          # the server is gone: the next read sees EOF
         pass
-    inbox.events, inbox.replies = [], []

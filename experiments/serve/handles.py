@@ -2,42 +2,96 @@
 server process. (engine_process.py runs it in a process of its own, the default for `kvlab serve`.)
 
 The contract, for the app: call everything from the asyncio loop's thread; `attach` once the loop runs; a
-request's sink is called on that thread with the events engine_loop.py lists.
+request's sink is called on that thread with its events (experiments/serve/events.py), which `deliver`
+routes, the one place the engine's events are read on the server side.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from kvlab.common.errors import KvlabError
-from kvlab.experiments.serve.engine_loop import EngineLoop, Sink
+from kvlab.experiments.serve.engine_loop import EngineLoop
+from kvlab.experiments.serve.events import (
+    AbortCommand,
+    AbortedEvent,
+    AcceptedEvent,
+    AddCommand,
+    Command,
+    Event,
+    EventBatch,
+    RejectedEvent,
+    TokensEvent,
+)
+
+Sink = Callable[[Event], None]
 
 
 class EngineGone(KvlabError):
     """The engine is not running (it stopped, or its process died): the app answers 503."""
 
 
+@dataclass(slots=True)
+class Stream:
+    """A request sent to the engine and not yet ended: where its events go."""
+    sink: Sink
+    accepted: bool = False
+
+
 class EngineHandle:
-    """Admission (429 past `max_waiting`) is counted here, on the loop's thread: requests sent but not yet
-    accepted or rejected by the engine, plus the engine's waiting queue after its last step."""
+    """Requests in (`submit`, `abort`), events out (`deliver`). Admission (429 past `max_waiting`) is counted
+    here, on the loop's thread: requests sent but not yet accepted or rejected by the engine, plus the engine's
+    waiting queue after its last step. `send` takes a command to the engine."""
 
     tokenizer: Any = None
 
-    def __init__(self, max_waiting: int) -> None:
+    def __init__(self, max_waiting: int, send: Callable[[Command], None]) -> None:
         self.max_waiting = max_waiting
+        self.send = send
         self.pending = 0
+        self.last_waiting = 0                          # the engine's waiting queue after its last step
+        self.streams: dict[str, Stream] = {}
 
-    def admit(self, waiting: int) -> bool:
-        """`waiting`: the engine's waiting queue after its last step."""
-        if self.pending + waiting >= self.max_waiting:
+    def submit(self, request_id: str, prompt: str | list[int], params: Any, sink: Sink) -> bool:
+        """False when the waiting queue is full (the caller answers 429)."""
+        if self.pending + self.last_waiting >= self.max_waiting:
             return False
         self.pending += 1
+        self.streams[request_id] = Stream(sink)
+        self.send(AddCommand(request_id, prompt, params))
         return True
 
-    def settle(self, event: tuple) -> None:
-        if event[0] in ("accepted", "rejected"):
+    def abort(self, request_id: str) -> None:
+        if request_id in self.streams:
+            self.send(AbortCommand(request_id))
+
+    def deliver(self, batch: EventBatch) -> None:
+        """One loop turn's events -> each request's sink."""
+        self.last_waiting = batch.waiting
+        streams = self.streams
+        for event in batch.events:
+            stream = streams.get(event.request_id)
+            if stream is None:                         # ended already (the engine was gone)
+                continue
+            if type(event) is not TokensEvent:
+                self._settle(stream, event)
+            stream.sink(event)
+
+    def _settle(self, stream: Stream, event: Event) -> None:
+        if isinstance(event, (AcceptedEvent, RejectedEvent)):
             self.pending -= 1
+            stream.accepted = isinstance(event, AcceptedEvent)
+        if not isinstance(event, AcceptedEvent):       # rejected, finished or aborted: the request has ended
+            del self.streams[event.request_id]
+
+    def end_all(self, message: str) -> None:
+        """The engine is gone: every request ends, aborted if the engine had taken it, else rejected (503)."""
+        streams, self.streams, self.pending = self.streams, {}, 0
+        for rid, stream in streams.items():
+            stream.sink(AbortedEvent(rid) if stream.accepted else RejectedEvent(rid, message, 503))
 
 
 def build_engine(config: Any) -> tuple[Any, Any]:
@@ -57,8 +111,8 @@ class ThreadEngine(EngineHandle):
     one GIL, so every streamed token's HTTP work delays the next step (docs/serving.md measures it)."""
 
     def __init__(self, engine: Any, metrics: Any, max_waiting: int) -> None:
-        super().__init__(max_waiting)
-        self.loop = EngineLoop(engine, metrics)
+        self.loop = EngineLoop(engine, metrics, self._hop)
+        super().__init__(max_waiting, self.loop.inbox.put)
         self.tokenizer = engine.tokenizer
         self.aloop: asyncio.AbstractEventLoop | None = None
 
@@ -71,25 +125,11 @@ class ThreadEngine(EngineHandle):
     def is_alive(self) -> bool:
         return self.loop.is_alive()
 
-    def submit(self, request_id: str, prompt: str | list[int], params: Any, sink: Sink) -> bool:
-        """False when the waiting queue is full (the caller answers 429)."""
-        if not self.admit(self.loop.waiting):
-            return False
-        aloop = self.aloop
-
-        def on_loop(event: tuple) -> None:
-            self.settle(event)
-            sink(event)
-
-        def hop(event: tuple) -> None:                       # engine thread -> the asyncio loop's thread
+    def _hop(self, batch: EventBatch) -> None:
+        """Engine thread -> the asyncio loop's thread, once per loop turn."""
+        if self.aloop is not None:
             with contextlib.suppress(RuntimeError):           # the event loop is already closed
-                aloop.call_soon_threadsafe(on_loop, event)
-
-        self.loop.submit(request_id, prompt, params, hop)
-        return True
-
-    def abort(self, request_id: str) -> None:
-        self.loop.abort(request_id)
+                self.aloop.call_soon_threadsafe(self.deliver, batch)
 
     async def snapshot(self) -> tuple[bytes, dict[str, float]]:
         """(Prometheus text, /kvlab/stats dict)."""

@@ -235,7 +235,7 @@ def drive(engine: Any, runner: RooflineRunner, requests: list[Request],
         if not engine.has_unfinished():
             runner.advance_to(pending[0].arrival_s)
             continue
-        for out in engine.step():
+        for out in engine.step().finished:
             finished[out.request_id] = out.metrics
             free_since.append(runner.clock())
     return added, finished

@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from kvlab.common.kv.registry import get_backend
-from kvlab.experiments.loadgen.latency import RequestRecord, kvlab_extension
+from kvlab.experiments.loadgen.latency import RequestRecord
+from kvlab.experiments.serve.extension import kvlab_extension
 from kvlab.experiments.sim.roofline import RooflineRunner
 from kvlab.experiments.sim.serve.costs import CostLedger, StepOps
 from kvlab.experiments.sim.serve.early_stop import SloWatch
