@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from kvlab.common import limits
 from kvlab.common.errors import ConfigError
 from kvlab.common.limits import MAX_LINE_BYTES, MAX_MODEL_LEN, MAX_PROMPT_TOKENS
+from kvlab.experiments.cli import main as cli
 from kvlab.experiments.workloads import prefix as pw
 from kvlab.experiments.workloads.requests import Request, load_trace
 
@@ -142,3 +144,32 @@ def test_a_scaled_trace_beyond_max_model_len_is_one_line(tmp_path):
 def test_integral_floats_and_blank_lines_load(tmp_path):
     path = write(tmp_path, '\n{"prompt_len": 8.0, "output_len": 4, "arrival_s": 2}\n\n')
     assert load_trace(path) == [Request(8, 4, 2.0)]
+
+
+# -- kvlab prefix ------------------------------------------------------------------------------------------------
+PREFIX_BAD = [
+    (["--budget-gb", "nan"], "--budget-gb must be a finite number > 0 and <= 100000, got nan"),
+    (["--budget-gb", "1e9"], "--budget-gb must be a finite number > 0 and <= 100000, got 1000000000.0"),
+    (["--budget-gb", "inf"], "--budget-gb must be a finite number > 0"),
+    (["--budget-gb", "0"], "--budget-gb must be a finite number > 0"),
+    (["--seed", "-1"], "--seed must be an integer in [0, 9,223,372,036,854,775,807], got -1"),
+    (["--seed", str(2**64 - 1)], "--seed must be an integer in [0, "),
+    (["--workloads", "trace,nope"], "unknown --workloads entry 'nope'"),
+    (["--out", "/proc/kvlab-results"], "--out '/proc/kvlab-results': cannot write there"),
+]
+
+
+@pytest.mark.parametrize("argv, phrase", PREFIX_BAD, ids=[" ".join(a) for a, _ in PREFIX_BAD])
+def test_kvlab_prefix_refuses_a_bad_flag_before_any_work(capsys, argv, phrase):
+    code = cli.main(["prefix", "--runs", "sim", "--workloads", "trace", "--quick", *argv])
+    out, err = capsys.readouterr()
+    assert (code, out) == (2, "")
+    assert err.startswith(f"kvlab prefix: error: {phrase}") and err.count("\n") == 1
+
+
+def test_kvlab_prefix_refuses_a_budget_whose_books_exceed_ram(capsys, monkeypatch):
+    monkeypatch.setattr(limits, "ram_bytes", lambda: 16 * 2**30)
+    code = cli.main(["prefix", "--runs", "sim", "--workloads", "trace", "--quick", "--budget-gb", "100000"])
+    out, err = capsys.readouterr()
+    assert (code, out) == (2, "") and err.count("\n") == 1
+    assert "kvlab prefix: error: --budget-gb 100000 (the simulator's books" in err and "16.0 GiB" in err
