@@ -15,6 +15,7 @@ MAX_SEED = 2**63 - 1             # the per-request generators keep 63 bits of a 
 MAX_BUDGET_GB = 100_000.0        # simulated KV budget: 100 TB, far beyond one node's GPU memory
 MAX_PROMPT_TOKENS = 2**26        # prompt tokens a trace synthesises in all (as Python ints: ~2.4 GB)
 MAX_HASH_ID = 2**64 - 1          # a trace's block hash id (numpy seeds a block from it)
+MAX_VOCAB = 2**24                # token ids a model or a synthetic trace draws from (as common/model.py's maxima)
 MAX_LINE_BYTES = 2**22           # one line of a JSONL trace (4 MiB holds 400k hash ids); read no further
 
 # the names config.py, sim/cli.py, sim/serve/cli.py and bench/offline.py import; new code imports common/validate.py

@@ -64,8 +64,8 @@ def check_number(name: str, value: Any, low: float = 0.0, high: float = math.inf
 
 def _bounds(low: float, high: float, strict: bool) -> str:
     if not strict and high < math.inf:
-        return f"in [{low:g}, {high:g}]"
-    return f"{'>' if strict else '>='} {low:g}" + (f" and <= {high:g}" if high < math.inf else "")
+        return f"in [{low:.15g}, {high:.15g}]"
+    return f"{'>' if strict else '>='} {low:.15g}" + (f" and <= {high:.15g}" if high < math.inf else "")
 
 
 def check_group(name: str, values: dict[str, Any], low: int, high: int,

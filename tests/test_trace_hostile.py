@@ -5,6 +5,7 @@ CLI, one stderr line, exit 2, nothing on stdout); each good one loads as written
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from kvlab.common import limits
 from kvlab.common.errors import ConfigError
 from kvlab.common.limits import MAX_LINE_BYTES, MAX_MODEL_LEN, MAX_PROMPT_TOKENS
 from kvlab.experiments.cli import main as cli
+from kvlab.experiments.workloads import jsonl
 from kvlab.experiments.workloads import prefix as pw
 from kvlab.experiments.workloads.requests import Request, load_trace
 
@@ -99,6 +101,24 @@ def test_a_directory_or_a_missing_file_is_one_line(tmp_path):
     one_line_error(pw.load_mooncake, tmp_path / "missing.jsonl", "does not exist")
 
 
+@pytest.mark.parametrize("kwargs, phrase", [
+    ({"vocab_size": 3}, "vocab_size must be an integer in [4, 16,777,216] (ids below 3 are special), got 3"),
+    ({"vocab_size": "32000"}, "vocab_size must be an integer in [4, "),
+    ({"seed": -1}, "seed must be an integer in [0, 9,223,372,036,854,775,807], got -1"),
+    ({"limit": 0}, "limit must be an integer in [1, 1,000,000], got 0")])
+def test_bad_loader_arguments_are_one_line(kwargs, phrase):
+    with pytest.raises(ConfigError) as e:
+        pw.load_mooncake(pw.SAMPLE_TRACE, block_size=16, **kwargs)
+    assert str(e.value) == phrase or str(e.value).startswith(phrase)
+
+
+def test_a_trace_longer_than_max_requests_without_a_limit_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(jsonl, "MAX_REQUESTS", 2)
+    path = write(tmp_path, row() * 3)
+    one_line_error(pw.load_mooncake, path, "t.jsonl:3: the trace holds more than 2 requests (MAX_REQUESTS)")
+    assert len(pw.load_mooncake(path, limit=2)) == 2
+
+
 def test_what_other_writers_produce_loads_as_written(tmp_path):
     """A byte-order mark, CRLF line ends, integral floats (pandas), keys beyond the schema and unsorted
     timestamps: arrivals count from the earliest."""
@@ -139,6 +159,13 @@ def test_a_hostile_simulate_trace_is_one_line(tmp_path, content, phrases):
 def test_a_scaled_trace_beyond_max_model_len_is_one_line(tmp_path):
     path = write(tmp_path, '{"prompt_len": 4000000, "output_len": 4000}\n')
     one_line_error(lambda p: load_trace(p, scale=2.0), path, "t.jsonl:1: scaled prompt_len + output_len")
+
+
+@pytest.mark.parametrize("scale", [math.nan, math.inf, 0.0, -1.0, "2"])
+def test_a_bad_scale_is_one_line(tmp_path, scale):
+    path = write(tmp_path, '{"prompt_len": 8, "output_len": 4}\n')
+    with pytest.raises(ConfigError, match="^length scale must be a finite number > 0 and <= 4194304, got "):
+        load_trace(path, scale=scale)
 
 
 def test_integral_floats_and_blank_lines_load(tmp_path):

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from kvlab.common.errors import ConfigError
-from kvlab.common.limits import MAX_HASH_ID, MAX_MODEL_LEN, MAX_PROMPT_TOKENS, MAX_SPAN_S, check_seed
+from kvlab.common.limits import MAX_HASH_ID, MAX_MODEL_LEN, MAX_PROMPT_TOKENS, MAX_SPAN_S, MAX_VOCAB, check_seed
 from kvlab.common.validate import check_int, check_number
 from kvlab.experiments.workloads.jsonl import TraceLine, request_lines
 from kvlab.experiments.workloads.requests import Request
@@ -44,8 +44,7 @@ def block_tokens(hash_id: int, block_size: int, vocab_size: int, seed: int = 0) 
 
 
 def _check_vocab(vocab_size: int) -> None:
-    if vocab_size <= LOW_TOKEN:
-        raise ConfigError(f"vocab_size {vocab_size} leaves no ordinary token ids above {LOW_TOKEN}")
+    check_int("vocab_size", vocab_size, LOW_TOKEN + 1, MAX_VOCAB, f" (ids below {LOW_TOKEN} are special)")
 
 
 def synthesize(hash_ids: list[int], input_length: int, block_size: int, vocab_size: int, seed: int = 0,

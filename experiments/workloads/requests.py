@@ -196,6 +196,7 @@ TRACE_SCHEMA = "{prompt_len, output_len[, arrival_s]}"
 def load_trace(path: str | Path | None, limit: int | None = None, scale: float = 1.0) -> list[Request]:
     """JSONL, one {"prompt_len", "output_len"[, "arrival_s"]} per line; `limit` keeps the first requests.
     Every field passes the validation layer (experiments/workloads/jsonl.py): a bad line is one ConfigError."""
+    scale = check_number("length scale", scale, 0.0, MAX_MODEL_LEN, strict=True)
     return [trace_request(line, scale) for line in request_lines(path, TRACE_SCHEMA, limit)]
 
 
