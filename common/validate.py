@@ -53,6 +53,16 @@ def check_int(name: str, value: Any, low: int, high: int, why: str = "",
     return number
 
 
+def parse_int(name: str, text: str, low: int, high: int, why: str = "",
+              error: type[KvlabError] = ConfigError) -> int:
+    """An integer written as text (a spec's suffix such as `mooncake:FILE:BLOCK`), in [low, high]."""
+    try:
+        value: Any = int(text, 10)
+    except ValueError:             # not digits, or more digits than Python converts
+        value = text
+    return check_int(name, value, low, high, why, error)
+
+
 def check_number(name: str, value: Any, low: float = 0.0, high: float = math.inf, strict: bool = False,
                  unit: str = "", error: type[KvlabError] = ConfigError) -> float:
     """`value` as a finite float, >= low (> low when strict) and <= high; `unit` follows the bounds, e.g. " s"."""

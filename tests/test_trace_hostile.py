@@ -89,6 +89,21 @@ def test_a_bad_block_size_is_one_line(block):
     assert str(e.value).startswith("block size must be an integer in [1, 4,194,304] (tokens per hash id), got ")
 
 
+@pytest.mark.parametrize("suffix", [":-5", ":0", ":abc", ":1000000000", ":16.5", ":" + "9" * 5000])
+def test_a_bad_block_suffix_is_one_line(suffix):
+    """What experiments/loadgen/datasets.py should call for `mooncake:FILE:BLOCK` (it still calls int())."""
+    with pytest.raises(ConfigError) as e:
+        pw.parse_mooncake("t.jsonl" + suffix)
+    text = str(e.value)
+    assert text.startswith("mooncake block size must be an integer in [1, 4,194,304] (tokens per hash id), got ")
+    assert len(text) < 200
+
+
+def test_a_good_block_suffix_or_none_parses():
+    assert pw.parse_mooncake("t.jsonl:16") == ("t.jsonl", 16)
+    assert pw.parse_mooncake("t.jsonl") == ("t.jsonl", pw.MOONCAKE_BLOCK)
+
+
 def test_prompts_beyond_the_token_limit_stop_at_the_line_that_crosses_it(tmp_path):
     lines = MAX_PROMPT_TOKENS // (MAX_MODEL_LEN - 1) + 1
     path = write(tmp_path, row(input_length=MAX_MODEL_LEN - 1, output_length=1) * lines)

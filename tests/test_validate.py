@@ -20,6 +20,7 @@ from kvlab.common.validate import (
     check_number,
     check_output_path,
     check_text,
+    parse_int,
     shown,
 )
 
@@ -56,6 +57,16 @@ def test_check_int_names_the_bound_and_raises_the_error_class_asked_for():
     one_line(e, "input_length must be an integer in [1, 4,194,304] (tokens per sequence), got 1000000000000")
     with pytest.raises(RequestError):
         check_int("max_tokens", 0, 1, 8, error=RequestError)
+
+
+@given(st.text(max_size=12) | st.integers(-300, 300).map(str))
+def test_parse_int_reads_decimal_text_or_raises_one_line(text):
+    try:
+        out = parse_int("--n", text, -200, 200)
+    except ConfigError as e:
+        assert str(e).startswith("--n must be an integer in [-200, 200], got ") and "\n" not in str(e)
+    else:
+        assert out == int(text) and -200 <= out <= 200
 
 
 @given(ANYTHING, st.integers(-100, 100), st.integers(0, 200))

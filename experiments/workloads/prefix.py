@@ -18,7 +18,7 @@ import numpy as np
 
 from kvlab.common.errors import ConfigError
 from kvlab.common.limits import MAX_HASH_ID, MAX_MODEL_LEN, MAX_PROMPT_TOKENS, MAX_SPAN_S, MAX_VOCAB, check_seed
-from kvlab.common.validate import check_int, check_number
+from kvlab.common.validate import check_int, check_number, parse_int
 from kvlab.experiments.workloads.jsonl import TraceLine, request_lines
 from kvlab.experiments.workloads.requests import Request
 
@@ -87,6 +87,14 @@ def load_mooncake(path: str | Path, block_size: int = MOONCAKE_BLOCK, vocab_size
                           r.output_length, (r.timestamp_ms - t0) / 1000,
                           group=str(r.hash_ids[0]) if r.hash_ids else "")
             for i, r in enumerate(rows)]
+
+
+def parse_mooncake(spec: str) -> tuple[str, int]:
+    """`FILE.jsonl[:BLOCK]` (the serving bench's `mooncake:` dataset) as (path, block size)."""
+    path, _, block = spec.partition(":")
+    if not block:
+        return path, MOONCAKE_BLOCK
+    return path, parse_int("mooncake block size", block, 1, MAX_MODEL_LEN, " (tokens per hash id)")
 
 
 def read_mooncake(path: str | Path, limit: int | None = None) -> list[MooncakeRow]:
