@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from kvlab.common.errors import ConfigError, ModelLoadError
+from kvlab.common.errors import ConfigError, KvlabError, ModelLoadError
 from kvlab.common.gguf_file import load_gguf
 from kvlab.common.kv.types import TORCH_DTYPES
 from kvlab.common.model import LLAMA3_ROPE_KEYS, LlamaForCausalLM, ModelConfig
@@ -223,9 +223,9 @@ def default_max_model_len(config: Any) -> int:
     model = read_model_config(config.model)
     positions = min(model.max_position_embeddings, MAX_MODEL_LEN)
     held = budget_tokens(config.replace(max_model_len=positions), model)
-    if held >= positions:
+    if held is None or held >= positions:
         return positions
-    need = -(-positions * config.kv_cache_bytes // max(1, held))
+    need = -(-positions * config.kv_cache_bytes // held)
     logging.getLogger("kvlab.capacity").warning(
         "%s: the KV budget holds %s tokens, less than the model's %s positions: max_model_len is %s; raise "
         "--kv-cache-bytes to at least %s for the full length, or set --max-model-len", config.backend,
@@ -233,9 +233,12 @@ def default_max_model_len(config: Any) -> int:
     return held
 
 
-def budget_tokens(config: Any, model: ModelConfig) -> int:
-    """Tokens the KV cache of `config.backend` holds for `model`, from an accounting-only build (no memory is
-    taken). Under tensor parallelism that is one rank's cache: every rank holds the same tokens."""
+def budget_tokens(config: Any, model: ModelConfig) -> int | None:
+    """Tokens the KV cache of `config.backend` holds for `model`: the budget's tokens when that is twice
+    max_model_len or more (nothing is built: a budget far above RAM must not cost an accounting build's
+    tables), else an accounting-only build's capacity (no KV memory taken); None when no cache can be built
+    (the engine's own build says why, in its turn). Under tensor parallelism that is one rank's cache: every
+    rank holds the same tokens."""
     from kvlab.common.kv.seam import create_cache
     from kvlab.common.kv.types import KVShape
     tp = config.tensor_parallel_size if model.num_kv_heads % config.tensor_parallel_size == 0 else 1
@@ -243,12 +246,17 @@ def budget_tokens(config: Any, model: ModelConfig) -> int:
                     num_q_heads=model.num_heads // tp, dtype=config.dtype, device=config.device,
                     kv_cache_dtype=config.kv_cache_dtype, sliding_window=model.sliding_window)
     tokens = config.kv_cache_bytes // tp // shape.bytes_per_token
-    rank = config.replace(kv_cache_bytes=config.kv_cache_bytes // tp,
-                          max_model_len=max(1, min(config.max_model_len, tokens)))  # reserve sizes regions by it
-    cache = create_cache(rank, shape, accounting_only=True)
+    if tokens >= 2 * config.max_model_len:
+        return tokens
+    try:
+        cache = create_cache(config.replace(kv_cache_bytes=config.kv_cache_bytes // tp,
+                                            max_model_len=max(1, min(config.max_model_len, tokens))),
+                             shape, accounting_only=True)          # reserve sizes its regions by max_model_len
+    except KvlabError:
+        return None
     try:
         stats = cache.stats()
-        return min(tokens, stats.total_units * max(1, stats.tokens_per_unit))
+        return min(tokens, stats.total_units * max(1, stats.tokens_per_unit)) or None
     finally:
         cache.close()
 
