@@ -56,14 +56,11 @@ def on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
-def catch_sigterm() -> bool:
+def catch_sigterm() -> None:
     """Install on_sigterm unless the program handles SIGTERM itself (or this is not the main thread)."""
-    if threading.current_thread() is not threading.main_thread():
-        return False
-    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        return False
-    signal.signal(signal.SIGTERM, on_sigterm)
-    return True
+    main = threading.current_thread() is threading.main_thread()
+    if main and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, on_sigterm)
 
 
 def release_sigterm() -> None:
