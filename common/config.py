@@ -41,7 +41,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"   # recompute | swap
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    max_model_len: int = 1024
+    max_model_len: int | None = None     # None: the model's max_position_embeddings, capped by the KV budget
     dtype: str = "float32"
     kv_cache_dtype: str = "auto"         # auto (= dtype) | fp8_e4m3 | fp8_e5m2 (vLLM's names): 1-byte K/V
     kv_cache_scale: float = 0.0          # fp8 scale for every layer's K and V; 0 = per layer from the first prefill
@@ -59,6 +59,9 @@ class EngineConfig:
         for spec in REGISTRY.specs():
             self.options.setdefault(spec.name, spec.default_options())
         validate(self)
+        if self.max_model_len is None:
+            from kvlab.common.loader import default_max_model_len
+            self.max_model_len = default_max_model_len(self)
 
     @property
     def spec(self) -> BackendSpec:
@@ -99,8 +102,7 @@ class EngineConfig:
 
 
 def validate(cfg: EngineConfig) -> None:
-    check_positive(cfg, "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                   "tensor_parallel_size")
+    check_positive(cfg, "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")
     check_types(cfg)
     if cfg.backend not in REGISTRY.names():
         raise ConfigError(f"unknown backend {cfg.backend!r}; choose one of: {', '.join(REGISTRY.names())}")
@@ -117,7 +119,9 @@ def validate(cfg: EngineConfig) -> None:
         raise ConfigError(f"threads must be >= 0 (0 keeps torch's default), got {cfg.threads!r}")
     check_int_range("threads", cfg.threads, 0, max_threads(), " (at most 4 per CPU)")
     check_int_range("seed", cfg.seed, 0, MAX_SEED)
-    check_int_range("max_model_len", cfg.max_model_len, 1, MAX_MODEL_LEN, " (tokens per sequence)")
+    if cfg.max_model_len is not None:                 # None: set from the model once the rest is valid
+        check_positive(cfg, "max_model_len")
+        check_int_range("max_model_len", cfg.max_model_len, 1, MAX_MODEL_LEN, " (tokens per sequence)")
     if cfg.max_num_batched_tokens < cfg.max_num_seqs:
         raise ConfigError(f"max_num_batched_tokens ({cfg.max_num_batched_tokens}) must be >= max_num_seqs "
                           f"({cfg.max_num_seqs}) so every running sequence can decode in one step")

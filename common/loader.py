@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from kvlab.common.errors import ConfigError, ModelLoadError
+from kvlab.common.errors import ConfigError, KvlabError, ModelLoadError
 from kvlab.common.gguf_file import load_gguf
 from kvlab.common.kv.types import TORCH_DTYPES
 from kvlab.common.model import LLAMA3_ROPE_KEYS, LlamaForCausalLM, ModelConfig
@@ -33,14 +33,24 @@ def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "float32", d
     if dtype not in TORCH_DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}; choose one of: {', '.join(TORCH_DTYPES)}")
     check_device(device)
-    name = str(name_or_path)
-    if name in PRESETS:
-        return load_preset(name, dtype, device, seed)
-    path = Path(name).expanduser()
-    if path.is_dir():
+    kind, path = locate(name_or_path)
+    if kind == "preset":
+        return load_preset(str(name_or_path), dtype, device, seed)
+    if kind == "hf":
         return load_hf_dir(path, dtype, device)
+    return load_gguf(path, dtype, device)
+
+
+def locate(name_or_path: str | Path) -> tuple[str, Path]:
+    """("preset" | "hf" | "gguf", path): what a model name names; anything else is one ModelLoadError line."""
+    name = str(name_or_path)
+    path = Path(name).expanduser()
+    if name in PRESETS:
+        return "preset", path
+    if path.is_dir():
+        return "hf", path
     if path.is_file():
-        return load_gguf(path, dtype, device)
+        return "gguf", path
     kind = missing_path_kind(name)
     if kind is not None and not path.exists():
         raise ModelLoadError(f"model {kind} {name!r} does not exist; give an existing .gguf file, an HF "
@@ -190,3 +200,81 @@ def hf_tokenizer(path: Path, config: ModelConfig):
     eos = config.eos_token_ids[0] if config.eos_token_ids else None
     return BPETokenizer.from_file(file, config.bos_token_id, eos)
 
+
+
+# -- max_model_len's default ----------------------------------------------------------------------------------
+
+def read_model_config(name_or_path: str | Path) -> ModelConfig:
+    """A model's ModelConfig without its weights: a preset's, an HF directory's config.json, a GGUF file's
+    metadata (same checks, same errors as load_model)."""
+    kind, path = locate(name_or_path)
+    if kind == "hf":
+        return config_from_hf(read_json(path / "config.json"), path / "config.json")
+    if kind == "gguf":
+        return gguf_config(path)
+    header = PRESET_HEADERS.get(str(name_or_path))
+    return header() if header else load_preset(str(name_or_path))[0].config
+
+
+def default_max_model_len(config: Any) -> int:
+    """What `max_model_len` is when the user sets none (EngineConfig, LLM, the CLI, TOML), as in vLLM: the
+    model's max_position_embeddings, capped by the tokens the KV budget holds; the cap is one warning line."""
+    from kvlab.common.limits import MAX_MODEL_LEN
+    model = read_model_config(config.model)
+    positions = min(model.max_position_embeddings, MAX_MODEL_LEN)
+    held = budget_tokens(config.replace(max_model_len=positions), model)
+    if held is None or held >= positions:
+        return positions
+    need = -(-positions * config.kv_cache_bytes // held)
+    logging.getLogger("kvlab.capacity").warning(
+        "%s: the KV budget holds %s tokens, less than the model's %s positions: max_model_len is %s; raise "
+        "--kv-cache-bytes to at least %s for the full length, or set --max-model-len", config.backend,
+        f"{held:,}", f"{positions:,}", f"{held:,}", f"{need:,}")
+    return held
+
+
+def budget_tokens(config: Any, model: ModelConfig) -> int | None:
+    """Tokens the KV cache of `config.backend` holds for `model`: the budget's tokens when that is twice
+    max_model_len or more (nothing is built: a budget far above RAM must not cost an accounting build's
+    tables), else an accounting-only build's capacity (no KV memory taken); None when no cache can be built
+    (the engine's own build says why, in its turn). Under tensor parallelism that is one rank's cache: every
+    rank holds the same tokens."""
+    from kvlab.common.kv.seam import create_cache
+    from kvlab.common.kv.types import KVShape
+    tp = config.tensor_parallel_size if model.num_kv_heads % config.tensor_parallel_size == 0 else 1
+    shape = KVShape(num_layers=model.num_layers, num_kv_heads=model.num_kv_heads // tp, head_dim=model.head_dim,
+                    num_q_heads=model.num_heads // tp, dtype=config.dtype, device=config.device,
+                    kv_cache_dtype=config.kv_cache_dtype, sliding_window=model.sliding_window)
+    tokens = config.kv_cache_bytes // tp // shape.bytes_per_token
+    if tokens >= 2 * config.max_model_len:
+        return tokens
+    try:
+        cache = create_cache(config.replace(kv_cache_bytes=config.kv_cache_bytes // tp,
+                                            max_model_len=max(1, min(config.max_model_len, tokens))),
+                             shape, accounting_only=True)          # reserve sizes its regions by max_model_len
+    except KvlabError:
+        return None
+    try:
+        stats = cache.stats()
+        return min(tokens, stats.total_units * max(1, stats.tokens_per_unit)) or None
+    finally:
+        cache.close()
+
+
+def gguf_config(path: Path) -> ModelConfig:
+    from kvlab.common.gguf_file import GGUFMeta, config_from_gguf, open_gguf
+    reader = open_gguf(path)
+    return config_from_gguf(GGUFMeta(reader, path), {t.name for t in reader.tensors})
+
+
+def _smollm2_config() -> ModelConfig:
+    from kvlab.common.presets import smollm2_gguf_path
+    return gguf_config(smollm2_gguf_path())
+
+
+def _tiny_config() -> ModelConfig:
+    from kvlab.common.presets import TINY_CONFIG
+    return TINY_CONFIG
+
+
+PRESET_HEADERS = {"tiny": _tiny_config, "smollm2-135m": _smollm2_config}

@@ -96,7 +96,8 @@ CLI_CASES = [
      ["kv_cache_bytes 4096 is smaller than one block (65536 bytes)", "raise kv_cache_bytes"]),
     ("KV budget below one vmm page group", ["--backend", "vmm", "--kv-cache-bytes", "64KiB"],
      ["kv_cache_bytes 65536 holds no page group", "raise kv_cache_bytes or lower page_size"]),
-    ("KV budget too small for the request", ["--kv-cache-bytes", "64KiB", "--max-tokens", "40", "--ignore-eos"],
+    ("KV budget too small for the request", ["--kv-cache-bytes", "64KiB", "--max-tokens", "40", "--ignore-eos",
+                                             "--max-model-len", "64"],   # unset, it is capped to the 16 tokens held
      ["needs 43 tokens of KV cache but the paged cache holds at most 16 per sequence", "raise kv_cache_bytes"]),
     ("prompt longer than max_model_len", ["!generate", "x" * 40, "--max-model-len", "32"],
      ["prompt (41 tokens) + max_tokens (32) exceeds max_model_len (32)"]),

@@ -1,14 +1,15 @@
 """Tensor parallelism (common/dist/): CPU, gloo, 2 ranks. The replay of rank 0's allocation ops is checked
 in-process on every backend (fast); one spawned tp=2 run stays in the default suite; the backend x
-preemption matrix and the killed-rank teardown are `slow` (each spawn costs ~20 s on 2 cores)."""
+preemption matrix and the killed-rank teardown are `slow` (each start costs ~20 s on 2 cores). Launch contexts
+(unguarded scripts, stdin, the REPL) and SIGTERM: tests/test_tp_launch.py."""
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
 
 import pytest
 import torch
+from processes import alive, children
 
 from kvlab.common.config import make_config
 from kvlab.common.dist.message import Encoder, Mirror
@@ -154,7 +155,7 @@ def test_killed_rank_is_one_line_and_leaves_nothing():
             llm.generate(PROMPTS, GREEDY)
         text = str(info.value)
         assert "\n" not in text and "rank 1 of 2" in text and "SIGKILL" in text, text
-        assert not multiprocessing.active_children()
+        assert pid not in children(os.getpid()) and not alive(pid)
         with pytest.raises(TensorParallelError, match="shut down"):
             llm.generate(PROMPTS, GREEDY)
     finally:
@@ -173,7 +174,7 @@ def test_ctrl_c_tears_down_every_rank():
         threading.Timer(1.0, _thread.interrupt_main).start()
         with pytest.raises(KeyboardInterrupt):
             llm.generate(PROMPTS * 20, GREEDY)
-        assert not multiprocessing.active_children()
+        assert pid not in children(os.getpid()) and not alive(pid)
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
 
@@ -183,6 +184,6 @@ def test_close_tears_down_every_rank():
     llm = LLM(tensor_parallel_size=2, **tight("paged"))
     pid = llm.engine.runner.rank_infos()[1]["pid"]
     llm.close()
-    assert not multiprocessing.active_children()
+    assert pid not in children(os.getpid()) and not alive(pid)
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)

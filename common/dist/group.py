@@ -4,6 +4,7 @@ the others forever; a worker dies with its parent (rank 0), so a killed driver l
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import socket
 from dataclasses import dataclass
@@ -47,9 +48,12 @@ def destroy_groups() -> None:
         dist.destroy_process_group()
 
 
-def die_with_parent() -> None:
-    """Linux: the kernel kills this worker when rank 0's process dies, however it dies."""
+def die_with_parent(parent_pid: int) -> None:
+    """Linux: the kernel kills this worker when rank 0's process dies, however it dies (and if rank 0 died
+    before this call, the worker is already an orphan: it exits now)."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:                # not Linux: rely on rank 0's teardown and the collective timeouts
         pass
+    if os.getppid() != parent_pid:
+        os._exit(1)

@@ -1,26 +1,30 @@
 """Rank 0's runner: the one scheduler's allocator is recorded; once per step `execute` broadcasts one
 message (the step's allocation ops and the batch), then runs rank 0's shard (whose all-reduces pair with
 the workers') and samples. A rank that dies surfaces as one TensorParallelError line naming the rank and
-why; every other rank is then torn down. `close()` (LLM.close -> Engine.close) and Ctrl-C tear down all."""
+why; every other rank is then torn down. `close()` (LLM.close -> Engine.close), Ctrl-C and SIGTERM tear down all."""
 from __future__ import annotations
 
+import logging
+import os
 import signal
+import threading
 import time
 from typing import Any
 
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from kvlab.common.dist.group import destroy_groups, free_port, init_groups, rank_device
+from kvlab.common.dist.group import Groups, destroy_groups, free_port, init_groups, rank_device
+from kvlab.common.dist.launch import Worker, WorkerTask, start_worker
 from kvlab.common.dist.message import Encoder, StepMessage
 from kvlab.common.dist.recording import RecordingAllocator
 from kvlab.common.dist.shard import CommTimer, build_shard, check_tp_size, model_reader
-from kvlab.common.dist.worker import rank_cache, rank_info, worker_main
+from kvlab.common.dist.worker import rank_cache, rank_info
 from kvlab.common.errors import ConfigError, KvlabError
 from kvlab.common.kv.seam import KVCache
 from kvlab.common.runner import TorchRunner
 from kvlab.common.weights import first_line
 
 JOIN_TIMEOUT_S = 10
+log = logging.getLogger(__name__)
 
 
 class TensorParallelError(KvlabError, RuntimeError):
@@ -28,35 +32,53 @@ class TensorParallelError(KvlabError, RuntimeError):
 
 
 def build_tp(config: Any, model: Any) -> tuple[KVCache, TPRunner]:
-    """Spawn ranks 1..tp-1, shard `model` (the full model) for rank 0, and build rank 0's cache whose
+    """Start ranks 1..tp-1, shard `model` (the full model) for rank 0, and build rank 0's cache whose
     allocator the scheduler sees through a RecordingAllocator."""
     tp = config.tensor_parallel_size
     check_tp_size(model.config, tp)
     if dist.is_initialized():
         raise ConfigError("a tensor-parallel engine is already running in this process: close it first")
-    ctx = mp.get_context("spawn")
-    errors = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=worker_main, args=(r, tp, port, config, errors), name=f"kvlab-tp-rank{r}",
-                         daemon=True) for r in range(1, tp)]
-    for p in procs:
-        p.start()
-    runner = TPRunner(config, procs, errors)
+    runner = TPRunner(config)
     try:
+        for rank in range(1, tp):
+            runner.workers.append(start_worker(WorkerTask(rank, tp, port, config, os.getpid())))
         runner.start(model, port)
     except BaseException as e:
         raise runner.failure(e) from None
     return runner.cache, runner
 
 
+def on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM while tensor-parallel ranks run: unwind like Ctrl-C (every `with`/`finally` releases, every
+    rank is stopped) and exit 143 (128 + SIGTERM), instead of dying with the ranks' resources in flight."""
+    log.warning("SIGTERM: stopping every tensor-parallel rank")
+    raise SystemExit(128 + signum)
+
+
+def catch_sigterm() -> None:
+    """Install on_sigterm unless the program handles SIGTERM itself (or this is not the main thread)."""
+    main = threading.current_thread() is threading.main_thread()
+    if main and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def release_sigterm() -> None:
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is on_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 class TPRunner:
-    def __init__(self, config: Any, procs: list, errors: Any) -> None:
-        self.config, self.procs, self.errors = config, procs, errors
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self.workers: list[Worker] = []
+        self.groups: Groups | None = None               # set by start()
         self.encoder = Encoder()
         self.timer = CommTimer()
         self.broadcast_s = self.step_s = 0.0
         self.steps = 0
         self.closed = False
+        catch_sigterm()
 
     def start(self, model: Any, port: int) -> None:
         tp, device = self.config.tensor_parallel_size, rank_device(self.config.device, 0)
@@ -125,58 +147,39 @@ class TPRunner:
     # -- teardown ---------------------------------------------------------------------------------------
     def failure(self, exc: BaseException) -> BaseException:
         """Tear every rank down; a dead worker becomes one TensorParallelError line (which rank, why)."""
-        for p in self.procs:
-            p.join(timeout=1.0)
-        reports = self.drain_errors()
+        for w in self.workers:
+            w.wait(timeout=1.0)
+        reports = {w.rank: w.report() for w in self.workers}
         self.shutdown(graceful=False)
         if not isinstance(exc, Exception):
             return exc
-        dead = [(r, reports.get(r) or exit_reason(p.exitcode)) for r, p in enumerate(self.procs, 1)
-                if p.exitcode not in (None, 0) or r in reports]
+        dead = [(w.rank, reports[w.rank] or w.exit_reason()) for w in self.workers
+                if w.proc.returncode not in (None, 0) or reports[w.rank]]
         if dead:
             rank, why = dead[0]
-            return TensorParallelError(f"tensor parallel rank {rank} of {len(self.procs) + 1} failed: {why}; "
-                                       "all ranks were shut down")
+            return TensorParallelError(f"tensor parallel rank {rank} of {self.config.tensor_parallel_size} "
+                                       f"failed: {why}; all ranks were shut down")
         if isinstance(exc, KvlabError):
             return exc
         return TensorParallelError(f"tensor parallel rank 0 failed: {type(exc).__name__}: {first_line(exc)}; "
                                    "all ranks were shut down")
 
-    def drain_errors(self) -> dict[int, str]:
-        reports = {}
-        while True:
-            try:
-                rank, text = self.errors.get(timeout=0.1)
-            except Exception:  # noqa: BLE001 (queue.Empty, or a closed queue)
-                return reports
-            reports.setdefault(rank, text)
-
     def shutdown(self, graceful: bool = True) -> None:
         if self.closed:
             return
         self.closed = True
-        if graceful:
+        if graceful and self.groups is not None:
             try:
                 box = [("stop", StepMessage([], {}, []))]
                 dist.broadcast_object_list(box, src=0, group=self.groups.control)
-            except Exception:  # noqa: BLE001 (a rank already gone: terminate below)
+            except Exception:  # noqa: BLE001 (a rank already gone: killed below)
                 pass
-        for p in self.procs:
-            p.join(timeout=JOIN_TIMEOUT_S if graceful else 0.5)
-        for p in self.procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=JOIN_TIMEOUT_S)
+        for w in self.workers:
+            w.wait(timeout=JOIN_TIMEOUT_S if graceful else 0.5)
+        for w in self.workers:
+            w.close()                                   # kills a straggler, reaps every process
         destroy_groups()
-        self.errors.close()
+        release_sigterm()
 
     def close(self) -> None:
         self.shutdown(graceful=True)
-
-
-def exit_reason(code: int | None) -> str:
-    if code is None:
-        return "did not answer (still running; killed)"
-    if code < 0:
-        return f"killed by signal {signal.Signals(-code).name}"
-    return f"exited with code {code}"

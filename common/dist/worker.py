@@ -1,6 +1,8 @@
-"""A worker rank (1..tp-1): load this rank's shard, build this rank's own KV-cache backend, then follow rank
-0's messages: replay each step's allocation ops, prepare the batch over the mirror sequences and run the
-shard's forward (its all-reduces pair with rank 0's). Any failure is reported as (rank, one line)."""
+"""A worker rank (1..tp-1), run as `python -m kvlab.common.dist.worker` (see launch.py): read its task from
+standard input, load this rank's shard, build this rank's own KV-cache backend, then follow rank 0's messages:
+replay each step's allocation ops, prepare the batch over the mirror sequences and run the shard's forward (its
+all-reduces pair with rank 0's). Any failure is one line on the report pipe (the original standard output) and
+exit code 1."""
 from __future__ import annotations
 
 import os
@@ -12,26 +14,37 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from kvlab.common.dist.group import Groups, destroy_groups, die_with_parent, init_groups, rank_device
+from kvlab.common.dist.launch import WorkerTask, read_task
 from kvlab.common.dist.message import Mirror
 from kvlab.common.dist.shard import CommTimer, SafetensorsReader, build_shard, model_reader
 
 
-def worker_main(rank: int, tp: int, port: int, config: Any, errors: Any) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)        # Ctrl-C is rank 0's to handle: it tears us down
-    die_with_parent()
+def main() -> int:
+    for sig in (signal.SIGINT, signal.SIGTERM):       # rank 0's to handle: it stops or kills every rank
+        signal.signal(sig, signal.SIG_IGN)
+    report = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)                                      # prints from here on go to standard error
+    try:
+        run(read_task(sys.stdin.buffer))
+    except BaseException as e:  # noqa: BLE001 (report anything, then exit non-zero)
+        from kvlab.common.weights import first_line
+        report.write(f"{type(e).__name__}: {first_line(e)}\n")
+        return 1
+    finally:
+        report.close()
+    return 0
+
+
+def run(task: WorkerTask) -> None:
+    config, rank, tp = task.config, task.rank, task.world
+    die_with_parent(task.parent_pid)
     torch.set_num_threads(config.threads or max(1, (os.cpu_count() or 1) // tp))
     cache = None
     try:
-        groups = init_groups(rank, tp, port, config.device)
+        groups = init_groups(rank, tp, task.port, config.device)
         model = load_shard(config, rank, tp, groups)
         cache = rank_cache(config, model, rank)
         serve(rank, model, cache, groups)
-    except BaseException as e:  # noqa: BLE001 (report anything, then exit non-zero)
-        from kvlab.common.weights import first_line
-        errors.put((rank, f"{type(e).__name__}: {first_line(e)}"))
-        errors.close()
-        errors.join_thread()
-        sys.exit(1)
     finally:
         if cache is not None:
             cache.close()
@@ -97,3 +110,7 @@ def forward(model: Any, cache: Any, items: list) -> None:
     input_ids = torch.tensor(ids, dtype=torch.int64, device=model.device)
     with torch.inference_mode():
         model.forward(input_ids, meta.input_positions, cache.storage, meta)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
