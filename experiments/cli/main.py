@@ -29,6 +29,7 @@ from kvlab.common.limits import check_physical_budget
 # subcommand -> the module with its add_parser(subparsers) and run(args)
 SUBCOMMANDS = {"generate": "kvlab.experiments.cli.generate", "bench": "kvlab.experiments.bench.offline",
                "simulate": "kvlab.experiments.sim.cli", "fallbacks": "kvlab.experiments.studies.fallbacks",
+               "pool": "kvlab.experiments.pool.cli",
                "sharing": "kvlab.experiments.studies.sharing", "serve": "kvlab.experiments.serve",
                "prefix": "kvlab.experiments.studies.prefix", "calibrate": "kvlab.experiments.bench.calibrate"}
 # CLI flag -> EngineConfig field; each is optional and, when given, overrides the TOML file. Backends' own

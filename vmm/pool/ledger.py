@@ -23,7 +23,7 @@ VERSION = 1
 NAME_BYTES = 48
 HEADER = np.dtype([("magic", "<u8"), ("version", "<i8"), ("page_size", "<i8"), ("total_pages", "<i8"),
                    ("max_engines", "<i8"), ("free", "<i8"), ("dirty", "<i8"), ("reclaimed_pages", "<i8"),
-                   ("reclaimed_engines", "<i8")])
+                   ("reclaimed_engines", "<i8"), ("joins", "<i8")])
 ENGINE = np.dtype([("in_use", "<i8"), ("pid", "<i8"), ("floor", "<i8"), ("ceiling", "<i8"), ("held", "<i8"),
                    ("given", "<i8"), ("taken", "<i8"), ("name", f"S{NAME_BYTES}")])
 OWNER = np.dtype("<i4")
@@ -138,6 +138,7 @@ class Ledger:
             e["pid"], e["name"], e["floor"], e["ceiling"] = pid, name.encode()[:NAME_BYTES], floor, ceiling
             e["held"] = e["given"] = e["taken"] = 0
             e["in_use"] = 1
+        self.header["joins"] += 1
 
     def unregister(self, slot: int) -> int:
         """Free the slot and every page it holds; returns how many pages went back."""

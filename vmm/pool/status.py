@@ -17,6 +17,7 @@ class PoolStatus:
     reserved: int               # free pages promised to engines below their floor
     reclaimed_pages: int        # pages returned from dead engines since the pool was created
     reclaimed_engines: int
+    joins: int                  # engines that ever joined, the creator included
     engines: tuple[EngineRecord, ...]
 
     @property
@@ -32,10 +33,11 @@ class PoolStatus:
                 **{f"{k}_pages": v for k, v in pages.items()},
                 **{f"{k}_bytes": v * self.page_size for k, v in pages.items()},
                 "reclaimed_pages": self.reclaimed_pages, "reclaimed_engines": self.reclaimed_engines,
+                "joins": self.joins,
                 "engines": [dataclasses.asdict(e) for e in self.engines]}
 
 
 def read_status(name: str, ledger: Ledger) -> PoolStatus:
     h = ledger.header
     return PoolStatus(name, int(h["page_size"]), ledger.total, ledger.free, ledger.unmet_floors(),
-                      int(h["reclaimed_pages"]), int(h["reclaimed_engines"]), tuple(ledger.records()))
+                      int(h["reclaimed_pages"]), int(h["reclaimed_engines"]), int(h["joins"]), tuple(ledger.records()))
