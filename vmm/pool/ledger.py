@@ -123,15 +123,15 @@ class Ledger:
         self.header["free"] = int(np.count_nonzero(self.owner == FREE))
         self.header["dirty"] = 0
 
-    def free_slot(self, name: str) -> int:
-        if self.find(name) is not None:
-            raise PoolError(f"an engine named {name!r} is already in the pool; give another name")
+    def free_slot(self) -> int:
         slots = np.flatnonzero(self.engines["in_use"] == 0)
         if not len(slots):
             raise PoolError(f"the pool has {len(self.engines)} engines, its most; close one first")
         return int(slots[0])
 
     def register(self, slot: int, pid: int, name: str, floor: int, ceiling: int) -> None:
+        if self.find(name) is not None:
+            raise PoolError(f"an engine named {name!r} is already in the pool; give another name")
         self.check_limits(slot, floor, ceiling)
         with self.changing():
             e = self.engines[slot]

@@ -133,14 +133,16 @@ def check_engine_name(engine: str) -> None:
 
 def enroll(attachment: Attachment, engine: str | None, floor: int, ceiling: int | None,
            server=None) -> PoolMember:
-    """Register this process as engine `engine` (floor and ceiling in bytes; ceiling None = the whole pool)."""
-    engine = engine or f"engine-{os.getpid()}"
-    check_engine_name(engine)
+    """Register this process as engine `engine` (default engine-PID-SLOT); floor and ceiling in bytes, ceiling
+    None = the whole pool."""
+    if engine is not None:
+        check_engine_name(engine)
     size = attachment.page_size
     with attachment.locked() as ledger:
         attachment.reap(ledger)                      # a dead engine's slot and name can be reused at once
         ceiling_pages = ledger.total if ceiling is None else to_pages(ceiling, size, "ceiling")
-        slot = ledger.free_slot(engine)
+        slot = ledger.free_slot()
+        engine = engine or f"engine-{os.getpid()}-{slot}"
         if not locks.try_lock(attachment.lock_fd, liveness_byte(slot)):
             raise PoolError(f"slot {slot} of pool {attachment.name!r} is locked by an unregistered process")
         try:
@@ -163,7 +165,7 @@ def _enroll_or_close(attachment: Attachment, engine: str | None, floor: int, cei
 
 
 def join(name: str, engine: str | None = None, floor: int = 0, ceiling: int | None = None) -> PoolMember:
-    """Join the pool served under `name` as engine `engine` (default engine-PID); floor and ceiling in bytes."""
+    """Join the pool served under `name` as engine `engine`; floor and ceiling in bytes."""
     return _enroll_or_close(Attachment(name, *rendezvous.fetch(name)), engine, floor, ceiling)
 
 
