@@ -37,6 +37,23 @@ def test_take_is_all_or_nothing():
     assert ledger.free == 0 and ledger.take(0, 1) is None
 
 
+def test_take_gives_the_lowest_free_pages():
+    ledger = two_engines()
+    ledger.take(0, 10)
+    ledger.give(0, np.array([7, 2]))
+    assert ledger.take(1, 3).tolist() == [2, 7, 10]
+
+
+def test_counts_that_disagree_with_the_owner_array_refuse_and_recount():
+    ledger = two_engines()
+    ledger.header["hint"] = 16            # as if every page were owned
+    with pytest.raises(pool.PoolError, match="books disagree"):
+        ledger.take(0, 1)
+    assert ledger.header["dirty"] == 1
+    ledger.recount()
+    assert ledger.take(0, 1).tolist() == [0]
+
+
 def test_a_ceiling_caps_one_engine():
     ledger = two_engines()
     ledger.set_limits(0, 0, 4)

@@ -23,7 +23,8 @@ VERSION = 1
 NAME_BYTES = 48
 HEADER = np.dtype([("magic", "<u8"), ("version", "<i8"), ("page_size", "<i8"), ("total_pages", "<i8"),
                    ("max_engines", "<i8"), ("free", "<i8"), ("dirty", "<i8"), ("reclaimed_pages", "<i8"),
-                   ("reclaimed_engines", "<i8"), ("joins", "<i8")])
+                   ("reclaimed_engines", "<i8"), ("joins", "<i8"),
+                   ("hint", "<i8")])       # every page below `hint` is owned: take searches from there
 ENGINE = np.dtype([("in_use", "<i8"), ("pid", "<i8"), ("floor", "<i8"), ("ceiling", "<i8"), ("held", "<i8"),
                    ("given", "<i8"), ("taken", "<i8"), ("name", f"S{NAME_BYTES}")])
 OWNER = np.dtype("<i4")
@@ -120,7 +121,9 @@ class Ledger:
         orphans = np.flatnonzero(owned)[~live[self.owner[owned]]]
         self.owner[orphans] = FREE
         self.engines["held"] = np.bincount(self.owner[self.owner >= 0], minlength=len(self.engines))
-        self.header["free"] = int(np.count_nonzero(self.owner == FREE))
+        free = np.flatnonzero(self.owner == FREE)
+        self.header["free"] = len(free)
+        self.header["hint"] = free[0] if len(free) else self.total
         self.header["dirty"] = 0
 
     def free_slot(self) -> int:
@@ -144,8 +147,7 @@ class Ledger:
         """Free the slot and every page it holds; returns how many pages went back."""
         pages = self.pages_of(slot)
         with self.changing():
-            self.owner[pages] = FREE
-            self.header["free"] += len(pages)
+            self.release(pages)
             self.engines[slot] = np.zeros((), ENGINE)
         return len(pages)
 
@@ -162,13 +164,36 @@ class Ledger:
         e = self.engines[slot]
         if e["held"] + n > e["ceiling"] or self.free - n < self.unmet_floors(exclude=slot):
             return None
-        pages = np.flatnonzero(self.owner == FREE)[:n]
+        pages = self.lowest_free(n)
         with self.changing():
             self.owner[pages] = slot
             e["held"] += n
             e["taken"] += n
             self.header["free"] -= n
+            self.header["hint"] = pages[-1] + 1
         return pages
+
+    def lowest_free(self, n: int) -> np.ndarray:
+        """The n lowest free pages (the caller checked there are n), searched from the hint in blocks that double,
+        so a take costs about the span it covers, not the pool's size."""
+        found: list[np.ndarray] = []
+        start, block, count = int(self.header["hint"]), 1024, 0
+        while count < n and start < self.total:
+            free = np.flatnonzero(self.owner[start:start + block] == FREE)[:n - count] + start
+            found.append(free)
+            count += len(free)
+            start, block = start + block, block * 2
+        if count < n:                # counts that disagree with the owner array: never by this code's changes
+            self.header["dirty"] = 1     # the next lock holder recounts
+            raise PoolError(f"the pool's books disagree (found {count} of {n} free pages); recounting")
+        return np.concatenate(found)
+
+    def release(self, pages: np.ndarray) -> None:
+        """Inside a change: the pages are free again."""
+        self.owner[pages] = FREE
+        self.header["free"] += len(pages)
+        if len(pages):
+            self.header["hint"] = min(int(self.header["hint"]), int(pages.min()))
 
     def give(self, slot: int, pages: np.ndarray) -> None:
         """Pages of `slot` back to the pool; all or none (a page it does not hold refuses the whole call)."""
@@ -179,10 +204,9 @@ class Ledger:
             raise PoolError(f"engine {self.record(slot).name!r} does not hold pages {stray}")
         e = self.engines[slot]
         with self.changing():
-            self.owner[pages] = FREE
+            self.release(pages)
             e["held"] -= len(pages)
             e["given"] += len(pages)
-            self.header["free"] += len(pages)
 
     def pages_text(self, pages: int) -> str:
         return f"{pages} pages ({fmt_bytes(pages * int(self.header['page_size']))})"
