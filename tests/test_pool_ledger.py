@@ -192,3 +192,15 @@ def test_a_closed_member_leaves_no_descriptor_or_mapping():
     assert set(os.listdir("/proc/self/fd")) <= fds_before
     assert f"kvlab-pool-{name}" not in Path("/proc/self/maps").read_text()
     assert f"kvlab-pool-{name}" not in Path("/proc/net/unix").read_text()
+
+
+def test_books_of_another_version_are_refused_with_nothing_left_open():
+    name = f"test-version-{os.getpid()}"
+    with pool.create(name, 8 * PAGE, PAGE) as member:
+        fds_before = set(os.listdir("/proc/self/fd"))
+        header = member._attachment.ledger.header
+        header["version"] += 1
+        with pytest.raises(pool.PoolError, match="another kvlab version"):
+            pool.join(name)
+        header["version"] -= 1
+        assert set(os.listdir("/proc/self/fd")) <= fds_before

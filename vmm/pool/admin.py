@@ -8,8 +8,7 @@ from collections.abc import Iterator
 from kvlab.vmm.pool import rendezvous
 from kvlab.vmm.pool.attachment import Attachment
 from kvlab.vmm.pool.errors import PoolError
-from kvlab.vmm.pool.ledger import EngineRecord, Ledger
-from kvlab.vmm.pool.member import to_pages
+from kvlab.vmm.pool.ledger import EngineRecord, Ledger, to_pages
 from kvlab.vmm.pool.status import PoolStatus, read_status
 
 

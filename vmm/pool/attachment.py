@@ -22,16 +22,22 @@ def liveness_byte(slot: int) -> int:
 
 
 class Attachment:
-    """Owns `pages_fd` and `ledger_fd` (the descriptors passed to joiners; no lock is ever taken through them)."""
+    """Owns `pages_fd` and `ledger_fd` from the start, closing them if it fails (they are the descriptors passed
+    to joiners; no lock is ever taken through them)."""
 
     def __init__(self, name: str, pages_fd: int, ledger_fd: int) -> None:
         self.name, self.pages_fd, self.ledger_fd = name, pages_fd, ledger_fd
-        self.lock_fd = locks.reopen(ledger_fd)
-        self._map = mmap.mmap(self.lock_fd, os.fstat(self.lock_fd).st_size)
-        self.ledger = Ledger(self._map)
-        self.ledger.check(name)
-        self.page_size = int(self.ledger.header["page_size"])
+        self.lock_fd, self._map, self.ledger = None, None, None
         self._thread_lock = threading.Lock()     # the OFD lock does not exclude this process's own threads
+        try:
+            self.lock_fd = locks.reopen(ledger_fd)
+            self._map = mmap.mmap(self.lock_fd, os.fstat(self.lock_fd).st_size)
+            self.ledger = Ledger(self._map)
+            self.ledger.check(name)
+        except BaseException:
+            self.close()
+            raise
+        self.page_size = int(self.ledger.header["page_size"])
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[Ledger]:
@@ -57,9 +63,11 @@ class Attachment:
     def close(self) -> None:
         self.ledger = None
         try:
-            self._map.close()
+            if self._map is not None:
+                self._map.close()
         except BufferError:    # a caller's frame still holds a view of the books: unmapped when it goes
             pass
         self._map = None
         for fd in (self.lock_fd, self.ledger_fd, self.pages_fd):
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)

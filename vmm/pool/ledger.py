@@ -31,6 +31,12 @@ OWNER = np.dtype("<i4")
 MAX_PAGES = 2**31 - 1            # page ids fit the owner array's int32
 
 
+def to_pages(nbytes: int, page_size: int, what: str) -> int:
+    if nbytes < 0 or nbytes % page_size:
+        raise LimitError(f"{what} {nbytes} is not a non-negative multiple of the pool's page size {page_size}")
+    return nbytes // page_size
+
+
 def ledger_bytes(total_pages: int, max_engines: int) -> int:
     return HEADER.itemsize + max_engines * ENGINE.itemsize + total_pages * OWNER.itemsize
 
