@@ -21,6 +21,7 @@ from kvlab.experiments.cli.flags import KvlabParser, first_line
 # subcommand -> the module with its add_parser(subparsers) and run(args)
 SUBCOMMANDS = {"generate": "kvlab.experiments.cli.generate", "bench": "kvlab.experiments.bench.offline",
                "simulate": "kvlab.experiments.sim.cli", "fallbacks": "kvlab.experiments.studies.fallbacks",
+               "pool": "kvlab.experiments.pool.cli",
                "sharing": "kvlab.experiments.studies.sharing", "serve": "kvlab.experiments.serve",
                "prefix": "kvlab.experiments.studies.prefix", "calibrate": "kvlab.experiments.bench.calibrate"}
 

@@ -1,0 +1,116 @@
+"""An engine's membership in a pool (made by enroll.py's create or join): take and give pages, close.
+
+    member = join("gpu0")                      # or create("gpu0", 8 << 30) in the first process
+    pages = member.take(4)                     # reserved in the books, or None (nothing changed)
+    for p in pages: map(member.page_fd, member.page_offset(p))     # MAP_FIXED|MAP_SHARED into a reservation
+    member.give(pages)                         # after unmapping them
+    member.close()                             # gives back whatever is still held
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+import numpy as np
+
+from kvlab.vmm.pool import locks
+from kvlab.vmm.pool.attachment import Attachment, liveness_byte
+from kvlab.vmm.pool.errors import PoolError
+from kvlab.vmm.pool.ledger import EngineRecord
+from kvlab.vmm.pool.memory import punch
+from kvlab.vmm.pool.status import PoolStatus, read_status
+from kvlab.vmm.pool.steward import Steward
+
+
+class PoolMember:
+    """One engine in a pool. Not inherited by fork: a forked child joins on its own."""
+
+    def __init__(self, attachment: Attachment, slot: int, engine: str, steward: Steward) -> None:
+        self._attachment, self.slot, self.engine, self._steward = attachment, slot, engine, steward
+        self.name, self.pid = attachment.name, os.getpid()
+        self.page_size, self.total_pages = attachment.page_size, attachment.ledger.total
+        self._held: set[int] = set()
+
+    @property
+    def page_fd(self) -> int:
+        """The pool's memfd: map page p at offset page_offset(p), MAP_SHARED."""
+        return self._attachment.pages_fd
+
+    def page_offset(self, page: int) -> int:
+        if not 0 <= page < self.total_pages:
+            raise PoolError(f"page {page} is not in pool {self.name!r} (pages 0..{self.total_pages - 1})")
+        return page * self.page_size
+
+    @property
+    def held(self) -> list[int]:
+        return sorted(self._held)
+
+    def _usable(self) -> Attachment:
+        if self._steward is None:
+            raise PoolError(f"engine {self.engine!r} has left pool {self.name!r}")
+        if os.getpid() != self.pid:
+            raise PoolError(f"pool membership of {self.engine!r} does not cross fork(); join in the child")
+        return self._attachment
+
+    def take(self, n: int) -> list[int] | None:
+        """n pages now this engine's, or None with nothing changed (pool short, own ceiling, others' floors).
+        A refusal first returns dead engines' pages and tries once more."""
+        if not isinstance(n, int) or n < 1:
+            raise PoolError(f"take needs a positive page count, got {n!r}")
+        attachment = self._usable()
+        with attachment.locked() as ledger:
+            pages = ledger.take(self.slot, n)
+            if pages is None and attachment.reap(ledger, self.slot):
+                pages = ledger.take(self.slot, n)
+        if pages is None:
+            return None
+        self._held.update(pages.tolist())
+        return pages.tolist()
+
+    def give(self, pages: Iterable[int]) -> None:
+        """Unmapped pages back to the pool, all or none; their memory goes back to the OS (the next owner reads
+        zeros)."""
+        pages = list(pages)
+        attachment = self._usable()
+        if len(set(pages)) != len(pages) or not self._held.issuperset(pages):
+            raise PoolError(f"engine {self.engine!r} can give only distinct pages it holds; "
+                            f"{sorted(set(pages) - self._held)[:8] or 'duplicates'} are not")
+        punch(attachment.pages_fd, self.page_size, pages)       # still ours: no one else can map them yet
+        with attachment.locked() as ledger:
+            ledger.give(self.slot, np.asarray(pages, dtype=np.int64))
+        self._held.difference_update(pages)
+
+    def record(self) -> EngineRecord:
+        with self._usable().locked() as ledger:
+            return ledger.record(self.slot)
+
+    def excess(self) -> int:
+        """Pages held above the ceiling (after a limit was lowered): what the engine should give back."""
+        r = self.record()
+        return max(0, r.held - r.ceiling)
+
+    def status(self) -> PoolStatus:
+        attachment = self._usable()
+        with attachment.locked() as ledger:
+            attachment.reap(ledger, self.slot)
+            return read_status(self.name, ledger)
+
+    def close(self) -> None:
+        """Leave the pool, giving back every page still held (unmap them first)."""
+        if self._steward is None or os.getpid() != self.pid:
+            return
+        self._steward.stop()
+        self._steward = None
+        attachment = self._attachment
+        with attachment.locked() as ledger:
+            punch(attachment.pages_fd, self.page_size, ledger.pages_of(self.slot).tolist())
+            ledger.unregister(self.slot)
+            locks.unlock(attachment.lock_fd, liveness_byte(self.slot))
+        attachment.close()
+        self._held.clear()
+
+    def __enter__(self) -> PoolMember:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
