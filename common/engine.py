@@ -19,11 +19,12 @@ from kvlab.common.errors import KvlabError, RequestError
 from kvlab.common.kv.seam import create_cache
 from kvlab.common.kv.types import CacheStats
 from kvlab.common.metrics import MetricsRecorder, RunMetrics
-from kvlab.common.outputs import StepResult, TokenStream, request_output
+from kvlab.common.outputs import StepResult
 from kvlab.common.request import Request, SchedulerOutput, SchedulerStats
 from kvlab.common.sampling_params import SamplingParams
 from kvlab.common.sched.attribution import KVAttributor
 from kvlab.common.sched.scheduler import Scheduler
+from kvlab.common.stream import TokenStream, request_output
 
 if TYPE_CHECKING:
     from kvlab.common.config import EngineConfig

@@ -1,15 +1,11 @@
 """What the engine hands back. generate: one RequestOutput per prompt, holding one CompletionOutput per sample or
-beam. Engine.step(): a StepResult, each request's new tokens and the requests that finished; TokenStream keeps
-what has been reported, so a step costs its new tokens, never a copy of every output so far."""
+beam. Engine.step(): a StepResult, each request's new tokens and the requests that finished (built by
+common/stream.py)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from kvlab.common.request import Request
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -70,53 +66,3 @@ class StepResult:
     joined over its steps, are its final outputs' token_ids; the finishing step's come with its output."""
     new_tokens: dict[str, list[list[int]]] = field(default_factory=dict)
     finished: list[RequestOutput] = field(default_factory=list)
-
-
-class TokenStream:
-    """How many output tokens of each sample of each request have been reported."""
-
-    def __init__(self) -> None:
-        self.reported: dict[str, list[int]] = {}
-
-    def step(self, sampled: list[Request], finished: list[RequestOutput]) -> StepResult:
-        """`sampled`: the requests whose sequences sampled tokens in this step (finished ones included)."""
-        result = StepResult(finished=finished)
-        for req in sampled:
-            if req.beam is None and not req.finished:
-                self._report(result, req.request_id, [(s.token_ids, s.prompt_len) for s in req.seqs])
-        for out in finished:
-            self._report(result, out.request_id, [(c.token_ids, 0) for c in out.outputs])
-            del self.reported[out.request_id]
-        return result
-
-    def _report(self, result: StepResult, request_id: str, samples: list[tuple[list[int], int]]) -> None:
-        """`samples`: each sample's token ids and where its output starts in them."""
-        sent = self.reported.setdefault(request_id, [])
-        sent += [0] * (len(samples) - len(sent))           # parallel samples fork at the first token
-        new = [ids[start + k:] for (ids, start), k in zip(samples, sent)]
-        if any(new):
-            result.new_tokens[request_id] = new
-            for i, ids in enumerate(new):
-                sent[i] += len(ids)
-
-    def forget(self, request_id: str) -> None:
-        """An aborted request: nothing more is reported for it."""
-        self.reported.pop(request_id, None)
-
-
-def request_output(req: Request, decode: Callable[[list[int]], str] | None) -> RequestOutput:
-    """A finished (or failed) request's output; `decode` turns token ids into text (None: no tokenizer)."""
-    if req.beam is not None and req.error is None:
-        completions = [CompletionOutput(i, h.token_ids, decode(h.token_ids) if decode else None,
-                                        h.finish_reason, h.score)
-                       for i, h in enumerate(req.beam.best(req.params.n))]
-    elif req.beam is not None:
-        completions = [CompletionOutput(0, [], "" if decode else None, "error")]
-    else:
-        completions = [CompletionOutput(i, s.output_token_ids, decode(s.output_token_ids) if decode else None,
-                                        s.finish_reason, s.cumulative_logprob)
-                       for i, s in enumerate(req.seqs)]
-    att = req.attribution
-    metrics = RequestMetrics(req.arrival_time, req.first_token_time, req.finished_time,
-                             req.num_preemptions, att.kv_wait_s, att.recomputed_tokens, att.map_unmap_s)
-    return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, True, metrics, req.error)

@@ -152,9 +152,9 @@ class Storage(ABC):
             num_q_heads=shape.num_q_heads, num_kv_heads=shape.num_kv_heads, compute_capability=capability,
             **spec), kernel)
 
+    @abstractmethod
     def move(self, order: KVMove) -> None:
-        """Carry out a data movement the allocator decided (common/kv/types.py)."""
-        raise NotImplementedError(f"{type(self).__name__} cannot carry out {type(order).__name__}")
+        """Carry out a data movement the allocator decided (common/kv/types.py), before returning."""
 
     def add_to_stats(self, stats: CacheStats) -> None:
         """Add what the storage holds beyond the allocator's units (the reserve arena's padding rows)."""

@@ -101,7 +101,7 @@ def drive(engine: Any, plan: BenchPlan, t0: float, bar: Any) -> dict[int, list[i
         if not engine.has_unfinished():
             time.sleep(max(0.0, t0 + plan.requests[pending[0]].arrival_s - engine.runner.clock()))
             continue
-        for out in engine.step():
+        for out in engine.step().finished:
             if out.error:
                 log.warning("request %s failed: %s", out.request_id, out.error)
             outputs[index[out.request_id]] = out.outputs[0].token_ids if out.outputs else []
