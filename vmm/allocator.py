@@ -26,8 +26,8 @@ from kvlab.vmm.aliases import PrefixAliases
 from kvlab.vmm.geometry import make_geometry
 from kvlab.vmm.growth import SlotGrowth
 from kvlab.vmm.mapper import BackgroundMapper
+from kvlab.vmm.page_pool import PagePool
 from kvlab.vmm.pages import SlotPages
-from kvlab.vmm.pool import PagePool
 from kvlab.vmm.prefix import PagePrefixCache
 from kvlab.vmm.slots import SlotTable
 from kvlab.vmm.swap import SwapSpace

@@ -1,4 +1,4 @@
-"""The pages of the vmm cache: moving page groups between the pool (vmm/pool.py) and slot rows, mapped in every
+"""The pages of the vmm cache: moving page groups between the pool (vmm/page_pool.py) and slot rows, mapped in every
 tensor through the driver (vmm/slot_maps.py).
 
 A slot grows by taking groups from the pool (contiguous after its last page when possible); a fork child maps
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from kvlab.common.errors import OutOfKVCache
 from kvlab.common.kv.types import CopyKV
-from kvlab.vmm.pool import PageCounters
+from kvlab.vmm.page_pool import PageCounters
 from kvlab.vmm.slot_maps import SlotMaps
 from kvlab.vmm.slots import DROPPED
 
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from kvlab.vmm.drivers.base import VirtualMemory
     from kvlab.vmm.drivers.types import Mirror
     from kvlab.vmm.geometry import Geometry
-    from kvlab.vmm.pool import PagePool
+    from kvlab.vmm.page_pool import PagePool
     from kvlab.vmm.slots import Slot, SlotTable
 
 log = logging.getLogger("kvlab.vmm")

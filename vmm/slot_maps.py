@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from kvlab.vmm.drivers.base import VirtualMemory
     from kvlab.vmm.drivers.types import Mirror
     from kvlab.vmm.geometry import Geometry
-    from kvlab.vmm.pool import PageCounters, PagePool
+    from kvlab.vmm.page_pool import PageCounters, PagePool
     from kvlab.vmm.slots import Slot
 
 log = logging.getLogger("kvlab.vmm")
