@@ -34,10 +34,10 @@ def add_parser(subparsers: Any) -> None:
                    help="measure the kernels part (the kernel profile of --kernel-costs cpu) instead of the driver")
     p.add_argument("--contexts", type=flags.parse_list, default=["512", "2048", "8192"],
                    help="--kernels: decode context lengths")
-    p.add_argument("--prefill-contexts", type=flags.parse_list, default=["256", "1024"],
+    p.add_argument("--prefill-contexts", type=flags.parse_list, default=["128", "512"],
                    help="--kernels: prefill lengths (a whole prompt)")
     p.add_argument("--block-sizes", type=flags.parse_list, default=["16", "32", "128"], help="--kernels: paged")
-    p.add_argument("--batch", type=int, default=8, help="--kernels: sequences per step")
+    p.add_argument("--batch", type=int, default=4, help="--kernels: sequences per step")
     p.add_argument("--threads", type=int, default=1, help="--kernels: torch threads (pinned for stable timings)")
     p.set_defaults(run=run)
 

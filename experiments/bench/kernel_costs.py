@@ -42,7 +42,6 @@ def measure_point(grid: Grid, device: str, phase: str, block_size: int, context:
     import torch
 
     from kvlab.experiments.bench.perf.kernel_inputs import paged_case
-    from kvlab.experiments.gpu.timing import device_timer
     from kvlab.paged.kernels.torch_ref import paged_attention_torch
     queries = 1 if phase == "decode" else context
     case = paged_case([queries] * grid.batch, [context] * grid.batch, block_size, grid.num_heads,
@@ -50,10 +49,20 @@ def measure_point(grid: Grid, device: str, phase: str, block_size: int, context:
     contiguous = contiguous_call(case, grid.batch, queries)
     paged = lambda: paged_attention_torch(case.q, case.k_cache, case.v_cache, case.meta, case.scale)  # noqa: E731
     check_agree(contiguous(), paged(), grid.dtype, phase)
-    contiguous_s = device_timer(device, contiguous, grid.repeats)["median"] / 1e3
-    paged_s = device_timer(device, paged, grid.repeats)["median"] / 1e3
+    contiguous_s, paged_s = paired_medians(device, contiguous, paged, grid.repeats)
     return {"phase": phase, "block_size": block_size, "context": context, "batch": grid.batch,
             "contiguous_s": contiguous_s, "paged_s": paged_s, "ratio": paged_s / contiguous_s}
+
+
+def paired_medians(device: str, first: Any, second: Any, repeats: int) -> tuple[float, float]:
+    """Median seconds per call of each, their calls alternated so that load on a shared machine drifts into
+    both alike (after one warm-up call each)."""
+    import statistics
+
+    from kvlab.experiments.gpu.timing import one_call_seconds
+    first(), second()
+    pairs = [(one_call_seconds(device, first), one_call_seconds(device, second)) for _ in range(repeats)]
+    return statistics.median(a for a, _ in pairs), statistics.median(b for _, b in pairs)
 
 
 def contiguous_call(case: Any, batch: int, queries: int) -> Any:
