@@ -110,12 +110,19 @@ def read_profile(path: Path, name: str, hint: str) -> KernelProfile:
 
 
 def _profile_in_check(doc: Any, path: Path) -> Any:
+    """A gpu_check.json's profile (its kernel_costs part's result); any other document as it is."""
     if not (isinstance(doc, dict) and "parts" in doc):
         return doc
-    part = doc["parts"].get("kernel_costs") if isinstance(doc["parts"], dict) else None
-    if not part or not part.get("ok"):
+    part = _field(doc, "parts", "kernel_costs")
+    if not _field(part, "ok"):
         raise ConfigError(f"{path} is a GPU check without a successful kernel_costs part")
-    return part["result"]["profile"]
+    return _field(part, "result", "profile")
+
+
+def _field(doc: Any, *keys: str) -> Any:
+    for key in keys:
+        doc = doc.get(key) if isinstance(doc, dict) else None
+    return doc
 
 
 def parse_profile(doc: Any, name: str) -> KernelProfile:
