@@ -1,0 +1,58 @@
+"""The verdict paragraph, written from the numbers: who wins each cell and by how much, whether the intervals
+separate them, and how far each vmm page size is from a flip."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def ci(pair: list[float]) -> str:
+    return f"[{pair[0]:.3g}, {pair[1]:.3g}]"
+
+
+def separated(ratio: dict[str, Any]) -> bool:
+    lo, hi = ratio["ci95"]
+    return lo > 1 or hi < 1
+
+
+def winner_sentence(label: str, cell: dict[str, Any]) -> str:
+    units = cell["units"]
+    win = max(units, key=lambda u: units[u]["slo_rate"])
+    w = units[win]
+    others = [u for u in units if u != win]
+    runner = max(others, key=lambda u: units[u]["slo_rate"])
+    gap = "beyond" if w["slo_rate_ci95"][0] > units[runner]["slo_rate_ci95"][1] else "within"
+    return (f"Under {label}, {win} ({w['tokens_per_unit']} tokens per unit) serves the highest rate meeting the "
+            f"SLO, {w['slo_rate']:.3g} req/s {ci(w['slo_rate_ci95'])} at {w['output_throughput']:.4g} output tok/s; "
+            f"the runner-up, {runner}, reaches {units[runner]['slo_rate']:.3g} req/s "
+            f"{ci(units[runner]['slo_rate_ci95'])}, {gap} the 95% intervals.")
+
+
+def flip_sentence(unit: str, cell: dict[str, Any]) -> str:
+    f, u = cell["flips"][unit], cell["units"][unit]
+    ratio = u["ratio_to_best_paged"]
+    head = (f"{unit} reaches {ratio['ratio']:.3f} {ci(ratio['ci95'])} of {cell['best_paged']}'s rate"
+            f"{'' if separated(ratio) else ' (no significant difference)'}")
+    lo, hi = f["break_even_advantage"]
+    if hi == 0:
+        kernel = "it leads at today's kernel costs"
+    elif math.isinf(hi):
+        kernel = f"it does not overtake even with a contiguous kernel reading KV {1 + lo:.3g}x as fast"
+    else:
+        kernel = f"it overtakes once a contiguous kernel reads KV {1 + lo:.3g}-{1 + hi:.3g}x as fast as paged's gather"
+    scale = f["driver_flip_scale"]
+    if scale is None:
+        driver = "the driver profile decides nothing here" if math.isfinite(hi) else ""
+    elif math.isinf(scale[1]):
+        driver = f"it keeps the lead with driver calls {scale[0]:.4g}x slower than the profile's"
+    else:
+        driver = f"and loses again once driver calls are {scale[0]:.3g}-{scale[1]:.3g}x the profile's"
+    return f"{head}; {kernel}" + (f", {driver}." if driver else ".")
+
+
+def verdict(cells: dict[str, dict[str, Any]]) -> str:
+    sentences = []
+    for label, cell in cells.items():
+        sentences.append(winner_sentence(label, cell))
+        sentences.extend(flip_sentence(u, cell) for u in cell.get("flips", {}))
+    return " ".join(sentences)
