@@ -90,6 +90,8 @@ def test_the_verdict_follows_the_numbers():
     text = verdict({"driver p": cell})
     assert "vmm-2MiB (1024 tokens per unit) serves" in text and "within the 95%" in text
     assert "no significant difference" in text and "it leads at today's kernel costs" in text
+    cell["units"] = {u: unit(131072, [131072, 131072], 16, 1, [1, 1]) for u in cell["units"]}
+    assert "never loads the server" in verdict({"driver p": cell})
 
 
 @pytest.mark.parametrize("flags, message", [

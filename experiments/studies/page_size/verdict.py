@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+RATE_LIMIT = 1e5           # slo.search's default high limit: a rate above it passed everywhere
+
 
 def ci(pair: list[float]) -> str:
     return f"[{pair[0]:.3g}, {pair[1]:.3g}]"
@@ -17,6 +19,8 @@ def separated(ratio: dict[str, Any]) -> bool:
 
 def winner_sentence(label: str, cell: dict[str, Any]) -> str:
     units = cell["units"]
+    if all(u["slo_rate"] >= RATE_LIMIT for u in units.values()):
+        return f"Under {label}, every unit meets the SLO at every rate tried: this workload never loads the server."
     win = max(units, key=lambda u: units[u]["slo_rate"])
     w = units[win]
     others = [u for u in units if u != win]
