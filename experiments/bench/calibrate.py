@@ -1,6 +1,8 @@
 """`kvlab calibrate`: measure this machine's map/unmap latency per page size with the host VMM driver
 (vmm/drivers/host.py: memfd pool, MAP_FIXED mappings, populated at map time) and write the `host` driver
-profile that `kvlab simulate serve --driver-costs host` reads."""
+profile that `kvlab simulate serve --driver-costs host` reads. `kvlab calibrate --kernels` measures the
+kernels part instead (bench/kernel_costs.py: contiguous SDPA against the paged gather path) and writes the
+kernel profile that `--kernel-costs cpu` reads."""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +13,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvlab.common.errors import ConfigError
+from kvlab.common.limits import check_int_range
+from kvlab.experiments.bench.kernel_costs import Grid, measure_profile
 from kvlab.experiments.cli import flags
+from kvlab.experiments.sim.kernels import DEFAULT_KERNEL_PROFILE
 from kvlab.experiments.sim.serve.costs import DEFAULT_CALIBRATION
 
 
@@ -22,7 +28,17 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--page-sizes", type=flags.parse_list, default=["64KiB", "2MiB"])
     p.add_argument("--pages", type=int, default=64, help="pages mapped then unmapped per repeat")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--out", default=str(DEFAULT_CALIBRATION), help="JSON to write")
+    p.add_argument("--out", help=f"JSON to write (default {DEFAULT_CALIBRATION}; with --kernels, "
+                                 f"{DEFAULT_KERNEL_PROFILE})")
+    p.add_argument("--kernels", action="store_true",
+                   help="measure the kernels part (the kernel profile of --kernel-costs cpu) instead of the driver")
+    p.add_argument("--contexts", type=flags.parse_list, default=["512", "2048", "8192"],
+                   help="--kernels: decode context lengths")
+    p.add_argument("--prefill-contexts", type=flags.parse_list, default=["128", "512"],
+                   help="--kernels: prefill lengths (a whole prompt)")
+    p.add_argument("--block-sizes", type=flags.parse_list, default=["16", "32", "128"], help="--kernels: paged")
+    p.add_argument("--batch", type=int, default=4, help="--kernels: sequences per step")
+    p.add_argument("--threads", type=int, default=1, help="--kernels: torch threads (pinned for stable timings)")
     p.set_defaults(run=run)
 
 
@@ -52,14 +68,50 @@ def measure(page_size: int, pages: int, repeats: int) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> int:
+    return calibrate_kernels(args) if args.kernels else calibrate_driver(args)
+
+
+def calibrate_driver(args: argparse.Namespace) -> int:
     table = {}
     for text in args.page_sizes:
         size = flags.parse_bytes(text)
         table[str(size)] = measure(size, args.pages, args.repeats)
         print(f"{text:>8}: map {table[str(size)]['map_s'] * 1e6:8.2f} us/page, "
               f"unmap {table[str(size)]['unmap_s'] * 1e6:8.2f} us/page")
-    out = Path(args.out)
+    out = Path(args.out or DEFAULT_CALIBRATION)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": platform.platform(), "driver": "host", "page_sizes": table}, indent=1))
     print(f"host driver profile written to {out}")
+    return 0
+
+
+def kernel_grid(args: argparse.Namespace) -> Grid:
+    ints = lambda flag, items: tuple(positive_int(flag, x) for x in items)    # noqa: E731
+    check_int_range("--batch", args.batch, 1, 1024)
+    check_int_range("--repeats", args.repeats, 1, 1000)
+    return Grid(batch=args.batch, decode_contexts=ints("--contexts", args.contexts),
+                prefill_contexts=ints("--prefill-contexts", args.prefill_contexts),
+                block_sizes=ints("--block-sizes", args.block_sizes), repeats=args.repeats)
+
+
+def positive_int(flag: str, text: str) -> int:
+    if not str(text).isdigit() or int(text) < 1:
+        raise ConfigError(f"{flag} takes positive integers, got {text!r}")
+    return int(text)
+
+
+def calibrate_kernels(args: argparse.Namespace) -> int:
+    import torch
+    grid = kernel_grid(args)
+    check_int_range("--threads", args.threads, 1, 256)
+    torch.set_num_threads(args.threads)
+    doc = measure_profile(grid, "cpu", "cpu", f"kvlab calibrate --kernels on {platform.processor() or 'cpu'}, "
+                                              f"{args.threads} thread(s), {grid.dtype}")
+    for p in doc["points"]:
+        print(f"{p['phase']:>8} ctx {p['context']:>6} block {p['block_size']:>4}: contiguous "
+              f"{p['contiguous_s'] * 1e3:8.3f} ms, paged {p['paged_s'] * 1e3:8.3f} ms, x{p['ratio']:.2f}")
+    out = Path(args.out or DEFAULT_KERNEL_PROFILE)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1))
+    print(f"kernel profile written to {out} (kvlab simulate --kernel-costs cpu reads {DEFAULT_KERNEL_PROFILE})")
     return 0

@@ -13,6 +13,7 @@ Two selections of the same parts: the check (default, under 8 minutes: gpu_check
   vmm_cache        one vmm cache's prefill and decode in fp16 and bf16 against fp32 SDPA   (first contact)
   triton_vs_sdpa   the compiled Triton paged kernel against SDPA, timed beside it          (check)
   triton_kernel    the same kernel on first contact's three cases                          (first contact)
+  kernel_costs     contiguous SDPA vs the paged gather: the simulator's measured profile  (check)
   vmm_vs_paged     the tiny model through the LLM API on cuda                              (check)
   gpu_tests        pytest -m gpu                                                           (check)
   unmapped_access  a driver copy from, then a kernel read of, an unmapped page (faults)    (both)
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvlab.experiments.gpu import parts_driver, parts_engine, parts_triton
+from kvlab.experiments.gpu import parts_driver, parts_engine, parts_kernels, parts_triton
 from kvlab.experiments.gpu.detect import detect_gpu
 from kvlab.experiments.gpu.harness import ROOT, CheckDoc, run_one, run_part
 
@@ -41,12 +42,14 @@ PARTS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "vmm_round_trip": parts_driver.part_vmm_round_trip, "vmm_latency": parts_driver.part_vmm_latency,
     "cuda_vmm": parts_engine.part_cuda_vmm, "vmm_cache": parts_engine.part_vmm_cache,
     "triton_vs_sdpa": parts_triton.part_triton_vs_sdpa, "triton_kernel": parts_triton.part_triton_kernel,
+    "kernel_costs": parts_kernels.part_kernel_costs,
     "vmm_vs_paged": parts_engine.part_vmm_vs_paged, "gpu_tests": parts_engine.part_gpu_tests,
     "unmapped_access": parts_driver.part_unmapped_access,
 }
 # each part's own timeout; first compiles of the Triton kernel take tens of seconds each (cached on disk)
 PART_SECONDS = {"environment": 60, "unmapped_view": 15, "vmm_round_trip": 20, "vmm_latency": 20, "cuda_vmm": 45,
-                "vmm_cache": 30, "triton_vs_sdpa": 110, "triton_kernel": 60, "vmm_vs_paged": 90, "gpu_tests": 150,
+                "vmm_cache": 30, "triton_vs_sdpa": 110, "triton_kernel": 60, "kernel_costs": 45, "vmm_vs_paged": 90,
+                "gpu_tests": 150,
                 "unmapped_access": 25}
 
 
@@ -58,8 +61,8 @@ class Selection:
     json_name: str
 
 
-CHECK = Selection("check", ("environment", "cuda_vmm", "triton_vs_sdpa", "vmm_vs_paged", "gpu_tests",
-                            "unmapped_access"), 450, "gpu_check.json")
+CHECK = Selection("check", ("environment", "cuda_vmm", "triton_vs_sdpa", "kernel_costs", "vmm_vs_paged",
+                            "gpu_tests", "unmapped_access"), 450, "gpu_check.json")
 FIRST_CONTACT = Selection("first-contact", ("environment", "unmapped_view", "vmm_round_trip", "vmm_latency",
                                             "vmm_cache", "triton_kernel", "unmapped_access"), 150,
                           "first_contact.json")

@@ -26,6 +26,7 @@ from kvlab.experiments.sim.core import (
     policy_backend,
     run_cases,
 )
+from kvlab.experiments.sim.kernels import CHOICES, kernel_profile
 from kvlab.experiments.sim.roofline import HARDWARE, hardware, model_spec
 from kvlab.experiments.workloads.requests import WorkloadSpec, build_workload, parse_workload
 
@@ -63,6 +64,9 @@ def add_parser(subparsers: Any) -> None:
                    help="model TP over this many GPUs: per-rank weights and KV heads, 2 ring all-reduces per layer "
                         "over the hardware's NVLink (docs/tensor-parallel.md, Simulator)")
     p.add_argument("--model-prefill", action="store_true", help="charge prefill as flops / (peak x mfu)")
+    p.add_argument("--kernel-costs", default="none", metavar="PROFILE",
+                   help=f"attention kernel speed by KV layout: {CHOICES} (default none: the plain roofline; "
+                        "docs/kernel-costs.md)")
     p.add_argument("--mfu", type=float, default=0.5)
     p.add_argument("--config", metavar="FILE", help="TOML with engine overrides (e.g. max_num_seqs)")
     p.add_argument("--max-num-seqs", type=int, help="cap the batch (default: unbounded, as the article)")
@@ -95,6 +99,7 @@ class SimulateOptions:
     tensor_parallel_size: int
     model_prefill: bool
     mfu: float
+    kernel_costs: str                # none | published | cpu | measured:FILE
     config: str | None               # TOML with engine overrides
     max_num_seqs: int | None
     max_num_batched_tokens: int | None
@@ -128,9 +133,10 @@ def sim_settings(opts: SimulateOptions) -> SimSettings:
     hardware(opts.hardware)          # fail fast on bad input, before any worker starts
     model_spec(opts.model, tp=opts.tensor_parallel_size)
     build_workload(spec)
+    kernel_profile(opts.kernel_costs)
     return SimSettings(workload=spec, hardware=opts.hardware, model=opts.model, model_prefill=opts.model_prefill,
                        mfu=opts.mfu, engine=engine, timeline_every=5 if wants_plot(opts) else 0,
-                       tensor_parallel_size=opts.tensor_parallel_size)
+                       tensor_parallel_size=opts.tensor_parallel_size, kernel_costs=opts.kernel_costs)
 
 
 def wants_plot(opts: SimulateOptions) -> bool:
@@ -196,7 +202,7 @@ def options_from(args: argparse.Namespace) -> SimulateOptions:
         preset=args.preset, policies=tuple(args.policies), budget_gb=args.budget_gb, block_size=args.block_size,
         page_size=args.page_size, watermark=args.watermark, workload=spec, seeds=args.seeds, hardware=args.hardware,
         model=args.model, tensor_parallel_size=args.tensor_parallel_size, model_prefill=args.model_prefill,
-        mfu=args.mfu, config=args.config, max_num_seqs=args.max_num_seqs,
+        mfu=args.mfu, kernel_costs=args.kernel_costs, config=args.config, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, jobs=args.jobs, out=args.out, json=args.json,
         plot=args.plot, no_save=args.no_save, progress=not args.no_progress)
 
@@ -270,6 +276,8 @@ def plain_report(rows: list[SimRow], settings: SimSettings) -> str:
     on = f"{tp} x {settings.hardware} (tensor parallel, GB per GPU)" if tp > 1 else settings.hardware
     title = (f"{settings.workload.num_requests} requests ({settings.workload.kind}), {settings.model} on "
              f"{on}, prefill {'modelled' if settings.model_prefill else 'ignored'}")
+    if settings.kernel_costs != "none":
+        title += f", kernel costs {settings.kernel_costs}"
     body = [[r.label, f"{r.budget_gb:g}", pct(r.watermark, 0), fmt(r.mean_batch), pct(r.kv_utilization),
              fmt(r.output_tokens_per_s), r.preemptions, fmt(r.mean_waste_tokens), f"{r.sim_seconds:.3g}"]
             for r in rows]
@@ -278,6 +286,10 @@ def plain_report(rows: list[SimRow], settings: SimSettings) -> str:
         for line, r in zip(body, rows):
             line.append(pct(r.allreduce_seconds / r.sim_seconds if r.sim_seconds else 0.0))
         headers.append("all-reduce")
+    if settings.kernel_costs != "none":
+        for line, r in zip(body, rows):
+            line.append(pct(r.attention_share))
+        headers.append("attention")
     return table(headers, body, title)
 
 

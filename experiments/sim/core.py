@@ -22,6 +22,7 @@ from kvlab.common.config import EngineConfig, make_config
 from kvlab.common.errors import ConfigError
 from kvlab.common.kv.registry import backend_names, get_backend
 from kvlab.common.metrics import RunMetrics
+from kvlab.experiments.sim.kernels import KernelTerm, kernel_profile
 from kvlab.experiments.sim.roofline import RooflineCost, RooflineRunner, hardware, model_spec
 from kvlab.experiments.workloads.requests import Request, WorkloadSpec, build_workload, scaled
 
@@ -121,6 +122,7 @@ class SimSettings:
     timeline_every: int = 0                                 # 0 = no timeline kept
     tensor_parallel_size: int = 1     # >1: the cache and the costs are one rank's shard; budgets are per GPU
     max_concurrency: int = 0          # serving: at most this many requests in flight at the client (0 = no limit)
+    kernel_costs: str = "none"        # the kernel term's profile: none | published | cpu | measured:FILE (kernels.py)
 
 
 # The row keys of the releases before the shared run record, kept one more release: old name -> canonical name
@@ -147,6 +149,13 @@ class SimRow(RunMetrics):
     recompute_seconds: float = 0.0       # the recomputed tokens as prefill at the mfu (article: 50%)
     tensor_parallel_size: int = 1        # budget_gb is per GPU; the cluster holds tp x budget_gb
     allreduce_seconds: float = 0.0       # simulated time in all-reduces (part of sim_seconds)
+    kernel_costs: str = "none"           # the kernel term's profile
+    busy_seconds: float = 0.0            # summed step time (sim_seconds less idle waits for arrivals)
+    attention_seconds: float = 0.0       # of it, attention (with kernel_costs none: the roofline's K/V reads)
+    driver_step_seconds: float = 0.0     # of it, driver calls that lengthened steps (simulate serve's costs)
+    attention_share: float = 0.0         # the three shares of busy_seconds
+    driver_share: float = 0.0
+    other_share: float = 0.0             # weights, prefill compute, all-reduces
 
     @property
     def key(self) -> tuple:
@@ -249,7 +258,7 @@ class SimRun:
     waste: list[int]
     cost: RooflineCost
     wall_seconds: float
-    comm_seconds: float = 0.0     # simulated all-reduce time (tp > 1)
+    runner: RooflineRunner        # its counters: comm, step, attention and driver seconds
 
 
 def simulate(case: SimCase, settings: SimSettings, requests: list[Request], tap: Any = None) -> SimRun:
@@ -266,7 +275,7 @@ def simulate(case: SimCase, settings: SimSettings, requests: list[Request], tap:
     # tp > 1: the one cache the scheduler sees is one rank's (its KV heads, the per-GPU budget); every rank's
     # tables are identical (common/dist/), so its capacity in tokens is the cluster's
     cache = create_cache(config, spec.kv_shape(), accounting_only=True)
-    runner = RooflineRunner(cost, SAMPLED_TOKEN)
+    runner = RooflineRunner(cost, SAMPLED_TOKEN, kernel_term(settings.kernel_costs, cache))
     inner = tap.attach(runner, cache) if tap is not None else runner
     probe = WasteProbe(inner, cache, config.max_model_len)
     engine = Engine(config, cache, probe, timeline_every=settings.timeline_every or 10**9)
@@ -280,7 +289,26 @@ def simulate(case: SimCase, settings: SimSettings, requests: list[Request], tap:
             tap.added, tap.finished = added, finished
     finally:
         engine.close()
-    return SimRun(m, stats, probe.waste, cost, time.perf_counter() - start, runner.comm_seconds)
+    return SimRun(m, stats, probe.waste, cost, time.perf_counter() - start, runner)
+
+
+def kernel_term(kernel_costs: str, cache: Any) -> KernelTerm | None:
+    """The case's kernel term: its backend's layout, and a paged layout's block size, under the profile."""
+    profile = kernel_profile(kernel_costs)
+    if profile is None:
+        return None
+    allocator = cache.allocator
+    layout = get_backend(allocator.name).layout
+    return KernelTerm(profile, layout, allocator.tokens_per_unit if layout == "paged" else 0)
+
+
+def step_shares(runner: RooflineRunner) -> dict[str, float]:
+    """Where the step time went: attention, driver calls, and everything else (seconds and shares)."""
+    busy = runner.step_seconds + runner.driver_seconds
+    attention, driver = runner.attention_seconds, runner.driver_seconds
+    shares = {"attention_share": attention / busy, "driver_share": driver / busy,
+              "other_share": (busy - attention - driver) / busy} if busy else {}
+    return {"busy_seconds": busy, "attention_seconds": attention, "driver_step_seconds": driver, **shares}
 
 
 def run_case(case: SimCase, settings: SimSettings, requests: list[Request] | None = None,
@@ -294,7 +322,8 @@ def run_case(case: SimCase, settings: SimSettings, requests: list[Request] | Non
         **record, policy=case.policy, budget_gb=case.budget_gb, watermark=case.watermark, options=case.options,
         label=case.label, mean_waste_tokens=sum(waste) / len(waste) if waste else 0.0, sim_seconds=m.wall_seconds,
         recompute_seconds=run.cost.prefill_seconds(m.recomputed_tokens),
-        tensor_parallel_size=settings.tensor_parallel_size, allreduce_seconds=run.comm_seconds)
+        tensor_parallel_size=settings.tensor_parallel_size, allreduce_seconds=run.runner.comm_seconds,
+        kernel_costs=settings.kernel_costs, **step_shares(run.runner))
 
 
 def _run_case_job(job: tuple[SimCase, SimSettings]) -> SimRow:

@@ -23,6 +23,7 @@ from kvlab.common.model import ModelConfig
 
 if TYPE_CHECKING:
     from kvlab.common.request import SchedulerOutput
+    from kvlab.experiments.sim.kernels import KernelTerm
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +176,16 @@ class RooflineCost:
         """One step that reads all weights and `kv_tokens` cached tokens."""
         return (self.model.weight_bytes + kv_tokens * self.model.kv_bytes_per_token) / self.hardware.bandwidth
 
+    def kv_read_seconds(self, kv_tokens: int) -> float:
+        """Reading `kv_tokens` cached tokens' K/V at full bandwidth: the roofline's attention time."""
+        return kv_tokens * self.model.kv_bytes_per_token / self.hardware.bandwidth
+
+    def attention_compute_seconds(self, query_key_pairs: float) -> float:
+        """QK^T and PV over `query_key_pairs` (query, key) pairs in every layer and head, at `mfu` of peak."""
+        c = self.model.shard
+        flops = 4.0 * query_key_pairs * c.num_heads * c.head_dim * c.num_layers
+        return flops / (self.hardware.peak_flops * self.mfu)
+
     def prefill_seconds(self, tokens: int) -> float:
         """Compute-bound prefill (or recompute) of `tokens` tokens at `mfu` of peak."""
         return tokens * self.model.flops_per_token / (self.hardware.peak_flops * self.mfu)
@@ -204,15 +215,22 @@ class RooflineCost:
 
 class RooflineRunner:
     """Engine runner without a model: every scheduled item gets `token_id`, and the clock advances by the
-    roofline time of the step. Sequences must ignore EOS (the simulator's requests do)."""
+    roofline time of the step. Sequences must ignore EOS (the simulator's requests do). With a `kernel` term
+    (experiments/sim/kernels.py) each item's attention is charged at its layout's speed; without one, a step
+    costs exactly the roofline's. `step_seconds` sums the steps, `attention_seconds` their attention part, and
+    `driver_seconds` what a wrapper (the serving tap) added to them for driver calls."""
 
-    def __init__(self, cost: RooflineCost, token_id: int = 0) -> None:
+    def __init__(self, cost: RooflineCost, token_id: int = 0, kernel: KernelTerm | None = None) -> None:
         self.cost = cost
         self.token_id = token_id
+        self.kernel = kernel
         self.now = 0.0
         self.steps = 0
         self.prefill_tokens = 0
         self.comm_seconds = 0.0       # simulated time in all-reduces (tp > 1)
+        self.step_seconds = 0.0
+        self.attention_seconds = 0.0
+        self.driver_seconds = 0.0
 
     def clock(self) -> float:
         return self.now
@@ -223,13 +241,15 @@ class RooflineRunner:
 
     def execute(self, out: SchedulerOutput) -> dict[int, int]:
         kv_tokens = prefill = decode = 0
+        attention = 0.0
         sampled: dict[int, int] = {}
         token = self.token_id
-        window = self.cost.model.config.sliding_window
-        for item in out.items:   # a sliding-window model reads at most W keys per query (its kernels skip the rest)
+        for item in out.items:
             n = item.num_tokens
-            context = item.start + n
-            kv_tokens += context if window is None else min(context, window + n - 1)
+            attended = self.attended(item.start, n)
+            kv_tokens += attended
+            if self.kernel is not None:
+                attention += self.item_attention(item.start, n, attended)
             if n > 1:
                 prefill += n
             else:
@@ -237,10 +257,38 @@ class RooflineRunner:
             if item.needs_logits:
                 sampled[item.seq.seq_id] = token
         if out.items:
-            # all-reduced activations: the decode tokens, and the prefill tokens when prefill is charged at all
-            comm_tokens = decode + (prefill if self.cost.model_prefill else 0)
-            self.now += self.cost.step_seconds(kv_tokens, prefill, comm_tokens)
-            self.comm_seconds += self.cost.comm_seconds(comm_tokens)
-            self.steps += 1
-            self.prefill_tokens += prefill
+            self.charge_step(kv_tokens, prefill, decode, attention)
         return sampled
+
+    def attended(self, start: int, n: int) -> int:
+        """Keys the item's last query reads: a sliding-window model reads at most W (its kernels skip the rest)."""
+        window = self.cost.model.config.sliding_window
+        context = start + n
+        return context if window is None else min(context, window + n - 1)
+
+    def item_attention(self, start: int, n: int, attended: int) -> float:
+        """One item's attention under the kernel term: its ideal time (K/V reads; for a modelled prefill, the
+        larger of those and its FLOPs) times its layout's factor for the phase."""
+        cost, kernel = self.cost, self.kernel
+        read = cost.kv_read_seconds(attended)
+        if n == 1:
+            return read * kernel.factor("decode", attended)
+        window = cost.model.config.sliding_window
+        per_query = start + (n + 1) / 2 if window is None else min(start + (n + 1) / 2, window)
+        compute = cost.attention_compute_seconds(n * per_query) if cost.model_prefill else 0.0
+        return max(read, compute) * kernel.factor("prefill", attended)
+
+    def charge_step(self, kv_tokens: int, prefill: int, decode: int, attention: float) -> None:
+        # all-reduced activations: the decode tokens, and the prefill tokens when prefill is charged at all
+        comm_tokens = decode + (prefill if self.cost.model_prefill else 0)
+        if self.kernel is None:
+            step = self.cost.step_seconds(kv_tokens, prefill, comm_tokens)
+            attention = self.cost.kv_read_seconds(kv_tokens)
+        else:
+            step = self.cost.step_seconds(0, prefill, comm_tokens) + attention
+        self.now += step
+        self.step_seconds += step
+        self.attention_seconds += attention
+        self.comm_seconds += self.cost.comm_seconds(comm_tokens)
+        self.steps += 1
+        self.prefill_tokens += prefill

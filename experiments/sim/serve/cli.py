@@ -17,15 +17,23 @@ from kvlab.experiments.cli import flags
 from kvlab.experiments.loadgen import latency
 from kvlab.experiments.loadgen.sweep import ROW_KEYS, parse_rates
 from kvlab.experiments.sim.core import SimCase
+from kvlab.experiments.sim.kernels import CHOICES, kernel_profile
 from kvlab.experiments.sim.roofline import HARDWARE, hardware, model_spec
 from kvlab.experiments.sim.serve import slo, summary
 from kvlab.experiments.sim.serve.costs import PROFILES
 from kvlab.experiments.sim.serve.grid import pool_chain, pool_map
-from kvlab.experiments.sim.serve.run import ServeSpec, backend_label, parse_backends, rate_label, run_point
+from kvlab.experiments.sim.serve.run import (
+    SHARE_KEYS,
+    ServeSpec,
+    backend_label,
+    parse_backends,
+    rate_label,
+    run_point,
+)
 
 WARM_STEP = 1.05         # a later seed's first bracket factor around the first seed's SLO rate
 CSV_KEYS = (*ROW_KEYS[:1], "seed", *ROW_KEYS[1:], "driver_exposed_seconds", "driver_hidden_seconds",
-            "paged_overhead_seconds")
+            "paged_overhead_seconds", *SHARE_KEYS)
 
 
 def add_parser(subparsers: Any) -> None:
@@ -70,6 +78,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--driver-costs", default="zero", help=f"{' | '.join([*PROFILES, 'host'])}")
     p.add_argument("--calibration", help="host profile: `kvlab calibrate`'s JSON")
     p.add_argument("--background-mapping", action="store_true", help="hide map/unmap behind the step's compute")
+    p.add_argument("--kernel-costs", default="none", metavar="PROFILE",
+                   help=f"attention kernel speed by KV layout: {CHOICES} (docs/kernel-costs.md)")
     p.add_argument("--max-concurrency", type=int, default=0,
                    help="at most N requests in flight at the client (vllm bench serve's flag; 0 = no limit): an "
                         "arrival finding N in flight is sent when one finishes, and is timed from its send")
@@ -110,6 +120,7 @@ def settings_from(args: argparse.Namespace) -> ServeSettings:
     """The one place `kvlab simulate serve`'s flags are read; checked before anything is built."""
     check_flags(args.hardware, args.model, args.tensor_parallel_size, args.max_concurrency, args.driver_costs,
                 args.seeds, args.num_prompts)
+    kernel_profile(args.kernel_costs)
     engine = {k: v for k, v in (("max_num_seqs", args.max_num_seqs),
                                 ("max_num_batched_tokens", args.max_num_batched_tokens)) if v is not None}
     spec = ServeSpec(dataset=args.dataset, num_requests=args.num_prompts, scale=args.scale, max_len=args.max_len,
@@ -118,6 +129,7 @@ def settings_from(args: argparse.Namespace) -> ServeSettings:
                      model_prefill=not args.ignore_prefill, mfu=args.mfu, engine=engine,
                      goodput=latency.parse_goodput(args.goodput), driver_profile=args.driver_costs,
                      calibration=args.calibration, background_mapping=args.background_mapping,
+                     kernel_costs=args.kernel_costs,
                      tensor_parallel_size=args.tensor_parallel_size, max_concurrency=args.max_concurrency)
     return ServeSettings(spec, tuple(args.backends), args.budget_gb, args.watermark,
                          tuple(range(args.seed, args.seed + args.seeds)), tuple(args.request_rates), args.slo,
@@ -247,7 +259,7 @@ def profile_line(spec: ServeSpec) -> str:
     limit = f", max concurrency {spec.max_concurrency}" if spec.max_concurrency else ""
     return (f"{spec.num_requests} requests ({spec.dataset}){limit}, {spec.model} on {on}, prefill "
             f"{'modelled' if spec.model_prefill else 'ignored'}; driver costs {spec.driver_profile} ({src}), "
-            f"background mapping {'on' if spec.background_mapping else 'off'}")
+            f"background mapping {'on' if spec.background_mapping else 'off'}; kernel costs {spec.kernel_costs}")
 
 
 def pm(s: dict[str, float] | None) -> str:

@@ -20,6 +20,8 @@ from kvlab.experiments.sim.serve.early_stop import SloMissed, SloWatch, stopped_
 from kvlab.experiments.sim.serve.tap import ServeTap
 from kvlab.experiments.workloads.requests import SEED_MAX_LEN, Request, WorkloadSpec
 
+SHARE_KEYS = ("attention_share", "driver_share", "other_share")    # of the run's summed step time
+
 
 @dataclass(slots=True)
 class ServeSpec:
@@ -44,13 +46,15 @@ class ServeSpec:
     background_mapping: bool = False
     tensor_parallel_size: int = 1      # budgets per GPU; costs and KV per rank (docs/tensor-parallel.md)
     max_concurrency: int = 0           # client-side limit on requests in flight (0 = none)
+    kernel_costs: str = "none"         # the kernel term's profile (experiments/sim/kernels.py)
 
     def settings(self, seed: int, max_concurrency: int | None = None) -> SimSettings:
         workload = WorkloadSpec(num_requests=self.num_requests, seed=seed, scale=self.scale, max_len=self.max_len)
         limit = self.max_concurrency if max_concurrency is None else max_concurrency
         return SimSettings(workload=workload, hardware=self.hardware, model=self.model,
                            model_prefill=self.model_prefill, mfu=self.mfu, engine=dict(self.engine),
-                           tensor_parallel_size=self.tensor_parallel_size, max_concurrency=limit)
+                           tensor_parallel_size=self.tensor_parallel_size, max_concurrency=limit,
+                           kernel_costs=self.kernel_costs)
 
 
 def plan(spec: ServeSpec, rate: float, seed: int) -> list[Request]:
@@ -108,6 +112,7 @@ def run_point(case: SimCase, spec: ServeSpec, rate: float, seed: int, max_concur
     result["total_map_unmap_exposed_s"] = sum(r.kvlab["map_unmap_exposed_s"] for r in records)
     result["total_client_wait_s"] = sum(r.start - req.arrival_s for r, (_, req) in zip(records, factory.added))
     driver = factory.ledger.to_json() | {"driver_unattributed_seconds": factory.tap.unattributed_s}
+    result.update({key: getattr(row, key) for key in SHARE_KEYS})
     result.update({**point, "server_preemptions": row.preemptions, "sim": row.to_json(), "driver": driver,
                    "pool_create_seconds": prof.create_s * pool_pages(case, spec),
                    "requests": [request_log(r) for r in records]})

@@ -50,7 +50,9 @@ class ServeTap:
         sampled = self.runner.execute(out)
         if not self.zero and out.items:
             driver, exposed = self.ledger.driver_s, self.ledger.exposed_s
-            self.runner.now += self.ledger.charge(self.step_ops(out), self.runner.now - before)
+            charged = self.ledger.charge(self.step_ops(out), self.runner.now - before)
+            self.runner.now += charged
+            self.runner.driver_seconds += charged
             if self.ledger.driver_s != driver:
                 self.apportion(self.ledger.driver_s - driver, self.ledger.exposed_s - exposed)
         now = self.runner.now

@@ -1,0 +1,173 @@
+"""The kernel term: attention time per step as a function of the KV layout (contiguous over a slot, or paged
+through a block table of `block_size` tokens), phase, batch, context lengths, heads, head_dim and KV dtype.
+
+Every item of a step has an ideal attention time on the roofline: its attended K/V bytes over the bandwidth
+(decode), or the larger of that and its attention FLOPs at the mfu (prefill, when prefill is modelled). Heads,
+head_dim, dtype and the batch's contexts enter there. A kernel profile multiplies it by the paged layout's
+slowdown over the contiguous one, `ratio(phase, block_size, context)`; the contiguous layout runs at the ideal.
+
+Profiles (`--kernel-costs`): `none` (no kernel term: today's roofline, exactly), `published` (the papers'
+figures, docs/kernel-costs.md), `cpu` (`kvlab calibrate --kernels` on this machine), `measured:FILE` (the same
+measurement from the GPU check: a kernel profile, or the gpu_check.json holding one). Between measured points
+the ratio is interpolated linearly in log2(context) and log2(block size), and held at the nearest end beyond.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvlab.common.errors import ConfigError
+
+PHASES = ("decode", "prefill")
+DEFAULT_KERNEL_PROFILE = Path("results") / "calibrate" / "kernels.json"
+FORMAT = "kvlab-kernel-profile/1"
+CHOICES = "none | published | cpu | measured:FILE"
+
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    """paged time / contiguous time of one phase at one block size and context (batch: what was measured)."""
+    phase: str
+    block_size: int
+    context: int
+    ratio: float
+
+
+@dataclass(frozen=True, slots=True)
+class KernelProfile:
+    name: str
+    source: str
+    points: tuple[Point, ...]
+
+    def ratio(self, phase: str, block_size: int, context: int) -> float:
+        """The paged slowdown at (phase, block size, context), interpolated between measured points."""
+        mine = [p for p in self.points if p.phase == phase]
+        blocks = sorted({p.block_size for p in mine})
+        return _between(blocks, block_size, lambda b: _over_context(mine, b, context))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FORMAT, "name": self.name, "source": self.source,
+                "points": [{"phase": p.phase, "block_size": p.block_size, "context": p.context, "ratio": p.ratio}
+                           for p in self.points]}
+
+
+def _over_context(points: list[Point], block_size: int, context: int) -> float:
+    at = {p.context: p.ratio for p in points if p.block_size == block_size}
+    return _between(sorted(at), context, at.__getitem__)
+
+
+def _between(xs: list[int], x: int, value: Any) -> float:
+    """value(x) interpolated linearly in log2 between the measured xs around x; the nearest end beyond them."""
+    if x <= xs[0]:
+        return value(xs[0])
+    if x >= xs[-1]:
+        return value(xs[-1])
+    hi = next(i for i, v in enumerate(xs) if v >= x)
+    lo_x, hi_x = xs[hi - 1], xs[hi]
+    w = (math.log2(x) - math.log2(lo_x)) / (math.log2(hi_x) - math.log2(lo_x))
+    return value(lo_x) * (1 - w) + value(hi_x) * w
+
+
+# Figures from the papers, each cited with its source and hardware in docs/kernel-costs.md. Neither paper gives
+# a slowdown as a function of context or of block size that kvlab could source, so each phase has one point, held
+# at every context and block size (an upper bound at short contexts: both are "up to" figures at long ones).
+VATTENTION = "vAttention, arXiv 2405.04437 (A100): "
+PUBLISHED = KernelProfile("published", VATTENTION + "decode up to 1.97x over vLLM's paged kernel; prefill up to "
+                          "1.45x over paged FlashInfer (docs/kernel-costs.md)",
+                          (Point("decode", 16, 16384, 1.97), Point("prefill", 16, 16384, 1.45)))
+
+
+def kernel_profile(spec: str) -> KernelProfile | None:
+    """none -> None (no kernel term); published; cpu (the default calibration file); measured:FILE."""
+    if spec == "none":
+        return None
+    if spec == "published":
+        return PUBLISHED
+    if spec == "cpu":
+        return read_profile(DEFAULT_KERNEL_PROFILE, "cpu", "run `kvlab calibrate --kernels` first")
+    kind, _, path = spec.partition(":")
+    if kind == "measured" and path:
+        return read_profile(Path(path), "measured", "the GPU check writes it (experiments/gpu_check.sh)")
+    raise ConfigError(f"unknown --kernel-costs {spec!r}; choose {CHOICES}")
+
+
+def read_profile(path: Path, name: str, hint: str) -> KernelProfile:
+    """A kernel profile file, or a gpu_check.json whose kernel_costs part holds one; every fault is one line."""
+    if not path.is_file():
+        raise ConfigError(f"no kernel profile at {path}: {hint}")
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError(f"kernel profile {path} is not JSON: {exc}") from None
+    doc = _profile_in_check(doc, path)
+    try:
+        return parse_profile(doc, name)
+    except ConfigError as exc:
+        raise ConfigError(f"bad kernel profile {path}: {exc}") from None
+
+
+def _profile_in_check(doc: Any, path: Path) -> Any:
+    """A gpu_check.json's profile (its kernel_costs part's result); any other document as it is."""
+    if not (isinstance(doc, dict) and "parts" in doc):
+        return doc
+    part = _field(doc, "parts", "kernel_costs")
+    if not _field(part, "ok"):
+        raise ConfigError(f"{path} is a GPU check without a successful kernel_costs part")
+    return _field(part, "result", "profile")
+
+
+def _field(doc: Any, *keys: str) -> Any:
+    for key in keys:
+        doc = doc.get(key) if isinstance(doc, dict) else None
+    return doc
+
+
+def parse_profile(doc: Any, name: str) -> KernelProfile:
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise ConfigError(f"not a kernel profile (want \"format\": \"{FORMAT}\")")
+    rows = doc.get("points")
+    if not isinstance(rows, list) or not rows:
+        raise ConfigError("no points")
+    points = tuple(parse_point(row) for row in rows)
+    missing = [phase for phase in PHASES if phase not in {p.phase for p in points}]
+    if missing:
+        raise ConfigError(f"no {' or '.join(missing)} points")
+    return KernelProfile(name, str(doc.get("source", "")), points)
+
+
+def parse_point(row: Any) -> Point:
+    """One point: phase, block_size, context, and ratio (or paged_s and contiguous_s to divide)."""
+    if not isinstance(row, dict):
+        raise ConfigError(f"point {row!r} is not an object")
+    if row.get("phase") not in PHASES:
+        raise ConfigError(f"point phase {row.get('phase')!r} is not one of {', '.join(PHASES)}")
+    ratio = row.get("ratio")
+    if ratio is None and "paged_s" in row and "contiguous_s" in row:
+        ratio = _positive(row, "paged_s") / _positive(row, "contiguous_s")
+    row = {**row, "ratio": ratio}
+    return Point(row["phase"], int(_positive(row, "block_size")), int(_positive(row, "context")),
+                 _positive(row, "ratio"))
+
+
+def _positive(row: dict, key: str) -> float:
+    value = row.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"point {key} must be a positive number, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True, slots=True)
+class KernelTerm:
+    """One backend's attention kernels under a profile: paged layouts pay the profile's ratio at their block
+    size; contiguous layouts run at the ideal."""
+    profile: KernelProfile
+    layout: str              # "paged" | "contiguous" (the backend spec's layout)
+    block_size: int = 0      # paged: tokens per block
+
+    def factor(self, phase: str, context: int) -> float:
+        if self.layout != "paged":
+            return 1.0
+        return self.profile.ratio(phase, self.block_size, context)
