@@ -6,6 +6,7 @@ from typing import Any
 
 from kvlab.common.errors import ConfigError
 from kvlab.experiments.cli import flags
+from kvlab.experiments.sim.kernels import CHOICES, kernel_profile
 from kvlab.experiments.sim.roofline import HARDWARE
 from kvlab.experiments.sim.serve import slo
 from kvlab.experiments.sim.serve.cli import check_flags
@@ -13,7 +14,6 @@ from kvlab.experiments.sim.serve.costs import PROFILES
 from kvlab.experiments.sim.serve.run import ServeSpec
 from kvlab.experiments.studies.page_size.settings import Cell, StudySettings
 
-KERNEL_PROFILES = ("none",)      # the simulator's kernel term (`--kernel-costs`) adds the others
 DEFAULT_SLO = "p99_ttft_ms<=2000,p99_tpot_ms<=100"
 
 
@@ -42,8 +42,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--driver-costs", type=flags.parse_list, default=["cuda-h200"],
                    help=f"driver profiles, comma list of {', '.join([*PROFILES, 'host'])}")
     p.add_argument("--calibration", help="host profile: `kvlab calibrate`'s JSON")
-    p.add_argument("--kernel-costs", type=flags.parse_list, default=["none"],
-                   help=f"kernel profiles, comma list of {', '.join(KERNEL_PROFILES)}")
+    p.add_argument("--kernel-costs", type=flags.parse_list, default=["published"],
+                   help=f"kernel profiles, comma list of {CHOICES} (docs/kernel-costs.md)")
     p.add_argument("--prefix-caching", choices=("off", "on", "both"), default="off", help="an optional axis")
     p.add_argument("--tensor-parallel-sizes", type=flags.parse_list, default=["1"], help="an optional axis")
     p.add_argument("--no-flips", action="store_true", help="skip the break-even searches")
@@ -64,8 +64,7 @@ def positive_ints(flag: str, items: list[str]) -> tuple[int, ...]:
 
 def cells(args: argparse.Namespace) -> tuple[Cell, ...]:
     for kernel in args.kernel_costs:
-        if kernel not in KERNEL_PROFILES:
-            raise ConfigError(f"unknown --kernel-costs {kernel!r}; choose {', '.join(KERNEL_PROFILES)}")
+        kernel_profile(kernel)
     tps = positive_ints("--tensor-parallel-sizes", args.tensor_parallel_sizes)
     prefix = {"off": (False,), "on": (True,), "both": (False, True)}[args.prefix_caching]
     for driver in args.driver_costs:

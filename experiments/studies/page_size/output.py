@@ -15,7 +15,9 @@ from kvlab.experiments.studies.page_size.settings import StudySettings
 CSV_KEYS = ("cell", "unit", "tokens_per_unit", "slo_rate_req_per_s", "slo_rate_ci95_low_req_per_s",
             "slo_rate_ci95_high_req_per_s", "output_throughput_tok_per_s", "output_throughput_ci95_low_tok_per_s",
             "output_throughput_ci95_high_tok_per_s", "rate_ratio_to_best_paged", "rate_ratio_ci95_low",
-            "rate_ratio_ci95_high", "break_even_advantage_low_fraction", "break_even_advantage_high_fraction",
+            "rate_ratio_ci95_high", "break_even_kernel_scale_low_x_profile",
+            "break_even_kernel_scale_high_x_profile", "break_even_decode_slowdown_low_x_contiguous",
+            "break_even_decode_slowdown_high_x_contiguous",
             "driver_flip_scale_low_x_profile", "driver_flip_scale_high_x_profile")
 
 
@@ -29,10 +31,12 @@ def csv_rows(cells: dict[str, Any]) -> list[dict[str, Any]]:
     for label, cell in cells.items():
         for unit, u in cell["units"].items():
             f = cell.get("flips", {}).get(unit, {})
-            adv, scale = f.get("break_even_advantage") or [None, None], f.get("driver_flip_scale") or [None, None]
+            kernel = f.get("break_even_kernel_scale") or [None, None]
+            slowdown = f.get("break_even_decode_slowdown") or [None, None]
+            scale = f.get("driver_flip_scale") or [None, None]
             ratio = u["ratio_to_best_paged"]
             values = (label, unit, u["tokens_per_unit"], u["slo_rate"], *u["slo_rate_ci95"], u["output_throughput"],
-                      *u["output_throughput_ci95"], ratio["ratio"], *ratio["ci95"], *adv, *scale)
+                      *u["output_throughput_ci95"], ratio["ratio"], *ratio["ci95"], *kernel, *slowdown, *scale)
             rows.append(dict(zip(CSV_KEYS, map(finite, values))))
     return rows
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from kvlab.experiments.sim.core import SimCase
+from kvlab.experiments.sim.kernels import KernelProfile, kernel_profile
 from kvlab.experiments.sim.serve.cli import WARM_STEP
 from kvlab.experiments.studies.page_size.executor import Executor
-from kvlab.experiments.studies.page_size.point import Costs, SearchJob, search
+from kvlab.experiments.studies.page_size.point import FLAT, Costs, SearchJob, search
 from kvlab.experiments.studies.page_size.settings import Cell, StudySettings, unit_label
 
 TODAY = Costs()
@@ -17,8 +18,8 @@ TODAY = Costs()
 def job(s: StudySettings, cell: Cell, case: SimCase, seed: int, costs: Costs, start: float = 0.0) -> SearchJob:
     """A search from `start` (near the answer: narrow brackets), or from --slo-start when none is known."""
     warm = start > 0
-    return SearchJob(cell, cell.spec(s.spec), case, seed, costs, s.slo, start if warm else s.slo_start,
-                     s.slo_tolerance, WARM_STEP if warm else 2.0)
+    return SearchJob(cell, cell.spec(s.spec), kernel_profile(cell.kernel), case, seed, costs, s.slo,
+                     start if warm else s.slo_start, s.slo_tolerance, WARM_STEP if warm else 2.0)
 
 
 class CellProbe:
@@ -26,6 +27,9 @@ class CellProbe:
         self.s, self.cell, self.executor = s, cell, executor
         self.searches = [r for r in grid if r["cell"] == cell.label]
         self.found = {(r["unit"], TODAY, r["seed"]): r["slo_rate"] for r in self.searches}
+        base = kernel_profile(cell.kernel)
+        self.shape: KernelProfile = base or FLAT       # what the kernel scale multiplies
+        self.today_scale = 1.0 if base else 0.0        # `none`: no slowdown
 
     def mean_rates(self, cases: list[SimCase], costs: Costs) -> dict[str, float]:
         todo = [(c, seed) for c in cases for seed in self.s.seeds if (unit_label(c), costs, seed) not in self.found]
@@ -36,11 +40,16 @@ class CellProbe:
         seeds = self.s.seeds
         return {unit_label(c): sum(self.found[(unit_label(c), costs, k)] for k in seeds) / len(seeds) for c in cases}
 
-    def best_paged(self, advantage: float) -> float:
-        """Paged's best mean rate when a contiguous kernel has `advantage` (paged pays no vmm driver calls)."""
+    def best_paged(self, kernel_scale: float) -> float:
+        """Paged's best mean rate with the kernel term's slowdown scaled (paged pays no vmm driver calls)."""
         paged = [c for c in self.s.cases() if c.policy == "paged"]
-        return max(self.mean_rates(paged, Costs(advantage=advantage)).values())
+        costs = TODAY if kernel_scale == self.today_scale else Costs(kernel_scale=kernel_scale)
+        return max(self.mean_rates(paged, costs).values())
+
+    def decode_slowdown(self, kernel_scale: float) -> float:
+        """Paged decode time / contiguous at a scale: 16-token blocks, 4,096-token contexts."""
+        return 1 + kernel_scale * (self.shape.ratio("decode", 16, 4096) - 1)
 
     def vmm(self, case: SimCase, driver_scale: float) -> float:
-        """A vmm unit's mean rate with its driver calls scaled (vmm pays no gather: the advantage is moot)."""
+        """A vmm unit's mean rate with its driver calls scaled (contiguous kernels: the kernel scale is moot)."""
         return self.mean_rates([case], Costs(driver_scale=driver_scale))[unit_label(case)]

@@ -22,9 +22,9 @@ def cell_table(label: str, cell: dict[str, Any]) -> str:
         r = u["ratio_to_best_paged"]
         body.append([unit, u["tokens_per_unit"], f"{u['slo_rate']:.3g} {bracket(u['slo_rate_ci95'], '.3g')}",
                      f"{u['output_throughput']:.4g}", f"{r['ratio']:.3f} {bracket(r['ci95'], '.3f')}",
-                     bracket(f.get("break_even_advantage"), ".3g"), bracket(f.get("driver_flip_scale"), ".3g")])
+                     bracket(f.get("break_even_decode_slowdown"), ".3g"), bracket(f.get("driver_flip_scale"), ".3g")])
     head = ["unit", "tokens/unit", "SLO rate req/s [95% CI]", "output tok/s", f"x {cell['best_paged']} [95% CI]",
-            "break-even advantage", "driver flip x profile"]
+            "break-even paged decode slowdown", "driver flip x profile"]
     return table(head, body, label)
 
 

@@ -23,7 +23,8 @@ class Cell:
 
     def spec(self, base: ServeSpec) -> ServeSpec:
         engine = {**base.engine, "enable_prefix_caching": True} if self.prefix_caching else dict(base.engine)
-        return replace(base, driver_profile=self.driver, tensor_parallel_size=self.tp, engine=engine)
+        return replace(base, driver_profile=self.driver, kernel_costs=self.kernel, tensor_parallel_size=self.tp,
+                       engine=engine)
 
 
 @dataclass(frozen=True, slots=True)

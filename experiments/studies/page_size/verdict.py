@@ -32,26 +32,33 @@ def winner_sentence(label: str, cell: dict[str, Any]) -> str:
             f"{ci(units[runner]['slo_rate_ci95'])}, {gap} the 95% intervals.")
 
 
+def kernel_clause(f: dict[str, Any]) -> str:
+    lo, hi = f["break_even_decode_slowdown"]
+    today = f"the profile's: {f['decode_slowdown_today']:.3g}x"
+    if f["break_even_kernel_scale"][0] == 0:
+        return "it leads even with paged kernels as fast as contiguous ones"
+    if math.isinf(hi):
+        return f"it does not overtake even with paged decode attention {lo:.3g}x as slow as contiguous ({today})"
+    verb = "it would lose the lead if" if f["leads_today"] else "it overtakes once"
+    return f"{verb} paged decode attention is {lo:.3g}-{hi:.3g}x as slow as contiguous ({today})"
+
+
+def driver_clause(f: dict[str, Any]) -> str:
+    scale = f["driver_flip_scale"]
+    if scale is None:
+        return ""
+    if math.isinf(scale[1]):
+        return f"it keeps its lead with driver calls {scale[0]:.4g}x the profile's latency"
+    return f"it loses the lead again once driver calls take {scale[0]:.3g}-{scale[1]:.3g}x the profile's latency"
+
+
 def flip_sentence(unit: str, cell: dict[str, Any]) -> str:
     f, u = cell["flips"][unit], cell["units"][unit]
     ratio = u["ratio_to_best_paged"]
     head = (f"{unit} reaches {ratio['ratio']:.3f} {ci(ratio['ci95'])} of {cell['best_paged']}'s rate"
             f"{'' if separated(ratio) else ' (no significant difference)'}")
-    lo, hi = f["break_even_advantage"]
-    if hi == 0:
-        kernel = "it leads at today's kernel costs"
-    elif math.isinf(hi):
-        kernel = f"it does not overtake even with a contiguous kernel reading KV {1 + lo:.3g}x as fast"
-    else:
-        kernel = f"it overtakes once a contiguous kernel reads KV {1 + lo:.3g}-{1 + hi:.3g}x as fast as paged's gather"
-    scale = f["driver_flip_scale"]
-    if scale is None:
-        driver = "the driver profile decides nothing here" if math.isfinite(hi) else ""
-    elif math.isinf(scale[1]):
-        driver = f"it keeps the lead with driver calls {scale[0]:.4g}x slower than the profile's"
-    else:
-        driver = f"and loses again once driver calls are {scale[0]:.3g}-{scale[1]:.3g}x the profile's"
-    return f"{head}; {kernel}" + (f", {driver}." if driver else ".")
+    clauses = [c for c in (kernel_clause(f), driver_clause(f)) if c]
+    return f"{head}; " + "; ".join(clauses) + "."
 
 
 def verdict(cells: dict[str, dict[str, Any]]) -> str:
