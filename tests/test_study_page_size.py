@@ -73,24 +73,23 @@ def test_break_even_brackets_the_kernel_scale_where_vmm_overtakes():
     assert lo < 10 / 4.1 - 1 < hi and hi / lo - 1 <= fl.KERNEL_TOL * 1.01
 
 
-def test_driver_flip_brackets_the_scale_where_vmm_loses_again():
-    probe = FakeProbe(4.6)
+def test_driver_flip_brackets_the_scale_where_the_lead_changes_at_todays_kernels():
+    lo, hi = fl.driver_flip(FakeProbe(5.3), VMM)                 # paged 5 today; vmm 5.3 - s / 2 = 5 at s = 0.6
+    assert lo <= 0.6 < hi and hi / lo - 1 <= fl.SCALE_TOL * 1.01
+    assert fl.driver_flip(FakeProbe(4.9), VMM) == [0.0, fl.SCALE_LOW]
+    probe = FakeProbe(7.0)                                       # vmm 7 - s / 2 = 5 at s = 4
     result = fl.flips(probe, VMM, has_driver_costs=True)
-    assert not result["leads_today"]
-    at = result["driver_flip_at_kernel_scale"]
-    assert at == result["break_even_kernel_scale"][1]
-    flip = (probe.vmm0 - probe.best_paged(at)) * 2              # vmm0 - s / 2 = paged(at)
+    assert result["leads_today"]
     lo, hi = result["driver_flip_scale"]
-    assert lo <= flip < hi and hi / lo - 1 <= fl.SCALE_TOL * 1.01
+    assert lo <= 4.0 < hi and hi / lo - 1 <= fl.SCALE_TOL * 1.01
 
 
 def test_a_leader_today_and_a_unit_that_never_leads():
     leader = fl.flips(FakeProbe(7.0), VMM, has_driver_costs=True)   # 6.5 > 10 / 2
-    assert leader["leads_today"] and leader["driver_flip_at_kernel_scale"] == 1.0
     lo, hi = leader["break_even_kernel_scale"]
     assert lo < 10 / 6.5 - 1 < hi
     never = fl.flips(FakeProbe(0.4), VMM, has_driver_costs=True)
-    assert never["break_even_kernel_scale"][1] == math.inf and never["driver_flip_scale"] is None
+    assert never["break_even_kernel_scale"][1] == math.inf and never["driver_flip_scale"][0] == 0
     assert fl.flips(FakeProbe(4.6), VMM, has_driver_costs=False)["driver_flip_scale"] is None
 
 
@@ -107,13 +106,15 @@ def flip(leads, kernel, slowdown, scale):
 def test_the_verdict_follows_the_numbers():
     cell = {"best_paged": "paged-16", "units": {"paged-16": unit(10, [9, 11], 16, 1, [1, 1]),
                                                 "vmm-2MiB": unit(5, [4, 6], 1024, 0.5, [0.4, 0.6])},
-            "flips": {"vmm-2MiB": flip(False, [2.0, 2.2], [2.94, 3.13], [3.0, 4.0])}}
+            "flips": {"vmm-2MiB": flip(False, [2.0, 2.2], [2.94, 3.13], [0.3, 0.4])}}
     text = verdict({"driver p": cell})
     assert "paged-16 (16 tokens per unit) serves the highest rate" in text and "beyond the 95%" in text
     assert "overtakes once paged decode attention is 2.94-3.13x as slow" in text
-    assert "(the profile's: 1.97x)" in text and "3-4x the profile's latency" in text
+    assert "(the profile's: 1.97x)" in text and "lead only with driver calls at 0.3-0.4x its latency" in text
     cell["units"]["vmm-2MiB"] = unit(12, [8, 13], 1024, 1.2, [0.9, 1.3])
     cell["flips"]["vmm-2MiB"] = flip(True, [0.0, 0.01], [1.0, 1.01], [64.0, math.inf])
+    assert "trails even with driver calls 4x faster" in verdict({"p": {**cell, "flips": {
+        "vmm-2MiB": flip(False, [0.5, 0.6], [1.5, 1.6], [0.0, 0.25])}}})
     text = verdict({"driver p": cell})
     assert "vmm-2MiB (1024 tokens per unit) serves" in text and "within the 95%" in text
     assert "no significant difference" in text and "leads even with paged kernels as fast" in text

@@ -47,9 +47,14 @@ def driver_clause(f: dict[str, Any]) -> str:
     scale = f["driver_flip_scale"]
     if scale is None:
         return ""
-    if math.isinf(scale[1]):
-        return f"it keeps its lead with driver calls {scale[0]:.4g}x the profile's latency"
-    return f"it loses the lead again once driver calls take {scale[0]:.3g}-{scale[1]:.3g}x the profile's latency"
+    lo, hi = scale
+    if math.isinf(hi):
+        return f"it keeps its lead with driver calls {lo:.4g}x the profile's latency"
+    if lo == 0:
+        return f"it trails even with driver calls {1 / hi:.4g}x faster than the profile's"
+    if f["leads_today"]:
+        return f"it loses the lead again once driver calls take {lo:.3g}-{hi:.3g}x the profile's latency"
+    return f"with the profile's kernels it would lead only with driver calls at {lo:.3g}-{hi:.3g}x its latency"
 
 
 def flip_sentence(unit: str, cell: dict[str, Any]) -> str:
