@@ -129,6 +129,8 @@ def test_the_verdict_follows_the_numbers():
     (["--paged-blocks", "16,x"], "--paged-blocks takes positive integers"),
     (["--tensor-parallel-sizes", "3"], "tensor"),
     (["--dataset", "nope"], "unknown --dataset 'nope'"),
+    (["--vmm-pages", "2MiB,lots"], "bad size 'lots'"),
+    (["--ray", "127.0.0.1:1"], "Ray"),
 ])
 def test_errors_are_one_line_and_exit_2(capsys, flags, message):
     assert main([*TINY, "--no-save", "--no-flips", *flags]) == 2

@@ -38,7 +38,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--seeds", type=int, default=3, help="paired seeds SEED..SEED+K-1")
     p.add_argument("--budget-gb", type=float, default=8.0, help="KV budget per GPU in GB (1e9 bytes)")
     p.add_argument("--paged-blocks", type=flags.parse_list, default=["16", "32", "128"], help="tokens per block")
-    p.add_argument("--vmm-pages", type=flags.parse_list, default=["64KiB", "256KiB", "2MiB"], help="page sizes")
+    p.add_argument("--vmm-pages", type=parse_pages, default=[64 * 1024, 256 * 1024, 2 * 1024 ** 2],
+                   help="page sizes, comma list (default 64KiB,256KiB,2MiB)")
     p.add_argument("--driver-costs", type=flags.parse_list, default=["cuda-h200"],
                    help=f"driver profiles, comma list of {', '.join([*PROFILES, 'host'])}")
     p.add_argument("--calibration", help="host profile: `kvlab calibrate`'s JSON")
@@ -54,6 +55,10 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(run=run)
+
+
+def parse_pages(text: str) -> list[int]:
+    return [flags.parse_bytes(item) for item in flags.parse_list(text)]
 
 
 def positive_ints(flag: str, items: list[str]) -> tuple[int, ...]:
@@ -79,9 +84,8 @@ def settings_from(args: argparse.Namespace) -> StudySettings:
     spec = ServeSpec(dataset=args.dataset, num_requests=args.num_prompts, input_len=args.input_len,
                      output_len=args.output_len, hardware=args.hardware, model=args.model, model_prefill=True,
                      calibration=args.calibration)
-    pages = tuple(flags.parse_bytes(p) for p in args.vmm_pages)
     return StudySettings(spec, args.slo, tuple(range(args.seed, args.seed + args.seeds)), cells(args),
-                         positive_ints("--paged-blocks", args.paged_blocks), pages, args.budget_gb,
+                         positive_ints("--paged-blocks", args.paged_blocks), tuple(args.vmm_pages), args.budget_gb,
                          flips=not args.no_flips, jobs=args.jobs, ray=args.ray, progress=not args.no_progress,
                          out=args.out, save=not args.no_save, plots=not args.no_plots)
 

@@ -3,12 +3,15 @@
 a study's output does not depend on where it ran."""
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from kvlab.common.errors import ConfigError
 from kvlab.experiments.sim.serve.grid import pool_map
+
+CONNECT_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,11 +26,23 @@ class Executor:
         return ray_map(fn, jobs, self.ray, self.progress)
 
 
+def check_reachable(address: str) -> None:
+    """A HOST:PORT that refuses connections is one line now, not Ray's minutes of retries."""
+    host, _, port = address.rpartition(":")
+    if address in ("local", "auto") or "://" in address or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as e:
+        raise ConfigError(f"cannot reach the Ray cluster at {address!r}: {e}") from None
+
+
 def connect(address: str) -> Any:
     try:
         import ray
     except ModuleNotFoundError:
         raise ConfigError("--ray needs Ray: pip install 'kvlab[ray]'") from None
+    check_reachable(address)
     if not ray.is_initialized():
         try:
             ray.init(address=address, log_to_driver=False, include_dashboard=False)
