@@ -23,7 +23,8 @@ SUBCOMMANDS = {"generate": "kvlab.experiments.cli.generate", "bench": "kvlab.exp
                "simulate": "kvlab.experiments.sim.cli", "fallbacks": "kvlab.experiments.studies.fallbacks",
                "pool": "kvlab.experiments.pool.cli",
                "sharing": "kvlab.experiments.studies.sharing", "serve": "kvlab.experiments.serve",
-               "prefix": "kvlab.experiments.studies.prefix", "calibrate": "kvlab.experiments.bench.calibrate"}
+               "prefix": "kvlab.experiments.studies.prefix", "calibrate": "kvlab.experiments.bench.calibrate",
+               "study": "kvlab.experiments.studies.page_size.cli"}
 
 
 def missing_subcommand(name: str, reason: str):
