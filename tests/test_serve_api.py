@@ -171,4 +171,5 @@ def test_tokenize_detokenize_version(live):
     chat = post(live, "/tokenize", {"messages": [{"role": "user", "content": PARTS}]}).json()
     assert chat["count"] > tokens["count"]
     assert post(live, "/detokenize", {"tokens": [-1]}).status_code == 400
+    assert post(live, "/tokenize", {"model": "gpt-4", "prompt": "x"}).status_code == 404
     assert httpx.get(live.url + "/version").json()["version"]

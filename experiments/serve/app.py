@@ -90,12 +90,16 @@ def create_app(server: Server) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
-        tokens = protocol.tokenize_request(await read_json(request), server.render_chat, text_tokenizer(server))
+        body = await read_json(request)
+        check_model(server, protocol.model_name(body))
+        tokens = protocol.tokenize_request(body, server.render_chat, text_tokenizer(server))
         return {"count": len(tokens), "tokens": tokens}
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict:
-        tokens = protocol.detokenize_request(await read_json(request))
+        body = await read_json(request)
+        check_model(server, protocol.model_name(body))
+        tokens = protocol.detokenize_request(body)
         return {"prompt": text_tokenizer(server).decode(tokens)}
 
     @app.post("/v1/completions")

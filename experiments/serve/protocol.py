@@ -218,14 +218,20 @@ def _text_part(i: int, j: int, part: Any) -> str:
     return part["text"]
 
 
+def model_name(body: Any) -> str:
+    """The body's model ("" when missing: the served one)."""
+    model = body.get("model", "") if isinstance(body, dict) else ""
+    if not isinstance(model, str):
+        raise bad("model", f"must be a string, got {model!r}")
+    return model
+
+
 def parse(body: Any, chat: bool, render_chat) -> Submission:
     """`render_chat(messages) -> str` turns chat messages into the prompt text."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     stream = _bool(body, "stream", False)
-    model = body.get("model", "")
-    if not isinstance(model, str):
-        raise bad("model", f"must be a string, got {model!r}")
+    model = model_name(body)
     _refuse_unsupported(body)
     _user(body)
     echo = _bool(body, "echo", False)
