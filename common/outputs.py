@@ -15,6 +15,7 @@ class CompletionOutput:
     text: str | None                    # None when the model has no tokenizer
     finish_reason: str | None           # "stop" | "length" | "abort" | "error"
     cumulative_logprob: float = 0.0     # sum of the model's log-probabilities of token_ids
+    logprobs: list | None = None        # per token (logprob, top candidates), when params.logprobs asked for it
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -63,6 +64,8 @@ class StepResult:
     """What one Engine.step() did. `new_tokens[request_id]` holds, per sample, the tokens this step added (only
     requests that got some; a sample with none this step has an empty list). A beam search reports nothing
     until it finishes, then its best beams whole, since beams change until the end. So a request's new tokens,
-    joined over its steps, are its final outputs' token_ids; the finishing step's come with its output."""
+    joined over its steps, are its final outputs' token_ids; the finishing step's come with its output.
+    `new_logprobs` has the same shape, one (logprob, top candidates) per new token, for requests asking."""
     new_tokens: dict[str, list[list[int]]] = field(default_factory=dict)
+    new_logprobs: dict[str, list[list]] = field(default_factory=dict)
     finished: list[RequestOutput] = field(default_factory=list)

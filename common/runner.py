@@ -52,7 +52,8 @@ class TorchRunner:
         rows = [it.seq.seq_id for it in items if it.needs_logits]
         if not rows:
             return {}
-        samples = self.sampler(logits, [out.specs[sid] for sid in rows])
+        seqs = [it.seq for it in items if it.needs_logits]
+        samples = self.sampler(logits, [out.specs[sid] for sid in rows], seqs)
         return dict(zip(rows, samples))
 
 

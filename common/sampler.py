@@ -3,18 +3,47 @@
 Vectorised over the batch: one log-softmax, one sort for the rows that use top-k/top-p, one exponential-race
 draw (argmax of probs / Exp(1) noise is a draw from probs). Seeded rows draw their noise on the CPU from their
 own torch.Generator, so a seed gives the same samples on any backend, device and batch composition.
-Reported log-probabilities are the model's (log-softmax of the raw logits, before temperature and filtering).
+Reported log-probabilities are the model's (log-softmax of the raw logits, before penalties, temperature and
+filtering, as vLLM reports them by default). Rows whose request asks for logprobs also get their top candidates;
+rows with presence, frequency or repetition penalties have their logits penalized from the sequence's tokens.
+Neither costs anything when no row asks.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 if TYPE_CHECKING:
     from kvlab.common.request import SampleSpec
 
-Sample = tuple[int, float]
+Sample = tuple[int, float] | tuple[int, float, tuple[tuple[int, float], ...]]   # (token, logprob[, top])
+
+
+class History(Protocol):
+    """What penalties read of a sequence: its tokens, the first prompt_len of them the prompt."""
+    token_ids: list[int]
+    prompt_len: int
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[int], specs: list[SampleSpec], histories: list[History]
+                    ) -> torch.Tensor:
+    """vLLM's definitions: repetition divides a positive logit (multiplies a negative one) of every token seen in
+    the prompt or output; frequency subtracts once per output occurrence; presence once per token generated."""
+    logits = logits.clone()
+    vocab = logits.shape[-1]
+    for row in rows:
+        p, h = specs[row].params, histories[row]
+        output = torch.tensor(h.token_ids[h.prompt_len:], dtype=torch.int64, device=logits.device)
+        counts = torch.bincount(output, minlength=vocab)[:vocab].to(logits.dtype)
+        if p.repetition_penalty != 1:
+            seen = counts > 0
+            seen[torch.tensor(h.token_ids[:h.prompt_len], dtype=torch.int64, device=logits.device)] = True
+            x = logits[row]
+            logits[row] = torch.where(seen, torch.where(x > 0, x / p.repetition_penalty,
+                                                        x * p.repetition_penalty), x)
+        logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
@@ -37,10 +66,16 @@ class Sampler:
     def __init__(self, seed: int = 0, device: str | torch.device = "cpu") -> None:
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, specs: list[SampleSpec]) -> list[list[Sample]]:
-        """logits [R, V] (one row per spec) -> per row the requested samples as (token, logprob)."""
+    def __call__(self, logits: torch.Tensor, specs: list[SampleSpec], histories: list[History] | None = None
+                 ) -> list[list[Sample]]:
+        """logits [R, V] (one row per spec) -> per row the requested samples as (token, logprob), and their
+        top candidates (token, logprob, top) for rows asking for logprobs. `histories` (one per row) are needed
+        when a row has penalties."""
         logits = logits.float()
         logprobs = torch.log_softmax(logits, dim=-1)
+        penalized = [row for row, spec in enumerate(specs) if spec.params.penalized]
+        if penalized:
+            logits = apply_penalties(logits, penalized, specs, histories)
         results: list[list[Sample] | None] = [None] * len(specs)
         greedy, random, beams = [], [], []
         for row, spec in enumerate(specs):
@@ -51,7 +86,20 @@ class Sampler:
             self._beams(logprobs, specs, beams, results)
         if random:
             self._random(logits, logprobs, specs, random, results)
+        asking = [row for row, spec in enumerate(specs) if spec.params.logprobs is not None]
+        if asking:
+            self._add_top(logprobs, specs, asking, results)
         return results
+
+    @staticmethod
+    def _add_top(logprobs, specs, rows, results) -> None:
+        """Each sample of the rows asking for logprobs gets its row's `params.logprobs` best candidates."""
+        k = max(specs[r].params.logprobs for r in rows)
+        values, tokens = logprobs[torch.tensor(rows, device=logprobs.device)].topk(k, dim=-1)
+        for i, row in enumerate(rows):
+            n = specs[row].params.logprobs
+            top = tuple(zip(tokens[i, :n].tolist(), values[i, :n].tolist()))
+            results[row] = [(tok, lp, top) for tok, lp in results[row]]
 
     @staticmethod
     def _greedy(logits, logprobs, specs, rows, results) -> None:

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from kvlab.common.errors import RequestError
 
 GREEDY_EPS = 1e-5   # temperatures below this decode greedily (as vLLM's _SAMPLING_EPS)
+MAX_LOGPROBS = 20    # the most top candidates a token reports (OpenAI's top_logprobs bound)
+MAX_SEED = 2**63 - 1  # per-request generators are seeded from [0, 2**63): larger seeds would alias
 
 
 def _is_int(value: object) -> bool:
@@ -29,6 +31,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     beam_width: int = 1                  # > 1: beam search
+    logprobs: int | None = None          # per output token its log-probability and this many top candidates'
+    presence_penalty: float = 0.0        # vLLM's: subtracted from the logit of every token already generated
+    frequency_penalty: float = 0.0       # vLLM's: subtracted once per time the token was generated
+    repetition_penalty: float = 1.0      # vLLM's: a prompt or output token's logit divided (> 0) or multiplied by it
 
     def __post_init__(self) -> None:
         self.validate()
@@ -40,6 +46,10 @@ class SamplingParams:
     @property
     def use_beam_search(self) -> bool:
         return self.beam_width > 1
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def width(self) -> int:
@@ -58,8 +68,8 @@ class SamplingParams:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
             raise RequestError(f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise RequestError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            raise RequestError(f"seed must be an integer in [0, {MAX_SEED:,}] or None, got {self.seed!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.stop_token_ids, (list, tuple)) \
@@ -71,8 +81,20 @@ class SamplingParams:
         if not _is_int(self.beam_width) or self.beam_width < 1:
             raise RequestError(f"beam_width must be an integer >= 1 (1 = no beam search), "
                                f"got {self.beam_width!r}")
+        self._validate_logprobs_and_penalties()
         if self.use_beam_search:
             self._validate_beam()
+
+    def _validate_logprobs_and_penalties(self) -> None:
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise RequestError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not -2.0 <= v <= 2.0:
+                raise RequestError(f"{name} must be a number in [-2, 2], got {v!r}")
+        v = self.repetition_penalty
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or math.isnan(v) or math.isinf(v) or v <= 0:
+            raise RequestError(f"repetition_penalty must be a finite number > 0 (1 = off), got {v!r}")
 
     def _validate_beam(self) -> None:
         if self.n > self.beam_width:
@@ -80,6 +102,9 @@ class SamplingParams:
                                f"beam_width={self.beam_width}")
         if self.top_k != -1 or self.top_p != 1.0 or self.seed is not None:
             raise RequestError("beam search is deterministic: leave top_k, top_p and seed unset")
+        if self.logprobs is not None or self.penalized:
+            raise RequestError("beam search returns no per-token logprobs and applies no penalties: leave "
+                               "logprobs and the penalties unset")
         if self.temperature not in (0, 1):
             raise RequestError(f"beam search ranks by the model's log-probabilities and does not apply "
                                f"temperature: leave it at 1.0 or 0, got {self.temperature!r}")

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from enum import Enum, auto
 
+# One output token's log-probability and the top candidates' (token, log-probability), best first.
+TokenLogprob = tuple[float, tuple[tuple[int, float], ...]]
+
 
 class SequenceStatus(Enum):
     WAITING = auto()
@@ -17,7 +20,7 @@ class Sequence:
 
     __slots__ = ("seq_id", "request_id", "token_ids", "prompt_len", "max_tokens", "num_computed_tokens",
                  "status", "arrival_time", "admitted_at", "first_token_time", "last_token_time",
-                 "token_times", "finish_reason", "cumulative_logprob", "parent_id", "adapter_id")
+                 "token_times", "finish_reason", "cumulative_logprob", "logprobs", "parent_id", "adapter_id")
 
     def __init__(self, seq_id: int, request_id: str, token_ids: list[int], max_tokens: int,
                  arrival_time: float = 0.0, adapter_id: str = "") -> None:
@@ -35,6 +38,7 @@ class Sequence:
         self.token_times: list[float] = []
         self.finish_reason: str | None = None
         self.cumulative_logprob = 0.0
+        self.logprobs: list[TokenLogprob] = []  # per output token, only when its request asks (params.logprobs)
         self.parent_id: int | None = None
         self.adapter_id = adapter_id            # model/adapter identity, part of prefix hashes
 

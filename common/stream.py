@@ -20,19 +20,25 @@ class TokenStream:
         result = StepResult(finished=finished)
         for req in sampled:
             if req.beam is None and not req.finished:
-                self._report(result, req.request_id, [(s.token_ids, s.prompt_len) for s in req.seqs])
+                lps = [s.logprobs for s in req.seqs] if req.params.logprobs is not None else None
+                self._report(result, req.request_id, [(s.token_ids, s.prompt_len) for s in req.seqs], lps)
         for out in finished:
-            self._report(result, out.request_id, [(c.token_ids, 0) for c in out.outputs])
+            lps = [c.logprobs for c in out.outputs] if out.outputs and out.outputs[0].logprobs is not None else None
+            self._report(result, out.request_id, [(c.token_ids, 0) for c in out.outputs], lps)
             del self.reported[out.request_id]
         return result
 
-    def _report(self, result: StepResult, request_id: str, samples: list[tuple[list[int], int]]) -> None:
-        """`samples`: each sample's token ids and where its output starts in them."""
+    def _report(self, result: StepResult, request_id: str, samples: list[tuple[list[int], int]],
+                logprobs: list[list] | None) -> None:
+        """`samples`: each sample's token ids and where its output starts in them; `logprobs`: each sample's per
+        output token, or None when the request did not ask."""
         sent = self.reported.setdefault(request_id, [])
         sent += [0] * (len(samples) - len(sent))           # parallel samples fork at the first token
         new = [ids[start + k:] for (ids, start), k in zip(samples, sent)]
         if any(new):
             result.new_tokens[request_id] = new
+            if logprobs is not None:
+                result.new_logprobs[request_id] = [lps[k:] for lps, k in zip(logprobs, sent)]
             for i, ids in enumerate(new):
                 sent[i] += len(ids)
 
@@ -50,8 +56,9 @@ def request_output(req: Request, decode: Callable[[list[int]], str] | None) -> R
     elif req.beam is not None:
         completions = [CompletionOutput(0, [], "" if decode else None, "error")]
     else:
+        asked = req.params.logprobs is not None
         completions = [CompletionOutput(i, s.output_token_ids, decode(s.output_token_ids) if decode else None,
-                                        s.finish_reason, s.cumulative_logprob)
+                                        s.finish_reason, s.cumulative_logprob, s.logprobs if asked else None)
                        for i, s in enumerate(req.seqs)]
     att = req.attribution
     metrics = RequestMetrics(req.arrival_time, req.first_token_time, req.finished_time,

@@ -6,9 +6,10 @@ import math
 import pytest
 import torch
 
+from kvlab import LLM
 from kvlab.common.errors import RequestError
 from kvlab.common.request import SampleSpec
-from kvlab.common.sampler import Sampler, apply_top_k_top_p
+from kvlab.common.sampler import Sampler, apply_penalties, apply_top_k_top_p
 from kvlab.common.sampling_params import SamplingParams
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0, 1.5, 0.2]])
@@ -133,3 +134,62 @@ def test_mixed_batch_keeps_row_order():
     assert out[0][0][0] == int(logits[0].argmax()) and out[3][0][0] == int(logits[3].argmax())
     assert [t for t, _ in out[1]] == logits[1].topk(3).indices.tolist()
     assert len(out[2]) == 2
+
+
+class Seen:
+    """A sequence's history as the penalties read it."""
+
+    def __init__(self, token_ids: list[int], prompt_len: int) -> None:
+        self.token_ids, self.prompt_len = token_ids, prompt_len
+
+
+def test_penalties_follow_vllms_definitions():
+    # prompt [1], output [0, 0, 5]: token 0 twice, token 5 (negative logit) once, token 1 seen in the prompt only
+    history = Seen([1, 0, 0, 5], 1)
+    s = spec(temperature=0, presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0)
+    out = apply_penalties(LOGITS, [0], [s], [history])[0]
+    expected = LOGITS[0].clone()
+    expected[0] = 2.0 / 2 - 0.25 * 2 - 0.5
+    expected[1] = 1.0 / 2                                  # prompt tokens: repetition only
+    expected[5] = -3.0 * 2 - 0.25 - 0.5
+    assert torch.allclose(out, expected)
+    assert torch.equal(LOGITS, torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0, 1.5, 0.2]]))   # not in place
+
+
+def test_greedy_under_penalties_picks_the_penalized_best_but_reports_the_models_logprob():
+    token, lp = Sampler()(LOGITS, [spec(temperature=0, frequency_penalty=2.0)], [Seen([7, 0, 0], 1)])[0][0]
+    assert token == 6                                      # 2.0 - 4 < 1.5
+    assert lp == pytest.approx(torch.log_softmax(LOGITS, -1)[0, 6].item())
+
+
+def test_logprobs_add_the_top_candidates_only_to_rows_that_ask():
+    asking, plain = Sampler()(LOGITS.repeat(2, 1), [spec(temperature=0, logprobs=3), spec(temperature=0)])
+    logprobs = torch.log_softmax(LOGITS, -1)[0]
+    token, lp, top = asking[0]
+    assert token == 0 and [t for t, _ in top] == [0, 6, 1]
+    assert [v for _, v in top] == pytest.approx(logprobs[[0, 6, 1]].tolist())
+    assert len(plain[0]) == 2                              # (token, logprob): nothing computed for it
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(logprobs=-3), "logprobs"), (dict(logprobs=21), "logprobs"), (dict(presence_penalty=2.5), "presence"),
+    (dict(frequency_penalty=float("nan")), "frequency"), (dict(repetition_penalty=0), "repetition"),
+    (dict(seed=-1), "seed"), (dict(seed=2**64 - 1), "seed"),
+    (dict(beam_width=2, logprobs=1), "beam search"), (dict(beam_width=2, repetition_penalty=1.2), "beam search"),
+])
+def test_logprobs_penalties_and_seed_are_validated(kwargs, words):
+    with pytest.raises(RequestError, match=words):
+        SamplingParams(**kwargs)
+
+
+def test_parallel_samples_each_carry_their_own_token_logprobs():
+    llm = LLM(model="tiny", backend="paged")
+    try:
+        out = llm.generate(["abc"], SamplingParams(n=3, max_tokens=5, seed=1, logprobs=2, ignore_eos=True))[0]
+        plain = llm.generate(["abc"], SamplingParams(n=3, max_tokens=5, seed=1, ignore_eos=True))[0]
+    finally:
+        llm.close()
+    for c, p in zip(out.outputs, plain.outputs):
+        assert c.token_ids == p.token_ids and p.logprobs is None      # asking changes nothing it samples
+        assert len(c.logprobs) == 5 and all(len(top) == 2 for _, top in c.logprobs)
+        assert sum(lp for lp, _ in c.logprobs) == pytest.approx(c.cumulative_logprob, abs=1e-5)

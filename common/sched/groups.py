@@ -85,8 +85,8 @@ class ParallelGroup(SingleGroup):
             self.life.append(self.req, seq, *samples[0])
             return
         self.pending_forks = 0                    # the parent's prompt KV is shared by n - 1 children
-        for token, logprob in samples[1:]:
-            self.life.spawn(self.req, seq, token, logprob)
+        for sample in samples[1:]:
+            self.life.spawn(self.req, seq, *sample)
         self.life.append(self.req, seq, *samples[0])
 
     def expects_more(self) -> bool:

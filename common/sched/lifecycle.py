@@ -30,9 +30,13 @@ class Lifecycle:
         self.now = 0.0                           # the runner's clock at the last update
 
     # -- tokens and children --------------------------------------------------------------------------------
-    def append(self, req: Request, seq: Sequence, token: int, logprob: float, check_stop: bool = True) -> None:
+    def append(self, req: Request, seq: Sequence, token: int, logprob: float, top: tuple = (),
+               check_stop: bool = True) -> None:
+        """`top`: the row's most likely (token, logprob) pairs, when the request asks for log-probabilities."""
         seq.token_ids.append(token)          # Sequence.append_token, inlined: once per token per sequence
         seq.cumulative_logprob += logprob
+        if req.params.logprobs is not None:
+            seq.logprobs.append((logprob, top))
         self.stats.output_tokens += 1
         now = self.now
         if seq.first_token_time is None:
@@ -51,7 +55,7 @@ class Lifecycle:
             return "stop"
         return "length" if num_output_tokens >= req.params.max_tokens else None
 
-    def spawn(self, req: Request, parent: Sequence, token: int, logprob: float) -> Sequence:
+    def spawn(self, req: Request, parent: Sequence, token: int, logprob: float, top: tuple = ()) -> Sequence:
         """A child of `parent` that continues with `token`: it shares the parent's KV (cache.fork), or is
         queued to recompute it if the cache refuses the fork (the reserve baseline when full) or the parent
         holds no resident KV (a parked beam)."""
@@ -59,11 +63,12 @@ class Lifecycle:
         child.token_ids = list(parent.token_ids)
         child.parent_id = parent.seq_id
         child.cumulative_logprob = parent.cumulative_logprob
+        child.logprobs = list(parent.logprobs)
         child.first_token_time = parent.first_token_time
         child.num_computed_tokens = parent.num_computed_tokens
         reason = self.stop_reason(req, token, child.num_output_tokens + 1)
         if reason is not None:                       # finished at birth: nothing to hold
-            self.append(req, child, token, logprob, check_stop=False)
+            self.append(req, child, token, logprob, top, check_stop=False)
             self.finish_seq(req, child, reason, check_request=False)
             return child
         if parent.status is not RUNNING:
@@ -75,7 +80,7 @@ class Lifecycle:
                 self._recompute_child(parent, child, f"the {self.cache.name} cache refused it ({exc})")
             else:
                 self.queues.enter_running(child, req)
-        self.append(req, child, token, logprob, check_stop=False)
+        self.append(req, child, token, logprob, top, check_stop=False)
         return child
 
     def _recompute_child(self, parent: Sequence, child: Sequence, why: str) -> None:

@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI completions and chat completions (JSON or SSE), models, health, metrics.
+"""The FastAPI app: OpenAI completions and chat completions (JSON or SSE), models, vLLM's tokenize, detokenize
+and version, health, metrics.
 
 Every error a request can cause is answered in the OpenAI shape; nothing a client sends reaches the engine
 thread unvalidated, and the engine thread is the only one that touches the engine.
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import json
 import time
 import uuid
@@ -23,7 +25,10 @@ from kvlab.experiments.serve.decoding import Decoding
 from kvlab.experiments.serve.events import Event, FinishedEvent, RejectedEvent, TokensEvent
 from kvlab.experiments.serve.extension import kvlab_extension
 from kvlab.experiments.serve.handles import EngineGone, EngineHandle
+from kvlab.experiments.serve.logprobs import LogprobWriter, merge
 from kvlab.experiments.serve.protocol import ApiError, Submission
+
+KVLAB_VERSION = importlib.metadata.version("kvlab")
 
 DISCONNECT_POLL_S = 0.25
 
@@ -79,6 +84,24 @@ def create_app(server: Server) -> FastAPI:
         _, stats = await server.engine.snapshot()
         return stats
 
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": KVLAB_VERSION}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        body = await read_json(request)
+        check_model(server, protocol.model_name(body))
+        tokens = protocol.tokenize_request(body, server.render_chat, text_tokenizer(server))
+        return {"count": len(tokens), "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        body = await read_json(request)
+        check_model(server, protocol.model_name(body))
+        tokens = protocol.detokenize_request(body)
+        return {"prompt": text_tokenizer(server).decode(tokens)}
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await generate(server, request, chat=False)
@@ -97,8 +120,21 @@ async def read_json(request: Request) -> Any:
         raise ApiError(400, f"malformed JSON body: {e}") from None
 
 
+def text_tokenizer(server: Server) -> Any:
+    if server.tokenizer is None:
+        raise ApiError(400, "this model has no tokenizer: send token ids")
+    return server.tokenizer
+
+
+def check_model(server: Server, model: str) -> None:
+    """An empty model names the served one (as vLLM); any other name is a 404, as vLLM answers."""
+    if model and model != server.model_name:
+        raise ApiError(404, f"The model `{model}` does not exist.", "model", kind="NotFoundError", code="404")
+
+
 async def generate(server: Server, request: Request, chat: bool) -> Response:
     sub = protocol.parse(await read_json(request), chat, server.render_chat)
+    check_model(server, sub.model)
     prompt = sub.prompt
     if isinstance(prompt, str) and server.tokenizer is not None:
         prompt = list(server.tokenizer.encode(prompt))      # tokenized here, off the engine thread
@@ -136,12 +172,25 @@ class Response_:
         self.done = False
         self.error: str | None = None
         self.extra: dict[str, Any] = {}
+        self.echo = self._prompt_text() if sub.echo else ""
+        n = sub.params.n
+        self.writer = (None if sub.params.logprobs is None else
+                       LogprobWriter(server.tokenizer, n, sub.chat, len(self.echo)))
+        self.logprobs = [self.writer.empty() for _ in range(n)] if self.writer else [None] * n   # non-streaming
+
+    def _prompt_text(self) -> str:
+        prompt, tokenizer = self.sub.prompt, self.server.tokenizer
+        if isinstance(prompt, str):
+            return prompt
+        return tokenizer.decode(prompt) if tokenizer is not None else ""
 
     # -- events ---------------------------------------------------------------------------------------------
     def apply(self, event: Event) -> list[tuple[int, list[int], str]]:
         """Update state; return (sample, ids, text) pieces to send. After acceptance a request's events are
         tokens, then finished or aborted."""
         if isinstance(event, TokensEvent):
+            if self.writer is not None and event.logprobs is not None:
+                self.writer.receive(event.logprobs)
             return self._tokens(event.token_ids)
         return self._done(event.output if isinstance(event, FinishedEvent) else None)
 
@@ -182,13 +231,16 @@ class Response_:
                     if await request.is_disconnected():
                         break
                     continue
-                self.apply(event)
+                for i, ids, _ in self.apply(event):
+                    if self.writer is not None:
+                        self.logprobs[i] = merge(self.logprobs[i], self.writer.take(i, ids))
         finally:
             if not self.done:
                 self.server.engine.abort(self.rid)
         if self.error is not None:
             raise ApiError(500, f"the request failed: {self.error}", kind="internal_server_error")
-        choices = [self.choice(i, s.text, s.finish_reason) | {"token_ids": s.token_ids}
+        choices = [self.choice(i, self.echo + s.text, s.finish_reason, logprobs=self.logprobs[i])
+                   | {"token_ids": s.token_ids}
                    for i, s in enumerate(self.dec.samples)]
         return {"id": self.rid, "object": "chat.completion" if self.sub.chat else "text_completion",
                 "created": self.created, "model": self.model(), "choices": choices, "usage": self.usage(),
@@ -197,12 +249,16 @@ class Response_:
     def model(self) -> str:
         return self.sub.model or self.server.model_name
 
-    def choice(self, i: int, text: str, reason: str | None, delta: bool = False) -> dict[str, Any]:
+    def choice(self, i: int, text: str, reason: str | None, delta: bool = False, logprobs: dict | None = None
+               ) -> dict[str, Any]:
         if not self.sub.chat:
-            return {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+            return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}
         key = "delta" if delta else "message"
         body = {"content": text} if delta and text == "" and reason else {"role": "assistant", "content": text}
-        return {"index": i, key: body, "logprobs": None, "finish_reason": reason}
+        return {"index": i, key: body, "logprobs": logprobs, "finish_reason": reason}
+
+    def piece_logprobs(self, i: int, ids: list[int]) -> dict | None:
+        return None if self.writer is None else self.writer.take(i, ids)
 
     # -- streaming --------------------------------------------------------------------------------------------
     def chunk(self, choices: list[dict[str, Any]], usage: dict | None = None, kvlab: dict | None = None) -> str:
@@ -214,17 +270,26 @@ class Response_:
             body["kvlab"] = kvlab
         return f"data: {json.dumps(body)}\n\n"
 
+    def running_usage(self) -> dict[str, int] | None:
+        """Usage for every chunk when the client asked for continuous usage stats."""
+        return self.usage() if self.sub.continuous_usage else None
+
     async def stream(self) -> AsyncIterator[str]:
         try:
+            if self.echo:
+                yield "".join(self.chunk([self.choice(i, self.echo, None, delta=True) | {"token_ids": []}],
+                                         self.running_usage()) for i in range(self.sub.params.n))
             while not self.done:
                 for i, ids, text in self.apply(await self.events.get()):
-                    yield self.chunk([self.choice(i, text, None, delta=True) | {"token_ids": ids}])
+                    choice = self.choice(i, text, None, True, self.piece_logprobs(i, ids)) | {"token_ids": ids}
+                    yield self.chunk([choice], self.running_usage())
             tail = []                                          # one write for the last events
             if self.error is not None:
                 err = ApiError(500, f"the request failed: {self.error}", kind="internal_server_error")
                 tail.append(f"data: {json.dumps(err.body())}\n\n")
             tail.append(self.chunk([self.choice(i, "", s.finish_reason, delta=True) | {"token_ids": []}
-                                    for i, s in enumerate(self.dec.samples)], kvlab=self.extra))
+                                    for i, s in enumerate(self.dec.samples)], self.running_usage(),
+                                   kvlab=self.extra))
             if self.sub.include_usage:
                 tail.append(self.chunk([], self.usage()))
             tail.append("data: [DONE]\n\n")

@@ -121,7 +121,8 @@ class EngineLoop:
 
     def _step(self) -> None:
         result = self.engine.step()
-        self.events += [TokensEvent(rid, new) for rid, new in result.new_tokens.items()]
+        lps = result.new_logprobs
+        self.events += [TokensEvent(rid, new, lps.get(rid)) for rid, new in result.new_tokens.items()]
         now = time.perf_counter()
         for out in result.finished:
             self.live.discard(out.request_id)

@@ -70,6 +70,7 @@ class RejectedEvent:
 class TokensEvent:
     request_id: str
     token_ids: list[list[int]]          # per sample, the tokens new since the last event (engine StepResult)
+    logprobs: list[list] | None = None  # per sample, per new token (logprob, top candidates), when asked
 
 
 @record

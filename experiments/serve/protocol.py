@@ -1,7 +1,8 @@
 """The OpenAI request schema kvlab serves: a JSON body -> one validated `Submission`, or an `ApiError`.
 
-Only the fields listed in FIELDS are read; an unknown field is ignored (as OpenAI clients send extras), a known
-field with a wrong type or value is a 400 naming it.
+The fields read are those below; a field kvlab cannot honour (UNSUPPORTED) is a 400 naming it unless it holds
+its neutral value, a known field with a wrong type or value is a 400 naming it, and any other field is ignored
+(as OpenAI clients send extras). docs/serving.md has the table.
 """
 from __future__ import annotations
 
@@ -10,10 +11,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab.common.errors import RequestError
-from kvlab.common.sampling_params import SamplingParams
+from kvlab.common.sampling_params import MAX_LOGPROBS, SamplingParams
 
 DEFAULT_MAX_TOKENS = 16
 MAX_STOP_STRINGS = 4
+MAX_SEED = 2**63 - 1                    # the engine's generators take seeds in [0, 2**63)
+
+# Fields kvlab cannot honour, with the value that asks for nothing (sent by many clients, so accepted).
+UNSUPPORTED = {
+    "logit_bias": {}, "suffix": "",
+    "tools": [], "tool_choice": "none", "functions": [], "function_call": "none", "min_tokens": 0,
+    "response_format": {"type": "text"}, "guided_json": None, "guided_regex": None, "guided_choice": None,
+}
 
 
 class ApiError(Exception):
@@ -39,6 +48,8 @@ class Submission:
     include_usage: bool = False
     chat: bool = False
     model: str = ""
+    continuous_usage: bool = False      # usage in every streamed chunk (vLLM's continuous_usage_stats)
+    echo: bool = False                  # completions: the prompt text leads each choice
 
 
 def bad(param: str, message: str) -> ApiError:
@@ -83,27 +94,77 @@ def _stop(body: dict) -> list[str]:
     return stops
 
 
-def _stream_usage(body: dict, stream: bool) -> bool:
+def _stream_usage(body: dict, stream: bool) -> tuple[bool, bool]:
+    """(include_usage, continuous): usage in a last chunk, and (both set, as vLLM) in every chunk."""
     opts = body.get("stream_options")
     if opts is None:
-        return False
+        return False, False
     if not isinstance(opts, dict):
         raise bad("stream_options", f"must be an object, got {opts!r}")
     if not stream:
         raise bad("stream_options", "is only allowed with stream=true")
-    return _bool(opts, "include_usage", False)
+    usage, continuous = _bool(opts, "include_usage", False), _bool(opts, "continuous_usage_stats", False)
+    return usage, usage and continuous
 
 
-def sampling_params(body: dict) -> SamplingParams:
+def _refuse_unsupported(body: dict) -> None:
+    for name, neutral in UNSUPPORTED.items():
+        v = body.get(name)
+        if v is not None and v != neutral:
+            raise bad(name, f"kvlab does not support it (only {neutral!r} is accepted), got {v!r}")
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many top candidates each token reports (None: no logprobs). Chat: logprobs (bool) + top_logprobs;
+    completions: logprobs (int). Both bounded by MAX_LOGPROBS, as vLLM's default max_logprobs."""
+    name = "top_logprobs" if chat else "logprobs"
+    top = _int(body, name, None, low=0)
+    if top is not None and top > MAX_LOGPROBS:
+        raise bad(name, f"must be an integer in [0, {MAX_LOGPROBS}], got {top}")
+    if not chat:
+        return top
+    if not _bool(body, "logprobs", False):
+        if top is not None:
+            raise bad("top_logprobs", "needs logprobs=true")
+        return None
+    return top or 0
+
+
+def _best_of(body: dict, n: int) -> None:
+    best_of = _int(body, "best_of", None, low=1)
+    if best_of is not None and best_of < n:
+        raise bad("best_of", f"must be >= n ({n}), got {best_of}")
+    if best_of is not None and best_of != n:
+        raise bad("best_of", f"kvlab returns every sample it draws: only best_of == n is supported, got {best_of}")
+
+
+def _user(body: dict) -> None:
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise bad("user", f"must be a string, got {user!r}")
+
+
+def _seed(body: dict) -> int | None:
+    seed = _int(body, "seed", None)
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        raise bad("seed", f"must be an integer in [0, {MAX_SEED}], got {seed}")
+    return seed
+
+
+def sampling_params(body: dict, chat: bool = False) -> SamplingParams:
     """The OpenAI sampling fields -> SamplingParams; any value SamplingParams refuses is a 400."""
     values = {
         "n": _int(body, "n", 1, low=1),
         "temperature": _float(body, "temperature", 1.0),
         "top_p": _float(body, "top_p", 1.0),
         "top_k": _int(body, "top_k", -1),
-        "seed": _int(body, "seed", None),
+        "seed": _seed(body),
         "max_tokens": _int(body, "max_tokens", DEFAULT_MAX_TOKENS, low=1),
         "ignore_eos": _bool(body, "ignore_eos", False),
+        "presence_penalty": _float(body, "presence_penalty", 0.0),
+        "frequency_penalty": _float(body, "frequency_penalty", 0.0),
+        "repetition_penalty": _float(body, "repetition_penalty", 1.0),
+        "logprobs": _logprobs(body, chat),
     }
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None:
@@ -127,13 +188,42 @@ def completion_prompt(body: dict) -> str | list[int]:
 
 
 def chat_messages(body: dict) -> list[dict[str, str]]:
+    """Each message as {role, content} with string content: a list of text parts is joined with newlines
+    (as vLLM joins them); any other part type is a 400 naming it."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages", "must be a non-empty list of {role, content} objects")
-    for m in msgs:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise bad("messages", f"each message needs a string role and string content, got {m!r}")
-    return msgs
+    return [_message(i, m) for i, m in enumerate(msgs)]
+
+
+def _message(i: int, m: Any) -> dict[str, str]:
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
+            or not isinstance(m.get("content"), (str, list)):
+        raise bad("messages", f"each message needs a string role and content (a string or a list of text "
+                              f"parts), got {m!r}")
+    content = m["content"]
+    if isinstance(content, list):
+        content = "\n".join(_text_part(i, j, part) for j, part in enumerate(content))
+    return {"role": m["role"], "content": content}
+
+
+def _text_part(i: int, j: int, part: Any) -> str:
+    where = f"messages[{i}].content[{j}]"
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind != "text":
+        raise bad("messages", f"{where}: part type {kind!r} is not supported (kvlab serves text models: "
+                              f"only 'text' parts)")
+    if not isinstance(part.get("text"), str):
+        raise bad("messages", f"{where}: a text part needs a string 'text', got {part!r}")
+    return part["text"]
+
+
+def model_name(body: Any) -> str:
+    """The body's model ("" when missing: the served one)."""
+    model = body.get("model", "") if isinstance(body, dict) else ""
+    if not isinstance(model, str):
+        raise bad("model", f"must be a string, got {model!r}")
+    return model
 
 
 def parse(body: Any, chat: bool, render_chat) -> Submission:
@@ -141,10 +231,45 @@ def parse(body: Any, chat: bool, render_chat) -> Submission:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     stream = _bool(body, "stream", False)
-    model = body.get("model", "")
-    if not isinstance(model, str):
-        raise bad("model", f"must be a string, got {model!r}")
-    if chat:
-        body = dict(body, max_tokens=body.get("max_completion_tokens", body.get("max_tokens")))
+    model = model_name(body)
+    _refuse_unsupported(body)
+    _user(body)
+    echo = _bool(body, "echo", False)
+    if chat and echo:
+        raise bad("echo", "kvlab supports echo on /v1/completions only")
+    if echo and body.get("logprobs") is not None:
+        raise bad("echo", "echo with logprobs would need the prompt's log-probabilities, which kvlab does not "
+                          "compute")
+    if chat and body.get("max_completion_tokens") is not None:
+        body = dict(body, max_tokens=body["max_completion_tokens"])
     prompt = render_chat(chat_messages(body)) if chat else completion_prompt(body)
-    return Submission(prompt, sampling_params(body), _stop(body), stream, _stream_usage(body, stream), chat, model)
+    try:
+        params = sampling_params(body, chat)
+    except ApiError as e:
+        if e.param == "max_tokens" and chat and body.get("max_completion_tokens") is not None:
+            e.param, e.message = "max_completion_tokens", "max_completion_tokens" + e.message[len("max_tokens"):]
+        raise
+    _best_of(body, params.n)
+    usage, continuous = _stream_usage(body, stream)
+    return Submission(prompt, params, _stop(body), stream, usage, chat, model, continuous, echo)
+
+
+def tokenize_request(body: Any, render_chat, tokenizer: Any) -> list[int]:
+    """vLLM's /tokenize body: {prompt} or {messages} (rendered with the chat template)."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    if "messages" in body:
+        return list(tokenizer.encode(render_chat(chat_messages(body))))
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise bad("prompt", f"must be a string (or send messages), got {prompt!r}")
+    return list(tokenizer.encode(prompt))
+
+
+def detokenize_request(body: Any) -> list[int]:
+    """vLLM's /detokenize body: {tokens: [int, ...]}."""
+    tokens = body.get("tokens") if isinstance(body, dict) else None
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                               for t in tokens):
+        raise bad("tokens", f"must be a list of non-negative token ids, got {tokens!r}")
+    return tokens
