@@ -192,13 +192,13 @@ def test_an_entry_point_backend_gets_cli_flags_a_toml_table_and_builds(slab_by_e
     from invariants import SHAPE
 
     from kvlab.common.kv.seam import create_cache
-    from kvlab.experiments.cli.main import add_engine_flags, engine_config
+    from kvlab.experiments.cli.flags import add_engine_flags, engine_config
     toml = tmp_path / "engine.toml"
     toml.write_text('backend = "slab"\n[slab]\nslab_spare_slots = 1\n')
     assert make_config(toml).options_of("slab").slab_spare_slots == 1
     parser = argparse.ArgumentParser()
     add_engine_flags(parser)
-    config = engine_config(parser.parse_args(["--config", str(toml), "--slab-spare-slots", "2"]))
+    config = engine_config(vars(parser.parse_args(["--config", str(toml), "--slab-spare-slots", "2"])))
     assert config.backend == "slab" and config.options_of("slab").slab_spare_slots == 2
     cache = create_cache(config, SHAPE, accounting_only=True)
     assert cache.name == "slab" and cache.allocator.num_total_units() == config.kv_cache_bytes // (
