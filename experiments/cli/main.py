@@ -22,7 +22,8 @@ from kvlab.experiments.cli.flags import KvlabParser, first_line
 SUBCOMMANDS = {"generate": "kvlab.experiments.cli.generate", "bench": "kvlab.experiments.bench.offline",
                "simulate": "kvlab.experiments.sim.cli", "fallbacks": "kvlab.experiments.studies.fallbacks",
                "sharing": "kvlab.experiments.studies.sharing", "serve": "kvlab.experiments.serve",
-               "prefix": "kvlab.experiments.studies.prefix", "calibrate": "kvlab.experiments.bench.calibrate"}
+               "prefix": "kvlab.experiments.studies.prefix", "calibrate": "kvlab.experiments.bench.calibrate",
+               "compare": "kvlab.experiments.compare"}
 
 
 def missing_subcommand(name: str, reason: str):
