@@ -118,6 +118,9 @@ def test_cli_grid_and_slo_search(tmp_path, capsys):
               "--jobs", "1", "--no-progress", "--seeds", "2"]
     assert main([*common, "--request-rates", "2,inf", "--out", str(tmp_path / "grid")]) == 0
     assert (tmp_path / "grid" / "sim_serve.csv").is_file() and (tmp_path / "grid" / "sim_pareto.png").is_file()
+    from provenance_check import read_back
+    config = read_back(tmp_path / "grid", "sim_serve.json", "simulate serve")
+    assert config["cases"] == ["reserve", "paged-16"] and config["seeds"] and config["budget_gb"] == 6
     assert main([*common, "--slo", "p99_ttft_ms<=2000,p99_tpot_ms<=100", "--slo-tolerance", "0.2",
                  "--out", str(tmp_path / "slo")]) == 0
     out = capsys.readouterr().out

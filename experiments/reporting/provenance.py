@@ -48,6 +48,18 @@ def engine_config(config: Any) -> dict[str, Any]:
     return {**generic, config.backend: dataclasses.asdict(config.backend_options)}
 
 
+def served_config(argv: list[str]) -> dict[str, Any]:
+    """The engine config a `kvlab serve` started with `argv` (its flags after `serve`) runs, resolved as the
+    server resolves it."""
+    import argparse
+
+    from kvlab.experiments.cli import flags
+    from kvlab.experiments.serve.server import add_parser
+    parser = flags.KvlabParser(prog="kvlab")
+    add_parser(parser.add_subparsers(dest="command"))
+    return engine_config(flags.engine_config(vars(parser.parse_args(["serve", *argv], argparse.Namespace()))))
+
+
 def jsonable(value: Any) -> Any:
     """Plain JSON values: dataclasses as dicts, tuples and sets as lists, paths and anything else as text."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
