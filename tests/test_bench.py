@@ -79,6 +79,10 @@ def test_bench_defaults_leave_what_the_user_set(tmp_path):
     assert auto["kv_cache_bytes"] == 8 * 512 * shape.bytes_per_token
     assert backend_defaults(plain, "reserve") == {"watermark": 0.0}
     assert backend_defaults(plain, "paged") == {}
+    tabled = tmp_path / "t.toml"
+    tabled.write_text("[vmm]\npage_size = 65536\n")
+    in_table = settings_from(cli.build_parser().parse_args(["bench", "--config", str(tabled)]))
+    assert "page_size" not in bench_defaults(in_table, in_table.engine_config("vmm"), shape, max_len=512)
     watermarked = settings_from(cli.build_parser().parse_args(["bench", "--watermark", "0.1"]))
     assert backend_defaults(watermarked, "reserve") == {}
 

@@ -148,7 +148,8 @@ def bench_defaults(settings: BenchSettings, probe: EngineConfig, shape: Any, max
     rank's cache is built with (default `shape`), sizes the units."""
     from kvlab.common.config import load_toml
     config_file = settings.engine_flags.get("config")
-    given = set(load_toml(config_file)) if config_file else set()
+    toml = load_toml(config_file) if config_file else {}
+    given = {*toml, *(k for table in toml.values() if isinstance(table, dict) for k in table)}   # [vmm] page_size
     given |= {k for k in flags.engine_flag_names() if settings.engine_flags.get(k) is not None}
     choices: dict[str, Any] = {
         "max_model_len": max_len,
