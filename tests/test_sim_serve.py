@@ -1,3 +1,4 @@
+import json
 import math
 
 import numpy as np
@@ -133,6 +134,8 @@ def test_calibrate_writes_the_host_profile(tmp_path):
     assert main(["calibrate", "--page-sizes", "64KiB", "--pages", "4", "--repeats", "1", "--out", str(path)]) == 0
     prof = profile("host", path, 64 * 2**10)
     assert prof.name == "host" and prof.map_s > 0 and prof.unmap_s > 0
+    from provenance_check import check_provenance
+    assert check_provenance(json.loads(path.read_text())["provenance"], "calibrate")["page_sizes"] == ["65536"]
     with pytest.raises(Exception, match="no entry for page size"):
         profile("host", path, 2 * 2**20)
     spec = ServeSpec(num_requests=30, driver_profile="host", calibration=str(path))
