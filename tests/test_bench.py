@@ -79,6 +79,10 @@ def test_bench_defaults_leave_what_the_user_set(tmp_path):
     assert auto["kv_cache_bytes"] == 8 * 512 * shape.bytes_per_token
     assert backend_defaults(plain, "reserve") == {"watermark": 0.0}
     assert backend_defaults(plain, "paged") == {}
+    tabled = tmp_path / "t.toml"
+    tabled.write_text("[vmm]\npage_size = 65536\n")
+    in_table = settings_from(cli.build_parser().parse_args(["bench", "--config", str(tabled)]))
+    assert "page_size" not in bench_defaults(in_table, in_table.engine_config("vmm"), shape, max_len=512)
     watermarked = settings_from(cli.build_parser().parse_args(["bench", "--watermark", "0.1"]))
     assert backend_defaults(watermarked, "reserve") == {}
 
@@ -90,3 +94,23 @@ def test_bench_budget_error_prints_nothing_before_it(capsys):
     assert out.out == "", out.out
     lines = [ln for ln in out.err.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("kvlab bench: error: ") and "holds no page group" in lines[0], lines
+
+
+def test_bench_records_provenance_per_request_rows_and_units(tiny_bench):
+    from provenance_check import read_back
+    _, out = tiny_bench
+    config = read_back(out, "results.json", "bench")
+    assert config["backends"] == ["vmm", "paged", "reserve"] and config["repeats"] == 1
+    assert config["engine"]["vmm"]["vmm"]["page_size"] == config["built"]["vmm"]["page_bytes"]
+    assert config["workload"]["num_requests"] == 12 and config["engine"]["paged"]["threads"] == 1
+    with open(out / "results.csv") as f:
+        row = next(csv.DictReader(f))
+    assert "ttft_p50_ms" in row and "ttft_p50" not in row and row["kernel_decode"]
+    assert not any(v.startswith(("{'", "['")) for v in row.values())       # no Python reprs
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    assert isinstance(runs[0]["kernels"], dict) and isinstance(runs[0]["repeats"], dict)
+    with open(out / "requests.csv") as f:
+        requests = list(csv.DictReader(f))
+    assert len(requests) == 3 * 12 and {"ttft_ms", "tpot_ms", "e2e_ms", "arrival_ms"} <= set(requests[0])
+    by_backend = {b: sum(int(q["output_tokens"]) for q in requests if q["backend"] == b) for b in config["backends"]}
+    assert set(by_backend.values()) == {runs[0]["output_tokens"]}

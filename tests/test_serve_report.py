@@ -36,7 +36,9 @@ def fake_rows() -> list[dict]:
 def test_report_renders_in_headless_chromium(tmp_path):
     if not (shutil.which("chromium") or shutil.which("chromium-browser")):
         pytest.skip("chromium is not installed (apt-get install -y chromium): the report cannot be rendered")
-    page = write_report(tmp_path, fake_rows(), {"backends": ["vmm", "paged"], "num_prompts": 10})
+    from kvlab.experiments.reporting.provenance import provenance
+    page = write_report(tmp_path, fake_rows(), {"backends": ["vmm", "paged"], "num_prompts": 10},
+                        provenance({"command": "bench serve"}))
     assert len(list(tmp_path.glob("serve_*.png"))) == 5              # ttft, tpot, goodput, 2 timelines
     run = subprocess.run(["bash", str(SCRIPT), str(page), str(tmp_path / "shot.png")], capture_output=True,
                          text=True, timeout=180)

@@ -60,6 +60,7 @@ class BackendSpec:
     window_trim: bool = False                  # frees units wholly below a sliding window (its probe: window_units)
     help: str = ""                             # one line for --help and the README
     unit_option: str = ""                      # the options field setting tokens per unit; "": <unit>_size if any
+    unit_multiple: int = 1                     # that field's values are multiples of this (vmm: the host page)
 
     def default_options(self) -> Any:
         return self.options()
@@ -75,6 +76,20 @@ class BackendSpec:
         field = self.unit_field()
         return None if field is None else "--" + field.name.replace("_", "-")
 
+    def unit_value(self, tokens: int, token_bytes: int) -> int | None:
+        """The unit field's value for units of `tokens` tokens, one token of one layer's K or V taking `token_bytes`
+        as built (KV dtype, this rank's heads); a field in bytes rounds up to `unit_multiple`. None: fixed unit."""
+        field = self.unit_field()
+        if field is None:
+            return None
+        size = tokens * token_bytes if field.metadata.get("bytes") else tokens
+        return -(-size // self.unit_multiple) * self.unit_multiple
+
+    def unit_tokens(self, value: int, token_bytes: int) -> int:
+        """Tokens one unit holds when its field is `value` (the inverse of unit_value, rounding down)."""
+        field = self.unit_field()
+        return value // token_bytes if field is not None and field.metadata.get("bytes") else value
+
     def load_probe(self) -> BackendProbe:
         module, attr = self.probe.split(":")
         return getattr(importlib.import_module(module), attr)
@@ -83,6 +98,16 @@ class BackendSpec:
         """The attention kernels declared for its layout (whether they can run here is the dispatcher's call)."""
         from kvlab.common.attention.declarations import REGISTRY
         return [d.name for d in REGISTRY if d.layout == self.layout]
+
+
+def fair_units(specs: Iterable[BackendSpec], tokens: int, token_bytes: int) -> dict[str, int]:
+    """Unit field name -> value such that every spec's unit holds the same tokens: the least count >= `tokens`
+    each of them holds exactly (4 KiB pages of 128 B tokens hold 32, so the blocks hold 32 too)."""
+    sized = [s for s in specs if s.unit_field() is not None]
+    held = lambda s, t: s.unit_tokens(s.unit_value(t, token_bytes), token_bytes)
+    while any(held(s, tokens) != tokens for s in sized):
+        tokens += 1
+    return {s.unit_field().name: s.unit_value(tokens, token_bytes) for s in sized}
 
 
 def load_spec(entry: EntryPoint) -> BackendSpec:

@@ -80,7 +80,11 @@ def calibrate_driver(args: argparse.Namespace) -> int:
               f"unmap {table[str(size)]['unmap_s'] * 1e6:8.2f} us/page")
     out = Path(args.out or DEFAULT_CALIBRATION)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": platform.platform(), "driver": "host", "page_sizes": table}, indent=1))
+    from kvlab.experiments.reporting.provenance import provenance
+    record = provenance({"command": "calibrate", "page_sizes": list(table), "pages": args.pages,
+                         "repeats": args.repeats})
+    out.write_text(json.dumps({"machine": platform.platform(), "driver": "host", "page_sizes": table,
+                               "provenance": record}, indent=1))
     print(f"host driver profile written to {out}")
     return 0
 

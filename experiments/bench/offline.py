@@ -82,8 +82,9 @@ def run_bench(settings: BenchSettings) -> int:
     note = agreement_note(plan, runs)
     if note:
         print(note)
-    write_results(plan, runs)
-    print(f"\nresults in {plan.out_dir}/ (results.json, results.csv, throughput.png, batch.png, kv_memory.png)")
+    write_results(plan, runs, settings)
+    print(f"\nresults in {plan.out_dir}/ (provenance.json, results.json, results.csv, requests.csv, throughput.png, "
+          "batch.png, kv_memory.png)")
     return 0
 
 

@@ -13,6 +13,7 @@ from typing import Any
 from kvlab.common.config import EngineConfig
 from kvlab.common.errors import ConfigError
 from kvlab.common.limits import MAX_REQUESTS, check_int_range
+from kvlab.experiments.bench.units import fair_unit_defaults, rank_shape
 from kvlab.experiments.cli import flags
 from kvlab.experiments.reporting.tables import results_dir, threads_label, workload_changes
 from kvlab.experiments.workloads.requests import Request, WorkloadSpec, build_workload, prompt_token_ids, scaled
@@ -54,6 +55,7 @@ class BenchPlan:
     out_dir: Path
     changes: list[str]               # every transformation applied to the workload, printed in the header
     x_axis: str = "step"             # plots: engine step or wall seconds
+    built: dict[str, Any] = field(default_factory=dict)   # backend -> its built cache's figures (built_figures)
 
 
 def check_settings(settings: BenchSettings) -> None:
@@ -93,13 +95,14 @@ def make_plan(settings: BenchSettings, model: Any) -> BenchPlan:
     longest = max(r.total_len for r in requests)
     probe = settings.engine_config(settings.backends[0])
     shape = model.kv_shape(probe.dtype, probe.device)
-    defaults = bench_defaults(settings, probe, shape, max(longest, scaled(spec.max_len, spec.scale)))
+    defaults = bench_defaults(settings, probe, shape, max(longest, scaled(spec.max_len, spec.scale)),
+                              unit_shape=rank_shape(shape, probe))
     configs = {b: settings.engine_config(b, **defaults, **backend_defaults(settings, b)) for b in settings.backends}
-    check_budgets(configs, shape)
+    built = {b: built_figures(c, shape) for b, c in configs.items()}
     prompts = prompt_token_ids(requests, model.config.vocab_size, seed=spec.seed)
     changes = workload_changes(spec, scale_given=settings.scale is not None, default_scale=DEFAULT_SCALE)
     return BenchPlan(list(settings.backends), configs, requests, prompts, settings.warmup, results_dir(settings.out),
-                     changes, settings.plot_x)
+                     changes, settings.plot_x, built)
 
 
 def check_model_lens(configs: dict[str, EngineConfig], model: Any) -> None:
@@ -109,12 +112,22 @@ def check_model_lens(configs: dict[str, EngineConfig], model: Any) -> None:
         check_model_len(config.max_model_len, model.config.max_position_embeddings)
 
 
-def check_budgets(configs: dict[str, EngineConfig], shape: Any) -> None:
-    """Build every backend's cache in accounting mode (its geometry and budget checks, no memory) so a bad
-    budget fails before the header is printed, not after it."""
+def built_figures(config: EngineConfig, shape: Any) -> dict[str, Any]:
+    """Build one rank's cache in accounting mode (its geometry and budget checks, no memory), as the engine
+    will, so a bad budget fails before the header is printed and the header shows what was built."""
     from kvlab.common.kv.seam import create_cache
-    for config in configs.values():
-        create_cache(config, shape, accounting_only=True).close()
+    tp = config.tensor_parallel_size
+    cache = create_cache(config.replace(kv_cache_bytes=config.kv_cache_bytes // tp), rank_shape(shape, config),
+                         accounting_only=True)
+    try:
+        stats = cache.stats()
+    finally:
+        cache.close()
+    capacity = stats.total_units * stats.tokens_per_unit
+    return {"unit": stats.unit_name, "units": stats.total_units, "tokens_per_unit": stats.tokens_per_unit,
+            "capacity_tokens": capacity, "bytes_per_token_per_rank": cache.shape.bytes_per_token,
+            "page_bytes": stats.extra.get("page_size"), "full_length_seqs": capacity // config.max_model_len,
+            "kv_cache_dtype": cache.shape.kv_cache_dtype, "ranks": tp}
 
 
 def backend_defaults(settings: BenchSettings, backend: str) -> dict[str, Any]:
@@ -129,11 +142,14 @@ def backend_defaults(settings: BenchSettings, backend: str) -> dict[str, Any]:
     return {"watermark": 0.0} if not get_backend(backend).watermark and not given else {}
 
 
-def bench_defaults(settings: BenchSettings, probe: EngineConfig, shape: Any, max_len: int) -> dict[str, Any]:
-    """Values the bench picks when neither a flag nor the --config file sets them."""
+def bench_defaults(settings: BenchSettings, probe: EngineConfig, shape: Any, max_len: int,
+                   unit_shape: Any = None) -> dict[str, Any]:
+    """Values the bench picks when neither a flag nor the --config file sets them; `unit_shape`, the shape one
+    rank's cache is built with (default `shape`), sizes the units."""
     from kvlab.common.config import load_toml
     config_file = settings.engine_flags.get("config")
-    given = set(load_toml(config_file)) if config_file else set()
+    toml = load_toml(config_file) if config_file else {}
+    given = {*toml, *(k for table in toml.values() if isinstance(table, dict) for k in table)}   # [vmm] page_size
     given |= {k for k in flags.engine_flag_names() if settings.engine_flags.get(k) is not None}
     choices: dict[str, Any] = {
         "max_model_len": max_len,
@@ -141,10 +157,8 @@ def bench_defaults(settings: BenchSettings, probe: EngineConfig, shape: Any, max
         "max_num_batched_tokens": max(2048, max_len, DEFAULT_MAX_NUM_SEQS),
         "kv_cache_bytes": RESERVE_SEQS * max_len * shape.bytes_per_token,
         "threads": 1,                # the config default too; named here so a TOML value still wins
+        **fair_unit_defaults(probe, (unit_shape or shape).bytes_per_token_per_layer),
     }
-    if "page_size" not in given:     # same grain as the paged blocks: compare mechanisms, not granularity
-        grain = probe.options_of("paged").block_size * shape.bytes_per_token_per_layer
-        choices["page_size"] = -(-grain // 4096) * 4096
     return {k: v for k, v in choices.items() if k not in given}
 
 
@@ -160,8 +174,6 @@ def describe(plan: BenchPlan, model: Any) -> str:
     c = plan.configs[plan.backends[0]]
     p = [r.prompt_len for r in plan.requests]
     o = [r.output_len for r in plan.requests]
-    shape = model.kv_shape(c.dtype, c.device)
-    reserve_seqs = c.kv_cache_bytes // shape.bytes_per_token // c.max_model_len
     watermarks = ", ".join(f"{b} {plan.configs[b].watermark:g}" for b in plan.backends)
     lines = [
         (f"kvlab bench: model {c.model} ({c.dtype}, {c.device}, {threads_label(c.threads)}), backends "
@@ -169,10 +181,24 @@ def describe(plan: BenchPlan, model: Any) -> str:
         (f"workload: {len(plan.requests)} requests, prompts {min(p)}-{max(p)} (mean {sum(p) / len(p):.0f}), "
          f"outputs {min(o)}-{max(o)} (mean {sum(o) / len(o):.0f}), greedy, ignore_eos"),
         f"workload changes: {'; '.join(plan.changes) or 'none'}",
-        (f"KV budget {c.kv_cache_bytes / 2**20:.1f} MiB = {c.kv_cache_bytes // shape.bytes_per_token:,} tokens "
-         f"({shape.bytes_per_token:,} B/token); reserve holds {reserve_seqs} x {c.max_model_len} tokens; "
-         f"block {c.options_of('paged').block_size} tokens, page {c.options_of('vmm').page_size // 1024} KiB "
-         f"({c.options_of('vmm').page_size // shape.bytes_per_token_per_layer} tokens); watermark {watermarks}; "
-         f"preemption {c.preemption_mode}"),
+        (f"KV budget {c.kv_cache_bytes / 2**20:.1f} MiB{budget_split(c)}, KV dtype {c.kv_cache_dtype}; "
+         f"watermark {watermarks}; preemption {c.preemption_mode}; as built:"),
+        *(f"  {built_line(b, plan.built[b], plan.configs[b].max_model_len)}" for b in plan.backends),
     ]
     return "\n".join(lines)
+
+
+def budget_split(config: EngineConfig) -> str:
+    tp = config.tensor_parallel_size
+    return "" if tp == 1 else f" ({config.kv_cache_bytes // tp / 2**20:.1f} MiB on each of {tp} ranks)"
+
+
+def built_line(backend: str, built: dict[str, Any], max_model_len: int) -> str:
+    """One backend's built cache: capacity, its unit, and how many full-length sequences it holds."""
+    per_rank = " per rank" if built["ranks"] > 1 else ""
+    units = ""
+    if built["tokens_per_unit"] > 1:
+        page = f", {built['page_bytes'] // 1024} KiB pages" if built.get("page_bytes") else ""
+        units = f" = {built['units']:,} {built['unit']}s x {built['tokens_per_unit']} tokens{page}"
+    return (f"{backend}: {built['capacity_tokens']:,} tokens{per_rank} ({built['bytes_per_token_per_rank']:,} "
+            f"B/token{per_rank}){units}; holds {built['full_length_seqs']} x {max_model_len}-token sequences")

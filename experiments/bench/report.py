@@ -1,11 +1,14 @@
 """`kvlab bench`'s report: the side-by-side table, the greedy-agreement note, and the results directory
-(results.json, results.csv, throughput.png, batch.png, kv_memory.png)."""
+(provenance.json, results.json, results.csv, requests.csv, throughput.png, batch.png, kv_memory.png)."""
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from kvlab.experiments.bench.plan import BenchPlan
+from kvlab.experiments.bench.plan import BenchPlan, BenchSettings, workload_spec
+
+PHASES = ("prefill", "decode")
+SECONDS_AS_MS = ("ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p90", "tpot_p99")
 
 
 def side_by_side(runs: list[dict[str, Any]]) -> str:
@@ -27,7 +30,7 @@ def side_by_side(runs: list[dict[str, Any]]) -> str:
         ("wall s", timed("wall_seconds", lambda v: f"{v:.1f}")),
         ("steps", lambda r: fmt(r["num_steps"])),
         ("peak units used", lambda r: f"{r['peak_used_units']:,}/{r['total_units']:,} {r['unit_name']}s"),
-        ("kernels (prefill, decode)", lambda r: ", ".join(r["kernels"].get(p, "-") for p in ("prefill", "decode"))),
+        ("kernels (prefill, decode)", kernels_of),
         ("kernel fallbacks", lambda r: str(len(r["kernel_fallbacks"]))),
         ("outputs = first backend", lambda r: f"{r['outputs_match_first']}/{r['num_requests']}"),
     ]
@@ -38,8 +41,20 @@ def side_by_side(runs: list[dict[str, Any]]) -> str:
     body = [[label, *(f(r) for r in runs)] for label, f in rows]
     first = runs[0]
     verdicts = [verdict(r["backend"], r["repeats_output_tokens_per_s"], first["backend"],
-                        first["repeats_output_tokens_per_s"]) for r in runs[1:]]
+                        first["repeats_output_tokens_per_s"]) + kernel_note(r, first) for r in runs[1:]]
     return "\n".join([table(["", *(r["backend"] for r in runs)], body), "", *verdicts])
+
+
+def kernels_of(run: dict[str, Any]) -> str:
+    return ", ".join(run["kernels"].get(p, "-") for p in PHASES)
+
+
+def kernel_note(run: dict[str, Any], other: dict[str, Any]) -> str:
+    """Two backends that ran different attention kernels: the gap is the kernels' as much as the memory managers'."""
+    if all(run["kernels"].get(p) == other["kernels"].get(p) for p in PHASES):
+        return ""
+    return (f"; they ran different attention kernels ({run['backend']}: {kernels_of(run)}; {other['backend']}: "
+            f"{kernels_of(other)}), so the difference is not the memory manager's alone")
 
 
 def agreement_note(plan: BenchPlan, runs: list[dict[str, Any]]) -> str:
@@ -54,17 +69,50 @@ def agreement_note(plan: BenchPlan, runs: list[dict[str, Any]]) -> str:
             "reduction order may change a token (expected, see docs/reliability.md)")
 
 
-def write_results(plan: BenchPlan, runs: list[dict[str, Any]]) -> None:
-    from kvlab.experiments.reporting.plots import Series, bar_chart, line_chart
+def write_results(plan: BenchPlan, runs: list[dict[str, Any]], settings: BenchSettings) -> None:
+    from kvlab.experiments.reporting.provenance import jsonable, provenance, write_provenance
     from kvlab.experiments.reporting.tables import write_csv
     out = plan.out_dir
-    out.mkdir(parents=True, exist_ok=True)
-    settings = {"backends": plan.backends, "configs": {b: c.to_dict() for b, c in plan.configs.items()},
-                "workload": [r.to_json() for r in plan.requests], "warmup_requests": plan.warmup}
-    slim = [{k: v for k, v in r.items() if k != "output_ids"} for r in runs]
-    (out / "results.json").write_text(json.dumps({"settings": settings, "runs": slim}, indent=1, default=str))
-    write_csv(out / "results.csv", [{k: v for k, v in r.items() if k not in ("timeline", "cache_extra", "cache")}
-                                    for r in slim])
+    record = provenance(run_config(plan, settings))
+    write_provenance(out, record)
+    workload = {"backends": plan.backends, "workload": [r.to_json() for r in plan.requests],
+                "warmup_requests": plan.warmup}
+    slim = [{k: v for k, v in r.items() if k not in ("output_ids", "requests")} for r in runs]
+    (out / "results.json").write_text(json.dumps(jsonable({"provenance": record, "settings": workload, "runs": slim}),
+                                                 indent=1))
+    write_csv(out / "results.csv", [csv_row(r) for r in runs])
+    write_csv(out / "requests.csv", [{"backend": r["backend"], **q} for r in runs for q in r["requests"]])
+    write_plots(plan, runs)
+
+
+def run_config(plan: BenchPlan, settings: BenchSettings) -> dict[str, Any]:
+    """The resolved configuration: each backend's engine config as run, its cache as built, the workload's
+    spec and the repeats."""
+    from kvlab.experiments.reporting.provenance import engine_config
+    return {"command": "bench", "backends": plan.backends, "workload": workload_spec(settings),
+            "repeats": settings.repeats, "warmup_requests": plan.warmup,
+            "engine": {b: engine_config(c) for b, c in plan.configs.items()}, "built": plan.built}
+
+
+def csv_row(run: dict[str, Any]) -> dict[str, Any]:
+    """One backend's flat row, every column named with its unit (ms, s, tokens, fraction); nested figures as
+    columns of their own (kernel per phase, fallback count, throughput range over the repeats)."""
+    row: dict[str, Any] = {}
+    for key, value in run.items():
+        if key in SECONDS_AS_MS:
+            row[f"{key}_ms"] = None if value is None else 1000 * value
+        elif not isinstance(value, (dict, list)) and key != "tp_comm":
+            row[key] = value
+    row.update({f"kernel_{p}": run["kernels"].get(p, "") for p in PHASES})
+    row["kernel_fallbacks"] = len(run["kernel_fallbacks"])
+    repeats = run["repeats_output_tokens_per_s"]
+    row.update(output_tokens_per_s_min=min(repeats), output_tokens_per_s_max=max(repeats), repeats=len(repeats))
+    return row
+
+
+def write_plots(plan: BenchPlan, runs: list[dict[str, Any]]) -> None:
+    from kvlab.experiments.reporting.plots import Series, bar_chart, line_chart
+    out = plan.out_dir
     names = [r["backend"] for r in runs]
     spread = [(min(r["repeats_output_tokens_per_s"]), max(r["repeats_output_tokens_per_s"])) for r in runs]
     bar_chart(out / "throughput.png", names, [r["output_tokens_per_s"] for r in runs], "output tokens / s",

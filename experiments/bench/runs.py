@@ -61,7 +61,7 @@ def bench_backend(name: str, plan: BenchPlan, model: Any, tokenizer: Any, label:
         if comm_stats is not None:
             engine.runner.reset_comm_stats()
         t0 = engine.runner.clock()
-        outputs = drive(engine, plan, t0, bar_for(label or name, len(plan.requests), progress))
+        outputs, requests = drive(engine, plan, t0, bar_for(label or name, len(plan.requests), progress))
         m = engine.metrics()
         stats = engine.cache_stats()
         comm = comm_stats() if comm_stats is not None else None
@@ -74,6 +74,7 @@ def bench_backend(name: str, plan: BenchPlan, model: Any, tokenizer: Any, label:
     row["bytes_per_token"] = engine.cache.shape.bytes_per_token
     row["timeline"] = {**m.timeline, "time": [t - t0 for t in m.timeline["time"]]}
     row["output_ids"] = [outputs[i] for i in range(len(plan.requests))]
+    row["requests"] = [requests[i] for i in range(len(plan.requests))]
     return row
 
 
@@ -85,12 +86,14 @@ def warm_up(engine: Any, plan: BenchPlan) -> None:
         engine.step()
 
 
-def drive(engine: Any, plan: BenchPlan, t0: float, bar: Any) -> dict[int, list[int]]:
-    """Submit each request at t0 + arrival_s (wall clock); returns output token ids by request index."""
+def drive(engine: Any, plan: BenchPlan, t0: float, bar: Any) -> tuple[dict[int, list[int]], dict[int, dict]]:
+    """Submit each request at t0 + arrival_s (wall clock); returns output token ids and each request's record
+    (request_record), by request index."""
     from kvlab.common.sampling_params import SamplingParams
     pending = deque(sorted(range(len(plan.requests)), key=lambda i: plan.requests[i].arrival_s))
     index: dict[str, int] = {}
     outputs: dict[int, list[int]] = {}
+    records: dict[int, dict[str, Any]] = {}
     while pending or engine.has_unfinished():
         now = engine.runner.clock()
         while pending and t0 + plan.requests[pending[0]].arrival_s <= now:
@@ -104,12 +107,27 @@ def drive(engine: Any, plan: BenchPlan, t0: float, bar: Any) -> dict[int, list[i
         for out in engine.step().finished:
             if out.error:
                 log.warning("request %s failed: %s", out.request_id, out.error)
-            outputs[index[out.request_id]] = out.outputs[0].token_ids if out.outputs else []
+            i = index[out.request_id]
+            outputs[i] = out.outputs[0].token_ids if out.outputs else []
+            records[i] = request_record(i, plan.requests[i], out, len(outputs[i]))
             if bar is not None:
                 bar.update(1)
     if bar is not None:
         bar.close()
-    return outputs
+    return outputs, records
+
+
+def request_record(index: int, request: Any, out: Any, output_tokens: int) -> dict[str, Any]:
+    """One line of requests.csv: the request's lengths and latencies in ms (None where it produced no token)."""
+    m = out.metrics
+    ms = lambda seconds: None if seconds is None else round(1000 * seconds, 3)
+    ttft = m.ttft if m else None
+    e2e = m.finished_time - m.arrival_time if m and m.finished_time is not None else None
+    tpot = (e2e - ttft) / (output_tokens - 1) if ttft is not None and e2e is not None and output_tokens > 1 else None
+    return {"request": index, "arrival_ms": ms(request.arrival_s), "prompt_tokens": request.prompt_len,
+            "output_tokens": output_tokens, "ttft_ms": ms(ttft), "tpot_ms": ms(tpot), "e2e_ms": ms(e2e),
+            "preemptions": m.num_preemptions if m else 0, "recomputed_tokens": m.recomputed_tokens if m else 0,
+            "error": out.error or ""}
 
 
 def bar_for(name: str, total: int, enabled: bool):

@@ -66,6 +66,9 @@ def run(args: argparse.Namespace) -> int:
     if args.save_result:
         path = Path(args.result_dir) / f"kvlab-serve-{args.request_rate:g}qps-{args.num_prompts}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=1))
+        from kvlab.experiments.reporting.provenance import provenance
+        record = provenance({"command": "bench serve", "base_url": args.base_url or DEFAULT_URL, "load": spec,
+                             "request_rate": args.request_rate})
+        path.write_text(json.dumps({**result, "provenance": record}, indent=1))
         print(f"wrote {path}")
     return 0 if result["completed"] else 1

@@ -91,7 +91,17 @@ def cell(v: Any) -> str:
     return html.escape("" if v is None else str(v))
 
 
-def write_report(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> Path:
+def provenance_html(record: dict[str, Any]) -> str:
+    """Where the sweep came from: kvlab's commit, the machine, and the resolved configuration as JSON."""
+    import json
+    kvlab, machine = record["kvlab"], record["machine"]
+    facts = (f"kvlab {kvlab['version']} at {kvlab['commit'] or 'no git checkout'}, torch {record['torch']}, "
+             f"{machine['cpu']} ({machine['logical_cpus']} CPUs){', ' + machine['gpu'] if machine['gpu'] else ''}")
+    config = html.escape(json.dumps(record["config"], indent=1))
+    return f"<p>{html.escape(facts)}</p><details><summary>configuration</summary><pre>{config}</pre></details>"
+
+
+def write_report(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any], record: dict[str, Any]) -> Path:
     images = "".join(f'<img alt="{p.stem}" src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}">'
                      for p in plot(out, rows) + plot_timelines(out, rows))
     head = "".join(f"<th>{k}</th>" for k in TABLE)
@@ -101,7 +111,8 @@ def write_report(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) ->
             f"body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}"
             f"table{{font-size:12px}}td,th{{border:1px solid #ccc;padding:2px 5px;text-align:right}}"
             f"img{{max-width:48%}}</style></head>"
-            f"<body><h1>kvlab serve: paired sweep</h1><ul>{facts}</ul><table><tr>{head}</tr>{body}</table>"
+            f"<body><h1>kvlab serve: paired sweep</h1><ul>{facts}</ul>{provenance_html(record)}"
+            f"<table><tr>{head}</tr>{body}</table>"
             f"{images}</body></html>")
     path = out / "report.html"
     path.write_text(page)

@@ -116,16 +116,29 @@ def run_sweep(spec: LoadSpec, backends: list[str], rates: list[float], out_dir: 
                 print(f"{backend:8} rate {rate:>6g}: {row['completed']} done, p99 TTFT {row['p99_ttft_ms']:.1f} ms, "
                       f"p99 TPOT {row['p99_tpot_ms']:.2f} ms, {row['output_throughput']:.0f} tok/s", flush=True)
     sweep_s = time.perf_counter() - t0
-    write(out, rows, sweep_s, spec, backends)
+    write(out, rows, sweep_s, spec, backends, sweep_record(spec, backends, rates, server_args))
     print(f"sweep: {len(backends)} backends x {len(rates)} rates in {sweep_s:.1f} s; wrote {out}")
     return 0 if all(r["completed"] for r in rows) else 1
 
 
-def write(out: Path, rows: list[dict[str, Any]], sweep_s: float, spec: LoadSpec, backends: list[str]) -> None:
+def sweep_record(spec: LoadSpec, backends: list[str], rates: list[float], server_args: str) -> dict[str, Any]:
+    """The provenance of a sweep: the load, the rates, the server arguments and each server's engine config."""
+    from kvlab.experiments.reporting.provenance import provenance, served_config
+    model = spec.model or "tiny"
+    servers = {b: served_config(["--model", model, "--backend", b, *shlex.split(server_args)]) for b in backends}
+    return provenance({"command": "bench serve", "load": spec, "request_rates": rates, "server_args": server_args,
+                       "engine": servers})
+
+
+def write(out: Path, rows: list[dict[str, Any]], sweep_s: float, spec: LoadSpec, backends: list[str],
+          record: dict[str, Any]) -> None:
+    from kvlab.experiments.reporting.provenance import jsonable, write_provenance
+    write_provenance(out, record)
     meta = {"sweep_seconds": sweep_s, "backends": backends, "num_prompts": spec.num_prompts,
             "dataset": spec.dataset, "burstiness": spec.burstiness, "seed": spec.seed,
             "goodput": list(spec.goodput) if spec.goodput is not None else None}
-    (out / "serve.json").write_text(json.dumps({"meta": meta, "runs": rows}, indent=1, default=str))
+    (out / "serve.json").write_text(json.dumps(jsonable({"provenance": record, "meta": meta, "runs": rows}),
+                                               indent=1))
     with open(out / "serve.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=ROW_KEYS, extrasaction="ignore")
         w.writeheader()
@@ -138,4 +151,4 @@ def write(out: Path, rows: list[dict[str, Any]], sweep_s: float, spec: LoadSpec,
             w.writeheader()
             w.writerows(log_rows)
     from kvlab.experiments.loadgen.report import write_report
-    write_report(out, rows, meta)
+    write_report(out, rows, meta, record)

@@ -48,7 +48,8 @@ def beside(ours: Any, article: Any, formatter=fmt) -> str:
 
 
 def write_csv(path: str | Path, rows: list[dict[str, Any]]) -> None:
-    """Flat CSV of dict rows; nested values (dicts, lists) are written as their repr."""
+    """Flat CSV of dict rows; a nested value (dict, list) is written as JSON, never as a Python repr."""
+    import json
     keys: list[str] = []
     for row in rows:
         keys += [k for k in row if k not in keys]
@@ -56,7 +57,7 @@ def write_csv(path: str | Path, rows: list[dict[str, Any]]) -> None:
         writer = csv.DictWriter(f, fieldnames=keys)
         writer.writeheader()
         for row in rows:
-            writer.writerow({k: (v if isinstance(v, (int, float, str)) or v is None else repr(v))
+            writer.writerow({k: (v if isinstance(v, (int, float, str)) or v is None else json.dumps(v, default=str))
                              for k, v in row.items()})
 
 

@@ -16,6 +16,7 @@ from kvlab.common.errors import ConfigError
 from kvlab.common.kv.registry import get_backend
 from kvlab.common.limits import MAX_BUDGET_GB, MAX_MODEL_LEN, check_finite, check_int_range
 from kvlab.experiments.cli import flags
+from kvlab.experiments.reporting.provenance import provenance, write_provenance
 from kvlab.experiments.reporting.tables import changes_line, results_dir
 from kvlab.experiments.sim.core import (
     SimCase,
@@ -249,23 +250,33 @@ def run_simulations(opts: SimulateOptions, settings: SimSettings) -> tuple:
 
 def write_outputs(opts: SimulateOptions, text: str, rows: list[SimRow], plotted: list[SimRow]) -> None:
     out, json_path, plot_path = output_paths(opts)
+    record = run_record(opts)
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
+        write_provenance(out, record)
         (out / "report.txt").write_text(text + "\n")
     if json_path:
-        Path(json_path).write_text(json.dumps({"rows": [r.to_json() for r in rows]}, indent=1))
+        Path(json_path).write_text(json.dumps({"provenance": record, "rows": [r.to_json() for r in rows]}, indent=1))
         print(f"rows written to {json_path}")
     if plot_path:
         plot_batches(plot_path, plotted)
         print(f"plot written to {plot_path}")
     if out is not None:
-        print(f"results in {out}/ (report.txt, rows.json, batch.png)")
+        print(f"results in {out}/ (provenance.json, report.txt, rows.json, batch.png)")
+
+
+RUN_ONLY = ("jobs", "out", "json", "plot", "no_save", "progress")    # how to run and where to write, not what
+
+
+def run_record(opts: SimulateOptions) -> dict:
+    """The provenance of a simulate run: its options (not where it writes) and the settings resolved from them."""
+    options = {k: v for k, v in dataclasses.asdict(opts).items() if k not in RUN_ONLY}
+    return provenance({"command": "simulate", **options, "settings": sim_settings(opts)})
 
 
 def save_report(opts: SimulateOptions, text: str) -> None:
     out = output_paths(opts)[0]
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
+        write_provenance(out, run_record(opts))
         (out / "report.txt").write_text(text + "\n")
         print(f"report written to {out / 'report.txt'}")
 

@@ -31,6 +31,7 @@ from kvlab.common.kv.options import check_choice
 from kvlab.common.limits import MAX_BUDGET_GB, check_fits_in_ram, check_seed
 from kvlab.common.validate import check_number, check_output_path
 from kvlab.experiments.cli import flags as cli
+from kvlab.experiments.reporting.provenance import provenance, write_provenance
 from kvlab.experiments.reporting.tables import results_dir
 from kvlab.experiments.workloads import prefix as pw
 
@@ -234,8 +235,16 @@ def run(args: argparse.Namespace) -> int:
     text = report(rows) + f"\n({time.perf_counter() - start:.0f} s)"
     print(text)
     if out is not None:
-        save(rows, text, out)
+        save(rows, text, out, provenance(run_config(args)))
     return 0
+
+
+def run_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The resolved configuration: the runs, workloads, budget, seed and the unit sizes measured."""
+    pick = lambda units, quick: [units[i] for i in quick] if args.quick else units
+    return {"command": "prefix", "runs": args.runs, "workloads": args.workloads, "budget_gb": args.budget_gb,
+            "seed": args.seed, "quick": args.quick, "real_model": "tiny (float32, cpu)",
+            "sim_units": pick(SIM_UNITS, (0, 3, 6)), "real_units": pick(REAL_UNITS, (1, 4))}
 
 
 def report(rows: list[PrefixRow]) -> str:
@@ -251,16 +260,29 @@ def report(rows: list[PrefixRow]) -> str:
     return "\n".join(lines)
 
 
-def save(rows: list[PrefixRow], text: str, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "rows.json").write_text(json.dumps({"rows": [asdict(r) for r in rows]}, indent=1))
+def save(rows: list[PrefixRow], text: str, out: Path, record: dict[str, Any]) -> None:
+    write_provenance(out, record)
+    (out / "rows.json").write_text(json.dumps({"provenance": record, "rows": [asdict(r) for r in rows]}, indent=1))
     with open(out / "rows.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, [fl.name for fl in fields(PrefixRow)])
+        writer = csv.DictWriter(f, [CSV_NAMES.get(fl.name, (fl.name,))[0] for fl in fields(PrefixRow)])
         writer.writeheader()
-        writer.writerows(asdict(r) for r in rows)
+        writer.writerows(csv_row(r) for r in rows)
     (out / "report.txt").write_text(text + "\n")
     plot(rows, out / "prefix.png")
-    print(f"results in {out}/ (rows.json, rows.csv, report.txt, prefix.png)")
+    print(f"results in {out}/ (provenance.json, rows.json, rows.csv, report.txt, prefix.png)")
+
+
+# rows.csv names every timed column with its unit: field -> (column, factor)
+CSV_NAMES = {"throughput_on": ("throughput_on_tokens_per_s", 1), "throughput_off": ("throughput_off_tokens_per_s", 1),
+             "ttft_p50_on": ("ttft_p50_on_ms", 1000), "ttft_p50_off": ("ttft_p50_off_ms", 1000)}
+
+
+def csv_row(row: PrefixRow) -> dict[str, Any]:
+    out = {}
+    for key, value in asdict(row).items():
+        name, factor = CSV_NAMES.get(key, (key, 1))
+        out[name] = value * factor
+    return out
 
 
 def plot(rows: list[PrefixRow], path: Path) -> None:

@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.common.errors import ConfigError
+from kvlab.experiments.bench.units import fair_unit_defaults, rank_shape
 from kvlab.experiments.cli import flags
+from kvlab.experiments.reporting.provenance import engine_config, provenance, write_provenance
 from kvlab.experiments.reporting.tables import changes_line, progress_bar, results_dir, threads_label
 from kvlab.experiments.workloads.requests import WorkloadSpec, build_workload, parse_workload, prompt_token_ids
 
@@ -50,9 +52,10 @@ def add_parser(subparsers: Any) -> None:
                    help=f"default {ALPACA_LIKE} (Alpaca-like); seed | fixed:P:O | uniform:PLO-PHI:OLO-OHI | "
                         "trace:FILE.jsonl")
     p.add_argument("--scale", type=float, default=1.0, help="multiply every length")
-    p.add_argument("--out", metavar="DIR", help="results directory (default results/<timestamp>/): rows.json, "
-                                                   "report.txt")
-    p.add_argument("--json", metavar="PATH", help='write {"rows": [...]} to PATH only (no results directory)')
+    p.add_argument("--out", metavar="DIR", help="results directory (default results/<timestamp>/): "
+                                                   "provenance.json, rows.json, report.txt")
+    p.add_argument("--json", metavar="PATH",
+                   help='write {"provenance": {...}, "rows": [...]} to PATH only (no results directory)')
     p.add_argument("--no-progress", action="store_true")
     flags.add_engine_flags(p, skip=("backend",))
     p.set_defaults(run=run)
@@ -81,8 +84,17 @@ def run(args: argparse.Namespace) -> int:
     rows = measure_all(jobs, engine_flags, model, requests, spec.seed, not args.no_progress)
     text = report(rows, spec, probe.model)
     print(text)
-    save(rows, text, args.out, args.json)
+    save(rows, text, args.out, args.json, provenance(run_config(args, spec, model, requests, widths)))
     return 0
+
+
+def run_config(args: argparse.Namespace, spec: WorkloadSpec, model: Any, requests: list,
+               widths: list[int]) -> dict[str, Any]:
+    """The resolved configuration: the workload and each (backend, width)'s engine config as run."""
+    engine = {f"{b} width {w}": engine_config(sharing_config(vars(args), b, model, requests, w))
+              for b in args.backends for w in widths}
+    return {"command": "sharing", "backends": args.backends, "modes": args.modes, "widths": widths,
+            "workload": spec, "engine": engine}
 
 
 def measure_all(jobs: list[tuple[str, str, int]], engine_flags: dict[str, Any], model: Any, requests: list,
@@ -103,20 +115,21 @@ def measure_all(jobs: list[tuple[str, str, int]], engine_flags: dict[str, Any], 
     return rows
 
 
-def save(rows: list[SharingRow], text: str, out_dir: str | None, json_path: str | None) -> None:
-    """--json PATH alone, else rows.json and report.txt in --out or results/<timestamp>/."""
-    payload = json.dumps({"rows": [asdict(r) for r in rows]}, indent=1)
+def save(rows: list[SharingRow], text: str, out_dir: str | None, json_path: str | None,
+         record: dict[str, Any]) -> None:
+    """--json PATH alone, else provenance.json, rows.json and report.txt in --out or results/<timestamp>/."""
+    payload = json.dumps({"provenance": record, "rows": [asdict(r) for r in rows]}, indent=1)
     if json_path and not out_dir:
         Path(json_path).write_text(payload)
         print(f"rows written to {json_path}")
         return
     out = results_dir(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    write_provenance(out, record)
     (out / "rows.json").write_text(payload)
     (out / "report.txt").write_text(text + "\n")
     if json_path:
         Path(json_path).write_text(payload)
-    print(f"results in {out}/ (rows.json, report.txt)")
+    print(f"results in {out}/ (provenance.json, rows.json, report.txt)")
 
 
 def parse_widths(values: list[str]) -> list[int]:
@@ -133,18 +146,17 @@ def parse_widths(values: list[str]) -> list[int]:
 
 
 def sharing_config(engine_flags: dict[str, Any], backend: str, model: Any, requests: list, width: int):
-    """Room for every sequence at full length (no preemption: this measures sharing, not pressure); vmm pages
-    of the same grain as the paged blocks unless --page-size is given. `engine_flags`: the engine flags as
-    given (None: not given)."""
+    """Room for every sequence at full length (no preemption: this measures sharing, not pressure); every
+    backend's unit holds the same tokens (bench/units.py) unless --block-size or --page-size is given.
+    `engine_flags`: the engine flags as given (None: not given)."""
     longest = max(r.total_len for r in requests)
-    shape = model.kv_shape(engine_flags.get("dtype") or "float32", engine_flags.get("device") or "cpu")
-    block = engine_flags.get("block_size") or 16
+    probe = flags.engine_config(engine_flags, backend=backend)
+    shape = model.kv_shape(probe.dtype, probe.device)
+    units = fair_unit_defaults(probe, rank_shape(shape, probe).bytes_per_token_per_layer)
+    block = engine_flags.get("block_size") or units["block_size"]
     seqs = len(requests) * width * (2 if backend == "vmm" else 1)   # beam search keeps 2x candidates briefly
-    defaults = {"max_model_len": longest, "max_num_seqs": seqs,
-                    "max_num_batched_tokens": max(2048, seqs), "watermark": 0.0,
-                    "kv_cache_bytes": 2 * seqs * (longest + block) * shape.bytes_per_token}
-    if engine_flags.get("page_size") is None:
-        defaults["page_size"] = -(-block * shape.bytes_per_token_per_layer // 4096) * 4096
+    defaults = {"max_model_len": longest, "max_num_seqs": seqs, "max_num_batched_tokens": max(2048, seqs),
+                "watermark": 0.0, "kv_cache_bytes": 2 * seqs * (longest + block) * shape.bytes_per_token, **units}
     given = {k for k in flags.engine_flag_names() if engine_flags.get(k) is not None}
     return flags.engine_config(engine_flags, backend=backend, **{k: v for k, v in defaults.items() if k not in given})
 

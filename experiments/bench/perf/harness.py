@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-import os
-import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -133,42 +131,16 @@ def tiny_kv_bytes_per_token() -> int:
 
 
 def machine_info() -> dict[str, Any]:
-    import torch
-    info: dict[str, Any] = {
-        "python": platform.python_version(), "platform": platform.platform(), "cpu": cpu_model(),
-        "logical_cpus": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "load_average_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-    }
-    info["source"] = source_revision()
+    """The machine and software measured: what every results file records (reporting/provenance.py), plus the
+    packages the suite's kernels depend on and the load average at the start."""
+    from kvlab.experiments.reporting.provenance import provenance
+    record = provenance({})
+    info = record["machine"]
+    info.update(load_average_at_start=info.pop("load_average"), torch=record["torch"],
+                kvlab=record["kvlab"]["version"], source=record["kvlab"]["commit"])
     for package in ("transformers", "triton", "numpy"):
         try:
             info[package] = __import__(package).__version__
         except ImportError:
             info[package] = None
     return info
-
-
-def source_revision() -> str:
-    """The commit measured, marked "+dirty" when the working tree differs from it (read-only git calls)."""
-    import subprocess
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                                timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown (not a git checkout)"
-    return commit + ("+dirty" if dirty else "")
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"

@@ -225,7 +225,7 @@ def simulate_serve(s: ServeSettings) -> int:
     print(f"\n{len(rows) + stopped} simulated runs ({stopped} stopped once their SLO was certainly missed) in "
           f"{meta['host_seconds']:.1f} s host time")
     if s.save:
-        out = save(s.out, s.plots, meta, result, rows, text)
+        out = save(s, meta, result, rows, text)
         print(f"results in {out}/")
     return 0
 
@@ -293,18 +293,24 @@ def slo_table(result: dict[str, Any], target: dict[str, float], spec: ServeSpec)
                  f"{what} with {goal}; {profile_line(spec)}")
 
 
-def save(out_dir: str | None, plots: bool, meta: dict, result: dict, rows: list[dict], text: str) -> Path:
+RUN_ONLY = ("jobs", "progress", "out", "save", "plots")      # how to run and where to write, not what
+
+
+def save(s: ServeSettings, meta: dict, result: dict, rows: list[dict], text: str) -> Path:
+    from kvlab.experiments.reporting.provenance import jsonable, provenance, write_provenance
     from kvlab.experiments.reporting.tables import results_dir
-    out = results_dir(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = results_dir(s.out)
+    options = {k: v for k, v in dataclasses.asdict(s).items() if k not in RUN_ONLY}
+    record = provenance({"command": "simulate serve", **options, "cases": meta["backends"]})
+    write_provenance(out, record)
     (out / "report.txt").write_text(text + "\n")
-    (out / "sim_serve.json").write_text(json.dumps({"meta": meta, "result": result, "runs": rows}, indent=1,
-                                                   default=str))
+    (out / "sim_serve.json").write_text(json.dumps(jsonable({"provenance": record, "meta": meta, "result": result,
+                                                             "runs": rows}), indent=1))
     with open(out / "sim_serve.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=CSV_KEYS, extrasaction="ignore")
         w.writeheader()
         w.writerows({**r, **r["driver"]} for r in rows)
-    if plots:
+    if s.plots:
         from kvlab.experiments.sim.serve.plots import plot_all
         plot_all(out, rows, result)
     return out

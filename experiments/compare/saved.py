@@ -1,0 +1,62 @@
+"""A saved run as `kvlab compare` reads it: its provenance and its rows (one per backend, policy or case)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvlab.common.errors import ConfigError
+from kvlab.experiments.reporting.provenance import read_provenance
+
+# The results file of each writer, in the order a directory is searched.
+RESULT_FILES = ("results.json", "serve.json", "sim_serve.json", "rows.json", "study.json")
+IDENTITY = ("backend", "label", "policy", "mode", "width", "request_rate", "budget_gb", "watermark", "seed")
+
+
+@dataclass(frozen=True, slots=True)
+class SavedRun:
+    path: Path
+    provenance: dict[str, Any]
+    rows: dict[tuple, dict[str, Any]]        # identity (IDENTITY values present) -> the row
+
+
+def load_run(where: str) -> SavedRun:
+    path = Path(where)
+    if not path.exists():
+        raise ConfigError(f"{where}: no such results directory or file")
+    file = results_file(path)
+    doc = read_json(file)
+    record = read_provenance(path) or read_provenance(file) or read_provenance(file.parent)
+    if record is None:
+        raise ConfigError(f"{where} records no provenance (written before kvlab recorded it?); cannot compare "
+                          "configurations")
+    return SavedRun(path, record, {identity(r): r for r in rows_of(doc)})
+
+
+def results_file(path: Path) -> Path:
+    if path.is_file():
+        return path
+    found = next((path / name for name in RESULT_FILES if (path / name).is_file()), None)
+    if found is None:
+        raise ConfigError(f"{path} holds no results file ({', '.join(RESULT_FILES)})")
+    return found
+
+
+def read_json(file: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads(file.read_text())
+    except ValueError as e:
+        raise ConfigError(f"{file} is not JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{file} is not a kvlab results file (a JSON object)")
+    return doc
+
+
+def rows_of(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = doc.get("runs", doc.get("rows"))
+    return [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
+
+
+def identity(row: dict[str, Any]) -> tuple:
+    return tuple((k, row[k]) for k in IDENTITY if k in row)
