@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab.common.errors import RequestError
+from kvlab.common.limits import MAX_N, MAX_PROMPT_CHARS, MAX_STOP_CHARS, MAX_TOKENS
 from kvlab.common.sampling_params import SamplingParams
+from kvlab.common.validate import shown
 
 DEFAULT_MAX_TOKENS = 16
 MAX_STOP_STRINGS = 4
@@ -45,12 +47,14 @@ def bad(param: str, message: str) -> ApiError:
     return ApiError(400, f"{param}: {message}", param)
 
 
-def _int(body: dict, name: str, default: Any, low: int | None = None) -> Any:
+def _int(body: dict, name: str, default: Any, low: int | None = None, high: int | None = None) -> Any:
     v = body.get(name, default)
     if v is None:
         return default
     if not isinstance(v, int) or isinstance(v, bool) or (low is not None and v < low):
-        raise bad(name, f"must be an integer{'' if low is None else f' >= {low}'}, got {v!r}")
+        raise bad(name, f"must be an integer{'' if low is None else f' >= {low}'}, got {shown(v)}")
+    if high is not None and v > high:
+        raise bad(name, f"must be at most {high:,} (the server's limit), got {shown(v)}")
     return v
 
 
@@ -79,7 +83,9 @@ def _stop(body: dict) -> list[str]:
     stops = [v] if isinstance(v, str) else v
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) \
             or len(stops) > MAX_STOP_STRINGS:
-        raise bad("stop", f"must be a non-empty string or a list of at most {MAX_STOP_STRINGS}, got {v!r}")
+        raise bad("stop", f"must be a non-empty string or a list of at most {MAX_STOP_STRINGS}, got {shown(v)}")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise bad("stop", f"a stop string may have at most {MAX_STOP_CHARS:,} characters")
     return stops
 
 
@@ -97,12 +103,12 @@ def _stream_usage(body: dict, stream: bool) -> bool:
 def sampling_params(body: dict) -> SamplingParams:
     """The OpenAI sampling fields -> SamplingParams; any value SamplingParams refuses is a 400."""
     values = {
-        "n": _int(body, "n", 1, low=1),
+        "n": _int(body, "n", 1, low=1, high=MAX_N),
         "temperature": _float(body, "temperature", 1.0),
         "top_p": _float(body, "top_p", 1.0),
         "top_k": _int(body, "top_k", -1),
         "seed": _int(body, "seed", None),
-        "max_tokens": _int(body, "max_tokens", DEFAULT_MAX_TOKENS, low=1),
+        "max_tokens": _int(body, "max_tokens", DEFAULT_MAX_TOKENS, low=1, high=MAX_TOKENS),
         "ignore_eos": _bool(body, "ignore_eos", False),
     }
     stop_ids = body.get("stop_token_ids")
@@ -120,10 +126,16 @@ def completion_prompt(body: dict) -> str | list[int]:
     if isinstance(p, list) and len(p) == 1 and (isinstance(p[0], str) or isinstance(p[0], list)):
         p = p[0]                                  # a batch of one, as the openai client may send
     if isinstance(p, str) and p:
-        return p
+        return bounded_prompt("prompt", p)
     if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
         return p
     raise bad("prompt", "must be a non-empty string or a non-empty list of token ids (one prompt per request)")
+
+
+def bounded_prompt(param: str, text: str) -> str:
+    if len(text) > MAX_PROMPT_CHARS:
+        raise bad(param, f"the prompt may have at most {MAX_PROMPT_CHARS:,} characters, got {len(text):,}")
+    return text
 
 
 def chat_messages(body: dict) -> list[dict[str, str]]:
@@ -133,6 +145,7 @@ def chat_messages(body: dict) -> list[dict[str, str]]:
     for m in msgs:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise bad("messages", f"each message needs a string role and string content, got {m!r}")
+    bounded_prompt("messages", "".join(m["content"] for m in msgs))
     return msgs
 
 
