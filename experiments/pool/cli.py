@@ -11,7 +11,7 @@ from typing import Any
 
 from kvlab.common.errors import ConfigError
 from kvlab.common.limits import check_fits_in_ram, fmt_bytes
-from kvlab.experiments.cli import main as cli
+from kvlab.experiments.cli import flags as cli
 from kvlab.vmm import pool
 from kvlab.vmm.pool.ledger import EngineRecord
 

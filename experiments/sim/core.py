@@ -330,7 +330,7 @@ def _ignore_sigint() -> None:
 def worker_pool(processes: int) -> Iterator[Any]:
     """A process pool whose workers are terminated, not awaited, when the parent is interrupted or fails: a
     Ctrl-C stops every worker at once and leaves no orphan behind."""
-    pool = multiprocessing.get_context().Pool(processes, initializer=_ignore_sigint)
+    pool = _start_pool(processes)
     try:
         yield pool
         pool.close()
@@ -339,6 +339,16 @@ def worker_pool(processes: int) -> Iterator[Any]:
         raise
     finally:
         pool.join()
+
+
+def _start_pool(processes: int) -> Any:
+    """Fork the workers with SIGINT held: a Ctrl-C that arrived during a fork would be raised inside an at-fork
+    hook, where Python drops it (the command then ran on). Held, it is raised here once the workers exist."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        return multiprocessing.get_context().Pool(processes, initializer=_ignore_sigint)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def _progress(total: int, enabled: bool):
