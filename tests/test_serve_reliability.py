@@ -147,10 +147,13 @@ def test_deeply_nested_json_is_400(live, text):
     assert is_openai_error(post(live, text), 400)
 
 
-@pytest.mark.parametrize("body", [{"n": MAX_N + 1}, {"max_tokens": 2**40}, {"prompt": "x" * (9 * 2**20)}],
-                         ids=["n", "max_tokens", "prompt"])
+@pytest.mark.parametrize("body", [{"n": MAX_N + 1}, {"max_tokens": 2**40}, {"prompt": "x" * (9 * 2**20)},
+                                  {"top_k": 2**63}, {"seed": -1}, {"seed": 2**64 - 1}],
+                         ids=["n", "max_tokens", "prompt", "top_k", "seed-1", "seed-2**64"])
 def test_request_sizes_beyond_the_limits_are_400(live, body):
+    """top_k 2**63 (found by the fuzzer) overflowed the sampler's int64 tensor and stopped the engine loop."""
     assert is_openai_error(post(live, {"prompt": "hi"} | body), 400)
+    assert httpx.get(live.url + "/health", timeout=10).status_code == 200
 
 
 # -- kvlab serve's own flags -------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab.common.errors import RequestError
-from kvlab.common.limits import MAX_N, MAX_PROMPT_CHARS, MAX_STOP_CHARS, MAX_TOKENS
+from kvlab.common.limits import MAX_N, MAX_PROMPT_CHARS, MAX_SEED, MAX_STOP_CHARS, MAX_TOKENS, MAX_VOCAB
 from kvlab.common.sampling_params import SamplingParams
 from kvlab.common.validate import shown
 
@@ -106,8 +106,8 @@ def sampling_params(body: dict) -> SamplingParams:
         "n": _int(body, "n", 1, low=1, high=MAX_N),
         "temperature": _float(body, "temperature", 1.0),
         "top_p": _float(body, "top_p", 1.0),
-        "top_k": _int(body, "top_k", -1),
-        "seed": _int(body, "seed", None),
+        "top_k": _int(body, "top_k", -1, high=MAX_VOCAB),        # beyond int64 it killed the engine loop
+        "seed": _int(body, "seed", None, low=0, high=MAX_SEED),  # limits.check_seed: every seed its own tokens
         "max_tokens": _int(body, "max_tokens", DEFAULT_MAX_TOKENS, low=1, high=MAX_TOKENS),
         "ignore_eos": _bool(body, "ignore_eos", False),
     }

@@ -7,10 +7,9 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from kvlab.common.limits import MAX_N, MAX_STOP_CHARS, MAX_TOKENS
+from kvlab.common.limits import MAX_N, MAX_SEED, MAX_STOP_CHARS, MAX_TOKENS, MAX_VOCAB
 from kvlab.experiments.serve.protocol import MAX_STOP_STRINGS
 
-INT = {"type": "integer"}
 NUMBER = {"type": "number"}
 BOOL = {"type": "boolean"}
 STOP = {"anyOf": [{"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
@@ -23,8 +22,8 @@ SAMPLING = {
     "max_tokens": {"type": "integer", "minimum": 1, "maximum": MAX_TOKENS},
     "temperature": {"type": "number", "minimum": 0},
     "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-    "top_k": INT,
-    "seed": INT,
+    "top_k": {"type": "integer", "minimum": -1, "maximum": MAX_VOCAB},
+    "seed": {"type": "integer", "minimum": 0, "maximum": MAX_SEED},
     "stop": STOP,
     "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
     "ignore_eos": BOOL,
