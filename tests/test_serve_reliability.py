@@ -18,6 +18,7 @@ from test_serve_server import LiveServer, wait_for
 from kvlab.common.limits import MAX_BODY_BYTES, MAX_N, MAX_STOP_CHARS
 from kvlab.common.tokenizer import ByteTokenizer
 from kvlab.experiments.cli.main import main
+from kvlab.experiments.serve import server
 from kvlab.experiments.serve.decoding import Decoding
 from kvlab.experiments.serve.stop_scan import StopScan, borders
 
@@ -159,7 +160,10 @@ def test_request_sizes_beyond_the_limits_are_400(live, body):
 # -- kvlab serve's own flags -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("flags", [["--port", "-1"], ["--port", "70000"], ["--max-waiting", "0"],
                                    ["--max-waiting", "-1"]])
-def test_bad_serve_flags_are_one_line_and_exit_2(flags, capsys):
+def test_bad_serve_flags_are_one_line_and_exit_2(flags, capsys, monkeypatch):
+    def no_engine(*args):
+        raise AssertionError("the flags are checked before the engine starts")    # (before: a server started)
+    monkeypatch.setattr(server, "start_engine", no_engine)
     assert main(["serve", "--model", "tiny", *flags]) == 2
     out, err = capsys.readouterr()
     assert out == "" and len(err.strip().splitlines()) == 1 and flags[0] in err
