@@ -64,3 +64,13 @@ def check_physical_budget(device: str, kv_cache_bytes: int, fix: str = "lower kv
     reservation may exceed it; the physical pool may not."""
     if device == "cpu":
         check_fits_in_ram(f"kv_cache_bytes {kv_cache_bytes:,}", kv_cache_bytes, fix)
+
+# -- kvlab serve: what one HTTP request may ask for (docs/reliability.md, "Server limits") --------------------------
+MAX_BODY_BYTES = 32 * 2**20      # a request body: 413 beyond it (a 4M-token prompt as ids fits; RSS stays bounded)
+MAX_STOP_CHARS = 1024            # one stop string: longer ones are refused (the hold-back scans this window)
+MAX_PROMPT_CHARS = 8 * 2**20     # a prompt or all chat contents together, before tokenizing
+MAX_N = 128                      # completions per request
+MAX_TOKENS = MAX_MODEL_LEN       # max_tokens per completion
+KEEP_ALIVE_S = 5                 # an idle keep-alive connection is closed after this (uvicorn timeout_keep_alive)
+MAX_PORT = 65535
+MAX_HEADER_BYTES = 64 * 2**10    # request line and headers (uvicorn h11_max_incomplete_event_size)

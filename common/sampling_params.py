@@ -5,10 +5,10 @@ import math
 from dataclasses import dataclass, field
 
 from kvlab.common.errors import RequestError
+from kvlab.common.limits import MAX_SEED  # per-request generators take seeds in [0, 2**63)
 
 GREEDY_EPS = 1e-5   # temperatures below this decode greedily (as vLLM's _SAMPLING_EPS)
 MAX_LOGPROBS = 20    # the most top candidates a token reports (OpenAI's top_logprobs bound)
-MAX_SEED = 2**63 - 1  # per-request generators are seeded from [0, 2**63): larger seeds would alias
 
 
 def _is_int(value: object) -> bool:

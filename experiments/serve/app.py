@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import importlib.metadata
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -17,9 +18,12 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
+from kvlab.common.limits import MAX_BODY_BYTES
 from kvlab.common.outputs import RequestOutput
 from kvlab.experiments.serve import protocol
+from kvlab.experiments.serve.body_limit import BodyLimit
 from kvlab.experiments.serve.chat import renderer
 from kvlab.experiments.serve.decoding import Decoding
 from kvlab.experiments.serve.events import Event, FinishedEvent, RejectedEvent, TokensEvent
@@ -27,10 +31,12 @@ from kvlab.experiments.serve.extension import kvlab_extension
 from kvlab.experiments.serve.handles import EngineGone, EngineHandle
 from kvlab.experiments.serve.logprobs import LogprobWriter, merge
 from kvlab.experiments.serve.protocol import ApiError, Submission
+from kvlab.experiments.serve.schema import describe_request_bodies
 
 KVLAB_VERSION = importlib.metadata.version("kvlab")
 
 DISCONNECT_POLL_S = 0.25
+log = logging.getLogger("kvlab.serve")
 
 
 class Server:
@@ -49,6 +55,7 @@ def create_app(server: Server) -> FastAPI:
         await server.engine.aclose()                      # aborts in-flight work and frees all KV
 
     app = FastAPI(title="kvlab", lifespan=lifespan)
+    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
@@ -59,6 +66,16 @@ def create_app(server: Server) -> FastAPI:
         err = ApiError(500, f"internal error: {type(e).__name__}: {e}", kind="internal_server_error")
         return JSONResponse(err.body(), status_code=500)
 
+    @app.exception_handler(UnicodeEncodeError)
+    async def not_unicode(request: Request, e: UnicodeEncodeError) -> JSONResponse:
+        err = ApiError(400, "the request holds a string that is not valid Unicode (a lone surrogate such as \\ud800)")
+        return JSONResponse(err.body(), status_code=400)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_left(request: Request, e: ClientDisconnect) -> Response:
+        log.info("a client disconnected while sending its request body")
+        return Response(status_code=400)                       # nobody reads it; the handler only keeps the log quiet
+
     @app.exception_handler(EngineGone)
     async def engine_gone(request: Request, e: EngineGone) -> JSONResponse:
         return JSONResponse(ApiError(503, str(e), kind="service_unavailable").body(), status_code=503)
@@ -66,7 +83,7 @@ def create_app(server: Server) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         if not server.engine.is_alive():
-            raise EngineGone("the engine is not running")
+            raise EngineGone(server.engine.gone_reason)
         return Response(status_code=200)
 
     @app.get("/v1/models")
@@ -110,6 +127,7 @@ def create_app(server: Server) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await generate(server, request, chat=True)
 
+    describe_request_bodies(app)
     return app
 
 
@@ -118,6 +136,8 @@ async def read_json(request: Request) -> Any:
         return json.loads(await request.body())
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"malformed JSON body: {e}") from None
+    except RecursionError:
+        raise ApiError(400, "malformed JSON body: nested too deeply") from None
 
 
 def text_tokenizer(server: Server) -> Any:
@@ -142,7 +162,7 @@ async def generate(server: Server, request: Request, chat: bool) -> Response:
     events: asyncio.Queue = asyncio.Queue()
     engine = server.engine
     if not engine.is_alive():
-        raise EngineGone("the server is shutting down")
+        raise EngineGone(engine.gone_reason)
     if not engine.submit(rid, prompt, sub.params, events.put_nowait):
         raise ApiError(429, f"the waiting queue is full ({engine.max_waiting} requests); retry later",
                        kind="rate_limit_error")
@@ -224,16 +244,7 @@ class Response_:
     # -- non-streaming ----------------------------------------------------------------------------------------
     async def collect(self, request: Request) -> dict[str, Any]:
         try:
-            while not self.done:
-                try:
-                    event = await asyncio.wait_for(self.events.get(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        break
-                    continue
-                for i, ids, _ in self.apply(event):
-                    if self.writer is not None:
-                        self.logprobs[i] = merge(self.logprobs[i], self.writer.take(i, ids))
+            await self.drain(request)
         finally:
             if not self.done:
                 self.server.engine.abort(self.rid)
@@ -245,6 +256,24 @@ class Response_:
         return {"id": self.rid, "object": "chat.completion" if self.sub.chat else "text_completion",
                 "created": self.created, "model": self.model(), "choices": choices, "usage": self.usage(),
                 "kvlab": self.extra}
+
+    async def drain(self, request: Request) -> None:
+        """Apply events until the request ends or its client leaves. The client is checked every DISCONNECT_POLL_S
+        whether events arrive or not: a request busy with tokens never times out its wait."""
+        check_at = time.monotonic() + DISCONNECT_POLL_S
+        while not self.done:
+            with contextlib.suppress(asyncio.TimeoutError):
+                self.gather(await asyncio.wait_for(self.events.get(), DISCONNECT_POLL_S))
+            if time.monotonic() >= check_at:
+                if await request.is_disconnected():
+                    return
+                check_at = time.monotonic() + DISCONNECT_POLL_S
+
+    def gather(self, event: Event) -> None:
+        """Apply one event, keeping each sample's logprobs (non-streamed answers send them at the end)."""
+        for i, ids, _ in self.apply(event):
+            if self.writer is not None:
+                self.logprobs[i] = merge(self.logprobs[i], self.writer.take(i, ids))
 
     def model(self) -> str:
         return self.sub.model or self.server.model_name

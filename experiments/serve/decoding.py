@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvlab.experiments.serve.stop_scan import StopScan, borders
+
 REPLACEMENT = "\ufffd"
 
 
@@ -22,13 +24,15 @@ class Sample:
     prefix_offset: int = 0              # token_ids[prefix_offset:read_offset] decoded to the end of `decoded`
     read_offset: int = 0
     finish_reason: str | None = None
+    scans: list[StopScan] = field(default_factory=list)     # one per stop string, fed `decoded` as it grows
 
 
 class Decoding:
     def __init__(self, tokenizer: Any, n: int, stop: list[str]) -> None:
         self.decode = tokenizer.decode if tokenizer is not None else None
         self.stop = stop
-        self.samples = [Sample() for _ in range(n)]
+        tables = [borders(x) for x in stop]
+        self.samples = [Sample(scans=[StopScan(x, t) for x, t in zip(stop, tables)]) for _ in range(n)]
 
     def all_stopped(self) -> bool:
         return bool(self.stop) and all(s.finish_reason == "stop" for s in self.samples)
@@ -41,13 +45,16 @@ class Decoding:
         s.token_ids.extend(new_ids)
         if self.decode is None:
             return new_ids, ""
-        s.decoded += self._new_text(s, final)
+        new_text = self._new_text(s, final)
+        s.decoded += new_text
+        for scan in s.scans:
+            scan.feed(new_text)
         full = s.decoded
         cut = self._stop_at(full, len(s.text))
         if cut is not None:
             full, s.finish_reason = full[:cut], "stop"
         elif not final:
-            full = full[:len(full) - self._held(full)]
+            full = full[:len(full) - max((scan.held() for scan in s.scans), default=0)]
         delta = full[len(s.text):] if full.startswith(s.text) else ""
         s.text += delta
         return new_ids, delta
@@ -61,10 +68,6 @@ class Decoding:
         s.prefix_offset, s.read_offset = s.read_offset, len(ids)
         return after[len(before):]
 
-    def _held(self, text: str) -> int:
-        """Characters to hold back: the start of a stop string at the end of the text."""
-        return max((k for x in self.stop for k in range(1, len(x)) if text.endswith(x[:k])), default=0)
-
     def _stop_at(self, text: str, sent: int) -> int | None:
         start = max(0, sent - max((len(x) for x in self.stop), default=0))
         hits = [p for p in (text.find(x, start) for x in self.stop) if p >= 0]
@@ -74,3 +77,4 @@ class Decoding:
         s = self.samples[i]
         if s.finish_reason is None:
             s.finish_reason = reason
+

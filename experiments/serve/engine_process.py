@@ -43,6 +43,7 @@ log = logging.getLogger("kvlab.serve")
 START_TIMEOUT_S = 300
 STOP_TIMEOUT_S = 15
 QUERY_TIMEOUT_S = 10
+EXIT_WAIT_S = 1.0                # a dead engine is reaped within this, to name its exit code or signal
 SOCKET_BUFFER = 4 << 20          # a burst of requests fits: a send never blocks the event loop on a busy engine
 LOG_FORMAT = "%(name)s: %(levelname)s: %(message)s"       # as the CLI's
 CHILD = "import sys; from kvlab.experiments.serve.engine_process import child_main; sys.exit(child_main({fd}))"
@@ -136,11 +137,12 @@ class ProcessEngine(EngineHandle):
     def _engine_gone(self) -> None:
         """The pipe closed: after a stop, or because the engine process died. End every request either way."""
         if self.alive and not self.stopping:
-            log.error("the engine process exited (code %s); failing every request", self.proc.poll())
+            self.gone_reason = f"the engine process {exit_status(self.proc)}"
+            log.error("%s; failing every request", self.gone_reason)
         self.alive = False
         if self.aloop is not None:
             self.aloop.remove_reader(self.conn.fileno())
-        self.end_all("the engine process is not running")
+        self.end_all(self.gone_reason)
         for future in self.queries.values():
             if not future.done():
                 future.set_exception(EngineGone("the engine process is not running"))
@@ -179,6 +181,24 @@ class ProcessEngine(EngineHandle):
             log.error("the engine process did not stop within %d s; killing it", STOP_TIMEOUT_S)
             self.proc.kill()
             self.proc.wait()
+
+
+def exit_status(proc: subprocess.Popen) -> str:
+    """How a process ended, in words. Its pipe closes a moment before it can be reaped: wait a little for it."""
+    try:
+        code = proc.wait(EXIT_WAIT_S)
+    except subprocess.TimeoutExpired:
+        return "closed its pipe and is still running"
+    if code < 0:
+        return f"was killed by signal {code_name(-code)}"
+    return f"exited with code {code}"
+
+
+def code_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return str(number)
 
 
 # -- the engine process ---------------------------------------------------------------------------------------

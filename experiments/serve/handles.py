@@ -47,6 +47,7 @@ class EngineHandle:
     waiting queue after its last step. `send` takes a command to the engine."""
 
     tokenizer: Any = None
+    gone_reason = "the server is shutting down"     # what clients are told once the engine is not running
 
     def __init__(self, max_waiting: int, send: Callable[[Command], None]) -> None:
         self.max_waiting = max_waiting

@@ -11,11 +11,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab.common.errors import RequestError
+from kvlab.common.limits import MAX_N, MAX_PROMPT_CHARS, MAX_SEED, MAX_STOP_CHARS, MAX_TOKENS, MAX_VOCAB
 from kvlab.common.sampling_params import MAX_LOGPROBS, SamplingParams
+from kvlab.common.validate import shown
 
 DEFAULT_MAX_TOKENS = 16
 MAX_STOP_STRINGS = 4
-MAX_SEED = 2**63 - 1                    # the engine's generators take seeds in [0, 2**63)
 
 # Fields kvlab cannot honour, with the value that asks for nothing (sent by many clients, so accepted).
 UNSUPPORTED = {
@@ -56,12 +57,14 @@ def bad(param: str, message: str) -> ApiError:
     return ApiError(400, f"{param}: {message}", param)
 
 
-def _int(body: dict, name: str, default: Any, low: int | None = None) -> Any:
+def _int(body: dict, name: str, default: Any, low: int | None = None, high: int | None = None) -> Any:
     v = body.get(name, default)
     if v is None:
         return default
     if not isinstance(v, int) or isinstance(v, bool) or (low is not None and v < low):
-        raise bad(name, f"must be an integer{'' if low is None else f' >= {low}'}, got {v!r}")
+        raise bad(name, f"must be an integer{'' if low is None else f' >= {low}'}, got {shown(v)}")
+    if high is not None and v > high:
+        raise bad(name, f"must be at most {high:,} (the server's limit), got {shown(v)}")
     return v
 
 
@@ -90,7 +93,9 @@ def _stop(body: dict) -> list[str]:
     stops = [v] if isinstance(v, str) else v
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) \
             or len(stops) > MAX_STOP_STRINGS:
-        raise bad("stop", f"must be a non-empty string or a list of at most {MAX_STOP_STRINGS}, got {v!r}")
+        raise bad("stop", f"must be a non-empty string or a list of at most {MAX_STOP_STRINGS}, got {shown(v)}")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise bad("stop", f"a stop string may have at most {MAX_STOP_CHARS:,} characters")
     return stops
 
 
@@ -154,12 +159,12 @@ def _seed(body: dict) -> int | None:
 def sampling_params(body: dict, chat: bool = False) -> SamplingParams:
     """The OpenAI sampling fields -> SamplingParams; any value SamplingParams refuses is a 400."""
     values = {
-        "n": _int(body, "n", 1, low=1),
+        "n": _int(body, "n", 1, low=1, high=MAX_N),
         "temperature": _float(body, "temperature", 1.0),
         "top_p": _float(body, "top_p", 1.0),
-        "top_k": _int(body, "top_k", -1),
+        "top_k": _int(body, "top_k", -1, high=MAX_VOCAB),        # beyond int64 it killed the engine loop
         "seed": _seed(body),
-        "max_tokens": _int(body, "max_tokens", DEFAULT_MAX_TOKENS, low=1),
+        "max_tokens": _int(body, "max_tokens", DEFAULT_MAX_TOKENS, low=1, high=MAX_TOKENS),
         "ignore_eos": _bool(body, "ignore_eos", False),
         "presence_penalty": _float(body, "presence_penalty", 0.0),
         "frequency_penalty": _float(body, "frequency_penalty", 0.0),
@@ -181,10 +186,16 @@ def completion_prompt(body: dict) -> str | list[int]:
     if isinstance(p, list) and len(p) == 1 and (isinstance(p[0], str) or isinstance(p[0], list)):
         p = p[0]                                  # a batch of one, as the openai client may send
     if isinstance(p, str) and p:
-        return p
+        return bounded_prompt("prompt", p)
     if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
         return p
     raise bad("prompt", "must be a non-empty string or a non-empty list of token ids (one prompt per request)")
+
+
+def bounded_prompt(param: str, text: str) -> str:
+    if len(text) > MAX_PROMPT_CHARS:
+        raise bad(param, f"the prompt may have at most {MAX_PROMPT_CHARS:,} characters, got {len(text):,}")
+    return text
 
 
 def chat_messages(body: dict) -> list[dict[str, str]]:
@@ -193,7 +204,9 @@ def chat_messages(body: dict) -> list[dict[str, str]]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages", "must be a non-empty list of {role, content} objects")
-    return [_message(i, m) for i, m in enumerate(msgs)]
+    messages = [_message(i, m) for i, m in enumerate(msgs)]
+    bounded_prompt("messages", "".join(m["content"] for m in messages))
+    return messages
 
 
 def _message(i: int, m: Any) -> dict[str, str]:

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import uvicorn
 
+from kvlab.common.limits import KEEP_ALIVE_S, MAX_HEADER_BYTES, MAX_PORT, MAX_REQUESTS
+from kvlab.common.validate import check_int
 from kvlab.experiments.cli import flags as cli
 from kvlab.experiments.serve.app import Server, create_app
 from kvlab.experiments.serve.engine_process import ProcessEngine
@@ -72,7 +74,15 @@ def start_engine(config: Any, max_waiting: int, in_thread: bool) -> tuple[Engine
     return engine, torch.get_num_threads()
 
 
+def check_server_flags(args: argparse.Namespace) -> None:
+    """Before the engine starts: a port socket.bind would refuse with an OverflowError traceback, and a waiting
+    queue that would answer every request 429 (or none)."""
+    check_int("--port", args.port, 0, MAX_PORT)
+    check_int("--max-waiting", args.max_waiting, 1, MAX_REQUESTS, " (queued requests)")
+
+
 def run(args: argparse.Namespace) -> int:
+    check_server_flags(args)
     config = cli.engine_config(vars(args))
     engine, threads = start_engine(config, args.max_waiting, args.engine_thread)
     app = create_app(Server(engine, args.served_model_name or str(config.model)))
@@ -83,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
         where = "a thread" if args.engine_thread else "its own process"
         print(f"kvlab serve: {config.backend} on http://{args.host}:{sock.getsockname()[1]} "
               f"(engine in {where}, {threads} torch thread(s))", flush=True)
-        uv_config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=GRACEFUL_S)
+        uv_config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=GRACEFUL_S,
+                                   timeout_keep_alive=KEEP_ALIVE_S, h11_max_incomplete_event_size=MAX_HEADER_BYTES)
         SignalServer(uv_config, engine).run(sockets=[sock])
     finally:
         engine.stop()

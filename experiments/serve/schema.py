@@ -1,0 +1,55 @@
+"""The JSON schemas of the completions and chat bodies, as protocol.py reads them, put into the app's OpenAPI
+document (/openapi.json): the handlers parse the raw body themselves (one 400 per field, OpenAI-shaped), so
+FastAPI cannot infer these. tests/test_serve_fuzz.py draws its requests from this document."""
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+
+from kvlab.common.limits import MAX_N, MAX_SEED, MAX_STOP_CHARS, MAX_TOKENS, MAX_VOCAB
+from kvlab.experiments.serve.protocol import MAX_STOP_STRINGS
+
+NUMBER = {"type": "number"}
+BOOL = {"type": "boolean"}
+STOP = {"anyOf": [{"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
+                  {"type": "array", "maxItems": MAX_STOP_STRINGS,
+                   "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}},
+                  {"type": "null"}]}
+SAMPLING = {
+    "model": {"type": "string"},
+    "n": {"type": "integer", "minimum": 1, "maximum": MAX_N},
+    "max_tokens": {"type": "integer", "minimum": 1, "maximum": MAX_TOKENS},
+    "temperature": {"type": "number", "minimum": 0},
+    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {"type": "integer", "minimum": -1, "maximum": MAX_VOCAB},
+    "seed": {"type": "integer", "minimum": 0, "maximum": MAX_SEED},
+    "stop": STOP,
+    "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+    "ignore_eos": BOOL,
+    "stream": BOOL,
+    "stream_options": {"type": "object", "properties": {"include_usage": BOOL}},
+}
+TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+COMPLETION = {"type": "object", "required": ["prompt"],
+              "properties": SAMPLING | {"prompt": {"anyOf": [{"type": "string", "minLength": 1}, TOKEN_IDS]}}}
+MESSAGE = {"type": "object", "required": ["role", "content"],
+           "properties": {"role": {"enum": ["system", "user", "assistant"]}, "content": {"type": "string"}}}
+CHAT = {"type": "object", "required": ["messages"],
+        "properties": SAMPLING | {"messages": {"type": "array", "minItems": 1, "items": MESSAGE},
+                                  "max_completion_tokens": SAMPLING["max_tokens"]}}
+BODIES = {"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT}
+
+
+def describe_request_bodies(app: FastAPI) -> None:
+    """Make app.openapi() include BODIES as the POST bodies of their paths."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            paths = build()["paths"]                  # build() caches its document in app.openapi_schema
+            for path, body in BODIES.items():
+                paths[path]["post"]["requestBody"] = {"required": True,
+                                                      "content": {"application/json": {"schema": body}}}
+        return app.openapi_schema
+    app.openapi = openapi

@@ -1,0 +1,123 @@
+"""An HTTP fuzzer driven by the server's own OpenAPI document (/openapi.json, experiments/serve/schema.py): bodies
+drawn from each POST schema, and from its hostile neighbourhood (every field given any JSON value), must never
+get a 5xx; every error is OpenAI-shaped; /health answers 200 after every case. A few dozen cases in `make test`,
+a thousand under `-m slow`.
+
+The schemas are drawn by `from_schema` below, not by hypothesis-jsonschema: its 0.23.1 (the newest) calls a
+Hypothesis internal (`conjecture.utils.many`) that the installed Hypothesis no longer has, for any object schema."""
+from __future__ import annotations
+
+import copy
+import json
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_serve_server import LiveServer
+
+from kvlab.common.limits import MAX_N, MAX_TOKENS
+
+SIZES = ("n", "max_tokens", "max_completion_tokens")       # bounded in every case, so each case takes milliseconds
+SURROGATES = st.sampled_from(["a\ud800b", "\udfff", "\x00"])            # not valid UTF-8; NUL
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20) | SURROGATES,
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                    max_size=3), max_leaves=8)
+HOSTILE_SIZE = st.integers(-3, 4) | st.sampled_from([MAX_N + 1, MAX_TOKENS + 1, 2**64]) | JSON
+
+
+@pytest.fixture(scope="module")
+def live():
+    s = LiveServer()
+    yield s
+    s.stop()
+
+
+def post_bodies(live) -> dict[str, dict]:
+    doc = httpx.get(live.url + "/openapi.json", timeout=10).json()
+    return {path: ops["post"]["requestBody"]["content"]["application/json"]["schema"]
+            for path, ops in doc["paths"].items() if "post" in ops}
+
+
+def from_schema(schema: dict) -> st.SearchStrategy:
+    """Values valid under the subset of JSON Schema that schema.py uses."""
+    if "anyOf" in schema:
+        return st.one_of([from_schema(s) for s in schema["anyOf"]])
+    if "enum" in schema:
+        return st.sampled_from(schema["enum"])
+    kind = schema["type"]
+    if kind == "object":
+        props = {k: from_schema(v) for k, v in schema.get("properties", {}).items()}
+        required = {k: props.pop(k) for k in schema.get("required", [])}
+        return st.fixed_dictionaries(required, optional=props)
+    if kind == "array":
+        return st.lists(from_schema(schema["items"]), min_size=schema.get("minItems", 0),
+                        max_size=schema.get("maxItems", 8))
+    if kind == "string":
+        return st.text(min_size=schema.get("minLength", 0), max_size=schema.get("maxLength", 40))
+    if kind == "integer":
+        return st.integers(schema.get("minimum"), schema.get("maximum"))
+    if kind == "number":
+        low = schema.get("minimum", schema.get("exclusiveMinimum"))
+        return st.floats(low, schema.get("maximum"), allow_nan=False, allow_infinity=False,
+                         exclude_min="exclusiveMinimum" in schema)
+    return st.just(None) if kind == "null" else st.booleans()
+
+
+def quick(schema: dict) -> dict:
+    """The schema with small sizes: the draws stay valid and fast."""
+    schema = copy.deepcopy(schema)
+    props = schema["properties"]
+    for name in SIZES:
+        if name in props:
+            props[name]["maximum"] = 4
+    for name in ("prompt", "messages"):
+        if name in props:
+            forms = props[name].get("anyOf", [props[name]])
+            props[name] = {"anyOf": [dict(form, maxLength=40, maxItems=4) for form in forms]}
+    return schema
+
+
+def hostile(schema: dict) -> st.SearchStrategy[dict]:
+    """Any subset of the schema's fields, each with any JSON value (the sizes stay small or out of range)."""
+    values = {name: HOSTILE_SIZE if name in SIZES else JSON for name in schema["properties"]}
+    return st.fixed_dictionaries({}, optional=values)
+
+
+def requests(live) -> st.SearchStrategy[tuple[str, dict]]:
+    return st.one_of([st.tuples(st.just(path), from_schema(quick(schema)) | hostile(schema))
+                      for path, schema in post_bodies(live).items()])
+
+
+def check_case(live, path: str, body: dict) -> None:
+    r = httpx.post(live.url + path, content=json.dumps(body), timeout=60,
+                   headers={"content-type": "application/json"})
+    assert r.status_code < 500, (body, r.text)
+    if r.status_code >= 400:
+        err = r.json()["error"]
+        assert isinstance(err["message"], str) and isinstance(err["type"], str) and "param" in err, r.text
+    assert httpx.get(live.url + "/health", timeout=10).status_code == 200
+
+
+def fuzz(live, examples: int) -> None:
+    @settings(max_examples=examples, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(requests(live))
+    def case(request: tuple[str, dict]) -> None:
+        check_case(live, *request)
+    case()
+
+
+def test_the_schema_describes_both_bodies(live):
+    bodies = post_bodies(live)
+    assert bodies["/v1/completions"]["required"] == ["prompt"]
+    assert bodies["/v1/chat/completions"]["required"] == ["messages"]
+
+
+def test_fuzz_the_api_briefly(live):
+    fuzz(live, 40)
+
+
+@pytest.mark.slow
+def test_fuzz_the_api_at_length(live):
+    fuzz(live, 1000)
