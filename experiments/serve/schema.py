@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from kvlab.common.limits import MAX_N, MAX_SEED, MAX_STOP_CHARS, MAX_TOKENS, MAX_VOCAB
+from kvlab.common.sampling_params import MAX_LOGPROBS
 from kvlab.experiments.serve.protocol import MAX_STOP_STRINGS
 
 NUMBER = {"type": "number"}
@@ -28,17 +29,32 @@ SAMPLING = {
     "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
     "ignore_eos": BOOL,
     "stream": BOOL,
-    "stream_options": {"type": "object", "properties": {"include_usage": BOOL}},
+    "stream_options": {"type": "object", "properties": {"include_usage": BOOL, "continuous_usage_stats": BOOL}},
+    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 2},
+    "user": {"type": "string"},
 }
 TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+PROMPT = {"anyOf": [{"type": "string", "minLength": 1}, TOKEN_IDS]}
 COMPLETION = {"type": "object", "required": ["prompt"],
-              "properties": SAMPLING | {"prompt": {"anyOf": [{"type": "string", "minLength": 1}, TOKEN_IDS]}}}
+              "properties": SAMPLING | {"prompt": PROMPT, "echo": BOOL,
+                                        "logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}}}
+TEXT_PART = {"type": "object", "required": ["type", "text"],
+             "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}}}
 MESSAGE = {"type": "object", "required": ["role", "content"],
-           "properties": {"role": {"enum": ["system", "user", "assistant"]}, "content": {"type": "string"}}}
+           "properties": {"role": {"enum": ["system", "user", "assistant"]},
+                          "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART}]}}}
+MESSAGES = {"type": "array", "minItems": 1, "items": MESSAGE}
 CHAT = {"type": "object", "required": ["messages"],
-        "properties": SAMPLING | {"messages": {"type": "array", "minItems": 1, "items": MESSAGE},
-                                  "max_completion_tokens": SAMPLING["max_tokens"]}}
-BODIES = {"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT}
+        "properties": SAMPLING | {"messages": MESSAGES, "max_completion_tokens": SAMPLING["max_tokens"],
+                                  "logprobs": BOOL,
+                                  "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}}}
+TOKENIZE = {"type": "object", "properties": {"model": {"type": "string"}, "prompt": PROMPT, "messages": MESSAGES}}
+DETOKENIZE = {"type": "object", "required": ["tokens"],
+              "properties": {"model": {"type": "string"}, "tokens": TOKEN_IDS}}
+BODIES = {"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT, "/tokenize": TOKENIZE,
+          "/detokenize": DETOKENIZE}
 
 
 def describe_request_bodies(app: FastAPI) -> None:
