@@ -2,16 +2,24 @@
 one of these before anything is allocated, with a one-line error that names the limit."""
 from __future__ import annotations
 
-import math
 import os
+from typing import Any
 
-from kvlab.common.errors import ConfigError
+from kvlab.common.errors import ConfigError, KvlabError
+from kvlab.common.validate import check_int, check_number
 
 MAX_MODEL_LEN = 2**22            # tokens per sequence (4M): beyond any released Llama context
 MAX_REQUESTS = 1_000_000         # requests in one workload
 MAX_SPAN_S = 7 * 24 * 3600.0     # a workload's arrivals span at most a week
-MAX_SEED = 2**63 - 1             # torch and numpy both take seeds below 2**63
+MAX_SEED = 2**63 - 1             # the per-request generators keep 63 bits of a seed (common/request.py)
 MAX_BUDGET_GB = 100_000.0        # simulated KV budget: 100 TB, far beyond one node's GPU memory
+MAX_PROMPT_TOKENS = 2**26        # prompt tokens a trace synthesises in all (as Python ints: ~2.4 GB)
+MAX_HASH_ID = 2**64 - 1          # a trace's block hash id (numpy seeds a block from it)
+MAX_VOCAB = 2**24                # token ids a model or a synthetic trace draws from (as common/model.py's maxima)
+MAX_LINE_BYTES = 2**22           # one line of a JSONL trace (4 MiB holds 400k hash ids); read no further
+
+# the names config.py, sim/cli.py, sim/serve/cli.py and bench/offline.py import; new code imports common/validate.py
+check_int_range, check_finite = check_int, check_number
 
 
 def ram_bytes() -> int:
@@ -38,18 +46,10 @@ def fmt_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
-def check_finite(name: str, value: float, low: float = 0.0, high: float = math.inf, strict: bool = False) -> None:
-    """`value` is a number, finite, >= low (> low when strict) and <= high."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (value > low if strict else value >= low) and value <= high
-    if not ok:
-        bound = f"{'>' if strict else '>='} {low:g}" + (f" and <= {high:g}" if high < math.inf else "")
-        raise ConfigError(f"{name} must be a finite number {bound}, got {value!r}")
-
-
-def check_int_range(name: str, value: int, low: int, high: int, why: str = "") -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise ConfigError(f"{name} must be an integer in [{low}, {high:,}]{why}, got {value!r}")
+def check_seed(name: str, value: Any, error: type[KvlabError] = ConfigError) -> int:
+    """A seed in [0, MAX_SEED]: torch seeds -1 as 2**64 - 1 and the per-request generators keep 63 bits
+    (common/request.py generator_seed), so only this range gives every seed its own tokens."""
+    return check_int(name, value, 0, MAX_SEED, "", error)
 
 
 def check_fits_in_ram(what: str, nbytes: float, fix: str) -> None:

@@ -27,11 +27,17 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.common.errors import ConfigError
+from kvlab.common.kv.options import check_choice
+from kvlab.common.limits import MAX_BUDGET_GB, check_fits_in_ram, check_seed
+from kvlab.common.validate import check_number, check_output_path
 from kvlab.experiments.cli import flags as cli
 from kvlab.experiments.reporting.tables import results_dir
 from kvlab.experiments.workloads import prefix as pw
 
 KiB, MiB = 1024, 1024 ** 2
+RUNS = ("real", "sim")
+WORKLOADS = ("system", "multiturn", "fewshot", "trace")
+SIM_BOOK_BYTES_PER_GB = 500_000    # measured: peak RSS 0.28 GB at --budget-gb 8, 0.71 at 800, 1.09 at 1,600
 SIM_UNITS = [("paged", 16), ("paged", 32), ("paged", 128),
              ("vmm", 32 * KiB), ("vmm", 64 * KiB), ("vmm", 256 * KiB), ("vmm", 2 * MiB)]
 REAL_UNITS = [("paged", 8), ("paged", 16), ("paged", 32), ("paged", 128),
@@ -193,10 +199,29 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(run=run)
 
 
-def run(args: argparse.Namespace) -> int:
+def check_args(args: argparse.Namespace) -> None:
+    """Every value through the validation layer before any model, simulation or output (run() then checks --out):
+    a bad one is one line and exit 2 with nothing on stdout, never a traceback or results that cannot be saved."""
     for r in args.runs:
-        if r not in ("real", "sim"):
-            raise ConfigError(f"unknown --runs entry {r!r}; choose real or sim")
+        check_choice("--runs entry", r, RUNS)
+    for w in args.workloads:
+        check_choice("--workloads entry", w, WORKLOADS)
+    check_number("--budget-gb", args.budget_gb, 0.0, MAX_BUDGET_GB, strict=True)
+    check_seed("--seed", args.seed)
+    if "sim" in args.runs:
+        check_sim_books(args.budget_gb)
+
+
+def check_sim_books(budget_gb: float) -> None:
+    """The simulated caches hold no KV, only books per block and page: SIM_BOOK_BYTES_PER_GB over the budget
+    must fit in this machine's RAM (1e5 GB would take ~50 GB)."""
+    check_fits_in_ram(f"--budget-gb {budget_gb:g} (the simulator's books for its smallest blocks and pages)",
+                      budget_gb * SIM_BOOK_BYTES_PER_GB, "lower --budget-gb")
+
+
+def run(args: argparse.Namespace) -> int:
+    check_args(args)
+    out = None if args.no_save else check_output_path("--out", results_dir(args.out), directory=True)
     rows: list[PrefixRow] = []
     start = time.perf_counter()
     for workload in args.workloads:
@@ -208,8 +233,8 @@ def run(args: argparse.Namespace) -> int:
             rows += real_rows(workload, args.seed, units)
     text = report(rows) + f"\n({time.perf_counter() - start:.0f} s)"
     print(text)
-    if not args.no_save:
-        save(rows, text, results_dir(args.out))
+    if out is not None:
+        save(rows, text, out)
     return 0
 
 

@@ -10,13 +10,16 @@
 """
 from __future__ import annotations
 
-import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from kvlab.common.errors import ConfigError
+from kvlab.common.limits import MAX_HASH_ID, MAX_MODEL_LEN, MAX_PROMPT_TOKENS, MAX_SPAN_S, MAX_VOCAB, check_seed
+from kvlab.common.validate import check_int, check_number, parse_int
+from kvlab.experiments.workloads.jsonl import TraceLine, request_lines
 from kvlab.experiments.workloads.requests import Request
 
 LOW_TOKEN = 3                      # ids below are pad/bos/eos in kvlab's tokenizers
@@ -41,8 +44,7 @@ def block_tokens(hash_id: int, block_size: int, vocab_size: int, seed: int = 0) 
 
 
 def _check_vocab(vocab_size: int) -> None:
-    if vocab_size <= LOW_TOKEN:
-        raise ConfigError(f"vocab_size {vocab_size} leaves no ordinary token ids above {LOW_TOKEN}")
+    check_int("vocab_size", vocab_size, LOW_TOKEN + 1, MAX_VOCAB, f" (ids below {LOW_TOKEN} are special)")
 
 
 def synthesize(hash_ids: list[int], input_length: int, block_size: int, vocab_size: int, seed: int = 0,
@@ -60,35 +62,69 @@ def synthesize(hash_ids: list[int], input_length: int, block_size: int, vocab_si
     return tokens[:input_length]
 
 
+MOONCAKE_SCHEMA = "{timestamp, input_length, output_length[, hash_ids]}"
+
+
+@dataclass(frozen=True, slots=True)
+class MooncakeRow:
+    where: str
+    timestamp_ms: float
+    input_length: int
+    output_length: int
+    hash_ids: list[int]
+
+
 def load_mooncake(path: str | Path, block_size: int = MOONCAKE_BLOCK, vocab_size: int = 32000, seed: int = 0,
                   limit: int | None = None) -> list[PrefixRequest]:
-    """A Mooncake-schema JSONL trace; arrivals are seconds from its first timestamp."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"trace file {path} does not exist")
-    rows = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            rows.append(_mooncake_row(json.loads(line), f"{path}:{lineno}"))
-        if limit is not None and len(rows) >= limit:
-            break
-    if not rows:
-        raise ConfigError(f"trace file {path} holds no requests")
-    t0 = rows[0][0]
-    return [PrefixRequest(synthesize(ids, n_in, block_size, vocab_size, seed, salt=i), n_out, (t - t0) / 1000,
-                          group=str(ids[0]) if ids else "")
-            for i, (t, n_in, n_out, ids) in enumerate(rows)]
+    """A Mooncake-schema JSONL trace; arrivals are seconds from its earliest timestamp. Keys beyond the schema
+    are ignored (other tools add their own)."""
+    block_size = check_int("block size", block_size, 1, MAX_MODEL_LEN, " (tokens per hash id)")
+    seed = check_seed("seed", seed)
+    _check_vocab(vocab_size)
+    rows = read_mooncake(path, limit)
+    t0 = min(r.timestamp_ms for r in rows)
+    return [PrefixRequest(synthesize(r.hash_ids, r.input_length, block_size, vocab_size, seed, salt=i),
+                          r.output_length, (r.timestamp_ms - t0) / 1000,
+                          group=str(r.hash_ids[0]) if r.hash_ids else "")
+            for i, r in enumerate(rows)]
 
 
-def _mooncake_row(row: dict, where: str) -> tuple[float, int, int, list[int]]:
-    try:
-        out = float(row["timestamp"]), int(row["input_length"]), int(row["output_length"]), \
-            [int(h) for h in row.get("hash_ids", [])]
-    except (KeyError, TypeError, ValueError) as e:
-        raise ConfigError(f"{where}: need {{timestamp, input_length, output_length, hash_ids}}: {e}") from None
-    if out[1] < 1 or out[2] < 1:
-        raise ConfigError(f"{where}: input_length and output_length must be >= 1")
-    return out
+def parse_mooncake(spec: str) -> tuple[str, int]:
+    """`FILE.jsonl[:BLOCK]` (the serving bench's `mooncake:` dataset) as (path, block size)."""
+    path, _, block = spec.partition(":")
+    if not block:
+        return path, MOONCAKE_BLOCK
+    return path, parse_int("mooncake block size", block, 1, MAX_MODEL_LEN, " (tokens per hash id)")
+
+
+def read_mooncake(path: str | Path, limit: int | None = None) -> list[MooncakeRow]:
+    """The first `limit` rows (at most MAX_REQUESTS), every field checked, their prompts at most
+    MAX_PROMPT_TOKENS in all and their timestamps within MAX_SPAN_S of each other."""
+    rows: list[MooncakeRow] = []
+    tokens = 0
+    for line in request_lines(path, MOONCAKE_SCHEMA, limit):
+        rows.append(_mooncake_row(line))
+        tokens += rows[-1].input_length
+        if tokens > MAX_PROMPT_TOKENS:
+            raise ConfigError(f"{line.where}: the trace's prompts reach {tokens:,} tokens, more than the maximum "
+                              f"{MAX_PROMPT_TOKENS:,} (MAX_PROMPT_TOKENS); load fewer requests")
+    _check_span(rows)
+    return rows
+
+
+def _mooncake_row(line: TraceLine) -> MooncakeRow:
+    n_in, n_out = line.lengths("input_length", "output_length", high=MAX_MODEL_LEN)
+    check_int(f"{line.where}: input_length + output_length", n_in + n_out, 2, MAX_MODEL_LEN, " (tokens per sequence)")
+    return MooncakeRow(line.where, line.number("timestamp", math.inf, unit=" ms"), n_in, n_out,
+                       line.integers("hash_ids", MAX_HASH_ID, default=[]))
+
+
+def _check_span(rows: list[MooncakeRow]) -> None:
+    """Arrivals beyond a week (a timestamp of 1e300) would keep a replay waiting forever."""
+    t0 = min(r.timestamp_ms for r in rows)
+    for r in rows:
+        check_number(f"{r.where}: arrival (timestamp minus the earliest, {t0:g} ms)", (r.timestamp_ms - t0) / 1000,
+                     0.0, MAX_SPAN_S, unit=" s")
 
 
 def _tokens(rng: np.random.Generator, n: int, vocab_size: int) -> list[int]:

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from kvlab.common.errors import ConfigError
-from kvlab.common.limits import MAX_MODEL_LEN, MAX_REQUESTS, MAX_SEED, MAX_SPAN_S, check_finite, check_int_range
+from kvlab.common.limits import MAX_MODEL_LEN, MAX_REQUESTS, MAX_SPAN_S, check_seed
+from kvlab.common.validate import as_finite, check_int, check_number, shown
+from kvlab.experiments.workloads.jsonl import TraceLine, request_lines
 
 Z95 = 1.6448536269514722          # standard normal 95th percentile
 SEED_MAX_LEN = 4096               # the article's maximum total length (prompt + output)
@@ -129,27 +131,25 @@ def poisson_arrivals(rng: np.random.Generator, n: int, rate: float) -> np.ndarra
     return np.cumsum(rng.exponential(1.0 / rate, n))
 
 
-def check_spec(spec: WorkloadSpec) -> None:
-    """Every number of a workload finite and bounded before anything is drawn or allocated: a NaN or tiny
-    rate would put arrivals at NaN or years away (a run that never ends), a huge scale or count exhausts RAM."""
-    if not isinstance(spec.num_requests, int) or spec.num_requests <= 0:
-        raise ConfigError(f"num_requests must be positive, got {spec.num_requests}")
-    check_int_range("num_requests", spec.num_requests, 1, MAX_REQUESTS)
-    check_int_range("seed", spec.seed, 0, MAX_SEED)
-    if not isinstance(spec.scale, (int, float)) or not spec.scale > 0:
-        raise ConfigError(f"length scale must be positive, got {spec.scale}")
-    check_finite("length scale", spec.scale, strict=True)
-    if not isinstance(spec.max_len, int) or isinstance(spec.max_len, bool):
-        raise ConfigError(f"max_len must be an integer, got {spec.max_len!r}")
-    check_finite("rate (requests per second)", spec.rate)
+def checked_spec(spec: WorkloadSpec) -> WorkloadSpec:
+    """Every number of a workload finite and bounded before anything is drawn or allocated (a NaN or tiny rate
+    would put arrivals at NaN or years away, a run that never ends; a huge scale or count exhausts RAM); the
+    spec returned holds them as the types they are used as."""
+    if as_finite(spec.scale) is None or not spec.scale > 0:
+        raise ConfigError(f"length scale must be positive, got {shown(spec.scale)}")
+    spec = replace(spec, num_requests=check_int("num_requests", spec.num_requests, 1, MAX_REQUESTS),
+                   seed=check_seed("seed", spec.seed), scale=float(spec.scale),
+                   max_len=check_int("max_len", spec.max_len, 1, 2**63 - 1),
+                   rate=check_number("rate (requests per second)", spec.rate))
     if spec.rate > 0 and spec.num_requests / spec.rate > MAX_SPAN_S:
         raise ConfigError(f"rate {spec.rate:g}/s spreads {spec.num_requests} requests over ~"
                           f"{spec.num_requests / spec.rate:.3g} s, more than the maximum {MAX_SPAN_S:g} s (a week); "
                           "raise --rate (0 = all at once)")
+    return spec
 
 
 def build_workload(spec: WorkloadSpec) -> list[Request]:
-    check_spec(spec)
+    spec = checked_spec(spec)
     if spec.kind == "trace":
         return load_trace(spec.trace, spec.num_requests, spec.scale)
     rng = np.random.default_rng(spec.seed)
@@ -189,39 +189,24 @@ def parse_range(text: str) -> tuple[int, int]:
     return int(low), int(high)
 
 
+TRACE_KEYS = ("prompt_len", "output_len", "arrival_s")
+TRACE_SCHEMA = "{prompt_len, output_len[, arrival_s]}"
+
+
 def load_trace(path: str | Path | None, limit: int | None = None, scale: float = 1.0) -> list[Request]:
-    """JSONL, one {"prompt_len", "output_len"[, "arrival_s"]} per line; `limit` keeps the first requests."""
-    if path is None or not Path(path).is_file():
-        raise ConfigError(f"trace file {path} does not exist")
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise ConfigError(f"trace file {path} is not UTF-8 text") from None
-    requests: list[Request] = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            raw = (int(row["prompt_len"]), int(row["output_len"]))
-            arrival = float(row.get("arrival_s", 0.0))
-        except (ValueError, KeyError, TypeError, OverflowError) as e:
-            raise ConfigError(f"{path}:{lineno}: need {{prompt_len, output_len[, arrival_s]}}: {e}") from None
-        if min(raw) < 1 or max(raw) > MAX_MODEL_LEN:
-            raise ConfigError(f"{path}:{lineno}: lengths must be in [1, {MAX_MODEL_LEN:,}], got prompt_len "
-                              f"{raw[0]}, output_len {raw[1]}")
-        if not (math.isfinite(arrival) and 0 <= arrival <= MAX_SPAN_S):
-            raise ConfigError(f"{path}:{lineno}: arrival_s must be a finite number in [0, {MAX_SPAN_S:g}] s, "
-                              f"got {arrival!r}")
-        p, o = scaled(raw[0], scale), scaled(raw[1], scale)
-        if p + o > MAX_MODEL_LEN:
-            raise ConfigError(f"{path}:{lineno}: scaled length {p + o:,} exceeds the maximum {MAX_MODEL_LEN:,} tokens")
-        requests.append(Request(p, o, arrival))
-        if limit is not None and len(requests) >= limit:
-            break
-    if not requests:
-        raise ConfigError(f"trace file {path} holds no requests")
-    return requests
+    """JSONL, one {"prompt_len", "output_len"[, "arrival_s"]} per line; `limit` keeps the first requests.
+    Every field passes the validation layer (experiments/workloads/jsonl.py): a bad line is one ConfigError."""
+    scale = check_number("length scale", scale, 0.0, MAX_MODEL_LEN, strict=True)
+    return [trace_request(line, scale) for line in request_lines(path, TRACE_SCHEMA, limit)]
+
+
+def trace_request(line: TraceLine, scale: float) -> Request:
+    line.only(TRACE_KEYS)
+    prompt, output = line.lengths("prompt_len", "output_len", high=MAX_MODEL_LEN)
+    arrival = line.number("arrival_s", MAX_SPAN_S, unit=" s", default=0.0)
+    p, o = scaled(prompt, scale), scaled(output, scale)
+    check_int(f"{line.where}: scaled prompt_len + output_len", p + o, 2, MAX_MODEL_LEN, " (tokens per sequence)")
+    return Request(p, o, arrival)
 
 
 def save_trace(path: str | Path, requests: list[Request]) -> None:
