@@ -15,6 +15,7 @@ from kvlab.common.errors import ConfigError
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 DEFAULT_PERCENTILES = (50.0, 90.0, 99.0)
+VLLM_METRICS, VLLM_PERCENTILES = "ttft,tpot,itl", "99"      # `vllm bench serve`'s defaults
 
 
 @dataclass(slots=True)
@@ -27,6 +28,7 @@ class RequestRecord:
     latency: float = 0.0                            # e2el, seconds
     start: float = 0.0                              # send time, seconds from the run's start
     error: str = ""
+    generated_text: str = ""
     kvlab: dict = field(default_factory=dict)       # the server's per-request KV attribution, when it sends one
 
     @property
