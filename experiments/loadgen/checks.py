@@ -85,9 +85,10 @@ def check_metrics(args: argparse.Namespace) -> None:
         raise ConfigError(f"unknown --percentile-metrics {shown(unknown[0])}; choose from {', '.join(latency.METRICS)}")
     for p in args.metric_percentiles:
         try:
-            check_number("each --metric-percentiles value", float(p), 0.0, 100.0, strict=True)
+            value = float(p)
         except ValueError:
-            raise ConfigError(f"bad --metric-percentiles {shown(p)}: numbers in (0, 100], e.g. 50,90,99") from None
+            value = p
+        check_number("each --metric-percentiles value", value, 0.0, 100.0, strict=True)
     latency.parse_goodput(args.goodput)
 
 
