@@ -1,9 +1,10 @@
 """kvlab bench serve speaks `vllm bench serve`: a real vLLM command line runs unchanged, against a server kvlab
-did not write (fakellm from PyPI, chat only, text prompts only), and the saved result has vLLM's keys."""
+did not write (mocktopus from PyPI: chat completions only, text prompts only), and the saved result has vLLM's
+keys."""
 from __future__ import annotations
 
+import asyncio
 import json
-import os
 import shlex
 import socket
 import threading
@@ -12,11 +13,12 @@ from contextlib import contextmanager
 
 import pytest
 import uvicorn
+from aiohttp import web
 
 from kvlab.experiments.cli import main as cli
 
 VLLM_CHAT_LINE = (
-    "vllm bench serve --backend openai-chat --base-url {url} --endpoint /v1/chat/completions --model mock-model "
+    "vllm bench serve --backend openai-chat --base-url {url} --endpoint /v1/chat/completions --model gpt-4 "
     "--tokenizer tiny --dataset-name random --random-input-len 16 --random-output-len 8 --random-range-ratio 0.5 "
     "--random-prefix-len 4 --num-prompts 6 --request-rate 50 --burstiness 2 --max-concurrency 3 --seed 7 "
     "--percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 --goodput ttft:5000 e2el:10000 "
@@ -48,12 +50,37 @@ def serve_in_thread(app):
         sock.close()
 
 
+MOCK_ANSWER = "A mocked answer, streamed five characters at a time."
+
+
+@contextmanager
+def serve_aiohttp_in_thread(app: web.Application):
+    """An aiohttp application on a free loopback port, on its own event loop in a thread; yields its URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.SockSite(runner, sock).start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+        sock.close()
+
+
 @pytest.fixture(scope="module")
-def fakellm_url(tmp_path_factory):
-    """fakellm (PyPI, not kvlab's): OpenAI chat completions that echo a fixed text, word by word."""
-    os.environ["FAKELLM_CONFIG"] = str(tmp_path_factory.mktemp("fakellm") / "none.yaml")   # no rules: echo
-    from fakellm.server import app
-    with serve_in_thread(app) as url:
+def mocktopus_url():
+    """mocktopus (PyPI, not kvlab's): OpenAI chat completions answering every model with MOCK_ANSWER."""
+    from mocktopus.core import Rule, Scenario
+    from mocktopus.server import MockServer
+    scenario = Scenario([Rule(type="llm.openai", when={"model": "*"}, respond={"content": MOCK_ANSWER})])
+    with serve_aiohttp_in_thread(MockServer(scenario=scenario).create_app()) as url:
         yield url
 
 
@@ -86,8 +113,8 @@ def test_vllm_defaults():
     assert (args.save_result, args.result_dir, args.result_filename, args.ignore_eos) == (False, None, None, False)
 
 
-def test_the_vllm_line_runs_unchanged_against_fakellm(fakellm_url, tmp_path, capsys):
-    rc = cli.main(kvlab_argv(VLLM_CHAT_LINE.format(url=fakellm_url, out=tmp_path)))
+def test_the_vllm_line_runs_unchanged_against_mocktopus(mocktopus_url, tmp_path, capsys):
+    rc = cli.main(kvlab_argv(VLLM_CHAT_LINE.format(url=mocktopus_url, out=tmp_path)))
     out = capsys.readouterr().out
     assert rc == 0, out
     assert out.startswith("kvlab bench serve: 6 requests (random, text prompts, 16 in / 8 out tokens) at 50 req/s")
@@ -95,23 +122,23 @@ def test_the_vllm_line_runs_unchanged_against_fakellm(fakellm_url, tmp_path, cap
     assert set(VLLM_SUMMARY + VLLM_PER_REQUEST) <= set(saved)
     assert all(len(saved[k]) == 6 for k in VLLM_PER_REQUEST)
     assert saved["completed"] == 6 and saved["errors"] == [""] * 6 and saved["failed"] == 0
-    assert all(t.startswith("[mock response for mock-model") for t in saved["generated_texts"])
+    assert saved["generated_texts"] == [MOCK_ANSWER] * 6
     assert all(0 < t for t in saved["ttfts"]) and all(len(i) == n - 1 for i, n in zip(saved["itls"],
                                                                                        saved["output_lens"]))
     # --random-prefix-len 4 plus 16 +- 50%: the tiny preset's byte tokenizer counts one token per character
     assert all(4 + 8 <= n <= 4 + 24 for n in saved["input_lens"])
-    assert saved["model_id"] == "mock-model" and saved["tokenizer_id"] == "tiny" and saved["request_rate"] == 50
+    assert saved["model_id"] == "gpt-4" and saved["tokenizer_id"] == "tiny" and saved["request_rate"] == 50
     assert {"p50_ttft_ms", "p99_e2el_ms", "mean_itl_ms", "std_tpot_ms"} <= set(saved)
     assert saved["request_goodput"] is not None
 
 
-def test_sharegpt_from_a_local_file(fakellm_url, tmp_path, capsys):
+def test_sharegpt_from_a_local_file(mocktopus_url, tmp_path, capsys):
     turns = [{"conversations": [{"from": "human", "value": f"question number {i} " * 3},
                                 {"from": "gpt", "value": f"an answer {i} " * 4}]} for i in range(5)]
     turns.append({"conversations": [{"from": "human", "value": "hi"}]})      # one turn: skipped, as vLLM does
     data = tmp_path / "sharegpt.json"
     data.write_text(json.dumps(turns))
-    rc = cli.main(["bench", "serve", "--backend", "openai-chat", "--base-url", fakellm_url, "--model", "m",
+    rc = cli.main(["bench", "serve", "--backend", "openai-chat", "--base-url", mocktopus_url, "--model", "m",
                    "--dataset-name", "sharegpt", "--dataset-path", str(data), "--num-prompts", "3",
                    "--save-result", "--result-dir", str(tmp_path), "--result-filename", "s.json"])
     assert rc == 0, capsys.readouterr()
@@ -120,10 +147,11 @@ def test_sharegpt_from_a_local_file(fakellm_url, tmp_path, capsys):
     assert saved["completed"] == 3 and set(saved["input_lens"]) <= lengths
 
 
-def test_fakellm_without_model_is_one_line(fakellm_url, capsys):
-    rc = cli.main(["bench", "serve", "--backend", "openai-chat", "--base-url", fakellm_url, "--num-prompts", "2"])
-    cap = capsys.readouterr()
-    assert rc == 2 and cap.out == "" and cap.err.count("\n") == 1 and "pass --model" in cap.err
+def test_the_model_defaults_to_the_servers_first(mocktopus_url, capsys):
+    rc = cli.main(["bench", "serve", "--backend", "openai-chat", "--base-url", mocktopus_url, "--num-prompts", "2",
+                   "--random-input-len", "8", "--random-output-len", "4", "--disable-tqdm"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "(openai-chat, model gpt-3.5-turbo)" in out and "completed                        2" in out
 
 
 def test_a_missing_sharegpt_file_is_one_line(tmp_path, capsys):

@@ -73,6 +73,13 @@ def stats(name: str, values_s: list[float], percentiles: tuple[float, ...]) -> d
     return out
 
 
+def peak_tokens_per_s(records: list[RequestRecord]) -> int:
+    """The most tokens streamed to the client within one whole second of the run (vLLM's
+    max_output_tokens_per_s): each token at its arrival, counted in the second it fell into."""
+    arrivals = [r.start + r.ttft + t for r in records for t in np.cumsum([0.0, *r.itl])]
+    return int(np.bincount(np.floor(arrivals).astype(int)).max()) if arrivals else 0
+
+
 def summarize(records: list[RequestRecord], duration: float, slos: dict[str, float] | None = None,
               metrics: tuple[str, ...] = METRICS, percentiles: tuple[float, ...] = DEFAULT_PERCENTILES,
               max_concurrent: int = 0) -> dict[str, float]:
@@ -88,6 +95,7 @@ def summarize(records: list[RequestRecord], duration: float, slos: dict[str, flo
         "max_concurrent_requests": max_concurrent,
     }
     result["request_goodput"] = sum(meets(r, slos) for r in ok) / d if slos else None
+    result["max_output_tokens_per_s"] = peak_tokens_per_s(ok)
     values = {"ttft": [r.ttft for r in ok], "tpot": [r.tpot for r in ok if r.tpot is not None],
               "itl": [x for r in ok for x in r.itl], "e2el": [r.latency for r in ok]}
     for name in metrics:
