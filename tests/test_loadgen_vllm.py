@@ -16,6 +16,7 @@ import uvicorn
 from aiohttp import web
 
 from kvlab.experiments.cli import main as cli
+from kvlab.experiments.loadgen import cli as loadgen_cli
 
 VLLM_CHAT_LINE = (
     "vllm bench serve --backend openai-chat --base-url {url} --endpoint /v1/chat/completions --model gpt-4 "
@@ -104,8 +105,8 @@ def test_a_vllm_command_line_parses_with_vllm_meanings(tmp_path):
 
 def test_vllm_defaults():
     args = cli.build_parser().parse_args(["bench", "serve"])
-    assert (args.backend, args.dataset, args.num_prompts, args.input_len, args.output_len) == \
-        ("openai", "random", 1000, 1024, 128)
+    assert (args.backend, args.input_len, args.output_len) == ("openai", 1024, 128)
+    assert (loadgen_cli.DEFAULTS["run"], args.dataset, args.num_prompts) == (("random", 1000), None, None)
     assert (args.range_ratio, args.prefix_len, args.request_rate, args.burstiness, args.seed) == \
         (0.0, 0, float("inf"), 1.0, 0)
     assert (args.host, args.port, args.base_url, args.max_concurrency) == ("127.0.0.1", 8000, None, None)

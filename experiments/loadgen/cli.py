@@ -21,6 +21,8 @@ from kvlab.experiments.loadgen.client import BACKENDS, Target, Timeouts, fetch_m
 from kvlab.experiments.loadgen.load_run import LoadSpec, bench_once, format_result, load_plan
 
 DATASETS_WITH_FILE = ("sharegpt", "trace", "mooncake")
+# (dataset, prompts) when not given: vLLM's for a run against a server, kvlab's for the sweep on the tiny model
+DEFAULTS = {"run": ("random", 1000), "sweep": ("seed", 100)}
 
 
 def add_parser(subparsers: Any) -> None:
@@ -56,11 +58,11 @@ def add_target_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_dataset_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dataset-name", "--dataset", dest="dataset", default="random",
+    p.add_argument("--dataset-name", "--dataset", dest="dataset",
                    help="random | sharegpt | trace | mooncake[:BLOCK] (these three with --dataset-path) | seed | "
-                        "prefix:system|multiturn|fewshot")
+                        "prefix:system|multiturn|fewshot (default random; seed with --backends)")
     p.add_argument("--dataset-path", help="the sharegpt JSON, trace or mooncake JSONL file")
-    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--num-prompts", type=int, help="default 1000; 100 with --backends")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--random-input-len", "--input-len", dest="input_len", type=int, default=1024)
     p.add_argument("--random-output-len", "--output-len", dest="output_len", type=int, default=128)
@@ -121,6 +123,9 @@ def load_spec_from(args: argparse.Namespace) -> LoadSpec:
 
 
 def run(args: argparse.Namespace) -> int:
+    dataset, num_prompts = DEFAULTS["sweep" if args.backends else "run"]
+    args.dataset = args.dataset or dataset
+    args.num_prompts = num_prompts if args.num_prompts is None else args.num_prompts
     checks.check_args(args)
     spec = load_spec_from(args)
     if args.backends:
