@@ -56,6 +56,7 @@ def test_percentiles_and_goodput_hand_computed():
     assert r["mean_itl_ms"] == pytest.approx(62.5) and r["p99_itl_ms"] == pytest.approx(100)
     assert r["mean_e2el_ms"] == pytest.approx(375)
     assert r["request_goodput"] == pytest.approx(1.0)           # 100 and 200 ms TTFT with 50 ms TPOT: 2 / 2 s
+    assert r["max_output_tokens_per_s"] == 12                  # all started at 0 s, every token within the 1st s
     with pytest.raises(ConfigError):
         parse_goodput(["latency:5"])
 
@@ -75,6 +76,7 @@ def test_datasets_are_seeded(tmp_path):
 
 FIRST_S, GAP_S, TOKENS = 0.060, 0.025, 5
 STAMPS: dict[int, list[float]] = {}      # prompt's first id -> [received, chunk 0 sent, chunk 1 sent, ...]
+BODIES: list[dict] = []                  # every completion request's body, as received
 
 
 def stub_app() -> FastAPI:
@@ -88,7 +90,9 @@ def stub_app() -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        stamps = STAMPS.setdefault((await request.json())["prompt"][0], [time.perf_counter()])
+        body = await request.json()
+        BODIES.append(body)
+        stamps = STAMPS.setdefault(body["prompt"][0], [time.perf_counter()])
 
         async def events():
             await asyncio.sleep(FIRST_S)
@@ -151,6 +155,19 @@ def test_bench_serve_cli_against_stub(stub, tmp_path, capsys):
     from provenance_check import check_provenance
     assert check_provenance(saved["provenance"], "bench serve")["base_url"] == stub
     assert re.search(r"completed\s+4", capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("extra,prompt_type", [([], str), (["--token-ids"], list)])
+def test_prompts_are_text_unless_token_ids_are_asked_for(stub, capsys, extra, prompt_type):
+    """vLLM sends text; --host/--port build the URL as vLLM does; the random dataset sends ignore_eos."""
+    host, port = stub.removeprefix("http://").split(":")
+    BODIES.clear()
+    rc = cli.main(["bench", "serve", "--host", host, "--port", port, "--num-prompts", "3", "--random-input-len", "6",
+                   "--random-output-len", "5", "--tokenizer", "tiny", *extra])
+    out = capsys.readouterr().out
+    assert rc == 0 and f"-> {stub}/v1/completions (openai, model stub)" in out
+    assert len(BODIES) == 3 and all(isinstance(b["prompt"], prompt_type) and b["ignore_eos"] for b in BODIES)
+    assert all(len(b["prompt"]) == 6 and b["max_tokens"] == 5 for b in BODIES)
 
 
 def test_a_server_without_v1_models_is_one_line_unless_model_is_given(stub, capsys):

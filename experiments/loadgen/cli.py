@@ -1,74 +1,183 @@
-"""`kvlab bench serve`: drive an OpenAI-compatible server (--base-url), or, with --backends, start one kvlab server
-per backend in turn and sweep --request-rates over identical arrivals and prompts (see sweep.py).
+"""`kvlab bench serve`: drive an OpenAI-compatible server (--base-url, or --host/--port), or, with --backends, start
+one kvlab server per backend in turn and sweep --request-rates over identical arrivals and prompts (see sweep.py).
 
-Flag and result-key names follow `vllm bench serve`."""
+The flags `vllm bench serve` also has carry its names, defaults and meanings, so a `vllm bench serve` command
+line that uses only those runs unchanged; kvlab's older names stay as aliases."""
 from __future__ import annotations
 
 import argparse
 import json
 import math
+from dataclasses import replace
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from kvlab.common.errors import ConfigError
+from kvlab.common.validate import check_output_path
 from kvlab.experiments.cli import flags
-from kvlab.experiments.loadgen import latency
-from kvlab.experiments.loadgen.load_run import LoadSpec, bench_once, format_result
+from kvlab.experiments.loadgen import checks, latency
+from kvlab.experiments.loadgen.client import BACKENDS, Target, Timeouts, fetch_model
+from kvlab.experiments.loadgen.load_run import LoadSpec, bench_once, format_result, load_plan
 
-DEFAULT_URL = "http://127.0.0.1:8000"
+DATASETS_WITH_FILE = ("sharegpt", "trace", "mooncake")
+# (dataset, prompts) when not given: vLLM's for a run against a server, kvlab's for the sweep on the tiny model
+DEFAULTS = {"run": ("random", 1000), "sweep": ("seed", 100)}
 
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("serve", help="load generator for an OpenAI-compatible server; --backends sweeps",
                               description=__doc__)
-    p.add_argument("--base-url", help=f"server to drive (default {DEFAULT_URL}; ignored with --backends)")
+    add_target_flags(p)
+    add_dataset_flags(p)
+    add_traffic_flags(p)
+    add_result_flags(p)
+    add_sweep_flags(p)
+    p.set_defaults(run=run)
+
+
+def add_target_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=list(BACKENDS), default="openai",
+                   help="openai: /v1/completions; openai-chat: /v1/chat/completions")
+    p.add_argument("--base-url", help="server to drive (default http://--host:--port; ignored with --backends)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--endpoint", help="API path (default: the --backend's)")
     p.add_argument("--model", help="model id to send (default: the server's first /v1/models entry); "
                                    "with --backends, the kvlab model preset to serve (default tiny)")
-    p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (default inf: all at once)")
-    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1 = Poisson)")
-    p.add_argument("--max-concurrency", type=int, help="most requests in flight at once")
-    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--tokenizer", help="kvlab preset or local model whose tokenizer turns prompts into text "
+                                       "(default: --model's when it names one, else the byte tokenizer)")
+    p.add_argument("--token-ids", action="store_true", help="send prompts as token-id lists, not text")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="send ignore_eos (always on for the random dataset, as vLLM does)")
+    p.add_argument("--connect-timeout", type=float, default=Timeouts.connect, help="seconds (default %(default)s)")
+    p.add_argument("--read-timeout", type=float, default=Timeouts.read,
+                   help="seconds of silence from the server before a request fails (default %(default)s)")
+    p.add_argument("--request-timeout", type=float, default=Timeouts.request,
+                   help="seconds one request may take in all (default %(default)s)")
+
+
+def add_dataset_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dataset-name", "--dataset", dest="dataset",
+                   help="random | sharegpt | trace | mooncake[:BLOCK] (these three with --dataset-path) | seed | "
+                        "prefix:system|multiturn|fewshot (default random; seed with --backends)")
+    p.add_argument("--dataset-path", help="the sharegpt JSON, trace or mooncake JSONL file")
+    p.add_argument("--num-prompts", type=int, help="default 1000; 100 with --backends")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dataset", default="seed", help="seed | random | trace:FILE.jsonl | "
-                   "mooncake:FILE.jsonl[:BLOCK] | prefix:system|multiturn|fewshot")
+    p.add_argument("--random-input-len", "--input-len", dest="input_len", type=int, default=1024)
+    p.add_argument("--random-output-len", "--output-len", dest="output_len", type=int, default=128)
+    p.add_argument("--random-range-ratio", "--range-ratio", dest="range_ratio", type=float, default=0.0,
+                   help="random dataset: lengths uniform in [len * (1 - r), len * (1 + r)], 0 <= r < 1")
+    p.add_argument("--random-prefix-len", dest="prefix_len", type=int, default=0,
+                   help="random dataset: tokens of one random prefix before every prompt")
     p.add_argument("--scale", type=float, default=1 / 8, help="seed dataset: multiply every length")
-    p.add_argument("--input-len", type=int, default=64, help="random dataset")
-    p.add_argument("--output-len", type=int, default=32, help="random dataset")
-    p.add_argument("--range-ratio", type=float, default=0.0, help="random dataset: lengths +- this fraction")
-    p.add_argument("--vocab-size", type=int, default=259, help="prompt token ids are drawn in [3, vocab-size)")
+    p.add_argument("--vocab-size", type=int, default=259, help="--token-ids: ids are drawn in [3, vocab-size)")
+
+
+def add_traffic_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (default inf: all at once)")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help=f"gamma shape of the gaps (1 = Poisson), in [{checks.MIN_BURSTINESS}, {checks.MAX_BURSTINESS}]")
+    p.add_argument("--max-concurrency", type=int, help="most requests in flight at once")
+    p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+
+
+def add_result_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--goodput", nargs="+", metavar="NAME:MS", help="SLOs: ttft:MS tpot:MS e2el:MS")
-    p.add_argument("--percentile-metrics", type=flags.parse_list, default=list(latency.METRICS))
-    p.add_argument("--metric-percentiles", type=flags.parse_list, default=["50", "90", "99"])
-    p.add_argument("--save-result", action="store_true", help="write the result JSON (--result-dir)")
-    p.add_argument("--result-dir", default=".", help="where --save-result writes")
+    p.add_argument("--percentile-metrics", type=flags.parse_list, default=latency.VLLM_METRICS.split(","),
+                   help=f"of {','.join(latency.METRICS)} (default {latency.VLLM_METRICS})")
+    p.add_argument("--metric-percentiles", type=flags.parse_list, default=latency.VLLM_PERCENTILES.split(","),
+                   help=f"(default {latency.VLLM_PERCENTILES})")
+    p.add_argument("--save-result", action="store_true", help="write the result JSON (vLLM's keys)")
+    p.add_argument("--result-dir", help="where --save-result writes (default: the current directory)")
+    p.add_argument("--result-filename", help="default {backend}-{rate}qps[-concurrency{N}]-{model}-{date}.json")
+
+
+def add_sweep_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backends", type=flags.parse_list, help="sweep: start a kvlab server per backend")
     p.add_argument("--request-rates", type=flags.parse_list, help="sweep: comma list of rates (inf allowed)")
     p.add_argument("--out", metavar="DIR", help="sweep results directory (default results/<timestamp>)")
     p.add_argument("--server-args", default="", help="sweep: extra `kvlab serve` flags, one string")
-    p.set_defaults(run=run)
+
+
+def dataset_spec(name: str, path: str | None) -> str:
+    """vLLM's --dataset-name NAME --dataset-path FILE as kvlab's NAME:FILE (kvlab's own form also accepted)."""
+    kind = name.partition(":")[0]
+    if kind in DATASETS_WITH_FILE and path is None and kind == name:
+        raise ConfigError(f"--dataset-name {name} reads a file: give --dataset-path FILE")
+    if kind in DATASETS_WITH_FILE and path is not None:
+        if kind != name and kind != "mooncake":
+            raise ConfigError(f"--dataset-name {name}: give the file once, as --dataset-path")
+        return f"{name}:{path}" if kind == name else f"mooncake:{path}:{name.partition(':')[2]}"
+    return name
 
 
 def load_spec_from(args: argparse.Namespace) -> LoadSpec:
     """The one place `kvlab bench serve`'s load flags are read."""
-    return LoadSpec(args.dataset, args.num_prompts, args.seed, args.vocab_size, args.scale, args.input_len,
+    dataset = dataset_spec(args.dataset, args.dataset_path)
+    return LoadSpec(dataset, args.num_prompts, args.seed, args.vocab_size, args.scale, args.input_len,
                     args.output_len, args.range_ratio, args.burstiness, args.max_concurrency, args.model,
                     tuple(args.goodput) if args.goodput is not None else None, tuple(args.percentile_metrics),
-                    tuple(args.metric_percentiles))
+                    tuple(args.metric_percentiles), args.prefix_len, args.tokenizer, args.token_ids,
+                    args.ignore_eos or dataset == "random")
 
 
 def run(args: argparse.Namespace) -> int:
+    dataset, num_prompts = DEFAULTS["sweep" if args.backends else "run"]
+    args.dataset = args.dataset or dataset
+    args.num_prompts = num_prompts if args.num_prompts is None else args.num_prompts
+    checks.check_args(args)
     spec = load_spec_from(args)
     if args.backends:
-        from kvlab.experiments.loadgen.sweep import parse_rates, run_sweep
-        rates = parse_rates(args.request_rates or [str(args.request_rate)])
-        return run_sweep(spec, args.backends, rates, args.out, args.server_args)
-    result = bench_once(spec, args.base_url or DEFAULT_URL, args.request_rate)
+        return sweep(args, spec)
+    target = Target(checks.base_url(args), args.backend, checks.check_endpoint(args.endpoint), args.model,
+                    timeouts=Timeouts(args.connect_timeout, args.read_timeout, args.request_timeout))
+    load_plan(spec, args.request_rate)                  # the dataset's errors before the first request
+    target = replace(target, model=args.model or fetch_model(target))
+    spec = replace(spec, model=target.model)            # the default tokenizer, as vLLM's: the served model's
+    print(start_line(spec, target, args.request_rate), flush=True)
+    result = bench_once(spec, target, args.request_rate, progress=not args.disable_tqdm)
     print(format_result(result))
     if args.save_result:
-        path = Path(args.result_dir) / f"kvlab-serve-{args.request_rate:g}qps-{args.num_prompts}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        from kvlab.experiments.reporting.provenance import provenance
-        record = provenance({"command": "bench serve", "base_url": args.base_url or DEFAULT_URL, "load": spec,
-                             "request_rate": args.request_rate})
-        path.write_text(json.dumps({**result, "provenance": record}, indent=1))
-        print(f"wrote {path}")
+        print(f"wrote {save_result(args, result, target)}")
     return 0 if result["completed"] else 1
+
+
+def sweep(args: argparse.Namespace, spec: LoadSpec) -> int:
+    from kvlab.experiments.loadgen.sweep import run_sweep
+    checks.check_backends(args.backends)
+    if args.out is not None:
+        check_output_path("--out", args.out, directory=True)
+    rates = checks.rates_of(args)
+    spec = replace(spec, model=spec.model or "tiny",     # the sweep's tables and plots read p50 and p99 of all
+                   percentile_metrics=latency.METRICS, metric_percentiles=("50", "90", "99"))
+    load_plan(spec, rates[0])
+    return run_sweep(spec, args.backends, rates, args.out, args.server_args_list)
+
+
+def start_line(spec: LoadSpec, target: Target, rate: float) -> str:
+    prompts = "token ids" if spec.token_ids else "text"
+    lengths = f", {spec.input_len} in / {spec.output_len} out tokens" if spec.dataset == "random" else ""
+    return (f"kvlab bench serve: {spec.num_prompts} requests ({spec.dataset}, {prompts} prompts{lengths}) at "
+            f"{rate:g} req/s, burstiness {spec.burstiness:g}, max concurrency {spec.max_concurrency or 'none'} "
+            f"-> {target.url} ({target.backend}, model {target.model})")
+
+
+def save_result(args: argparse.Namespace, result: dict[str, Any], target: Target) -> Path:
+    """vLLM's result file: its setup keys, then the run's."""
+    now = datetime.now().strftime("%Y%m%d-%H%M%S")
+    model = target.model or "unknown"
+    head = {"date": now, "endpoint_type": args.backend, "backend": args.backend, "label": None, "model_id": model,
+            "tokenizer_id": args.tokenizer or model, "num_prompts": args.num_prompts,
+            "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
+            "burstiness": args.burstiness, "max_concurrency": args.max_concurrency}
+    concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency is not None else ""
+    name = f"{args.backend}-{args.request_rate}qps{concurrency}-{model.split('/')[-1]}-{now}.json"
+    path = Path(args.result_dir or ".") / (args.result_filename or name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    from kvlab.experiments.reporting.provenance import provenance
+    record = provenance({"command": "bench serve", "base_url": target.url, "load": load_spec_from(args),
+                         "request_rate": args.request_rate})
+    path.write_text(json.dumps(head | result | {"request_rate": head["request_rate"], "provenance": record},
+                               indent=1))
+    return path

@@ -1,5 +1,7 @@
-"""The load generator: sends a list of requests to an OpenAI-compatible /v1/completions on a fixed arrival
-schedule (asyncio + aiohttp, streaming) and times each at the client (see latency.py for the definitions).
+"""The load generator: sends a list of requests to an OpenAI-compatible server (`openai`: /v1/completions,
+`openai-chat`: /v1/chat/completions, as `vllm bench serve --backend`) on a fixed arrival schedule (asyncio +
+aiohttp, streaming) and times each at the client (see latency.py for the definitions). Every request is bounded
+by the connect, read (silence between bytes) and total timeouts in `Timeouts`.
 aiohttp, as vLLM's `bench serve` uses: its C stream parser costs under half of httpx's CPU per streamed token,
 which matters when the client shares the machine with the server it measures."""
 from __future__ import annotations
@@ -7,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import aiohttp
 
@@ -15,78 +18,138 @@ from kvlab.common.errors import ConfigError
 from kvlab.experiments.loadgen.datasets import LoadRequest
 from kvlab.experiments.loadgen.latency import RequestRecord
 
-
-def request_body(model: str, req: LoadRequest) -> dict:
-    return {"model": model, "prompt": req.prompt, "max_tokens": req.output_len, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+BACKENDS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
 
 
-def has_token(chunk: dict) -> bool:
+@dataclass(frozen=True)
+class Timeouts:
+    """Seconds; the defaults are documented in docs/serving.md."""
+    connect: float = 30.0        # TCP connect
+    read: float = 300.0          # silence between two reads of the response (a server that never answers)
+    request: float = 3600.0      # one request in all (an SSE stream that never ends)
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where and how the requests go."""
+    base_url: str
+    backend: str = "openai"
+    endpoint: str | None = None      # None: the backend's
+    model: str | None = None         # None: the server's first /v1/models entry
+    ignore_eos: bool = False
+    timeouts: Timeouts = Timeouts()
+
+    @property
+    def url(self) -> str:
+        return self.base_url.rstrip("/") + (self.endpoint or BACKENDS[self.backend])
+
+
+def client_timeout(t: Timeouts) -> aiohttp.ClientTimeout:
+    return aiohttp.ClientTimeout(total=t.request, connect=t.connect, sock_read=t.read)
+
+
+def request_body(target: Target, model: str, req: LoadRequest) -> dict:
+    body = {"model": model, "max_tokens": req.output_len, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if target.ignore_eos:
+        body["ignore_eos"] = True
+    if target.backend == "openai-chat":
+        return body | {"messages": [{"role": "user", "content": req.prompt}]}
+    return body | {"prompt": req.prompt}
+
+
+def chunk_text(chunk: dict) -> str | None:
+    """The text a streamed chunk carries (None when it carries no token)."""
     for c in chunk.get("choices") or []:
-        if c.get("text") or c.get("token_ids") or (c.get("delta") or {}).get("content"):
-            return True
-    return False
+        text = c.get("text") or (c.get("delta") or {}).get("content")
+        if text or c.get("token_ids"):
+            return text or ""
+    return None
 
 
-async def send(session: aiohttp.ClientSession, url: str, body: dict, run_t0: float) -> RequestRecord:
+async def send(session: aiohttp.ClientSession, target: Target, body: dict, req: LoadRequest,
+               run_t0: float) -> RequestRecord:
     t0 = time.perf_counter()
-    r = RequestRecord(prompt_len=len(body["prompt"]), start=t0 - run_t0)
-    last, chunks, usage = t0, 0, None
+    r = RequestRecord(prompt_len=req.prompt_len, start=t0 - run_t0)
     try:
-        async with session.post(url, json=body) as resp:
+        async with session.post(target.url, json=body, timeout=client_timeout(target.timeouts)) as resp:
             if resp.status != 200:
                 r.error = f"HTTP {resp.status}: {(await resp.read())[:200]!r}"
                 return r
-            async for line in resp.content:                       # one SSE line at a time
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
-                chunk = json.loads(data)
-                if chunk.get("kvlab"):
-                    r.kvlab = chunk["kvlab"]
-                if chunk.get("usage"):
-                    usage = chunk["usage"].get("completion_tokens")
-                if has_token(chunk):
-                    now = time.perf_counter()
-                    if chunks == 0:
-                        r.ttft = now - t0
-                    else:
-                        r.itl.append(now - last)
-                    last, chunks = now, chunks + 1
+            await read_stream(resp, r, t0)
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:      # ValueError: bad JSON, too-long line
-        r.error = f"{type(e).__name__}: {e}"
+        r.error = f"{type(e).__name__}: {e}" if str(e) else f"{type(e).__name__} (timeouts: {target.timeouts})"
         return r
     r.latency = time.perf_counter() - t0
-    r.output_tokens = usage if usage is not None else chunks
-    r.success = chunks > 0
+    r.success = bool(r.output_tokens)
     r.error = "" if r.success else "no tokens streamed"
     return r
 
 
+async def read_stream(resp: aiohttp.ClientResponse, r: RequestRecord, t0: float) -> None:
+    """Times each streamed token into `r`; output_tokens from the server's usage, else the chunks counted."""
+    last, chunks, usage, texts = t0, 0, None, []
+    async for line in resp.content:                       # one SSE line at a time
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            break
+        chunk = json.loads(data)
+        if not isinstance(chunk, dict):
+            raise ValueError(f"an SSE event that is not a JSON object: {data[:80]!r}")
+        r.kvlab = chunk.get("kvlab") or r.kvlab
+        usage = (chunk.get("usage") or {}).get("completion_tokens") or usage
+        text = chunk_text(chunk)
+        if text is not None:
+            now = time.perf_counter()
+            if chunks == 0:
+                r.ttft = now - t0
+            else:
+                r.itl.append(now - last)
+            last, chunks = now, chunks + 1
+            texts.append(text)
+    r.generated_text = "".join(texts)
+    r.output_tokens = usage if isinstance(usage, int) and chunks else chunks
+
+
 async def served_model(session: aiohttp.ClientSession, base_url: str) -> str:
     """The first model the server lists (any OpenAI-compatible server has GET /v1/models)."""
-    async with session.get(base_url + "/v1/models") as resp:
-        try:
+    try:
+        async with session.get(base_url + "/v1/models") as resp:
             resp.raise_for_status()
-            return (await resp.json(content_type=None))["data"][0]["id"]
-        except (aiohttp.ClientError, ValueError, LookupError, TypeError) as e:
-            raise ConfigError(f"could not read the model from {base_url}/v1/models ({e}); pass --model") from None
+            model = (await resp.json(content_type=None))["data"][0]["id"]
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, LookupError, TypeError) as e:
+        why = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+        raise ConfigError(f"could not read the model from {base_url}/v1/models ({why}); pass --model") from None
+    if not isinstance(model, str):
+        raise ConfigError(f"{base_url}/v1/models names no model id; pass --model")
+    return model
 
 
-async def run_load(base_url: str, requests: Sequence[LoadRequest], arrivals: Sequence[float],
-                   max_concurrency: int | None = None, model: str | None = None) -> tuple[list[RequestRecord],
-                                                                                          float, int]:
-    """Returns (records in request order, duration in seconds, most requests in flight at once)."""
-    base_url = base_url.rstrip("/")
+def fetch_model(target: Target) -> str:
+    """The first model the server lists, fetched once before the run (for the start line and the result)."""
+    async def fetch() -> str:
+        timeout = client_timeout(target.timeouts)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            return await served_model(session, target.base_url.rstrip("/"))
+    return asyncio.run(fetch())
+
+
+async def run_load(target: Target | str, requests: Sequence[LoadRequest], arrivals: Sequence[float],
+                   max_concurrency: int | None = None, model: str | None = None,
+                   on_done: Callable[[RequestRecord], None] | None = None
+                   ) -> tuple[list[RequestRecord], float, int]:
+    """Returns (records in request order, duration in seconds, most requests in flight at once); `on_done` is
+    called as each request ends (the progress bar). A plain URL is the `openai` backend with default timeouts."""
+    target = Target(target) if isinstance(target, str) else target
     limit = max_concurrency or len(requests)
     gate = asyncio.Semaphore(limit)
     in_flight = peak = 0
-    timeout = aiohttp.ClientTimeout(total=None, connect=30)
+    timeout = client_timeout(target.timeouts)
     connector = aiohttp.TCPConnector(limit=limit)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector, read_bufsize=1 << 20) as session:
-        model = model or await served_model(session, base_url)
+        model = model or target.model or await served_model(session, target.base_url.rstrip("/"))
         t0 = time.perf_counter()
 
         async def one(req: LoadRequest) -> RequestRecord:
@@ -95,9 +158,12 @@ async def run_load(base_url: str, requests: Sequence[LoadRequest], arrivals: Seq
                 in_flight += 1
                 peak = max(peak, in_flight)
                 try:
-                    return await send(session, base_url + "/v1/completions", request_body(model, req), t0)
+                    record = await send(session, target, request_body(target, model, req), req, t0)
                 finally:
                     in_flight -= 1
+            if on_done is not None:
+                on_done(record)
+            return record
 
         tasks = []
         for req, at in zip(requests, arrivals):

@@ -14,6 +14,7 @@ from kvlab.common.errors import ConfigError
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 DEFAULT_PERCENTILES = (50.0, 90.0, 99.0)
+VLLM_METRICS, VLLM_PERCENTILES = "ttft,tpot,itl", "99"      # `vllm bench serve`'s defaults
 
 
 @dataclass(slots=True)
@@ -26,6 +27,7 @@ class RequestRecord:
     latency: float = 0.0                            # e2el, seconds
     start: float = 0.0                              # send time, seconds from the run's start
     error: str = ""
+    generated_text: str = ""
     kvlab: dict = field(default_factory=dict)       # the server's per-request KV attribution, when it sends one
 
     @property
@@ -63,6 +65,13 @@ def stats(name: str, values_s: list[float], percentiles: tuple[float, ...]) -> d
     return out
 
 
+def peak_tokens_per_s(records: list[RequestRecord]) -> int:
+    """The most tokens streamed to the client within one whole second of the run (vLLM's
+    max_output_tokens_per_s): each token at its arrival, counted in the second it fell into."""
+    arrivals = [r.start + r.ttft + t for r in records for t in np.cumsum([0.0, *r.itl])]
+    return int(np.bincount(np.floor(arrivals).astype(int)).max()) if arrivals else 0
+
+
 def summarize(records: list[RequestRecord], duration: float, slos: dict[str, float] | None = None,
               metrics: tuple[str, ...] = METRICS, percentiles: tuple[float, ...] = DEFAULT_PERCENTILES,
               max_concurrent: int = 0) -> dict[str, float]:
@@ -78,6 +87,7 @@ def summarize(records: list[RequestRecord], duration: float, slos: dict[str, flo
         "max_concurrent_requests": max_concurrent,
     }
     result["request_goodput"] = sum(meets(r, slos) for r in ok) / d if slos else None
+    result["max_output_tokens_per_s"] = peak_tokens_per_s(ok)
     values = {"ttft": [r.ttft for r in ok], "tpot": [r.tpot for r in ok if r.tpot is not None],
               "itl": [x for r in ok for x in r.itl], "e2el": [r.latency for r in ok]}
     for name in metrics:

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import math
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, replace
 from typing import Any
 
+from tqdm import tqdm
+
 from kvlab.common.errors import ConfigError
-from kvlab.experiments.loadgen import datasets, latency
+from kvlab.common.limits import MAX_SPAN_S
+from kvlab.common.validate import check_number
+from kvlab.experiments.loadgen import datasets, latency, prompts
 from kvlab.experiments.loadgen.arrivals import arrival_times
-from kvlab.experiments.loadgen.client import run_load
+from kvlab.experiments.loadgen.client import Target, run_load
 
 
 @dataclass(frozen=True)
@@ -30,33 +35,58 @@ class LoadSpec:
     goodput: tuple[str, ...] | None = None
     percentile_metrics: tuple[str, ...] = tuple(latency.METRICS)
     metric_percentiles: tuple[str, ...] = ("50", "90", "99")
+    prefix_len: int = 0
+    tokenizer: str | None = None     # preset or local model whose tokenizer makes text prompts (None: --model's)
+    token_ids: bool = True           # send token-id lists, not text
+    ignore_eos: bool = True
 
 
 def load_plan(spec: LoadSpec, rate: float) -> tuple[list[datasets.LoadRequest], list[float]]:
     """Prompts and arrivals depend only on the spec and seed: every backend and rerun gets the same."""
+    tokenizer = None if spec.token_ids else prompts.load_tokenizer(spec.tokenizer or spec.model,
+                                                                    explicit=spec.tokenizer is not None)
     reqs = datasets.build(spec.dataset, spec.num_prompts, spec.seed, spec.vocab_size, scale=spec.scale,
-                          input_len=spec.input_len, output_len=spec.output_len, range_ratio=spec.range_ratio)
+                          input_len=spec.input_len, output_len=spec.output_len, range_ratio=spec.range_ratio,
+                          prefix_len=spec.prefix_len, tokenizer=tokenizer)
     if reqs[0].timestamp is not None:
         return reqs, [r.timestamp for r in reqs]
-    return reqs, arrival_times(len(reqs), rate, spec.burstiness, spec.seed).tolist()
+    arrivals = arrival_times(len(reqs), rate, spec.burstiness, spec.seed)
+    check_number("the arrivals' span (--num-prompts / --request-rate)", float(arrivals[-1]), 0.0, MAX_SPAN_S,
+                 unit=" s")
+    return reqs, arrivals.tolist()
 
 
-def bench_once(spec: LoadSpec, base_url: str, rate: float, model: str | None = None) -> dict[str, Any]:
+def bench_once(spec: LoadSpec, target: Target | str, rate: float, model: str | None = None,
+               progress: bool = False) -> dict[str, Any]:
+    """One run; the result has `vllm bench serve`'s keys (per request: input_lens, output_lens, ttfts, itls,
+    generated_texts, errors) plus kvlab's (the server's KV attribution, `requests`)."""
+    target = Target(target) if isinstance(target, str) else target
     try:
         percentiles = tuple(float(p) for p in spec.metric_percentiles)
     except ValueError:
         raise ConfigError(f"bad --metric-percentiles {list(spec.metric_percentiles)}: numbers like 50,90,99") from None
     slos = latency.parse_goodput(list(spec.goodput) if spec.goodput is not None else None)
     reqs, arrivals = load_plan(spec, rate)
-    records, duration, peak = asyncio.run(run_load(base_url, reqs, arrivals, spec.max_concurrency,
-                                                   model if model is not None else spec.model))
+    target = replace(target, ignore_eos=spec.ignore_eos)
+    with tqdm(total=len(reqs), disable=not progress, unit="req", file=sys.stderr) as bar:
+        records, duration, peak = asyncio.run(run_load(target, reqs, arrivals, spec.max_concurrency,
+                                                       model if model is not None else spec.model,
+                                                       on_done=lambda _: bar.update()))
     result = latency.summarize(records, duration, slos, spec.percentile_metrics, percentiles, peak)
     result.update({"request_rate": rate, "burstiness": spec.burstiness, "max_concurrency": spec.max_concurrency,
-                   "num_prompts": spec.num_prompts, "dataset": spec.dataset, "seed": spec.seed,
-                   "errors": sorted({r.error for r in records if r.error})[:5]})
+                   "num_prompts": spec.num_prompts, "dataset": spec.dataset, "seed": spec.seed})
+    result.update(per_request(records))
     result.update(attribution_totals(records))
     result["requests"] = [request_log(r) for r in records]
     return result
+
+
+def per_request(records: list[latency.RequestRecord]) -> dict[str, list]:
+    """vLLM's per-request lists, in request order (a failed request: 0 output tokens, TTFT 0, error text)."""
+    return {"input_lens": [r.prompt_len for r in records],
+            "output_lens": [r.output_tokens if r.success else 0 for r in records],
+            "ttfts": [r.ttft for r in records], "itls": [r.itl for r in records],
+            "generated_texts": [r.generated_text for r in records], "errors": [r.error for r in records]}
 
 
 ATTRIBUTED = ("kv_wait_s", "num_preemptions", "recomputed_tokens", "map_unmap_s")
@@ -77,4 +107,7 @@ def attribution_totals(records: list[latency.RequestRecord]) -> dict[str, float]
 
 def format_result(r: dict[str, Any]) -> str:
     keys = [k for k in r if isinstance(r[k], (int, float)) and not isinstance(r[k], bool)]
+    failures = sorted({e for e in r.get("errors", []) if e})[:5]
+    keys += ["errors"] if failures else []
+    r = r | {"errors": "; ".join(failures)}
     return "\n".join(f"{k:<32} {r[k]:.3f}" if isinstance(r[k], float) else f"{k:<32} {r[k]}" for k in keys)

@@ -9,7 +9,6 @@ import logging
 import math
 import os
 import re
-import shlex
 import signal
 import subprocess
 import sys
@@ -96,7 +95,8 @@ def exit_on_sigterm(sig: int, frame) -> None:
     raise SystemExit(128 + sig)          # unwinds through kvlab_server, which stops the child: no orphan
 
 
-def run_sweep(spec: LoadSpec, backends: list[str], rates: list[float], out_dir: str | None, server_args: str) -> int:
+def run_sweep(spec: LoadSpec, backends: list[str], rates: list[float], out_dir: str | None,
+              server_args: list[str]) -> int:
     """Every backend's server in turn, every rate against it; `spec.model` is the kvlab preset served."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, exit_on_sigterm)
@@ -104,7 +104,7 @@ def run_sweep(spec: LoadSpec, backends: list[str], rates: list[float], out_dir: 
     out.mkdir(parents=True, exist_ok=True)
     rows, t0 = [], time.perf_counter()
     for backend in backends:
-        with kvlab_server(backend, spec.model or "tiny", shlex.split(server_args)) as url:
+        with kvlab_server(backend, spec.model or "tiny", server_args) as url:
             for rate in rates:
                 before = server_counter(url, "kvlab_preemptions_total")
                 with StatsSampler(url) as sampler:
