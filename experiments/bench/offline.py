@@ -13,6 +13,8 @@ import importlib
 from typing import Any
 
 from kvlab.common.errors import ConfigError
+from kvlab.common.limits import check_seed, max_threads
+from kvlab.common.validate import check_int
 from kvlab.experiments.bench.plan import BenchSettings, check_model_lens, check_settings, describe, load, make_plan
 from kvlab.experiments.bench.report import agreement_note, side_by_side, write_results
 from kvlab.experiments.bench.runs import mark_matching_outputs, run_rounds
@@ -97,6 +99,11 @@ def run_perf_suite(out: str | None, threads: int | None, seed: int | None) -> in
                           "is not installed in this checkout") from None
     if not hasattr(entry, "main"):
         raise ConfigError("experiments/bench/perf/__main__.py has no main(argv); cannot run --suite perf")
+    if threads is not None:
+        check_int("--threads", threads, 1, max_threads(), " (at most 4 per CPU)")
+    if seed is not None:
+        check_seed("--seed", seed)
+    flags.check_output_path(out, "--out", directory=True)
     argv = ["--out", out] if out else []
     for flag, value in (("--threads", threads), ("--seed", seed)):
         if value is not None:
