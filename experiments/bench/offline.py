@@ -76,6 +76,7 @@ def run_bench(settings: BenchSettings) -> int:
     model, tokenizer = load(probe)
     plan = make_plan(settings, model)
     check_model_lens(plan.configs, model)
+    check_capacity(plan, model, tokenizer)
     print(describe(plan, model))
     runs = run_rounds(plan, model, tokenizer, settings.repeats, progress=settings.progress)
     mark_matching_outputs(runs)
@@ -87,6 +88,23 @@ def run_bench(settings: BenchSettings) -> int:
     write_results(plan, runs)
     print(f"\nresults in {plan.out_dir}/ (results.json, results.csv, throughput.png, batch.png, kv_memory.png)")
     return 0
+
+
+def check_capacity(plan: Any, model: Any, tokenizer: Any) -> None:
+    """Refuse a budget in which every request of the workload would fail (each fails alone, so the run would
+    end with exit 0 and a table of zeros): each backend's cache must hold the shortest request."""
+    from kvlab.common.engine import Engine
+    shortest = min(len(p) + r.output_len for p, r in zip(plan.prompts, plan.requests))
+    for name, config in plan.configs.items():
+        engine = Engine.from_model(config, model, tokenizer)
+        try:
+            limit = engine.cache.allocator.max_tokens_per_seq()
+        finally:
+            engine.close()
+        if shortest > limit:
+            raise ConfigError(f"--kv-cache-bytes {config.kv_cache_bytes:,}: the {name} cache holds at most {limit:,} "
+                              f"tokens per sequence, less than the shortest request ({shortest:,}): every request "
+                              "would fail; raise --kv-cache-bytes")
 
 
 def run_perf_suite(out: str | None, threads: int | None, seed: int | None) -> int:

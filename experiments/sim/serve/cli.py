@@ -27,6 +27,8 @@ from kvlab.experiments.sim.serve.run import ServeSpec, backend_label, parse_back
 
 WARM_STEP = 1.05         # a later seed's first bracket factor around the first seed's SLO rate
 PAGED_BYTES_PER_BLOCK = 160      # as `kvlab simulate`: accounting-only paged blocks keep ~160 B of books each
+SLO_KEYS = {f"{stat}_{metric}_ms" for metric in latency.METRICS
+            for stat in ("mean", "median", "std", *(f"p{p:g}" for p in latency.DEFAULT_PERCENTILES))}
 CSV_KEYS = (*ROW_KEYS[:1], "seed", *ROW_KEYS[1:], "driver_exposed_seconds", "driver_hidden_seconds",
             "paged_overhead_seconds")
 
@@ -171,6 +173,10 @@ def check_run_flags(args: argparse.Namespace) -> None:
     check_int("--jobs", args.jobs, 1, limits.max_threads(), " (at most 4 per CPU)")
     check_number("--slo-start", args.slo_start, strict=True, high=1e9)
     check_number("--slo-tolerance", args.slo_tolerance, strict=True, high=1.0)
+    for key in args.slo or {}:
+        if key not in SLO_KEYS:
+            raise ConfigError(f"--slo {key} is not a latency result key; use (mean|median|std|p50|p90|p99)_"
+                              f"({'|'.join(latency.METRICS)})_ms, e.g. p99_ttft_ms")
 
 
 def checked_goodput(items: list[str] | None) -> dict[str, float]:
