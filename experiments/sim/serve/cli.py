@@ -23,7 +23,14 @@ from kvlab.experiments.sim.roofline import HARDWARE, hardware, model_spec
 from kvlab.experiments.sim.serve import slo, summary
 from kvlab.experiments.sim.serve.costs import PROFILES, profile
 from kvlab.experiments.sim.serve.grid import pool_chain, pool_map
-from kvlab.experiments.sim.serve.run import ServeSpec, backend_label, parse_backends, rate_label, run_point
+from kvlab.experiments.sim.serve.run import (
+    ServeSpec,
+    backend_label,
+    parse_backends,
+    plan,
+    rate_label,
+    run_point,
+)
 
 WARM_STEP = 1.05         # a later seed's first bracket factor around the first seed's SLO rate
 PAGED_BYTES_PER_BLOCK = 160      # as `kvlab simulate`: accounting-only paged blocks keep ~160 B of books each
@@ -129,6 +136,7 @@ def settings_from(args: argparse.Namespace) -> ServeSettings:
                              not args.no_early_stop, args.jobs, not args.no_progress, args.out, not args.no_save,
                              not args.no_plots)
     check_cases(settings, parse_backends(list(settings.backends), settings.budget_gb, settings.watermark))
+    plan(spec, 1.0, args.seed)          # the dataset: an unknown kind or a bad trace fails here, not in a worker
     return settings
 
 
