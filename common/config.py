@@ -18,6 +18,7 @@ from kvlab.common.kv.options import check_choice, check_positive, check_types
 from kvlab.common.kv.registry import REGISTRY
 from kvlab.common.kv.types import KV_CACHE_DTYPES
 from kvlab.common.limits import MAX_MODEL_LEN, MAX_SEED, check_int_range, max_threads
+from kvlab.common.validate import check_number
 
 if TYPE_CHECKING:
     from kvlab.common.kv.registry import BackendSpec
@@ -30,6 +31,7 @@ except ModuleNotFoundError:  # Python 3.10
 PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("float32", "float16", "bfloat16")
 DEVICE = re.compile(r"cpu|cuda(:[0-9]+)?")
+KV_SCALE_RANGE = (1e-6, 1e6)       # fp8 KV scales of real models are ~1e-3..10; beyond this K/V underflow or saturate
 
 
 @dataclass(slots=True)
@@ -109,8 +111,7 @@ def validate(cfg: EngineConfig) -> None:
     check_choice("preemption_mode", cfg.preemption_mode, PREEMPTION_MODES)
     check_choice("dtype", cfg.dtype, DTYPES)
     check_choice("kv_cache_dtype", cfg.kv_cache_dtype, KV_CACHE_DTYPES)
-    if cfg.kv_cache_scale < 0:
-        raise ConfigError(f"kv_cache_scale must be >= 0 (0 = from the first prefill), got {cfg.kv_cache_scale!r}")
+    check_kv_cache_scale(cfg.kv_cache_scale, cfg.kv_cache_dtype)
     if not 0.0 <= cfg.watermark < 1.0:
         raise ConfigError(f"watermark must be a fraction in [0, 1), got {cfg.watermark!r}")
     if not DEVICE.fullmatch(cfg.device):
@@ -128,6 +129,17 @@ def validate(cfg: EngineConfig) -> None:
     for name, opts in cfg.options.items():
         opts.validate()
         check_types(opts, where=f"{name}.")    # also for a backend whose validate() forgets it
+
+
+def check_kv_cache_scale(scale: float, kv_cache_dtype: str) -> None:
+    """0 (from the first prefill), or a scale an fp8 cache can use: x / scale neither underflows nor saturates
+    for K/V of any real model, and fp8_max * scale stays finite in fp32."""
+    if scale == 0:
+        return
+    check_number("kv_cache_scale", scale, KV_SCALE_RANGE[0], KV_SCALE_RANGE[1], unit=" (or 0: from the first prefill)")
+    if kv_cache_dtype == "auto":
+        raise ConfigError(f"kv_cache_scale {scale:g} applies only to an fp8 kv_cache_dtype (fp8_e4m3, fp8_e5m2); "
+                          "kv_cache_dtype is auto")
 
 
 def split_overrides(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:

@@ -2,7 +2,9 @@
 one of these before anything is allocated, with a one-line error that names the limit."""
 from __future__ import annotations
 
+import math
 import os
+import resource
 from typing import Any
 
 from kvlab.common.errors import ConfigError, KvlabError
@@ -64,6 +66,25 @@ def check_physical_budget(device: str, kv_cache_bytes: int, fix: str = "lower kv
     reservation may exceed it; the physical pool may not."""
     if device == "cpu":
         check_fits_in_ram(f"kv_cache_bytes {kv_cache_bytes:,}", kv_cache_bytes, fix)
+        left = address_space_left()
+        if kv_cache_bytes > left:
+            raise ConfigError(f"kv_cache_bytes {kv_cache_bytes:,} is more than this process may still map "
+                              f"({fmt_bytes(left)} left under its address-space limit, ulimit -v); {fix}")
+
+
+def address_space_left() -> float:
+    """Bytes this process may still map under RLIMIT_AS (`ulimit -v`): the limit less what is mapped now; inf
+    without a limit. torch would otherwise fail the pool's allocation with a traceback."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return math.inf
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            mapped = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    except (OSError, ValueError, StopIteration):
+        mapped = 0
+    return max(0, soft - mapped)
+
 
 # -- kvlab serve: what one HTTP request may ask for (docs/reliability.md, "Server limits") --------------------------
 MAX_BODY_BYTES = 32 * 2**20      # a request body: 413 beyond it (a 4M-token prompt as ids fits; RSS stays bounded)

@@ -27,6 +27,7 @@ from kvlab.common.kv.types import CacheStats
 from kvlab.common.metrics import RunMetrics
 from kvlab.common.outputs import RequestOutput
 from kvlab.common.sampling_params import SamplingParams
+from kvlab.common.validate import shown
 
 
 class LLM:
@@ -145,6 +146,9 @@ def _as_params_list(params: Any, n: int) -> list[SamplingParams]:
         return [SamplingParams()] * n
     if isinstance(params, SamplingParams):
         return [params] * n
+    if not isinstance(params, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in params):
+        raise RequestError(f"sampling_params must be a SamplingParams, a list of them (one per prompt) or None, "
+                           f"got {shown(params)}")
     params = list(params)
     if len(params) != n:
         raise RequestError(f"got {len(params)} SamplingParams for {n} prompts: give one, or one per prompt")

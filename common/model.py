@@ -61,7 +61,8 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(f"model config: num_heads {self.num_heads} is not a multiple of "
                                  f"num_kv_heads {self.num_kv_heads}")
-        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+        window = self.sliding_window
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ModelLoadError(f"model config: sliding_window must be a positive integer or None, "
                                  f"got {self.sliding_window!r}")
         if self.head_dim % 2:

@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass, field
 
 from kvlab.common.errors import RequestError
-from kvlab.common.limits import MAX_SEED  # per-request generators take seeds in [0, 2**63)
+from kvlab.common.limits import check_seed
 
 GREEDY_EPS = 1e-5   # temperatures below this decode greedily (as vLLM's _SAMPLING_EPS)
 MAX_LOGPROBS = 20    # the most top candidates a token reports (OpenAI's top_logprobs bound)
@@ -68,8 +68,8 @@ class SamplingParams:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
             raise RequestError(f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
-            raise RequestError(f"seed must be an integer in [0, {MAX_SEED:,}] or None, got {self.seed!r}")
+        if self.seed is not None:
+            check_seed("seed", self.seed, RequestError)      # the range the CLI's --sample-seed takes
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.stop_token_ids, (list, tuple)) \

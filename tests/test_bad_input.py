@@ -638,3 +638,132 @@ def test_bench_reports_the_agreement_rate_below_fp32():
     assert agreement_note(plan, runs).startswith("bfloat16: greedy outputs equal to vmm's: paged 40/48 (83%)")
     plan.configs = {"vmm": make_config(), "paged": make_config()}
     assert agreement_note(plan, runs) == ""
+
+
+# Round 3 (issue 28, the command line): simulate serve and the older surfaces, each case a reproduction from the
+# issue. (category, case, argv as in CLI_CASES, key phrases of the one stderr line); nothing on stdout.
+SERVE = ["!simulate", "serve", "--no-progress", "--no-save", "--num-prompts", "20", "--jobs", "1"]
+SERVE_SAVING = ["!simulate", "serve", "--no-progress", "--num-prompts", "20", "--jobs", "1"]
+ROUND3_CLI_CASES = [
+    ("hang", "serve --num-prompts 10000000", [*SERVE, "--num-prompts", "10000000"],
+     ["--num-prompts must be an integer in [1, 1,000,000], got 10000000"]),
+    ("hang", "serve rate 1e-300", [*SERVE, "--request-rates", "1e-300"], ["more than the maximum 604800 s"]),
+    ("traceback", "serve --seeds 1000000000", [*SERVE, "--seeds", "1000000000"],
+     ["--seeds must be an integer in [1, "]),
+    ("traceback", "serve --budget-gb nan", [*SERVE, "--budget-gb", "nan"], ["--budget-gb must be a finite number"]),
+    ("traceback", "serve garbage calibration", [*SERVE, "--driver-costs", "host", "--calibration",
+                                                "{garbage_calibration.json}"], ["is not `kvlab calibrate`'s JSON"]),
+    ("traceback", "serve {} calibration", [*SERVE, "--driver-costs", "host", "--calibration",
+                                           "{empty_calibration.json}"],
+     ["is not `kvlab calibrate`'s JSON", "KeyError"]),
+    ("traceback", "serve NaN in a calibration", [*SERVE, "--driver-costs", "host", "--calibration",
+                                                 "{nan_calibration.json}"], ["map_s of page size 2097152 must be"]),
+    ("accepted", "serve --jobs 0", [*SERVE, "--jobs", "0"], ["--jobs must be an integer in [1, "]),
+    ("accepted", "serve --jobs -1", [*SERVE, "--jobs=-1"], ["--jobs must be an integer in [1, "]),
+    ("accepted", "serve --jobs 1000", [*SERVE, "--jobs", "1000"], ["--jobs must be an integer in [1, ", "per CPU"]),
+    ("accepted", "serve --slo-tolerance 0", [*SERVE, "--slo-tolerance", "0"], ["--slo-tolerance must be a finite"]),
+    ("accepted", "serve --slo-tolerance nan", [*SERVE, "--slo-tolerance", "nan"], ["--slo-tolerance must be a finite"]),
+    ("accepted", "serve --slo-tolerance -1", [*SERVE, "--slo-tolerance=-1"], ["--slo-tolerance must be a finite"]),
+    ("accepted", "serve --slo p101_ttft_ms<=5", [*SERVE, "--slo", "p101_ttft_ms<=5"],
+     ["--slo p101_ttft_ms is not a latency result key"]),
+    ("accepted", "serve duplicate SLO keys", [*SERVE, "--slo", "p99_ttft_ms<=5,p99_ttft_ms<=6"],
+     ["names p99_ttft_ms twice"]),
+    ("accepted", "serve --slo 400 digits", [*SERVE, "--slo", "p99_ttft_ms<=" + "9" * 400], ["must be a finite number"]),
+    ("accepted", "serve --input-len -5", [*SERVE, "--dataset", "random", "--input-len=-5"],
+     ["--input-len must be an integer in [1, "]),
+    ("accepted", "serve --goodput ttft:nan", [*SERVE, "--goodput", "ttft:nan"], ["--goodput ttft must be a finite"]),
+    ("output", "serve --out /proc/x", [*SERVE_SAVING, "--out", "/proc/x"], ["--out /proc/x: cannot write there"]),
+    ("output", "simulate --out /proc/x", [*SIM, "--out", "/proc/x"], ["--out /proc/x: cannot write there"]),
+    ("output", "simulate unknown policy", [*SIM, "--policies", "reserve,nope"], ["nope"]),
+    ("output", "simulate --max-num-seqs 0", [*SIM, "--max-num-seqs", "0"], ["--max-num-seqs must be an integer"]),
+    ("output", "sharing --kv-cache-dtype nope", ["!sharing", "--kv-cache-dtype", "nope"], ["kv_cache_dtype"]),
+    ("output", "fallbacks --out /proc/x", ["!fallbacks", "--out", "/proc/x"], ["--out /proc/x: cannot write there"]),
+    ("output", "calibrate --page-sizes nan", ["!calibrate", "--page-sizes", "nan"], ["bad size 'nan'"]),
+    ("output", "calibrate --out /proc/x", ["!calibrate", "--out", "/proc/x/host.json"], ["--out /proc/x/host.json"]),
+    ("usage", "bench --suite perf --threads -3", [*BENCH, "--suite", "perf", "--threads=-3"],
+     ["kvlab bench: error: --threads must be an integer in [1, "]),
+    ("accepted", "bench --kv-cache-bytes 64KiB", [*BENCH, "--kv-cache-bytes", "64KiB"],
+     ["holds at most", "every request would fail; raise --kv-cache-bytes"]),
+    ("accepted", "kv_cache_scale 1e-45 with fp8", ["--kv-cache-dtype", "fp8_e4m3", "--kv-cache-scale", "1e-45"],
+     ["kv_cache_scale must be a finite number in [1e-06, 1000000] (or 0: from the first prefill), got 1e-45"]),
+    ("line", "kv_cache_scale 1e300 with fp8", ["--kv-cache-dtype", "fp8_e4m3", "--kv-cache-scale", "1e300"],
+     ["kv_cache_scale must be a finite number in [1e-06, 1000000]"]),
+    ("accepted", "kv_cache_scale with dtype auto", ["--kv-cache-scale", "0.5"],
+     ["kv_cache_scale 0.5 applies only to an fp8 kv_cache_dtype"]),
+    ("accepted", "HF sliding_window true", ["--model", "{hf_bool_window}"],
+     ["sliding_window must be a positive integer or None, got True"]),
+]
+
+
+@pytest.fixture(scope="module")
+def files3(files2) -> dict[str, Path]:
+    root = next(iter(files2.values())).parent / "round3"
+    root.mkdir()
+    (root / "garbage_calibration.json").write_bytes(b"\x00\xffnot json")
+    (root / "empty_calibration.json").write_text("{}")
+    (root / "nan_calibration.json").write_text('{"page_sizes": {"2097152": {"map_s": NaN, "unmap_s": 1e-6}}}')
+    (root / "hf_bool_window").mkdir()
+    (root / "hf_bool_window" / "config.json").write_text(json.dumps({**HF_TINY, "model_type": "mistral",
+                                                                     "sliding_window": True}))
+    return {**files2, **{p.name: p for p in root.iterdir()}}
+
+
+@pytest.mark.parametrize("category,case,argv,phrases", ROUND3_CLI_CASES, ids=_ids(ROUND3_CLI_CASES))
+def test_round3_cli_rejects_with_one_line_before_any_work(category, case, argv, phrases, files3, capsys):
+    rc = run_cli(cli_argv(argv, files3))
+    out = capsys.readouterr()
+    line = one_error_line(out.err)
+    assert rc == 2, f"exit code {rc} for {case}: {line}"
+    assert out.out == "", f"{case} printed to stdout: {out.out[:300]!r}"
+    for phrase in phrases:
+        assert phrase in line, f"{case}: {phrase!r} not in {line!r}"
+
+
+ROUND3_API_CASES = [
+    ("seed 2**70", lambda: SamplingParams(seed=2**70), RequestError, ["seed must be an integer in [0, "]),
+    ("kv_cache_scale 1e-45 with fp8", lambda: make_config(kv_cache_dtype="fp8_e4m3", kv_cache_scale=1e-45),
+     ConfigError, ["kv_cache_scale must be a finite number in [1e-06, 1000000]"]),
+    ("kv_cache_scale nan with fp8", lambda: make_config(kv_cache_dtype="fp8_e5m2", kv_cache_scale=math.nan),
+     ConfigError, ["kv_cache_scale must be a finite number", "got nan"]),
+    ("kv_cache_scale with dtype auto", lambda: make_config(kv_cache_scale=0.25), ConfigError,
+     ["applies only to an fp8 kv_cache_dtype"]),
+]
+
+
+@pytest.mark.parametrize("case,make,exc,phrases", ROUND3_API_CASES, ids=[c[0] for c in ROUND3_API_CASES])
+def test_round3_api_raises_a_specific_error(case, make, exc, phrases):
+    with pytest.raises(exc) as info:
+        make()
+    assert "\n" not in str(info.value)
+    for phrase in phrases:
+        assert phrase in str(info.value), f"{case}: {phrase!r} not in {str(info.value)!r}"
+
+
+def test_round3_generate_with_an_int_for_sampling_params_is_a_request_error():
+    llm = LLM(model="tiny", backend="paged", kv_cache_bytes=4 * 2**20)
+    try:
+        with pytest.raises(RequestError, match="sampling_params must be a SamplingParams, a list of them"):
+            llm.generate("hi", 5)
+        assert llm.generate("hi", SamplingParams(max_tokens=2))[0].outputs   # still usable
+    finally:
+        llm.close()
+
+
+def test_round3_fp8_scale_in_range_is_accepted():
+    assert make_config(kv_cache_dtype="fp8_e4m3", kv_cache_scale=0.05).kv_cache_scale == 0.05
+
+
+def _limit_address_space() -> None:
+    import resource
+    resource.setrlimit(resource.RLIMIT_AS, (8 * 2**30, resource.getrlimit(resource.RLIMIT_AS)[1]))
+
+
+@pytest.mark.parametrize("backend", ["paged", "reserve"])
+def test_round3_kv_pool_beyond_ulimit_v_is_one_line(backend):
+    """12 GiB under `ulimit -v 8G`: refused before torch allocates (it used to fail with an allocation traceback)."""
+    proc = subprocess.run([sys.executable, "-m", "kvlab.experiments.cli.main", "generate", "--backend", backend,
+                           "--kv-cache-bytes", "12GiB", "hi"], capture_output=True, text=True, timeout=300,
+                          preexec_fn=_limit_address_space)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == ""
+    assert "under its address-space limit, ulimit -v" in one_error_line(proc.stderr)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import platform
 import statistics
 import time
@@ -14,18 +15,23 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.common.errors import ConfigError
-from kvlab.common.limits import check_int_range
+from kvlab.common.limits import check_fits_in_ram, check_int_range, fmt_bytes
+from kvlab.common.validate import check_int
 from kvlab.experiments.bench.kernel_costs import Grid, measure_profile
 from kvlab.experiments.cli import flags
 from kvlab.experiments.sim.kernels import DEFAULT_KERNEL_PROFILE
 from kvlab.experiments.sim.serve.costs import DEFAULT_CALIBRATION
+
+MMAP_PAGE = mmap.PAGESIZE
+MAX_PAGE_BYTES = 2**30
 
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("calibrate", help="measure host map/unmap latency per page size (driver profile)",
                               description="Map and unmap pool pages one call per page with the host VMM driver; "
                                           "write the medians as the `host` driver profile.")
-    p.add_argument("--page-sizes", type=flags.parse_list, default=["64KiB", "2MiB"])
+    p.add_argument("--page-sizes", type=page_sizes, default=page_sizes("64KiB,2MiB"),
+                   help="comma list of sizes, each a multiple of the host page size")
     p.add_argument("--pages", type=int, default=64, help="pages mapped then unmapped per repeat")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", help=f"JSON to write (default {DEFAULT_CALIBRATION}; with --kernels, "
@@ -40,6 +46,25 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--batch", type=int, default=4, help="--kernels: sequences per step")
     p.add_argument("--threads", type=int, default=1, help="--kernels: torch threads (pinned for stable timings)")
     p.set_defaults(run=run)
+
+
+def page_sizes(text: str) -> list[tuple[str, int]]:
+    """'64KiB,2MiB' -> [("64KiB", 65536), ("2MiB", 2097152)]."""
+    sizes = [(item, flags.parse_bytes(item)) for item in flags.parse_list(text)]
+    for item, size in sizes:
+        if not MMAP_PAGE <= size <= MAX_PAGE_BYTES or size % MMAP_PAGE:
+            raise argparse.ArgumentTypeError(f"page size {item!r} must be a multiple of {MMAP_PAGE} bytes, at most "
+                                             f"{MAX_PAGE_BYTES // 2**30} GiB")
+    return sizes
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Counts bounded, the pool fits in RAM and --out is writable, before anything is measured or printed."""
+    pages = check_int("--pages", args.pages, 1, 1 << 16)
+    check_int("--repeats", args.repeats, 1, 1000)
+    largest = max(size for _, size in args.page_sizes)
+    check_fits_in_ram(f"--pages {pages} of {fmt_bytes(largest)}", pages * largest, "lower --pages")
+    flags.check_output_path(args.out, "--out")
 
 
 def measure(page_size: int, pages: int, repeats: int) -> dict[str, float]:
@@ -72,9 +97,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def calibrate_driver(args: argparse.Namespace) -> int:
+    check_args(args)
     table = {}
-    for text in args.page_sizes:
-        size = flags.parse_bytes(text)
+    for text, size in args.page_sizes:
         table[str(size)] = measure(size, args.pages, args.repeats)
         print(f"{text:>8}: map {table[str(size)]['map_s'] * 1e6:8.2f} us/page, "
               f"unmap {table[str(size)]['unmap_s'] * 1e6:8.2f} us/page")

@@ -13,6 +13,8 @@ import importlib
 from typing import Any
 
 from kvlab.common.errors import ConfigError
+from kvlab.common.limits import check_seed, max_threads
+from kvlab.common.validate import check_int
 from kvlab.experiments.bench.plan import BenchSettings, check_model_lens, check_settings, describe, load, make_plan
 from kvlab.experiments.bench.report import agreement_note, side_by_side, write_results
 from kvlab.experiments.bench.runs import mark_matching_outputs, run_rounds
@@ -74,6 +76,7 @@ def run_bench(settings: BenchSettings) -> int:
     model, tokenizer = load(probe)
     plan = make_plan(settings, model)
     check_model_lens(plan.configs, model)
+    check_capacity(plan, model, tokenizer)
     print(describe(plan, model))
     runs = run_rounds(plan, model, tokenizer, settings.repeats, progress=settings.progress)
     mark_matching_outputs(runs)
@@ -88,6 +91,23 @@ def run_bench(settings: BenchSettings) -> int:
     return 0
 
 
+def check_capacity(plan: Any, model: Any, tokenizer: Any) -> None:
+    """Refuse a budget in which every request of the workload would fail (each fails alone, so the run would
+    end with exit 0 and a table of zeros): each backend's cache must hold the shortest request."""
+    from kvlab.common.engine import Engine
+    shortest = min(len(p) + r.output_len for p, r in zip(plan.prompts, plan.requests))
+    for name, config in plan.configs.items():
+        engine = Engine.from_model(config, model, tokenizer)
+        try:
+            limit = engine.cache.allocator.max_tokens_per_seq()
+        finally:
+            engine.close()
+        if shortest > limit:
+            raise ConfigError(f"--kv-cache-bytes {config.kv_cache_bytes:,}: the {name} cache holds at most {limit:,} "
+                              f"tokens per sequence, less than the shortest request ({shortest:,}): every request "
+                              "would fail; raise --kv-cache-bytes")
+
+
 def run_perf_suite(out: str | None, threads: int | None, seed: int | None) -> int:
     try:
         entry = importlib.import_module("kvlab.experiments.bench.perf.__main__")
@@ -98,6 +118,11 @@ def run_perf_suite(out: str | None, threads: int | None, seed: int | None) -> in
                           "is not installed in this checkout") from None
     if not hasattr(entry, "main"):
         raise ConfigError("experiments/bench/perf/__main__.py has no main(argv); cannot run --suite perf")
+    if threads is not None:
+        check_int("--threads", threads, 1, max_threads(), " (at most 4 per CPU)")
+    if seed is not None:
+        check_seed("--seed", seed)
+    flags.check_output_path(out, "--out", directory=True)
     argv = ["--out", out] if out else []
     for flag, value in (("--threads", threads), ("--seed", seed)):
         if value is not None:

@@ -16,6 +16,7 @@ from kvlab.common.config import EngineConfig, make_config
 from kvlab.common.errors import ConfigError, KvlabError
 from kvlab.common.kv.registry import REGISTRY, backend_names
 from kvlab.common.limits import check_physical_budget
+from kvlab.common.validate import shown
 
 # CLI flag -> EngineConfig field; each is optional and, when given, overrides the TOML file. Backends' own
 # options (block_size, page_size, ...) get their flags from their options dataclasses (see backend_flags).
@@ -24,6 +25,9 @@ GENERIC_FLAGS = ("model", "backend", "kv_cache_bytes", "watermark", "preemption_
                  "tensor_parallel_size", "kv_cache_dtype", "kv_cache_scale")
 SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "kb": 1000, "m": 1024**2, "mib": 1024**2, "mb": 1000**2,
               "g": 1024**3, "gib": 1024**3, "gb": 1000**3, "t": 1024**4, "tib": 1024**4, "tb": 1000**4}
+
+
+MAX_SIZE_BYTES = 2**60        # any size flag: far beyond any machine's memory, and an int everywhere below
 
 
 class KvlabParser(argparse.ArgumentParser):
@@ -38,8 +42,11 @@ def parse_bytes(text: str) -> int:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     unit = m and SIZE_UNITS.get(m.group(2).lower())
     if not m or unit is None:
-        raise argparse.ArgumentTypeError(f"bad size {text!r}; use e.g. 65536, 64KiB, 16MiB, 60GB")
-    return int(float(m.group(1)) * unit)
+        raise argparse.ArgumentTypeError(f"bad size {shown(text)}; use e.g. 65536, 64KiB, 16MiB, 60GB")
+    size = float(m.group(1)) * unit                  # inf for 400 digits
+    if not size <= MAX_SIZE_BYTES:
+        raise argparse.ArgumentTypeError(f"size {shown(text)} is more than {MAX_SIZE_BYTES:,} bytes (1 EiB)")
+    return int(size)
 
 
 def arg_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:

@@ -121,11 +121,11 @@ def run_sweep(spec: LoadSpec, backends: list[str], rates: list[float], out_dir: 
     return 0 if all(r["completed"] for r in rows) else 1
 
 
-def sweep_record(spec: LoadSpec, backends: list[str], rates: list[float], server_args: str) -> dict[str, Any]:
+def sweep_record(spec: LoadSpec, backends: list[str], rates: list[float], server_args: list[str]) -> dict[str, Any]:
     """The provenance of a sweep: the load, the rates, the server arguments and each server's engine config."""
     from kvlab.experiments.reporting.provenance import provenance, served_config
     model = spec.model or "tiny"
-    servers = {b: served_config(["--model", model, "--backend", b, *shlex.split(server_args)]) for b in backends}
+    servers = {b: served_config(["--model", model, "--backend", b, *server_args]) for b in backends}
     return provenance({"command": "bench serve", "load": spec, "request_rates": rates, "server_args": server_args,
                        "engine": servers})
 

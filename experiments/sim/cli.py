@@ -170,9 +170,17 @@ def check_options(opts: SimulateOptions) -> None:
     check_int_range("--seeds", opts.seeds, 1, 1000)
     check_int_range("--block-size", opts.block_size, 1, MAX_MODEL_LEN)
     check_int_range("--tensor-parallel-size", opts.tensor_parallel_size, 1, 1024)
+    for flag, value in (("--max-num-seqs", opts.max_num_seqs), ("--max-num-batched-tokens",
+                                                               opts.max_num_batched_tokens)):
+        if value is not None:
+            check_int_range(flag, value, 1, MAX_MODEL_LEN)
+    if opts.preset is None:
+        cases_from(opts)                                   # an unknown policy or option fails here
     check_paged_bookkeeping(opts)
     flags.check_output_path(opts.json, "--json")
     flags.check_output_path(opts.plot, "--plot")
+    if not opts.no_save:
+        flags.check_output_path(opts.out, "--out", directory=True)
 
 
 def check_paged_bookkeeping(opts: SimulateOptions) -> None:

@@ -67,15 +67,16 @@ def run(args: argparse.Namespace) -> int:
     from kvlab.common.loader import load_model
     widths = parse_widths(args.widths)
     flags.check_output_path(args.json, "--json")
+    flags.check_output_path(args.out, "--out", directory=True)
     for mode in args.modes:
         if mode not in ARTICLE:
             raise ConfigError(f"unknown sharing mode {mode!r}; choose parallel or beam")
     spec = dataclasses.replace(args.workload, num_requests=args.num_requests, scale=args.scale,
                                seed=args.seed if args.seed is not None else 0)
     requests = build_workload(spec)
-    print(changes_line(spec, scale_given=args.scale != 1.0))
     engine_flags = vars(args)
-    probe = flags.engine_config(engine_flags, backend=args.backends[0])
+    probe, *_ = [flags.engine_config(engine_flags, backend=b) for b in args.backends]   # all checked up front
+    print(changes_line(spec, scale_given=args.scale != 1.0))
     if probe.threads:
         torch.set_num_threads(probe.threads)
     print(f"kvlab sharing: model {probe.model} ({probe.dtype}, {probe.device}, {threads_label(probe.threads)})")

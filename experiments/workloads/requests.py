@@ -137,6 +137,9 @@ def checked_spec(spec: WorkloadSpec) -> WorkloadSpec:
     spec returned holds them as the types they are used as."""
     if as_finite(spec.scale) is None or not spec.scale > 0:
         raise ConfigError(f"length scale must be positive, got {shown(spec.scale)}")
+    if spec.scale > MAX_MODEL_LEN:
+        raise ConfigError(f"length scale {spec.scale:g} is more than {MAX_MODEL_LEN:,}: every request would exceed "
+                          "the maximum length; lower --scale")
     spec = replace(spec, num_requests=check_int("num_requests", spec.num_requests, 1, MAX_REQUESTS),
                    seed=check_seed("seed", spec.seed), scale=float(spec.scale),
                    max_len=check_int("max_len", spec.max_len, 1, 2**63 - 1),

@@ -11,8 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvlab.common import limits
 from kvlab.common.errors import ConfigError
-from kvlab.common.limits import check_int_range
+from kvlab.common.limits import MAX_BUDGET_GB, MAX_MODEL_LEN, MAX_REQUESTS, MAX_SPAN_S, check_seed
+from kvlab.common.validate import check_int, check_number
 from kvlab.experiments.cli import flags
 from kvlab.experiments.loadgen import latency
 from kvlab.experiments.loadgen.sweep import ROW_KEYS, parse_rates
@@ -20,18 +22,22 @@ from kvlab.experiments.sim.core import SimCase
 from kvlab.experiments.sim.kernels import CHOICES, kernel_profile
 from kvlab.experiments.sim.roofline import HARDWARE, hardware, model_spec
 from kvlab.experiments.sim.serve import slo, summary
-from kvlab.experiments.sim.serve.costs import PROFILES
+from kvlab.experiments.sim.serve.costs import PROFILES, profile
 from kvlab.experiments.sim.serve.grid import pool_chain, pool_map
 from kvlab.experiments.sim.serve.run import (
     SHARE_KEYS,
     ServeSpec,
     backend_label,
     parse_backends,
+    plan,
     rate_label,
     run_point,
 )
 
 WARM_STEP = 1.05         # a later seed's first bracket factor around the first seed's SLO rate
+PAGED_BYTES_PER_BLOCK = 160      # as `kvlab simulate`: accounting-only paged blocks keep ~160 B of books each
+SLO_KEYS = {f"{stat}_{metric}_ms" for metric in latency.METRICS
+            for stat in ("mean", "median", "std", *(f"p{p:g}" for p in latency.DEFAULT_PERCENTILES))}
 CSV_KEYS = (*ROW_KEYS[:1], "seed", *ROW_KEYS[1:], "driver_exposed_seconds", "driver_hidden_seconds",
             "paged_overhead_seconds", *SHARE_KEYS)
 
@@ -118,8 +124,7 @@ class ServeSettings:
 
 def settings_from(args: argparse.Namespace) -> ServeSettings:
     """The one place `kvlab simulate serve`'s flags are read; checked before anything is built."""
-    check_flags(args.hardware, args.model, args.tensor_parallel_size, args.max_concurrency, args.driver_costs,
-                args.seeds, args.num_prompts)
+    check_flags(args)
     kernel_profile(args.kernel_costs)
     engine = {k: v for k, v in (("max_num_seqs", args.max_num_seqs),
                                 ("max_num_batched_tokens", args.max_num_batched_tokens)) if v is not None}
@@ -127,27 +132,85 @@ def settings_from(args: argparse.Namespace) -> ServeSettings:
                      input_len=args.input_len, output_len=args.output_len, range_ratio=args.range_ratio,
                      burstiness=args.burstiness, hardware=args.hardware, model=args.model,
                      model_prefill=not args.ignore_prefill, mfu=args.mfu, engine=engine,
-                     goodput=latency.parse_goodput(args.goodput), driver_profile=args.driver_costs,
+                     goodput=checked_goodput(args.goodput), driver_profile=args.driver_costs,
                      calibration=args.calibration, background_mapping=args.background_mapping,
                      kernel_costs=args.kernel_costs,
                      tensor_parallel_size=args.tensor_parallel_size, max_concurrency=args.max_concurrency)
-    return ServeSettings(spec, tuple(args.backends), args.budget_gb, args.watermark,
-                         tuple(range(args.seed, args.seed + args.seeds)), tuple(args.request_rates), args.slo,
-                         args.search, args.slo_start, args.slo_tolerance, args.independent_seeds,
-                         not args.no_early_stop, args.jobs, not args.no_progress, args.out, not args.no_save,
-                         not args.no_plots)
+    settings = ServeSettings(spec, tuple(args.backends), args.budget_gb, args.watermark,
+                             tuple(range(args.seed, args.seed + args.seeds)), tuple(args.request_rates), args.slo,
+                             args.search, args.slo_start, args.slo_tolerance, args.independent_seeds,
+                             not args.no_early_stop, args.jobs, not args.no_progress, args.out, not args.no_save,
+                             not args.no_plots)
+    check_cases(settings, parse_backends(list(settings.backends), settings.budget_gb, settings.watermark))
+    plan(spec, 1.0, args.seed)          # the dataset: an unknown kind or a bad trace fails here, not in a worker
+    return settings
 
 
-def check_flags(hardware_name: str, model: str, tp: int, max_concurrency: int, driver_costs: str, seeds: int,
-                num_prompts: int) -> None:
-    hardware(hardware_name)
-    check_int_range("--tensor-parallel-size", tp, 1, 1024)
-    check_int_range("--max-concurrency", max_concurrency, 0, 10**9)
-    model_spec(model, tp=tp)
-    if driver_costs not in (*PROFILES, "host"):
-        raise ConfigError(f"unknown --driver-costs {driver_costs!r}; choose {', '.join([*PROFILES, 'host'])}")
-    if seeds < 1 or num_prompts < 1:
-        raise ConfigError("--seeds and --num-prompts must be >= 1")
+def check_flags(args: argparse.Namespace) -> None:
+    """Every number in range and the output directory writable, before a worker starts or a line is printed."""
+    hardware(args.hardware)
+    check_int("--tensor-parallel-size", args.tensor_parallel_size, 1, 1024)
+    model_spec(args.model, tp=args.tensor_parallel_size)
+    if args.driver_costs not in (*PROFILES, "host"):
+        raise ConfigError(f"unknown --driver-costs {args.driver_costs!r}; choose {', '.join([*PROFILES, 'host'])}")
+    check_workload_flags(args)
+    check_run_flags(args)
+    if args.out is not None and not args.no_save:
+        flags.check_output_path(args.out, "--out", directory=True)
+
+
+def check_workload_flags(args: argparse.Namespace) -> None:
+    num = check_int("--num-prompts", args.num_prompts, 1, MAX_REQUESTS)
+    for flag in ("--max-len", "--input-len", "--output-len"):
+        check_int(flag, getattr(args, flag[2:].replace("-", "_")), 1, MAX_MODEL_LEN, " (tokens per sequence)")
+    check_number("--scale", args.scale, strict=True, high=1e6)
+    check_number("--range-ratio", args.range_ratio, high=0.999)
+    check_number("--burstiness", args.burstiness, low=1e-3, high=1e3)
+    rates = parse_rates(list(args.request_rates))
+    slowest = min(rates)
+    if num / slowest > MAX_SPAN_S:
+        raise ConfigError(f"--request-rates {slowest:g}/s spreads {num:,} requests over ~{num / slowest:.3g} s, "
+                          f"more than the maximum {MAX_SPAN_S:g} s (a week)")
+    check_int("--max-concurrency", args.max_concurrency, 0, MAX_REQUESTS)
+    for flag, value in (("--max-num-seqs", args.max_num_seqs), ("--max-num-batched-tokens",
+                                                               args.max_num_batched_tokens)):
+        if value is not None:
+            check_int(flag, value, 1, MAX_MODEL_LEN)
+
+
+def check_run_flags(args: argparse.Namespace) -> None:
+    seed = check_seed("--seed", args.seed)
+    check_int("--seeds", args.seeds, 1, min(1000, limits.MAX_SEED - seed + 1))
+    check_number("--budget-gb", args.budget_gb, strict=True, high=MAX_BUDGET_GB)
+    check_number("--watermark", args.watermark, high=0.999)
+    check_number("--mfu", args.mfu, strict=True, high=1.0)
+    check_int("--jobs", args.jobs, 1, limits.max_threads(), " (at most 4 per CPU)")
+    check_number("--slo-start", args.slo_start, strict=True, high=1e9)
+    check_number("--slo-tolerance", args.slo_tolerance, strict=True, high=1.0)
+    for key in args.slo or {}:
+        if key not in SLO_KEYS:
+            raise ConfigError(f"--slo {key} is not a latency result key; use (mean|median|std|p50|p90|p99)_"
+                              f"({'|'.join(latency.METRICS)})_ms, e.g. p99_ttft_ms")
+
+
+def checked_goodput(items: list[str] | None) -> dict[str, float]:
+    goodput = latency.parse_goodput(items)
+    for name, ms in goodput.items():
+        check_number(f"--goodput {name}", ms, strict=True, unit=" ms")
+    return goodput
+
+
+def check_cases(s: ServeSettings, cases: list[SimCase]) -> None:
+    """What the backends need: a driver profile for each page size, paged books that fit in RAM."""
+    for case in cases:
+        profile(s.spec.driver_profile, s.spec.calibration, case.options.get("page_size"))
+        block_size = case.options.get("block_size")
+        if case.policy == "paged":
+            check_int("paged-BLOCK", block_size, 1, MAX_MODEL_LEN)
+            per_token = model_spec(s.spec.model, tp=s.spec.tensor_parallel_size).kv_shape().bytes_per_token
+            blocks = s.budget_gb * 1e9 / (block_size * per_token)
+            limits.check_fits_in_ram(f"--budget-gb {s.budget_gb:g} ({blocks:.3g} paged blocks of {block_size} "
+                                     "tokens)", blocks * PAGED_BYTES_PER_BLOCK, "lower --budget-gb or raise BLOCK")
 
 
 def _point(a: tuple[SimCase, ServeSpec, float, int]) -> dict[str, Any]:

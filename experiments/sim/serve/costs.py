@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from kvlab.common.errors import ConfigError
+from kvlab.common.validate import check_number, shown
 
 KVCACHED_SOURCE = "ovg-project/kvcached benchmarks/bench_vmm/README.md (A100, 2 MiB pages)"
 DEFAULT_CALIBRATION = Path("results") / "calibrate" / "host.json"
@@ -58,11 +59,23 @@ def profile(name: str, calibration: str | Path | None = None, page_size: int | N
     path = Path(calibration or DEFAULT_CALIBRATION)
     if not path.is_file():
         raise ConfigError(f"no host calibration at {path}: run `kvlab calibrate --out {path}` first")
-    table = json.loads(path.read_text())["page_sizes"]
+    table = calibration_table(path)
     entry = table.get(str(page_size)) if page_size is not None else None
     if entry is None:
-        raise ConfigError(f"{path} has no entry for page size {page_size}; calibrated: {', '.join(table)}")
+        raise ConfigError(f"{path} has no entry for page size {page_size}; calibrated: {', '.join(table)[:200]}")
     return DriverProfile("host", f"kvlab calibrate ({path})", map_s=entry["map_s"], unmap_s=entry["unmap_s"])
+
+
+def calibration_table(path: Path) -> dict[str, dict[str, float]]:
+    """`kvlab calibrate`'s page_sizes table: {page size: {"map_s": s, "unmap_s": s}}, each a finite time >= 0."""
+    try:
+        table = json.loads(path.read_bytes())["page_sizes"]
+        entries = {str(size): {key: check_number(f"{key} of page size {size}", entry[key], high=1.0, unit=" s")
+                               for key in ("map_s", "unmap_s")} for size, entry in table.items()}
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
+        detail = str(e) if isinstance(e, ConfigError) else f"{type(e).__name__}: {shown(e.args[0] if e.args else '')}"
+        raise ConfigError(f"{shown(str(path))} is not `kvlab calibrate`'s JSON ({detail})") from None
+    return entries
 
 
 @dataclass(frozen=True, slots=True)

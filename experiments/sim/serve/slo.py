@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab.common.errors import ConfigError
+from kvlab.common.validate import check_number
 
 SLO_RE = re.compile(r"\s*(\w+)\s*<=\s*([0-9]*\.?[0-9]+)\s*")
 
@@ -20,7 +21,10 @@ def parse_slo(text: str) -> dict[str, float]:
         m = SLO_RE.fullmatch(part)
         if not m:
             raise ConfigError(f"bad --slo item {part!r}: use KEY<=NUMBER, e.g. p99_ttft_ms<=2000")
-        out[m.group(1)] = float(m.group(2))
+        key = m.group(1)
+        if key in out:
+            raise ConfigError(f"--slo names {key} twice; give each target once")
+        out[key] = check_number(f"--slo {key}", float(m.group(2)))
     return out
 
 

@@ -12,7 +12,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvlab.common.errors import ConfigError
+from kvlab.common.limits import max_threads
+from kvlab.common.validate import check_int
+from kvlab.experiments.cli.flags import check_output_path
 from kvlab.experiments.studies.fallbacks.grid import NUM_KV_HEADS, Grid, check_grid, default_scenarios, run_grid
 from kvlab.experiments.studies.fallbacks.plot import plot_heatmap
 from kvlab.experiments.studies.fallbacks.saving import save, scenario_meta
@@ -54,10 +56,11 @@ def run(args: argparse.Namespace) -> int:
     grid = Grid(tuple(args.head_dims), tuple(args.dtypes), tuple(args.block_sizes), tuple(args.gqa_ratios),
                 tuple(args.kv_dtypes))
     check_grid(grid)
-    if args.measure and (args.threads < 1 or args.repeats < 1):
-        raise ConfigError("--threads and --repeats must be >= 1")
-    scenarios = default_scenarios()
+    check_int("--threads", args.threads, 1, max_threads(), " (at most 4 per CPU)")
+    check_int("--repeats", args.repeats, 1, 10_000)
     out = Path(args.out or f"results/fallbacks-{time.strftime('%Y%m%d-%H%M%S')}")
+    check_output_path(str(out), "--out", directory=True)      # before the grid's progress bar
+    scenarios = default_scenarios()
     rows = run_grid(grid, scenarios, progress=True)
     summary = format_summary(rows, scenarios, grid)
     meta: dict[str, Any] = {"grid": asdict(grid), "num_kv_heads": NUM_KV_HEADS,

@@ -1,0 +1,207 @@
+"""Every flag of every `kvlab` command, found by walking the argparse tree (not a hand list), given hostile values
+(NaN, +-inf, huge, negative, zero, empty, wrong type, unicode, lone surrogates, overlong strings, unwritable paths):
+the command exits 0, or exits 2 with exactly one line on stderr and nothing on stdout; never a traceback, never
+past a time bound.
+
+In process, and up to argument validation only: each command's first step of real work (a model load, a
+simulation, a server, a sweep, a measurement) is replaced by a stub that ends the run as accepted (STOPS below).
+A value that reaches it passed every check; what happens after is the other tests' business. A few examples per
+flag in `make test`; many more under `-m slow`.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import logging
+import signal
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvlab.experiments.cli.main import build_parser, main
+
+TIME_BOUND_S = 10            # one command, up to its first real work
+
+# command -> what its real work starts with (module, attribute): replaced by a stub that ends the run accepted
+STOPS: dict[tuple[str, ...], tuple[tuple[str, str], ...]] = {
+    ("generate",): (("kvlab.common.llm", "LLM"),),
+    ("bench",): (("kvlab.experiments.bench.offline", "load"), ("kvlab.experiments.bench.offline", "importlib")),
+    ("bench", "serve"): (("kvlab.experiments.loadgen.cli", "bench_once"),
+                         ("kvlab.experiments.loadgen.sweep", "run_sweep")),
+    ("simulate",): (("kvlab.experiments.sim.cli", "changes_line"),
+                    ("kvlab.experiments.sim.worked_example", "print_worked_example")),
+    ("simulate", "serve"): (("kvlab.experiments.sim.serve.cli", "simulate_serve"),),
+    ("fallbacks",): (("kvlab.experiments.studies.fallbacks", "run_grid"),),
+    ("sharing",): (("kvlab.common.loader", "load_model"),),
+    ("serve",): (("kvlab.experiments.serve.server", "start_engine"),),
+    ("prefix",): (("kvlab.experiments.studies.prefix", "sim_rows"), ("kvlab.experiments.studies.prefix", "real_rows")),
+    ("calibrate",): (("kvlab.experiments.bench.calibrate", "measure"),),
+}
+# the flags that keep a command's accepted runs tiny (each is itself fuzzed when it is the flag drawn)
+BASE: dict[tuple[str, ...], list[str]] = {
+    ("generate",): ["hi"],
+    ("simulate",): ["--num-requests", "5", "--jobs", "1", "--no-save", "--no-progress"],
+    ("simulate", "serve"): ["--num-prompts", "5", "--jobs", "1", "--no-save", "--no-progress"],
+    ("bench",): ["--num-requests", "2", "--no-progress"],
+    ("sharing",): ["--num-requests", "2", "--no-progress"],
+    ("prefix",): ["--no-save"],
+    ("fallbacks",): ["--no-plot"],
+}
+HOSTILE = ["nan", "-nan", "NaN", "inf", "-inf", "Infinity", "1e309", "-1e309", "1e300", "-1e300", "1e-300",
+           "-1", "-5", "0", "-0", "0.0", "0.5", "1", "2", "3", "1000", "1000000000", "10000000", str(2**63),
+           str(2**70), "9" * 400, "-" + "9" * 400, "", " ", ",", ",,", "a,b", "1,2", "-", "abc", "{}", "[]",
+           "true", "None", "64KiB", "1e9GiB", "é", "日本語", "\udcff", "\ud800x", "x" * 5000, "/proc/x",
+           "/proc/x/y", "/dev/null", "/", ".", "trace:/proc/x", "vmm-0", "paged-0", "p101_ttft_ms<=5",
+           "p99_ttft_ms<=5,p99_ttft_ms<=6", "ttft:nan", "host"]
+
+
+class Accepted(BaseException):
+    """Raised by a stub in place of real work: every check before it passed."""
+
+
+def stop(*args: Any, **kwargs: Any) -> Any:
+    raise Accepted
+
+
+class StopImporter:
+    """Stands in for a module's `importlib`: the module it imports runs nothing."""
+
+    @staticmethod
+    def import_module(name: str) -> Any:
+        return argparse.Namespace(main=stop)
+
+
+def commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...],
+                                                                                             argparse.ArgumentParser]]:
+    """(path, parser) of every command and subcommand under `parser`."""
+    if path:
+        yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from commands(sub, (*path, name))
+
+
+def flag_cases() -> list[tuple[tuple[str, ...], argparse.Action]]:
+    """(command path, action) for every flag and positional argument of every command but -h."""
+    return [(path, action) for path, parser in commands(build_parser()) for action in parser._actions
+            if not isinstance(action, (argparse._HelpAction, argparse._SubParsersAction))]
+
+
+def case_id(case: tuple[tuple[str, ...], argparse.Action]) -> str:
+    path, action = case
+    return " ".join(path) + " " + (action.option_strings[-1] if action.option_strings else action.dest)
+
+
+CASES = flag_cases()
+
+
+def values_for(action: argparse.Action) -> st.SearchStrategy[str]:
+    choices = [str(c) for c in action.choices or ()]
+    return st.one_of(st.sampled_from(HOSTILE + choices), st.text(max_size=30))
+
+
+def argv_for(path: tuple[str, ...], action: argparse.Action, value: str) -> list[str]:
+    base = BASE.get(path, [])
+    if not action.option_strings:                  # a positional: the drawn value in its place
+        return [*path, value]
+    flag = action.option_strings[-1]
+    if action.nargs == 0:
+        return [*path, *base, flag]
+    return [*path, *base, f"{flag}={value}"] if value.startswith("-") else [*path, *base, flag, value]
+
+
+@contextlib.contextmanager
+def time_bound(seconds: int) -> Iterator[None]:
+    def expire(signum: int, frame: Any) -> None:
+        raise TimeoutError(f"no answer within {seconds} s")
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.fixture(scope="module")
+def stubbed() -> Iterator[None]:
+    import importlib
+    threads = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as mp:
+        for stops in STOPS.values():
+            for module, name in stops:
+                mp.setattr(importlib.import_module(module), name, StopImporter if name == "importlib" else stop)
+        yield
+    torch.set_num_threads(threads)
+
+
+def run_cli(argv: list[str]) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of main(argv) in this process; a run stopped at real work counts as exit 0."""
+    out, err = io.StringIO(), io.StringIO()
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    root.handlers = []
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), time_bound(TIME_BOUND_S):
+            logging.basicConfig(stream=sys.stderr, force=True)
+            rc = main(argv)
+    except Accepted:
+        rc = 0
+    finally:
+        root.handlers, root.level = handlers, level
+    return rc, out.getvalue(), err.getvalue()
+
+
+def check_outcome(argv: list[str], rc: int, out: str, err: str) -> None:
+    assert "Traceback" not in err, f"{argv!r}:\n{err}"
+    assert rc in (0, 2), f"{argv!r}: exit {rc}\n{err}"
+    if rc == 2:
+        lines = err.splitlines()
+        assert len(lines) == 1, f"{argv!r}: {len(lines)} lines on stderr:\n{err}"
+        assert out == "", f"{argv!r}: stdout before the error: {out[:300]!r}"
+
+
+def fuzz(examples: int):
+    return settings(max_examples=examples, deadline=None, database=None,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+def test_the_walk_finds_every_command_and_a_stop_for_each():
+    paths = {path for path, _ in commands(build_parser())}
+    assert paths == set(STOPS), f"commands without a stop (or stops without a command): {paths ^ set(STOPS)}"
+    assert len(CASES) > 150
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+@fuzz(4)
+@given(data=st.data())
+def test_every_flag_hostile_value_is_one_line_or_accepted(stubbed, case, data):
+    path, action = case
+    argv = argv_for(path, action, data.draw(values_for(action), label="value"))
+    check_outcome(argv, *run_cli(argv))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+@fuzz(len(HOSTILE) + 40)
+@given(data=st.data())
+def test_every_flag_hostile_value_slow(stubbed, case, data):
+    path, action = case
+    argv = argv_for(path, action, data.draw(values_for(action), label="value"))
+    check_outcome(argv, *run_cli(argv))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_every_flag_every_listed_hostile_value(stubbed, case):
+    path, action = case
+    for value in HOSTILE:
+        argv = argv_for(path, action, value)
+        check_outcome(argv, *run_cli(argv))
