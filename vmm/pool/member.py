@@ -15,8 +15,8 @@ import numpy as np
 
 from kvlab.vmm.pool import locks
 from kvlab.vmm.pool.attachment import Attachment, liveness_byte
+from kvlab.vmm.pool.engines import EngineRecord
 from kvlab.vmm.pool.errors import PoolError
-from kvlab.vmm.pool.ledger import EngineRecord
 from kvlab.vmm.pool.memory import punch
 from kvlab.vmm.pool.status import PoolStatus, read_status
 from kvlab.vmm.pool.steward import Steward
@@ -82,7 +82,7 @@ class PoolMember:
 
     def record(self) -> EngineRecord:
         with self._usable().locked() as ledger:
-            return ledger.record(self.slot)
+            return ledger.table.record(self.slot)
 
     def excess(self) -> int:
         """Pages held above the ceiling (after a limit was lowered): what the engine should give back."""
