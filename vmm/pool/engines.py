@@ -59,6 +59,12 @@ class EngineTable:
         unmet = self.rows["floor"][live] - self.rows["held"][live]
         return int(np.clip(unmet, 0, None).sum())
 
+    def above_floors(self, exclude: int) -> int:
+        """Pages live engines other than `exclude` hold above their floors."""
+        live = self.rows["in_use"] != 0
+        live[exclude] = False
+        return int(np.clip(self.rows["held"][live] - self.rows["floor"][live], 0, None).sum())
+
     def free_slot(self) -> int:
         slots = np.flatnonzero(self.rows["in_use"] == 0)
         if not len(slots):

@@ -18,11 +18,12 @@ from kvlab.vmm.pool.errors import LimitError, PoolError
 
 FREE = -1
 MAGIC = 0x6B766C61622D706C    # "kvlab-pl"
-VERSION = 1
+VERSION = 2
 HEADER = np.dtype([("magic", "<u8"), ("version", "<i8"), ("page_size", "<i8"), ("total_pages", "<i8"),
                    ("max_engines", "<i8"), ("free", "<i8"), ("dirty", "<i8"), ("reclaimed_pages", "<i8"),
                    ("reclaimed_engines", "<i8"), ("joins", "<i8"),
-                   ("hint", "<i8")])       # every page below `hint` is owned: take searches from there
+                   ("hint", "<i8"),        # every page below `hint` is owned: take searches from there
+                   ("wanted", "<i8")])     # pages refused engines asked for: others give spares back
 OWNER = np.dtype("<i4")
 MAX_PAGES = 2**31 - 1            # page ids fit the owner array's int32
 
@@ -166,6 +167,11 @@ class Ledger:
             self.release(pages)
             e["held"] -= len(pages)
             e["given"] += len(pages)
+            self.header["wanted"] = max(0, int(self.header["wanted"]) - len(pages))
+
+    def ask(self, n: int) -> None:
+        """A refused engine wants n pages: members holding spare pages give them back when they next look."""
+        self.header["wanted"] = min(self.total, int(self.header["wanted"]) + n)
 
     def set_limits(self, slot: int, floor: int, ceiling: int) -> None:
         """Each intermediate state is valid too: the floor goes first unless it would pass the old ceiling."""
