@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,6 +16,9 @@ import pytest
 
 from kvlab import LLM, SamplingParams
 from kvlab.common.errors import ConfigError
+from kvlab.common.kv.types import CacheStats
+from kvlab.common.metrics import RunMetrics
+from kvlab.experiments.serve.prom import ServerMetrics
 from kvlab.vmm import pool
 
 PROMPTS = [[1 + (7 * i + 3 * j) % 200 for j in range(5 + 9 * i)] for i in range(8)]
@@ -161,3 +165,31 @@ def test_kill_9_of_an_engine_returns_its_pages():
         finally:
             a.kill()
             a.wait()
+
+
+# -- the server's view ------------------------------------------------------------------------------------------
+class PoolEngine:
+    """What ServerMetrics reads of an engine: cache stats with a pool block, and run metrics."""
+
+    def __init__(self, block: dict) -> None:
+        self.stats = CacheStats("vmm", "page", 4, total_units=10, used_units=4, free_units=6, extra={"pool": block})
+
+    def cache_stats(self) -> CacheStats:
+        return self.stats
+
+    def metrics(self) -> RunMetrics:
+        return RunMetrics("vmm")
+
+
+def test_stats_and_metrics_carry_the_pool_block():
+    block = {"name": "p", "total_bytes": 1 << 20, "used_bytes": 1 << 19, "engine_bytes": 1 << 18,
+             "pages_given": 3, "pages_taken": 70}
+    m = ServerMetrics("vmm")
+    for _ in range(2):                                 # counters go to the running totals, not up by them
+        m.on_step(PoolEngine(block), 1, 0, 0, force=True)
+    assert m.stats()["pool"] == block
+    text = m.text().decode()
+    value = lambda name: float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))      # noqa: E731
+    assert (value("kvlab_pool_total_bytes"), value("kvlab_pool_used_bytes"), value("kvlab_pool_engine_bytes")) \
+        == (1 << 20, 1 << 19, 1 << 18)
+    assert (value("kvlab_pool_pages_given_total"), value("kvlab_pool_pages_taken_total")) == (3, 70)
