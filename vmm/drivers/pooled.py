@@ -57,7 +57,7 @@ class PooledHostMemory:
     def __init__(self, member: PoolMember, page_size: int, populate: bool = True) -> None:
         if member.page_size != page_size:
             raise ConfigError(f"vmm page_size {page_size} differs from pool {member.name!r}'s page size "
-                              f"{member.page_size}; use --vmm-page-size {member.page_size}")
+                              f"{member.page_size}; set page_size (--page-size) to {member.page_size}")
         self.member, self.page_size, self.populate = member, page_size, populate
         self.host = HostMemory(page_size, populate)
         self.backing: dict[int, int] = {}     # local page -> pool page
