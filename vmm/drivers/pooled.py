@@ -164,9 +164,6 @@ class PooledHostMemory:
             del self.idle[page]
         self._give([self.backing.pop(p) for p in pages])
 
-    def num_spare(self) -> int:
-        return len(self.idle)
-
     def give_spare(self, limit: int) -> int:
         """Give back up to `limit` pool pages no mapping uses, oldest first."""
         pages = [self._oldest_idle() for _ in range(min(limit, len(self.idle)))]
