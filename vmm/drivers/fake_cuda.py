@@ -67,8 +67,9 @@ class FakeCudaDriver:
     CUpointer_attribute = CUpointer_attribute
 
     def __init__(self, granularity: int = 2 * MiB, num_devices: int = 1, memory_bytes: int = 1 << 34,
-                 vmm_supported: bool = True) -> None:
-        self.log, self.ctx = CallLog(), Contexts()
+                 vmm_supported: bool = True, log: CallLog | None = None) -> None:
+        """`log`: the call log to record into (a test's own subclass can fail calls its way)."""
+        self.log, self.ctx = log or CallLog(), Contexts()
         self.mem = DeviceMemory(granularity, num_devices, memory_bytes)
         self.granularity, self.num_devices, self.memory_bytes = granularity, num_devices, memory_bytes
         self.vmm_supported = vmm_supported
