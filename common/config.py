@@ -55,6 +55,8 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     check_invariants: bool = False       # debug: verify mapped coverage before every kernel call
     tensor_parallel_size: int = 1        # ranks sharding the model and KV heads (common/dist/)
+    kv_pool: str | None = None           # vmm: draw KV pages from this machine-wide pool (docs/pool.md)
+    kv_pool_bytes: int | None = None     # create the pool with this budget if it does not exist yet
     options: dict[str, Any] = field(default_factory=dict)   # backend name -> its options dataclass
 
     def __post_init__(self) -> None:
@@ -126,6 +128,7 @@ def validate(cfg: EngineConfig) -> None:
     if cfg.max_num_batched_tokens < cfg.max_num_seqs:
         raise ConfigError(f"max_num_batched_tokens ({cfg.max_num_batched_tokens}) must be >= max_num_seqs "
                           f"({cfg.max_num_seqs}) so every running sequence can decode in one step")
+    check_kv_pool(cfg)
     for name, opts in cfg.options.items():
         opts.validate()
         check_types(opts, where=f"{name}.")    # also for a backend whose validate() forgets it
@@ -140,6 +143,15 @@ def check_kv_cache_scale(scale: float, kv_cache_dtype: str) -> None:
     if kv_cache_dtype == "auto":
         raise ConfigError(f"kv_cache_scale {scale:g} applies only to an fp8 kv_cache_dtype (fp8_e4m3, fp8_e5m2); "
                           "kv_cache_dtype is auto")
+
+
+def check_kv_pool(cfg: EngineConfig) -> None:
+    if cfg.kv_pool is not None and cfg.backend != "vmm":
+        raise ConfigError(f"kv_pool needs the vmm backend (pages mapped on demand), not {cfg.backend!r}")
+    if cfg.kv_pool is not None and cfg.enable_prefix_caching:
+        raise ConfigError("kv_pool with prefix caching is not supported yet (idle cached pages would be given back)")
+    if cfg.kv_pool_bytes is not None and (cfg.kv_pool is None or cfg.kv_pool_bytes <= 0):
+        raise ConfigError(f"kv_pool_bytes needs kv_pool and a positive size, got {cfg.kv_pool_bytes!r}")
 
 
 def split_overrides(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:

@@ -23,6 +23,7 @@ from kvlab.common.sequence import Sequence
 from kvlab.vmm.build import build_vmm
 from kvlab.vmm.drivers.cuda import CudaVirtualMemory
 from kvlab.vmm.drivers.fake_cuda import INVALID_VALUE, FakeCudaDriver
+from kvlab.vmm.drivers.fake_cuda_state import CallLog
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", "TRITON_INTERPRET": "1",
@@ -331,16 +332,17 @@ def test_a_failed_unmap_leaves_consistent_books_and_releases_everything(capsys):
     assert not problems, "\n".join(problems)
 
 
-class FailsTwice(FakeCudaDriver):
-    """Also fails the first map/unmap-path call after an injected failure: the one that would undo it."""
+class FailsTwice(CallLog):
+    """A fake driver's call log that also fails the first map/unmap-path call after an injected failure: the one
+    that would undo it."""
     second_failure = False
 
-    def _enter(self, name: str):
+    def enter(self, name: str):
         if self.second_failure and name in UNDO_CALLS:
             self.second_failure = False
             self.calls.append((name, 0))
             return (INVALID_VALUE,)
-        result = super()._enter(name)
+        result = super().enter(name)
         self.second_failure = self.second_failure or result is not None
         return result
 
@@ -358,7 +360,7 @@ def test_when_the_undo_fails_too_the_books_still_match_the_device_and_close_rele
     for i, name, occurrence in injection_points():
         if name not in UNDO_CALLS:
             continue
-        fake = FailsTwice(granularity=GRAN)
+        fake = FakeCudaDriver(granularity=GRAN, log=FailsTwice())
         fake.fail(name, INVALID_VALUE, after=occurrence)
         logging.disable(logging.CRITICAL)
         try:

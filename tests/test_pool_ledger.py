@@ -32,7 +32,7 @@ def test_take_is_all_or_nothing():
     ledger = two_engines()
     assert ledger.take(0, 10).tolist() == list(range(10))
     assert ledger.take(1, 7) is None                     # 6 free: nothing changes
-    assert (ledger.free, ledger.record(1).held, ledger.record(1).taken) == (6, 0, 0)
+    assert (ledger.free, ledger.table.record(1).held, ledger.table.record(1).taken) == (6, 0, 0)
     assert ledger.take(1, 6).tolist() == list(range(10, 16))
     assert ledger.free == 0 and ledger.take(0, 1) is None
 
@@ -67,7 +67,7 @@ def test_a_floor_keeps_pages_for_its_engine():
     ledger.set_limits(1, 6, 16)
     assert ledger.take(0, 11) is None                    # would leave 5 of b's 6
     assert len(ledger.take(0, 10)) == 10
-    assert ledger.unmet_floors() == 6 and len(ledger.take(1, 6)) == 6
+    assert ledger.table.unmet_floors() == 6 and len(ledger.take(1, 6)) == 6
 
 
 def test_give_refuses_pages_not_held_and_changes_nothing():
@@ -76,9 +76,9 @@ def test_give_refuses_pages_not_held_and_changes_nothing():
     for bad in (theirs, np.array([mine[0], mine[0]]), np.array([99])):
         with pytest.raises(pool.PoolError):
             ledger.give(0, np.concatenate([mine, bad]))
-    assert ledger.record(0).held == 3 and ledger.free == 11
+    assert ledger.table.record(0).held == 3 and ledger.free == 11
     ledger.give(0, mine)
-    assert (ledger.record(0).held, ledger.record(0).given, ledger.free) == (0, 3, 14)
+    assert (ledger.table.record(0).held, ledger.table.record(0).given, ledger.free) == (0, 3, 14)
 
 
 @pytest.mark.parametrize("floor, ceiling, fragment", [(5, 4, "floor <= ceiling"), (0, 17, "<= the pool's 16"),
@@ -88,7 +88,7 @@ def test_limits_that_do_not_fit_are_refused(floor, ceiling, fragment):
     ledger.set_limits(1, 6, 16)
     with pytest.raises(pool.LimitError, match=fragment):
         ledger.set_limits(0, floor, ceiling)
-    assert (ledger.record(0).floor, ledger.record(0).ceiling) == (0, 16)
+    assert (ledger.table.record(0).floor, ledger.table.record(0).ceiling) == (0, 16)
 
 
 def test_books_left_dirty_by_a_dead_writer_are_recounted():
@@ -100,7 +100,7 @@ def test_books_left_dirty_by_a_dead_writer_are_recounted():
         raise KeyboardInterrupt
     assert ledger.header["dirty"] == 1
     ledger.recount()
-    assert (ledger.record(0).held, ledger.record(1).held, ledger.free) == (4, 3, 9)
+    assert (ledger.table.record(0).held, ledger.table.record(1).held, ledger.free) == (4, 3, 9)
     assert ledger.owner[8] == FREE and ledger.header["dirty"] == 0
 
 
@@ -108,7 +108,7 @@ def test_unregister_frees_the_slot_and_its_pages():
     ledger = two_engines()
     ledger.take(1, 5)
     assert ledger.unregister(1) == 5
-    assert ledger.live_slots() == [0] and ledger.free == 16 and ledger.find("b") is None
+    assert ledger.table.live_slots() == [0] and ledger.free == 16 and ledger.table.find("b") is None
 
 
 def test_runs_group_consecutive_pages():

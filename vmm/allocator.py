@@ -75,6 +75,8 @@ class VMMAllocator(Allocator):
         self.mapper = BackgroundMapper(geo, self._lock, self.growth.map_ahead, opts.background_mapping)
         self.closed = False
         self.plain = cache is None and window is None    # allocate's in-place path applies
+        if hasattr(driver, "on_wanted"):                 # a pool's driver: other engines may ask for pages
+            driver.on_wanted(self.give_back)
 
     # -- capacity -----------------------------------------------------------------------------------------
     def num_total_units(self) -> int:
@@ -217,6 +219,7 @@ class VMMAllocator(Allocator):
                        "per_place_fallbacks": getattr(self.driver, "per_place_fallbacks", 0),
                        "map_refusals": d.map_refusals, "deferred_releases": d.deferred_releases,
                        **(self.prefix.stats() if self.prefix is not None else {"prefix_caching": "off"}),
+                       **({"pool": self.driver.pool_stats()} if hasattr(self.driver, "pool_stats") else {}),
                        **{k: v for k, v in dataclasses.asdict(counters).items() if k not in CacheStats.__slots__}})
 
     def snapshot(self) -> dict[str, Any]:
@@ -254,13 +257,24 @@ class VMMAllocator(Allocator):
             self.ranges.check_mapped(self.driver, self.geo, self.table.slots)
 
     # -- teardown -----------------------------------------------------------------------------------------
+    def give_back(self, wanted: int) -> None:
+        """Other engines on the pool want pages: give spare ones back, unmapping freed slots' parked pages if the
+        spares fall short (called from the pool's steward thread)."""
+        with self._lock:
+            if self.closed:
+                return
+            if self.driver.give_spare(wanted) < wanted and self.table.stale:
+                self.growth.drop_stale()
+                self.driver.give_spare(wanted)
+
     def close(self) -> None:
         """Stop the mapper and release the driver (a range a view still reads is released when that view dies)."""
         if self.closed:
             return
         error = self.mapper.close()
+        with self._lock:                 # a give-back running on the pool's steward thread finishes first
+            self.closed = True
         self.driver.close()
-        self.closed = True
         if error is not None:
             raise error
 

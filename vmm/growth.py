@@ -105,14 +105,18 @@ class SlotGrowth:
         except MapBudgetExhausted:
             if not self.table.stale:
                 return None
-        for index in list(self.table.stale):
-            parked = self.table.slots[index]
-            with self.table.accounting(parked):
-                self.pages.drop_tail(parked, len(parked.groups))
+        self.drop_stale()
         try:
             return self._grow(seq, self.table.of(seq.seq_id), num_tokens, emit)
         except MapBudgetExhausted:
             return None
+
+    def drop_stale(self) -> None:
+        """Unmap the parked pages of freed slots (kept for reuse): their mappings and memory go back."""
+        for index in list(self.table.stale):
+            parked = self.table.slots[index]
+            with self.table.accounting(parked):
+                self.pages.drop_tail(parked, len(parked.groups))
 
     def _grow(self, seq: Sequence, slot: Slot | None, num_tokens: int, emit: MoveSink) -> int:
         claimed, hit = slot is None, 0

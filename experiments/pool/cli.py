@@ -13,7 +13,7 @@ from kvlab.common.errors import ConfigError
 from kvlab.common.limits import check_fits_in_ram, fmt_bytes
 from kvlab.experiments.cli import flags as cli
 from kvlab.vmm import pool
-from kvlab.vmm.pool.ledger import EngineRecord
+from kvlab.vmm.pool.engines import EngineRecord
 
 HOLDER = "pool-holder"          # the engine name of `kvlab pool create`'s own process (it takes no pages)
 POLL_S = 0.2

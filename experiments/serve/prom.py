@@ -59,6 +59,11 @@ METRICS = (
     Exported("unmap_calls", Counter, "cumulative unmap calls"),
     Exported("map_seconds", Counter, "cumulative seconds in map calls", unit="seconds"),
     Exported("unmap_seconds", Counter, "cumulative seconds in unmap calls", unit="seconds"),
+    Exported("pool_total_bytes", Gauge, "bytes in the machine-wide KV page pool (0: no pool)"),
+    Exported("pool_used_bytes", Gauge, "bytes of the pool held by all its engines"),
+    Exported("pool_engine_bytes", Gauge, "bytes of the pool this engine holds"),
+    Exported("pool_pages_taken", Counter, "pool pages this engine took"),
+    Exported("pool_pages_given", Counter, "pool pages this engine gave back"),
     Exported("requests_finished", Counter, "requests that finished"),
     Exported("num_failed", Counter, "requests that failed alone", old="requests_failed"),
     Exported("requests_aborted", Counter, "requests aborted (client gone or server stopping)"),
@@ -123,11 +128,21 @@ class ServerMetrics:
         for name in CACHE_COUNTED:
             self._count_to(name, getattr(s, name))
         self.latest = gauges | {old: gauges[new] for old, new in OLD_STATS_KEYS.items()}
+        if "pool" in s.extra:
+            self._on_pool(s.extra["pool"])
         now = time.monotonic()
         if now - self.last_read < READ_EVERY_S and not force:
             return
         self.last_read = now
         self._read_counts(engine)
+
+    def _on_pool(self, pool: dict[str, Any]) -> None:
+        """The pool block: gauges and counters under pool_*, and the block itself in GET /kvlab/stats."""
+        for name in ("total_bytes", "used_bytes", "engine_bytes"):
+            self._set("pool_" + name, pool[name])
+        for name in ("pages_taken", "pages_given"):
+            self._count_to("pool_" + name, pool[name])
+        self.latest["pool"] = dict(pool)
 
     def _read_counts(self, engine: Any) -> None:
         m = engine.metrics()                       # computes percentiles: read a few times a second, not per step

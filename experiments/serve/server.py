@@ -37,6 +37,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--engine-thread", action="store_true",
                    help="step the engine in a thread of the server process instead of a process of its own "
                         "(one GIL for both: slower when streaming; see docs/serving.md)")
+    p.add_argument("--kv-pool", metavar="NAME", help="vmm: draw KV pages from this machine-wide pool (docs/pool.md)")
+    p.add_argument("--kv-pool-bytes", metavar="BYTES", type=cli.parse_bytes,
+                   help="create the --kv-pool with this budget if no engine serves it yet, e.g. 8GiB")
     cli.add_engine_flags(p)
     p.set_defaults(run=run)
 
@@ -83,7 +86,7 @@ def check_server_flags(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_server_flags(args)
-    config = cli.engine_config(vars(args))
+    config = cli.engine_config(vars(args), kv_pool=args.kv_pool, kv_pool_bytes=args.kv_pool_bytes)
     engine, threads = start_engine(config, args.max_waiting, args.engine_thread)
     app = create_app(Server(engine, args.served_model_name or str(config.model)))
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)

@@ -9,10 +9,17 @@ from kvlab.vmm.drivers.accounting import AccountingVirtualMemory
 from kvlab.vmm.drivers.base import VirtualMemory
 
 
-def make_driver(device: str, page_size: int, accounting_only: bool) -> VirtualMemory:
+def make_driver(device: str, page_size: int, accounting_only: bool, pool: str | None = None,
+                pool_bytes: int | None = None) -> VirtualMemory:
+    """`pool`: draw physical pages from that machine-wide pool (cpu only for now; created with `pool_bytes`)."""
     kind = device.split(":")[0]
     if accounting_only:
         return AccountingVirtualMemory(page_size, merges=kind == "cpu")
+    if pool is not None:
+        if kind != "cpu":
+            raise ConfigError(f"kv_pool works on cpu for now (pool pages are memfd pages), not on {device!r}")
+        from kvlab.vmm.drivers.pooled import PooledVirtualMemory
+        return PooledVirtualMemory(pool, page_size, pool_bytes)
     if kind == "cpu":
         from kvlab.vmm.drivers.host import HostVirtualMemory
         return HostVirtualMemory(page_size)

@@ -20,14 +20,14 @@ what was acquired and not given back."""
 from __future__ import annotations
 
 import ctypes
-import random
 import threading
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from cuda.bindings import driver as _real
+
+from kvlab.vmm.drivers.fake_cuda_state import CallLog, Contexts, DeviceMemory, Mapping
 
 CUresult = _real.CUresult
 CUdevice = _real.CUdevice
@@ -53,22 +53,9 @@ INVALID_CONTEXT = CUresult.CUDA_ERROR_INVALID_CONTEXT
 MiB = 1024 * 1024
 
 
-@dataclass
-class Failure:
-    name: str
-    after: int                  # let this many matching calls succeed first
-    result: Any = None          # a CUresult to return ...
-    exc: BaseException | None = None   # ... or an exception to raise
-
-
-@dataclass
-class Mapping:
-    size: int
-    handle: int
-    accessible: bool = False
-
-
 class FakeCudaDriver:
+    """The cu* calls over three parts (fake_cuda_state.py); the parts' state and test controls are exposed as
+    attributes, so tests read `fake.mappings` or call `fake.fail(...)` as before."""
     # the real module's types, so code written against `driver.X` works unchanged
     CUresult, CUdevice, CUcontext, CUdeviceptr = CUresult, CUdevice, CUcontext, CUdeviceptr
     CUmemGenericAllocationHandle, CUmemAllocationProp, CUmemAccessDesc = (
@@ -80,36 +67,18 @@ class FakeCudaDriver:
     CUpointer_attribute = CUpointer_attribute
 
     def __init__(self, granularity: int = 2 * MiB, num_devices: int = 1, memory_bytes: int = 1 << 34,
-                 vmm_supported: bool = True) -> None:
-        self.granularity = granularity
-        self.num_devices = num_devices
-        self.memory_bytes = memory_bytes
+                 vmm_supported: bool = True, log: CallLog | None = None) -> None:
+        """`log`: the call log to record into (a test's own subclass can fail calls its way)."""
+        self.log, self.ctx = log or CallLog(), Contexts()
+        self.mem = DeviceMemory(granularity, num_devices, memory_bytes)
+        self.granularity, self.num_devices, self.memory_bytes = granularity, num_devices, memory_bytes
         self.vmm_supported = vmm_supported
-        self.calls: list[tuple[str, int]] = []
-        self.failures: list[Failure] = []
-        self.initialized = False
-        self.primary_retains: dict[int, int] = {}
-        self.current: dict[int, int] = {}               # thread id -> context (0 = none)
-        self.reservations: dict[int, int] = {}          # ptr -> size
-        self.handles: dict[int, int] = {}               # live handle -> size
-        self.mappings: dict[int, Mapping] = {}          # mapped ptr -> mapping
-        self.memory: dict[int, bytearray] = {}          # handle -> its bytes, garbage until written (made on read)
-        self.work_pending = False                       # access granted / kernel launched since last sync
-        self._next_ptr = 0x7F00_0000_0000
-        self._next_handle = 1
-        self._lock = threading.Lock()
-
-    # -- test controls ------------------------------------------------------------------------------------
-    def fail(self, name: str, result: Any = INVALID_VALUE, after: int = 0, exc: BaseException | None = None) -> None:
-        """Make the (after+1)-th next call of `name` fail with `result` (or raise `exc`)."""
-        self.failures.append(Failure(name, after, result, exc))
-
-    def names(self) -> list[str]:
-        return [n for n, _ in self.calls]
-
-    def launch(self) -> None:
-        """Pretend a kernel was launched that may read mapped memory."""
-        self.work_pending = True
+        self.calls, self.failures = self.log.calls, self.log.failures
+        self.fail, self.names = self.log.fail, self.log.names
+        self.current, self.primary_retains = self.ctx.current, self.ctx.primary_retains
+        self.primary_context, self.launch = self.ctx.primary_context, self.ctx.launch
+        self.reservations, self.handles, self.mappings = self.mem.reservations, self.mem.handles, self.mem.mappings
+        self.memory, self.read = self.mem.memory, self.mem.read
 
     def leaks(self) -> dict[str, Any]:
         out = {"reservations": dict(self.reservations), "handles": dict(self.handles),
@@ -117,92 +86,42 @@ class FakeCudaDriver:
                                                                      if n}}
         return {k: v for k, v in out.items() if v}
 
-    def primary_context(self, dev: int) -> int:
-        return 0x1000 + dev
-
-    def read(self, ptr: int, n: int) -> bytes:
-        """The n bytes a mapped address holds (within one mapping): garbage until something writes them."""
-        base = next((p for p, m in self.mappings.items() if p <= ptr and ptr + n <= p + m.size), None)
-        if base is None:
-            raise AssertionError(f"read of {n} bytes at {ptr:#x}: not inside one mapping (the device would fault)")
-        mapping = self.mappings[base]
-        data = self.memory.setdefault(mapping.handle, bytearray(random.Random(mapping.handle).randbytes(mapping.size)))
-        return bytes(data[ptr - base:ptr - base + n])
-
-    # -- plumbing -----------------------------------------------------------------------------------------
-    def _enter(self, name: str) -> Any:
-        self.calls.append((name, threading.get_ident()))
-        for f in self.failures:
-            if f.name == name:
-                if f.after:
-                    f.after -= 1
-                    return None
-                self.failures.remove(f)
-                if f.exc is not None:
-                    raise f.exc
-                return (f.result,)
-        return None
-
-    def _need_context(self) -> CUresult | None:
-        if not self.initialized:
-            return NOT_INITIALIZED
-        if not self.current.get(threading.get_ident()):
-            return INVALID_CONTEXT
-        return None
-
-    def _aligned(self, *values: int) -> bool:
-        return all(int(v) % self.granularity == 0 for v in values)
-
-    def _valid_prop(self, prop: Any) -> bool:
-        return (prop.type == CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-                and prop.location.type == CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-                and 0 <= prop.location.id < self.num_devices)
-
-    def _reservation_of(self, ptr: int, size: int) -> int | None:
-        for base, n in self.reservations.items():
-            if base <= ptr and ptr + size <= base + n:
-                return base
-        return None
-
-    def _mapped_in(self, ptr: int, size: int) -> list[int]:
-        return [p for p, m in self.mappings.items() if p < ptr + size and ptr < p + m.size]
-
     # -- init, devices, contexts --------------------------------------------------------------------------
     def cuInit(self, flags: int):
-        if (r := self._enter("cuInit")) is not None:
+        if (r := self.log.enter("cuInit")) is not None:
             return r
         if flags != 0:
             return (INVALID_VALUE,)
-        self.initialized = True
+        self.ctx.initialized = True
         return (OK,)
 
     def cuDeviceGet(self, ordinal: int):
-        if (r := self._enter("cuDeviceGet")) is not None:
+        if (r := self.log.enter("cuDeviceGet")) is not None:
             return r + (None,)
-        if not self.initialized:
+        if not self.ctx.initialized:
             return (NOT_INITIALIZED, None)
         if not 0 <= ordinal < self.num_devices:
             return (INVALID_DEVICE, None)
         return (OK, CUdevice(ordinal))
 
     def cuDeviceGetAttribute(self, attrib: Any, dev: Any):
-        if (r := self._enter("cuDeviceGetAttribute")) is not None:
+        if (r := self.log.enter("cuDeviceGetAttribute")) is not None:
             return r + (None,)
         if attrib == CUdevice_attribute.CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED:
             return (OK, int(self.vmm_supported))
         return (OK, 0)
 
     def cuDevicePrimaryCtxRetain(self, dev: Any):
-        if (r := self._enter("cuDevicePrimaryCtxRetain")) is not None:
+        if (r := self.log.enter("cuDevicePrimaryCtxRetain")) is not None:
             return r + (None,)
-        if not self.initialized:
+        if not self.ctx.initialized:
             return (NOT_INITIALIZED, None)
         d = int(dev)
         self.primary_retains[d] = self.primary_retains.get(d, 0) + 1
         return (OK, CUcontext(self.primary_context(d)))
 
     def cuDevicePrimaryCtxRelease(self, dev: Any):
-        if (r := self._enter("cuDevicePrimaryCtxRelease")) is not None:
+        if (r := self.log.enter("cuDevicePrimaryCtxRelease")) is not None:
             return r
         d = int(dev)
         if not self.primary_retains.get(d):
@@ -211,142 +130,136 @@ class FakeCudaDriver:
         return (OK,)
 
     def cuCtxGetCurrent(self):
-        if (r := self._enter("cuCtxGetCurrent")) is not None:
+        if (r := self.log.enter("cuCtxGetCurrent")) is not None:
             return r + (None,)
-        if not self.initialized:
+        if not self.ctx.initialized:
             return (NOT_INITIALIZED, None)
         return (OK, CUcontext(self.current.get(threading.get_ident(), 0)))
 
     def cuCtxSetCurrent(self, ctx: Any):
-        if (r := self._enter("cuCtxSetCurrent")) is not None:
+        if (r := self.log.enter("cuCtxSetCurrent")) is not None:
             return r
         c = int(ctx)
-        if c and not any(self.primary_context(d) == c and n for d, n in self.primary_retains.items()):
+        if c and not self.ctx.is_retained(c):
             return (INVALID_CONTEXT,)
         self.current[threading.get_ident()] = c
         return (OK,)
 
     def cuCtxCreate(self, *args: Any):
-        self._enter("cuCtxCreate")
+        self.log.enter("cuCtxCreate")
         raise AssertionError("cuCtxCreate makes a second context and breaks torch interop; use the primary context")
 
     def cuCtxSynchronize(self):
-        if (r := self._enter("cuCtxSynchronize")) is not None:
+        if (r := self.log.enter("cuCtxSynchronize")) is not None:
             return r
-        if (err := self._need_context()) is not None:
+        if (err := self.ctx.need_context()) is not None:
             return (err,)
-        self.work_pending = False
+        self.ctx.work_pending = False
         return (OK,)
 
     # -- virtual memory -----------------------------------------------------------------------------------
     def cuMemGetAllocationGranularity(self, prop: Any, option: Any):
-        if (r := self._enter("cuMemGetAllocationGranularity")) is not None:
+        if (r := self.log.enter("cuMemGetAllocationGranularity")) is not None:
             return r + (None,)
-        if (err := self._need_context()) is not None:
+        if (err := self.ctx.need_context()) is not None:
             return (err, None)
-        if not self._valid_prop(prop):
+        if not self.mem.valid_prop(prop):
             return (INVALID_VALUE, None)
         return (OK, self.granularity)
 
     def cuMemAddressReserve(self, size: int, alignment: int, addr: Any, flags: int):
-        if (r := self._enter("cuMemAddressReserve")) is not None:
+        if (r := self.log.enter("cuMemAddressReserve")) is not None:
             return r + (None,)
-        if (err := self._need_context()) is not None:
+        if (err := self.ctx.need_context()) is not None:
             return (err, None)
-        if flags != 0 or size <= 0 or not self._aligned(size, alignment):
+        if flags != 0 or size <= 0 or not self.mem.aligned(size, alignment):
             return (INVALID_VALUE, None)
-        with self._lock:
-            ptr = self._next_ptr
-            self._next_ptr += size + self.granularity
-            self.reservations[ptr] = size
-        return (OK, CUdeviceptr(ptr))
+        return (OK, CUdeviceptr(self.mem.reserve(size)))
 
     def cuMemAddressFree(self, ptr: Any, size: int):
-        if (r := self._enter("cuMemAddressFree")) is not None:
+        if (r := self.log.enter("cuMemAddressFree")) is not None:
             return r
-        if (err := self._need_context()) is not None:
+        if (err := self.ctx.need_context()) is not None:
             return (err,)
         p = int(ptr)
-        if self.reservations.get(p) != size or self._mapped_in(p, size):
+        if self.reservations.get(p) != size or self.mem.mapped_in(p, size):
             return (INVALID_VALUE,)
         del self.reservations[p]
         return (OK,)
 
     def cuMemCreate(self, size: int, prop: Any, flags: int):
-        if (r := self._enter("cuMemCreate")) is not None:
+        if (r := self.log.enter("cuMemCreate")) is not None:
             return r + (None,)
-        if (err := self._need_context()) is not None:
+        if (err := self.ctx.need_context()) is not None:
             return (err, None)
-        if flags != 0 or size <= 0 or not self._aligned(size) or not self._valid_prop(prop):
+        if flags != 0 or size <= 0 or not self.mem.aligned(size) or not self.mem.valid_prop(prop):
             return (INVALID_VALUE, None)
         if sum(self.handles.values()) + size > self.memory_bytes:
             return (OUT_OF_MEMORY, None)
-        h, self._next_handle = self._next_handle, self._next_handle + 1
-        self.handles[h] = size   # not zeroed: its bytes are garbage (`read`)
-        return (OK, CUmemGenericAllocationHandle(h))
+        return (OK, CUmemGenericAllocationHandle(self.mem.create(size)))
 
     def cuMemRelease(self, handle: Any):
-        if (r := self._enter("cuMemRelease")) is not None:
+        if (r := self.log.enter("cuMemRelease")) is not None:
             return r
-        if (err := self._need_context()) is not None:
+        if (err := self.ctx.need_context()) is not None:
             return (err,)
         h = int(handle)
         if h not in self.handles:
             return (INVALID_VALUE,)
         if any(m.handle == h for m in self.mappings.values()):
-            assert not self.work_pending, "cuMemRelease of a mapped handle while kernels may run: synchronise first"
+            assert not self.ctx.work_pending, "cuMemRelease of a mapped handle while kernels may run: synchronise first"
         del self.handles[h]   # a still-mapped handle's memory is freed when it is unmapped
         self.memory.pop(h, None)
         return (OK,)
 
     def cuMemMap(self, ptr: Any, size: int, offset: int, handle: Any, flags: int):
-        if (r := self._enter("cuMemMap")) is not None:
+        if (r := self.log.enter("cuMemMap")) is not None:
             return r
-        if (err := self._need_context()) is not None:
+        if (err := self.ctx.need_context()) is not None:
             return (err,)
         p, h = int(ptr), int(handle)
-        if flags != 0 or not self._aligned(p, size, offset) or size <= 0:
+        if flags != 0 or not self.mem.aligned(p, size, offset) or size <= 0:
             return (INVALID_VALUE,)
         if h not in self.handles or offset + size > self.handles[h]:
             return (INVALID_VALUE,)
-        if self._reservation_of(p, size) is None or self._mapped_in(p, size):
+        if self.mem.reservation_of(p, size) is None or self.mem.mapped_in(p, size):
             return (INVALID_VALUE,)
         self.mappings[p] = Mapping(size, h)
         return (OK,)
 
     def cuMemSetAccess(self, ptr: Any, size: int, desc: Any, count: int):
-        if (r := self._enter("cuMemSetAccess")) is not None:
+        if (r := self.log.enter("cuMemSetAccess")) is not None:
             return r
         if not isinstance(desc, (list, tuple)):
             raise TypeError(f"Argument 'desc' is not instance of type (expected <class 'list'>, found "
                             f"<class '{type(desc).__name__}'>): not iterable")
-        if (err := self._need_context()) is not None:
+        if (err := self.ctx.need_context()) is not None:
             return (err,)
         p = int(ptr)
-        if count != len(desc) or not self._aligned(p, size) or size <= 0:
+        if count != len(desc) or not self.mem.aligned(p, size) or size <= 0:
             return (INVALID_VALUE,)
         for d in desc:
             if d.location.type != CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE \
                     or d.flags != CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE:
                 return (INVALID_VALUE,)
-        inside = self._mapped_in(p, size)
+        inside = self.mem.mapped_in(p, size)
         if sum(self.mappings[q].size for q in inside) != size or any(q < p for q in inside):
             return (INVALID_VALUE,)   # the range must be fully mapped
         for q in inside:
             self.mappings[q].accessible = True
-        self.work_pending = True
+        self.ctx.work_pending = True
         return (OK,)
 
     def cuMemUnmap(self, ptr: Any, size: int):
-        if (r := self._enter("cuMemUnmap")) is not None:
+        if (r := self.log.enter("cuMemUnmap")) is not None:
             return r
-        if (err := self._need_context()) is not None:
+        if (err := self.ctx.need_context()) is not None:
             return (err,)
         p = int(ptr)
-        inside = self._mapped_in(p, size)
+        inside = self.mem.mapped_in(p, size)
         if not inside or any(q < p or q + self.mappings[q].size > p + size for q in inside):
             return (INVALID_VALUE,)   # unmap covers whole mappings only
-        assert not self.work_pending, "cuMemUnmap while kernels may still read the pages: cuCtxSynchronize first"
+        assert not self.ctx.work_pending, "cuMemUnmap while kernels may still read the pages: cuCtxSynchronize first"
         for q in inside:
             del self.mappings[q]
         return (OK,)
@@ -354,11 +267,11 @@ class FakeCudaDriver:
     # -- pointer queries ----------------------------------------------------------------------------------
     def cuPointerGetAttribute(self, attribute: Any, ptr: Any):
         """Only mapped memory has attributes: on a bare reservation the real driver fails too."""
-        if (r := self._enter("cuPointerGetAttribute")) is not None:
+        if (r := self.log.enter("cuPointerGetAttribute")) is not None:
             return r + (None,)
-        if (err := self._need_context()) is not None:
+        if (err := self.ctx.need_context()) is not None:
             return (err, None)
-        if not self._mapped_in(int(ptr), 1):
+        if not self.mem.mapped_in(int(ptr), 1):
             return (INVALID_VALUE, None)
         if attribute == CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL:
             return (OK, 0)

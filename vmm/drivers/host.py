@@ -79,7 +79,7 @@ class HostMemory:
         """Byte offset of pool page `page` in the memfd (for independent reads of the pool)."""
         return page * self.page_size
 
-    def _mmap(self, what: str, addr: int | None, nbytes: int, prot: int, flags: int, fd: int, offset: int) -> int:
+    def mmap_at(self, what: str, addr: int | None, nbytes: int, prot: int, flags: int, fd: int, offset: int) -> int:
         got = self.libc.mmap(addr, nbytes, prot, flags, fd, offset)
         if got == MAP_FAILED or got is None:
             err = ctypes.get_errno()
@@ -89,7 +89,7 @@ class HostMemory:
         return got
 
     def reserve(self, nbytes: int) -> int:
-        return self._mmap("reserve", None, nbytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
+        return self.mmap_at("reserve", None, nbytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
 
     def release(self, region: Region) -> None:
         if self.libc.munmap(region.base, region.nbytes) != 0:
@@ -105,12 +105,12 @@ class HostMemory:
 
     def map(self, addr: int, first_page: int, num_pages: int) -> int:
         flags = MAP_SHARED | MAP_FIXED | (MAP_POPULATE if self.populate else 0)
-        self._mmap("map pool pages", addr, num_pages * self.page_size, PROT_READ | PROT_WRITE, flags, self.fd,
+        self.mmap_at("map pool pages", addr, num_pages * self.page_size, PROT_READ | PROT_WRITE, flags, self.fd,
                    first_page * self.page_size)
         return 1
 
     def unmap(self, addr: int, num_pages: int) -> int:
-        self._mmap("unmap to PROT_NONE", addr, num_pages * self.page_size, PROT_NONE,
+        self.mmap_at("unmap to PROT_NONE", addr, num_pages * self.page_size, PROT_NONE,
                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0)
         return 1
 

@@ -5,9 +5,9 @@ abstract Unix socket and map pages by offset. Nothing is named in the filesystem
 when the last member goes, kill -9 included.
 """
 from kvlab.vmm.pool.admin import set_limits, status
+from kvlab.vmm.pool.engines import EngineRecord
 from kvlab.vmm.pool.enroll import DEFAULT_PAGE_SIZE, create, join
 from kvlab.vmm.pool.errors import LimitError, PoolError, PoolExists, UnknownPool
-from kvlab.vmm.pool.ledger import EngineRecord
 from kvlab.vmm.pool.member import PoolMember
 from kvlab.vmm.pool.status import PoolStatus
 

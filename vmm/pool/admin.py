@@ -7,8 +7,9 @@ from collections.abc import Iterator
 
 from kvlab.vmm.pool import rendezvous
 from kvlab.vmm.pool.attachment import Attachment
+from kvlab.vmm.pool.engines import EngineRecord
 from kvlab.vmm.pool.errors import PoolError
-from kvlab.vmm.pool.ledger import EngineRecord, Ledger, to_pages
+from kvlab.vmm.pool.ledger import Ledger, to_pages
 from kvlab.vmm.pool.status import PoolStatus, read_status
 
 
@@ -34,12 +35,12 @@ def set_limits(name: str, engine: str, floor: int | None = None, ceiling: int | 
     takes until it has given back below it; a raised floor is honoured as pages come free (no other engine may
     take while free pages do not cover the floors not yet met)."""
     with books(name) as (attachment, ledger):
-        slot = ledger.find(engine)
+        slot = ledger.table.find(engine)
         if slot is None:
-            names = ", ".join(r.name for r in ledger.records()) or "none"
+            names = ", ".join(r.name for r in ledger.table.records()) or "none"
             raise PoolError(f"pool {name!r} has no engine {engine!r} (engines: {names})")
-        old = ledger.record(slot)
+        old = ledger.table.record(slot)
         size = attachment.page_size
         ledger.set_limits(slot, old.floor if floor is None else to_pages(floor, size, "floor"),
                           old.ceiling if ceiling is None else to_pages(ceiling, size, "ceiling"))
-        return ledger.record(slot)
+        return ledger.table.record(slot)

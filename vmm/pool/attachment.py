@@ -53,7 +53,7 @@ class Attachment:
 
     def reap(self, ledger: Ledger, own_slot: int | None = None) -> int:
         """Under the lock: return the pages of every engine whose process is gone; how many engines were."""
-        dead = [s for s in ledger.live_slots()
+        dead = [s for s in ledger.table.live_slots()
                 if s != own_slot and not locks.held_elsewhere(self.lock_fd, liveness_byte(s))]
         for slot in dead:
             punch(self.pages_fd, self.page_size, ledger.pages_of(slot).tolist())

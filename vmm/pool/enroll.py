@@ -31,7 +31,7 @@ def enroll(attachment: Attachment, engine: str | None, floor: int, ceiling: int 
     with attachment.locked() as ledger:
         attachment.reap(ledger)                      # a dead engine's slot and name can be reused at once
         ceiling_pages = ledger.total if ceiling is None else to_pages(ceiling, size, "ceiling")
-        slot = ledger.free_slot()
+        slot = ledger.table.free_slot()
         engine = engine or f"engine-{os.getpid()}-{slot}"
         if not locks.try_lock(attachment.lock_fd, liveness_byte(slot)):
             raise PoolError(f"slot {slot} of pool {attachment.name!r} is locked by an unregistered process")

@@ -10,23 +10,20 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import numpy as np
 
-from kvlab.common.limits import fmt_bytes
+from kvlab.vmm.pool.engines import ENGINE, NAME_BYTES, EngineTable
 from kvlab.vmm.pool.errors import LimitError, PoolError
 
 FREE = -1
 MAGIC = 0x6B766C61622D706C    # "kvlab-pl"
-VERSION = 1
-NAME_BYTES = 48
+VERSION = 2
 HEADER = np.dtype([("magic", "<u8"), ("version", "<i8"), ("page_size", "<i8"), ("total_pages", "<i8"),
                    ("max_engines", "<i8"), ("free", "<i8"), ("dirty", "<i8"), ("reclaimed_pages", "<i8"),
                    ("reclaimed_engines", "<i8"), ("joins", "<i8"),
-                   ("hint", "<i8")])       # every page below `hint` is owned: take searches from there
-ENGINE = np.dtype([("in_use", "<i8"), ("pid", "<i8"), ("floor", "<i8"), ("ceiling", "<i8"), ("held", "<i8"),
-                   ("given", "<i8"), ("taken", "<i8"), ("name", f"S{NAME_BYTES}")])
+                   ("hint", "<i8"),        # every page below `hint` is owned: take searches from there
+                   ("wanted", "<i8")])     # pages refused engines asked for: others give spares back
 OWNER = np.dtype("<i4")
 MAX_PAGES = 2**31 - 1            # page ids fit the owner array's int32
 
@@ -41,18 +38,6 @@ def ledger_bytes(total_pages: int, max_engines: int) -> int:
     return HEADER.itemsize + max_engines * ENGINE.itemsize + total_pages * OWNER.itemsize
 
 
-@dataclass(frozen=True)
-class EngineRecord:
-    slot: int
-    pid: int
-    name: str
-    floor: int       # pages
-    ceiling: int
-    held: int
-    given: int
-    taken: int
-
-
 class Ledger:
     def __init__(self, buf) -> None:
         self.header = np.frombuffer(buf, HEADER, 1)[0]
@@ -60,6 +45,7 @@ class Ledger:
         self.engines = np.frombuffer(buf, ENGINE, engines, HEADER.itemsize)
         self.owner = np.frombuffer(buf, OWNER, int(self.header["total_pages"]),
                                    HEADER.itemsize + engines * ENGINE.itemsize)
+        self.table = EngineTable(self.engines, len(self.owner), int(self.header["page_size"]))
 
     @staticmethod
     def format(buf, page_size: int, total_pages: int, max_engines: int) -> None:
@@ -83,34 +69,8 @@ class Ledger:
     def free(self) -> int:
         return int(self.header["free"])
 
-    def live_slots(self) -> list[int]:
-        return np.flatnonzero(self.engines["in_use"]).tolist()
-
-    def record(self, slot: int) -> EngineRecord:
-        e = self.engines[slot]
-        return EngineRecord(slot, int(e["pid"]), e["name"].decode(), int(e["floor"]), int(e["ceiling"]),
-                            int(e["held"]), int(e["given"]), int(e["taken"]))
-
-    def records(self) -> list[EngineRecord]:
-        return [self.record(slot) for slot in self.live_slots()]
-
-    def find(self, engine: str) -> int | None:
-        """The live slot of the engine named `engine`, or whose pid is `engine`."""
-        for r in self.records():
-            if engine in (r.name, str(r.pid)):
-                return r.slot
-        return None
-
     def pages_of(self, slot: int) -> np.ndarray:
         return np.flatnonzero(self.owner == slot)
-
-    def unmet_floors(self, exclude: int | None = None) -> int:
-        """Free pages promised to engines below their floor (other than `exclude`)."""
-        live = self.engines["in_use"] != 0
-        if exclude is not None:
-            live[exclude] = False
-        unmet = self.engines["floor"][live] - self.engines["held"][live]
-        return int(np.clip(unmet, 0, None).sum())
 
     # -- changing -------------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -132,16 +92,10 @@ class Ledger:
         self.header["hint"] = free[0] if len(free) else self.total
         self.header["dirty"] = 0
 
-    def free_slot(self) -> int:
-        slots = np.flatnonzero(self.engines["in_use"] == 0)
-        if not len(slots):
-            raise PoolError(f"the pool has {len(self.engines)} engines, its most; close one first")
-        return int(slots[0])
-
     def register(self, slot: int, pid: int, name: str, floor: int, ceiling: int) -> None:
-        if self.find(name) is not None:
+        if self.table.find(name) is not None:
             raise PoolError(f"an engine named {name!r} is already in the pool; give another name")
-        self.check_limits(slot, floor, ceiling)
+        self.table.check_limits(slot, floor, ceiling)
         with self.changing():
             e = self.engines[slot]
             e["pid"], e["name"], e["floor"], e["ceiling"] = pid, name.encode()[:NAME_BYTES], floor, ceiling
@@ -168,7 +122,7 @@ class Ledger:
         """n free pages now owned by `slot`, or None (nothing changed) when that would pass its ceiling, or leave
         fewer free pages than other engines' unmet floors."""
         e = self.engines[slot]
-        if e["held"] + n > e["ceiling"] or self.free - n < self.unmet_floors(exclude=slot):
+        if e["held"] + n > e["ceiling"] or self.free - n < self.table.unmet_floors(exclude=slot):
             return None
         pages = self.lowest_free(n)
         with self.changing():
@@ -207,30 +161,21 @@ class Ledger:
             raise PoolError(f"give takes distinct page ids in [0, {self.total}), got {pages.tolist()[:8]}")
         if not np.all(self.owner[pages] == slot):
             stray = pages[self.owner[pages] != slot][:8].tolist()
-            raise PoolError(f"engine {self.record(slot).name!r} does not hold pages {stray}")
+            raise PoolError(f"engine {self.table.record(slot).name!r} does not hold pages {stray}")
         e = self.engines[slot]
         with self.changing():
             self.release(pages)
             e["held"] -= len(pages)
             e["given"] += len(pages)
+            self.header["wanted"] = max(0, int(self.header["wanted"]) - len(pages))
 
-    def pages_text(self, pages: int) -> str:
-        return f"{pages} pages ({fmt_bytes(pages * int(self.header['page_size']))})"
-
-    def check_limits(self, slot: int, floor: int, ceiling: int) -> None:
-        if not 0 <= floor <= ceiling <= self.total:
-            raise LimitError(f"limits need 0 <= floor <= ceiling <= the pool's {self.pages_text(self.total)}; got "
-                             f"floor {self.pages_text(floor)}, ceiling {self.pages_text(ceiling)}")
-        live = self.engines["in_use"] != 0
-        live[slot] = False
-        others = int(self.engines["floor"][live].sum())
-        if others + floor > self.total:
-            raise LimitError(f"floor {self.pages_text(floor)} does not fit: other engines' floors take "
-                             f"{self.pages_text(others)} of the pool's {self.pages_text(self.total)}")
+    def ask(self, n: int) -> None:
+        """A refused engine wants n pages: members holding spare pages give them back when they next look."""
+        self.header["wanted"] = min(self.total, int(self.header["wanted"]) + n)
 
     def set_limits(self, slot: int, floor: int, ceiling: int) -> None:
         """Each intermediate state is valid too: the floor goes first unless it would pass the old ceiling."""
-        self.check_limits(slot, floor, ceiling)
+        self.table.check_limits(slot, floor, ceiling)
         e = self.engines[slot]
         with self.changing():
             if floor > e["ceiling"]:

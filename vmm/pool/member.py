@@ -9,14 +9,14 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
 from kvlab.vmm.pool import locks
 from kvlab.vmm.pool.attachment import Attachment, liveness_byte
+from kvlab.vmm.pool.engines import EngineRecord
 from kvlab.vmm.pool.errors import PoolError
-from kvlab.vmm.pool.ledger import EngineRecord
 from kvlab.vmm.pool.memory import punch
 from kvlab.vmm.pool.status import PoolStatus, read_status
 from kvlab.vmm.pool.steward import Steward
@@ -80,9 +80,33 @@ class PoolMember:
             ledger.give(self.slot, np.asarray(pages, dtype=np.int64))
         self._held.difference_update(pages)
 
+    def ask(self, n: int) -> None:
+        """After a refused take: ask the other engines to give back n spare pages (the elastic protocol)."""
+        with self._usable().locked() as ledger:
+            ledger.ask(n)
+
+    def others_above_floors(self) -> int:
+        """Pages the other engines hold above their floors: what they could give back if asked."""
+        with self._usable().locked() as ledger:
+            return ledger.table.above_floors(exclude=self.slot)
+
+    def watch(self, answer: Callable[[int], None]) -> None:
+        """Call `answer(pages)` from the steward thread, about every 0.1 s, while refused engines want pages."""
+        self._usable()
+        self._steward.on_wanted = answer
+
+    def wanted(self) -> int:
+        """Pages refused engines are waiting for. Read without the lock: a hint checked often, never a promise."""
+        return int(self._attachment.ledger.header["wanted"])
+
     def record(self) -> EngineRecord:
         with self._usable().locked() as ledger:
-            return ledger.record(self.slot)
+            return ledger.table.record(self.slot)
+
+    def books(self) -> tuple[int, EngineRecord]:
+        """The pool's free pages and this engine's record, read in one locked step."""
+        with self._usable().locked() as ledger:
+            return ledger.free, ledger.table.record(self.slot)
 
     def excess(self) -> int:
         """Pages held above the ceiling (after a limit was lowered): what the engine should give back."""

@@ -5,7 +5,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from kvlab.vmm.pool.ledger import EngineRecord, Ledger
+from kvlab.vmm.pool.engines import EngineRecord
+from kvlab.vmm.pool.ledger import Ledger
 
 
 @dataclass(frozen=True)
@@ -39,5 +40,6 @@ class PoolStatus:
 
 def read_status(name: str, ledger: Ledger) -> PoolStatus:
     h = ledger.header
-    return PoolStatus(name, int(h["page_size"]), ledger.total, ledger.free, ledger.unmet_floors(),
-                      int(h["reclaimed_pages"]), int(h["reclaimed_engines"]), int(h["joins"]), tuple(ledger.records()))
+    return PoolStatus(name, int(h["page_size"]), ledger.total, ledger.free, ledger.table.unmet_floors(),
+                      int(h["reclaimed_pages"]), int(h["reclaimed_engines"]), int(h["joins"]),
+                      tuple(ledger.table.records()))

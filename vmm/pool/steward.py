@@ -1,13 +1,15 @@
 """Every member runs a steward thread. While this process holds the pool's name it serves joins and, every
 `interval` seconds, returns dead engines' pages; otherwise it tries to bind the name every `interval`, so when the
 serving process dies another member takes over within one interval. A dead engine's pages are therefore back
-within two intervals while any member lives (one for the takeover, one for the reap)."""
+within two intervals while any member lives (one for the takeover, one for the reap). Each round the steward also
+lets its engine answer other engines' requests for pages (`on_wanted`, the elastic protocol: docs/pool.md)."""
 from __future__ import annotations
 
 import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 from kvlab.vmm.pool import rendezvous
 from kvlab.vmm.pool.attachment import Attachment
@@ -21,6 +23,7 @@ class Steward:
                  interval: float = REAP_INTERVAL_S) -> None:
         self.attachment, self.own_slot, self.interval = attachment, own_slot, interval
         self.server = server
+        self.on_wanted: Callable[[int], None] | None = None    # the engine's answer when others want pages
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kvlab-pool-{attachment.name}", daemon=True)
         self._thread.start()
@@ -32,6 +35,7 @@ class Steward:
     def _run(self) -> None:
         next_reap = 0.0
         while not self._stop.is_set():
+            self._answer_wanted()
             if self.server is None:
                 self.server = rendezvous.listen(self.attachment.name)
             if self.server is None:
@@ -42,6 +46,16 @@ class Steward:
             if time.monotonic() >= next_reap:
                 self._reap()
                 next_reap = time.monotonic() + self.interval
+
+    def _answer_wanted(self) -> None:
+        """Engines were refused pages: let this engine give back what it holds without need. The count is read
+        without the lock (a hint); the answer takes the locks it needs."""
+        wanted = int(self.attachment.ledger.header["wanted"])
+        if wanted and self.on_wanted is not None:
+            try:
+                self.on_wanted(wanted)
+            except Exception:               # never kill the steward: joins and reaping must go on
+                log.exception("pool %s: giving pages back failed", self.attachment.name)
 
     def _reap(self) -> None:
         with self.attachment.locked() as ledger:

@@ -1,0 +1,195 @@
+"""Engines on a machine-wide pool (issue 29, phase 2): the vmm host driver maps pool pages (taken in the ledger
+before the mmap), a refused take preempts like a spent budget, idle engines give spare pages back to a starved
+one, and a killed engine's pages come back. Outputs never change: greedy tokens equal a solo engine's."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from kvlab import LLM, SamplingParams
+from kvlab.common.errors import ConfigError
+from kvlab.common.kv.types import CacheStats
+from kvlab.common.metrics import RunMetrics
+from kvlab.experiments.serve.prom import ServerMetrics
+from kvlab.vmm import pool
+
+PROMPTS = [[1 + (7 * i + 3 * j) % 200 for j in range(5 + 9 * i)] for i in range(8)]
+PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)
+BASE = {"model": "tiny", "backend": "vmm", "max_model_len": 256, "page_size": 4096, "kv_cache_bytes": 16 << 20,
+        "max_num_seqs": 1}
+PAGE = 4096
+LONGEST = 96 * PAGE          # the pages the longest request maps (68 prompt + 24 output tokens)
+POOL_KEYS = {"name", "total_bytes", "used_bytes", "engine_bytes", "pages_given", "pages_taken"}
+DEADLINE_S = 60.0
+
+
+def pool_name() -> str:
+    return f"test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def run(**overrides) -> tuple[list[list[int]], dict, int]:
+    """Greedy tokens, the pool block of the cache stats (or {}) and the preemptions of one engine's run; every
+    request ran to its length."""
+    llm = LLM(**(BASE | overrides))
+    try:
+        outputs = [r.outputs[0] for r in llm.generate(PROMPTS, PARAMS)]
+        assert [o.finish_reason for o in outputs] == ["length"] * len(PROMPTS)
+        return [o.token_ids for o in outputs], llm.cache_stats().extra.get("pool", {}), llm.metrics().preemptions
+    finally:
+        llm.close()
+
+
+@pytest.fixture(scope="module")
+def solo() -> list[list[int]]:
+    return run()[0]
+
+
+def test_an_engine_on_a_pool_generates_what_it_generates_alone(solo):
+    name = pool_name()
+    tokens, block, _ = run(kv_pool=name, kv_pool_bytes=16 << 20)
+    assert tokens == solo
+    assert set(block) == POOL_KEYS and block["name"] == name and block["total_bytes"] == 16 << 20
+    assert block["pages_taken"] > 0 and 0 < block["engine_bytes"] <= block["used_bytes"]
+    with pytest.raises(pool.UnknownPool):        # its only member closed: nothing of the pool is left
+        pool.status(name)
+
+
+def test_a_pool_smaller_than_the_budget_reuses_pages_and_outputs_stay_equal(solo):
+    with pool.create(pool_name(), LONGEST, page_size=PAGE) as holder:
+        tokens, block, _ = run(kv_pool=holder.name)
+        assert tokens == solo and block["used_bytes"] <= LONGEST
+        assert holder.status().used == 0           # the engine gave every page back when it closed
+
+
+def test_a_refused_take_preempts_like_a_spent_budget():
+    """Eight sequences at once on a pool that holds about three: refusals preempt, every request completes."""
+    with pool.create(pool_name(), 1 << 20, page_size=PAGE) as holder:
+        _, block, preemptions = run(kv_pool=holder.name, max_num_seqs=8)
+        assert preemptions > 0 and block["used_bytes"] <= 1 << 20
+        assert holder.status().used == 0           # the engine gave every page back when it closed
+
+
+def test_the_page_size_must_be_the_pools():
+    with pool.create(pool_name(), 1 << 20, page_size=2 * PAGE) as holder:
+        with pytest.raises(ConfigError, match="page size 8192"):
+            LLM(**BASE, kv_pool=holder.name)
+        assert holder.status().used == 0 and len(holder.status().engines) == 1
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"backend": "paged", "kv_pool": "p"}, "needs the vmm backend"),
+    ({"kv_pool_bytes": 1 << 20}, "kv_pool_bytes needs kv_pool"),
+    ({"kv_pool": "p", "enable_prefix_caching": True}, "prefix caching"),
+    ({"kv_pool": "no-such-pool-here"}, "no pool named"),
+])
+def test_pool_options_are_one_line_errors(overrides, match):
+    with pytest.raises(ConfigError, match=match) as e:
+        LLM(**(BASE | overrides))
+    assert "\n" not in str(e.value)
+
+
+# -- engines in other processes -------------------------------------------------------------------------------
+ENGINE_SCRIPT = """
+import json, sys
+from kvlab import LLM, SamplingParams
+from tests.test_pool_engine import BASE, PARAMS, PROMPTS
+llm = LLM(**BASE, kv_pool=sys.argv[1])
+tokens = [r.outputs[0].token_ids for r in llm.generate(PROMPTS, PARAMS)]
+print(json.dumps({"tokens": tokens, "pool": llm.cache_stats().extra["pool"]}), flush=True)
+sys.stdin.readline()                   # idle, holding its freed slots' pages, until the test says stop
+print(json.dumps(llm.cache_stats().extra["pool"]), flush=True)
+llm.close()
+"""
+
+
+def start_engine(name: str) -> subprocess.Popen:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.Popen([sys.executable, "-c", ENGINE_SCRIPT, name], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, cwd=root)
+
+
+def read_line(proc: subprocess.Popen) -> dict:
+    line = proc.stdout.readline()
+    assert line, f"the engine process exited ({proc.wait(DEADLINE_S)})"
+    return json.loads(line)
+
+
+def wait_for(condition, what: str) -> float:
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < DEADLINE_S, f"timed out waiting for {what}"
+        time.sleep(0.01)
+    return time.monotonic() - start
+
+
+def test_an_idle_engine_feeds_a_starved_one_and_outputs_stay_equal(solo):
+    """Engine A runs and idles holding its freed slots' pages, most of the pool; engine B (this process) is
+    refused, asks, and A's steward gives its spares back; both generate exactly what a solo engine does."""
+    with pool.create(pool_name(), LONGEST + 32 * PAGE, page_size=PAGE) as holder:
+        a = start_engine(holder.name)
+        try:
+            first = read_line(a)
+            assert first["tokens"] == solo
+            held_by_a = first["pool"]["engine_bytes"]
+            assert held_by_a > 32 * PAGE                      # B cannot run without A's pages
+            tokens, block, _ = run(kv_pool=holder.name)
+            assert tokens == solo and block["pages_taken"] * PAGE > LONGEST + 32 * PAGE - held_by_a
+            a.stdin.write("\n")
+            a.stdin.flush()
+            assert read_line(a)["pages_given"] > 0            # A gave pages back while idle
+            assert a.wait(DEADLINE_S) == 0
+        finally:
+            a.kill()
+            a.wait()
+        assert holder.status().used == 0
+
+
+def test_kill_9_of_an_engine_returns_its_pages():
+    with pool.create(pool_name(), 4 << 20, page_size=PAGE) as holder:
+        a = start_engine(holder.name)
+        try:
+            assert read_line(a)["pool"]["engine_bytes"] > 0
+            assert holder.status().used > 0
+            os.kill(a.pid, signal.SIGKILL)
+            a.wait()
+            wait_for(lambda: holder.status().used == 0, "the killed engine's pages")
+            assert [e.name for e in holder.status().engines] == [holder.engine]
+        finally:
+            a.kill()
+            a.wait()
+
+
+# -- the server's view ------------------------------------------------------------------------------------------
+class PoolEngine:
+    """What ServerMetrics reads of an engine: cache stats with a pool block, and run metrics."""
+
+    def __init__(self, block: dict) -> None:
+        self.stats = CacheStats("vmm", "page", 4, total_units=10, used_units=4, free_units=6, extra={"pool": block})
+
+    def cache_stats(self) -> CacheStats:
+        return self.stats
+
+    def metrics(self) -> RunMetrics:
+        return RunMetrics("vmm")
+
+
+def test_stats_and_metrics_carry_the_pool_block():
+    block = {"name": "p", "total_bytes": 1 << 20, "used_bytes": 1 << 19, "engine_bytes": 1 << 18,
+             "pages_given": 3, "pages_taken": 70}
+    m = ServerMetrics("vmm")
+    for _ in range(2):                                 # counters go to the running totals, not up by them
+        m.on_step(PoolEngine(block), 1, 0, 0, force=True)
+    assert m.stats()["pool"] == block
+    text = m.text().decode()
+    value = lambda name: float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))      # noqa: E731
+    assert (value("kvlab_pool_total_bytes"), value("kvlab_pool_used_bytes"), value("kvlab_pool_engine_bytes")) \
+        == (1 << 20, 1 << 19, 1 << 18)
+    assert (value("kvlab_pool_pages_given_total"), value("kvlab_pool_pages_taken_total")) == (3, 70)

@@ -1,0 +1,210 @@
+"""Host virtual memory whose physical pages come from a machine-wide pool (vmm/pool/, docs/pool.md).
+
+The driver's books still number its pages 0..n-1 (its "local" pages); each local page is backed by a pool page
+only while it is needed. Take before map: a local page without a backing gets one from the ledger (`member.take`)
+before the mmap, and the mmap maps the pool memfd at that page's offset. Unmapping keeps the backing as a spare
+(the page's data stays valid for a remap in the same call, as the driver's repairs expect); a later map of another
+local page reuses a spare before taking more, and spares go back to the pool (`member.give`) when another engine
+asks for pages (the ledger's `wanted` count) or when the driver closes. A refused take raises PoolExhausted,
+which the vmm handles as it handles a spent map budget: it unmaps freed slots' pages and tries once more, then
+the scheduler preempts.
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvlab.common.errors import ConfigError, DriverError
+from kvlab.vmm.drivers.base import VirtualMemory
+from kvlab.vmm.drivers.host import MAP_FIXED, MAP_POPULATE, MAP_SHARED, PROT_READ, PROT_WRITE, HostMemory
+from kvlab.vmm.drivers.map_budget import MapBudgetExhausted, process_budget
+from kvlab.vmm.drivers.types import PartialCall, Region
+from kvlab.vmm.pool import PoolExists, PoolMember, UnknownPool, create, join
+
+ANSWER_WAIT_S = 0.5        # a few steward rounds (0.1 s each) for other engines to give pages back
+ANSWER_POLL_S = 0.01
+
+
+class PoolExhausted(MapBudgetExhausted):
+    """The pool refused pages (short, this engine's ceiling, or other engines' floors): out of room, like out of
+    KV; nothing changed."""
+
+
+def join_or_create(name: str, nbytes: int | None, page_size: int) -> PoolMember:
+    """Join pool `name`; create it with `nbytes` if it does not exist and a size was given."""
+    engine = f"vmm-{os.getpid()}-{id(object()):x}"[-48:]
+    try:
+        return join(name, engine=engine)
+    except UnknownPool:
+        if nbytes is None:
+            raise ConfigError(f"no pool named {name!r} is running; create it (kvlab pool create {name} --bytes N) "
+                              "or give kv_pool_bytes") from None
+    try:
+        return create(name, nbytes, page_size=page_size, engine=engine)
+    except PoolExists:                    # another engine created it first
+        return join(name, engine=engine)
+
+
+class PooledHostMemory:
+    """The host's OS calls with pool pages as physical memory (`OSMemory`); reserve, release and views are the
+    host's own. Not thread-safe: the vmm allocator's lock serialises every call, the give-backs included."""
+
+    name = "host"
+    merges = False            # consecutive local pages sit at unrelated pool offsets
+
+    def __init__(self, member: PoolMember, page_size: int, populate: bool = True) -> None:
+        if member.page_size != page_size:
+            raise ConfigError(f"vmm page_size {page_size} differs from pool {member.name!r}'s page size "
+                              f"{member.page_size}; set page_size (--page-size) to {member.page_size}")
+        self.member, self.page_size, self.populate = member, page_size, populate
+        self.host = HostMemory(page_size, populate)
+        self.backing: dict[int, int] = {}     # local page -> pool page
+        self.idle: dict[int, None] = {}       # backed local pages no mapping uses, oldest first: the spares
+        self.mapped: dict[int, int] = {}      # address -> local page mapped there
+        self.refs: dict[int, int] = {}        # local page -> mappings of it
+
+    @property
+    def fd(self) -> int:
+        return self.member.page_fd
+
+    def pool_offset(self, page: int) -> int:
+        return self.member.page_offset(self.backing[page])
+
+    def granularity(self) -> int:
+        return self.host.granularity()
+
+    def reserve(self, nbytes: int) -> int:
+        return self.host.reserve(nbytes)
+
+    def release(self, region: Region) -> None:
+        self.host.release(region)
+        for addr in [a for a in self.mapped if region.base <= a < region.base + region.nbytes]:
+            self._forget(addr)
+
+    def view(self, region: Region, offset: int, nbytes: int) -> tuple[Any, Any]:
+        return self.host.view(region, offset, nbytes)
+
+    def resize_pool(self, old_pages: int, new_pages: int) -> None:
+        """Local pages cost nothing until mapped; cut ones (unmapped, checked by the driver) give their pages."""
+        self.discard(new_pages, max(0, old_pages - new_pages))
+
+    def map(self, addr: int, first_page: int, num_pages: int) -> int:
+        local = range(first_page, first_page + num_pages)
+        for page in local:                    # this call's own idle pages are not spares to reuse
+            self.idle.pop(page, None)
+        try:
+            self._back([p for p in local if p not in self.backing])
+            self._map_each(addr, local)
+        except BaseException:
+            self.idle.update((p, None) for p in local if p in self.backing and not self.refs.get(p))
+            raise
+        return num_pages
+
+    def _map_each(self, addr: int, local: range) -> None:
+        flags = MAP_SHARED | MAP_FIXED | (MAP_POPULATE if self.populate else 0)
+        for i, page in enumerate(local):
+            try:
+                self.host.mmap_at("map pool pages", addr + i * self.page_size, self.page_size,
+                                  PROT_READ | PROT_WRITE, flags, self.fd, self.pool_offset(page))
+            except DriverError as e:
+                if i:
+                    raise PartialCall(str(e), i) from e
+                raise
+            self.mapped[addr + i * self.page_size] = page
+            self.refs[page] = self.refs.get(page, 0) + 1
+
+    def _back(self, pages: list[int]) -> None:
+        """Give each local page a pool page: a take for what the spares do not cover, then the oldest spares'
+        pages; all or nothing. A refused take asks the other engines for pages (the ledger's `wanted`)."""
+        need = len(pages) - len(self.idle)
+        taken = self.member.take(need) if need > 0 else []
+        if taken is None:
+            taken = self._ask(need)
+        for page in pages:
+            self.backing[page] = taken.pop() if taken else self.backing.pop(self._oldest_idle())
+
+    def _ask(self, need: int) -> list[int]:
+        """Ask the other engines for pages and wait for their stewards' answer (a few rounds), if any of them
+        holds pages above its floor; else, or still refused, out of room."""
+        self.member.ask(need)
+        deadline = time.monotonic() + ANSWER_WAIT_S
+        while self.member.others_above_floors() and time.monotonic() < deadline:
+            time.sleep(ANSWER_POLL_S)
+            if (taken := self.member.take(need)) is not None:
+                return taken
+        raise PoolExhausted(f"pool {self.member.name!r} refused {need} pages")
+
+    def _oldest_idle(self) -> int:
+        page = next(iter(self.idle))
+        del self.idle[page]
+        return page
+
+    def unmap(self, addr: int, num_pages: int) -> int:
+        self.host.unmap(addr, num_pages)
+        for i in range(num_pages):
+            self._forget(addr + i * self.page_size)
+        return 1
+
+    def _forget(self, addr: int) -> None:
+        """The mapping at addr is gone; a local page no longer mapped anywhere keeps its pool page, idle (its
+        data stays valid until the page is given or reused, so a repair can map it back)."""
+        page = self.mapped.pop(addr, None)
+        if page is None:
+            return
+        self.refs[page] -= 1
+        if not self.refs[page]:
+            del self.refs[page]
+            self.idle[page] = None
+
+    def discard(self, first_page: int, num_pages: int) -> None:
+        pages = [p for p in range(first_page, first_page + num_pages) if p in self.idle]
+        for page in pages:
+            del self.idle[page]
+        self._give([self.backing.pop(p) for p in pages])
+
+    def give_spare(self, limit: int) -> int:
+        """Give back up to `limit` pool pages no mapping uses, oldest first."""
+        pages = [self._oldest_idle() for _ in range(min(limit, len(self.idle)))]
+        self._give([self.backing.pop(p) for p in pages])
+        return len(pages)
+
+    def _give(self, pool_pages: list[int]) -> None:
+        if pool_pages:
+            self.member.give(pool_pages)
+
+    def close(self, pool_maps: Sequence[int]) -> None:
+        self.host.close(pool_maps)
+        self.member.close()           # gives back every page still held
+
+
+class PooledVirtualMemory(VirtualMemory):
+    """Host virtual memory over pool `pool` (joined, or created with `pool_bytes` if it does not exist)."""
+
+    def __init__(self, pool: str, page_size: int, pool_bytes: int | None = None, populate: bool = True) -> None:
+        member = join_or_create(pool, pool_bytes, page_size)
+        try:
+            memory = PooledHostMemory(member, page_size, populate)
+        except BaseException:
+            member.close()
+            raise
+        super().__init__(memory, page_size, None, process_budget())
+        self.member = memory.member
+
+    def on_wanted(self, answer: Callable[[int], None]) -> None:
+        """Call `answer(pages)` from the pool's steward thread while other engines want pages."""
+        self.member.watch(answer)
+
+    def give_spare(self, limit: int) -> int:
+        """Give back up to `limit` spare pages, keeping the engine at or above its floor."""
+        record = self.member.record()
+        return self.os.give_spare(min(limit, record.held - record.floor))
+
+    def pool_stats(self) -> dict[str, Any]:
+        """The pool block of the cache stats: the pool's size and use, this engine's share and its page moves."""
+        free, record = self.member.books()
+        size = self.page_size
+        return {"name": self.member.name, "total_bytes": self.member.total_pages * size,
+                "used_bytes": (self.member.total_pages - free) * size, "engine_bytes": record.held * size,
+                "pages_given": record.given, "pages_taken": record.taken}
