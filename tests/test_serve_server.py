@@ -405,3 +405,25 @@ def test_serve_never_imports_the_load_generator():
                 imported.update(alias.name for alias in node.names)
     assert "kvlab.experiments.serve.extension" in imported
     assert not [m for m in imported if m.startswith("kvlab.experiments.loadgen")]
+
+
+def test_a_known_engine_failure_is_one_log_line_not_a_traceback(caplog):
+    """A KvlabError out of Engine.step (a tensor-parallel rank killed under `kvlab serve` raises
+    TensorParallelError) ends the loop like a bug does, but is logged as one line naming the cause."""
+    from kvlab.common.dist.runner import TensorParallelError
+    s = LiveServer()
+    try:
+        engine = s.engine.loop.engine
+
+        def killed_rank():
+            raise TensorParallelError("tensor parallel rank 1 of 2 failed: killed by signal SIGKILL")
+        engine.step = killed_rank
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 5, "stream": True}
+        with caplog.at_level("ERROR", logger="kvlab"):
+            text = httpx.post(s.url + "/v1/completions", json=body, timeout=30).text
+        assert text.rstrip().endswith("data: [DONE]") and s.engine.loop.failed
+        failed = [r for r in caplog.records if "engine failed" in r.getMessage()]
+        assert len(failed) == 1 and "rank 1 of 2" in failed[0].getMessage() and failed[0].exc_info is None
+        assert httpx.get(s.url + "/health", timeout=5).status_code == 503
+    finally:
+        s.stop()

@@ -72,6 +72,9 @@ class EngineLoop:
                 self._flush()
         except EOFError:                               # an engine process whose server went away
             log.warning("the server closed the engine's pipe; stopping")
+        except KvlabError as e:                        # a known failure (a tensor-parallel rank died): one line
+            log.error("engine failed: %s; aborting every request", e)
+            self.failed = True
         except Exception:                              # a bug in the engine: fail every request, keep no KV
             log.exception("engine loop failed; aborting every request")
             self.failed = True
