@@ -46,7 +46,7 @@ BAD_FLAGS = {
     "metric": (["--percentile-metrics", "ttft,foo"], "unknown --percentile-metrics 'foo'"),
     "percentile": (["--metric-percentiles", "101"], "each --metric-percentiles value must be a finite number > 0"),
     "percentile text": (["--metric-percentiles", "p99"], "each --metric-percentiles value must be a finite number"),
-    "goodput": (["--goodput", "ttft:-5"], "bad --goodput 'ttft:-5': the target must be > 0 ms"),
+    "goodput": (["--goodput", "ttft:-5"], "bad --goodput 'ttft:-5': the target must be a finite number of ms > 0"),
     "endpoint": (["--endpoint", "v1/completions", "--model", "m"], "--endpoint 'v1/completions': a path such as"),
     "dataset": (["--dataset-name", "zipf"], "unknown --dataset-name 'zipf'"),
     "sharegpt without file": (["--dataset-name", "sharegpt"], "--dataset-name sharegpt reads a file"),
@@ -170,3 +170,11 @@ def test_an_endless_stream_ends_at_the_request_timeout(capsys):
         rc, out, err = run_cli(["--base-url", url, "--model", "m", "--request-timeout", "1", *SMALL], capsys)
     assert time.monotonic() - t0 < 15
     assert rc == 1 and "Traceback" not in err and "Timeout" in out, out
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
+def test_a_goodput_target_that_is_not_a_finite_positive_number_is_refused(value):
+    from kvlab.common.errors import ConfigError
+    from kvlab.experiments.loadgen.latency import parse_goodput
+    with pytest.raises(ConfigError, match="finite number of ms > 0"):
+        parse_goodput([f"ttft:{value}"])

@@ -6,6 +6,7 @@ completed requests that meet every given SLO (ms). Shared by the load generator 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,8 +47,8 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
             slos[name] = float(value)
         except ValueError:
             raise ConfigError(f"bad --goodput {item!r}: {value!r} is not a number of milliseconds") from None
-        if slos[name] <= 0:
-            raise ConfigError(f"bad --goodput {item!r}: the target must be > 0 ms")
+        if not 0 < slos[name] < math.inf:                # NaN fails this too
+            raise ConfigError(f"bad --goodput {item!r}: the target must be a finite number of ms > 0")
     return slos
 
 
