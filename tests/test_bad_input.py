@@ -671,7 +671,7 @@ ROUND3_CLI_CASES = [
     ("accepted", "serve --slo 400 digits", [*SERVE, "--slo", "p99_ttft_ms<=" + "9" * 400], ["must be a finite number"]),
     ("accepted", "serve --input-len -5", [*SERVE, "--dataset", "random", "--input-len=-5"],
      ["--input-len must be an integer in [1, "]),
-    ("accepted", "serve --goodput ttft:nan", [*SERVE, "--goodput", "ttft:nan"], ["--goodput ttft must be a finite"]),
+    ("accepted", "serve --goodput ttft:nan", [*SERVE, "--goodput", "ttft:nan"], ["must be a finite number of ms > 0"]),
     ("output", "serve --out /proc/x", [*SERVE_SAVING, "--out", "/proc/x"], ["--out /proc/x: cannot write there"]),
     ("output", "simulate --out /proc/x", [*SIM, "--out", "/proc/x"], ["--out /proc/x: cannot write there"]),
     ("output", "simulate unknown policy", [*SIM, "--policies", "reserve,nope"], ["nope"]),

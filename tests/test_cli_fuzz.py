@@ -42,6 +42,13 @@ STOPS: dict[tuple[str, ...], tuple[tuple[str, str], ...]] = {
     ("serve",): (("kvlab.experiments.serve.server", "start_engine"),),
     ("prefix",): (("kvlab.experiments.studies.prefix", "sim_rows"), ("kvlab.experiments.studies.prefix", "real_rows")),
     ("calibrate",): (("kvlab.experiments.bench.calibrate", "measure"),),
+    ("study",): (),
+    ("study", "page-size"): (("kvlab.experiments.studies.page_size.study", "run_study"),),
+    ("compare",): (("kvlab.experiments.compare.saved", "load_run"),),
+    ("pool",): (),
+    ("pool", "create"): (("kvlab.vmm.pool", "create"),),
+    ("pool", "status"): (("kvlab.vmm.pool", "status"),),
+    ("pool", "limit"): (("kvlab.vmm.pool", "set_limits"),),
 }
 # the flags that keep a command's accepted runs tiny (each is itself fuzzed when it is the flag drawn)
 BASE: dict[tuple[str, ...], list[str]] = {

@@ -128,7 +128,7 @@ def test_the_verdict_follows_the_numbers():
     (["--driver-costs", "bogus"], "unknown --driver-costs 'bogus'"),
     (["--paged-blocks", "16,x"], "--paged-blocks takes positive integers"),
     (["--tensor-parallel-sizes", "3"], "tensor"),
-    (["--dataset", "nope"], "unknown --dataset 'nope'"),
+    (["--dataset", "nope"], "unknown --dataset-name 'nope'"),
     (["--vmm-pages", "2MiB,lots"], "bad size 'lots'"),
     (["--ray", "127.0.0.1:1"], "Ray"),
 ])

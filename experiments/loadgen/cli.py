@@ -176,7 +176,7 @@ def save_result(args: argparse.Namespace, result: dict[str, Any], target: Target
     path = Path(args.result_dir or ".") / (args.result_filename or name)
     path.parent.mkdir(parents=True, exist_ok=True)
     from kvlab.experiments.reporting.provenance import provenance
-    record = provenance({"command": "bench serve", "base_url": target.url, "load": load_spec_from(args),
+    record = provenance({"command": "bench serve", "base_url": checks.base_url(args), "load": load_spec_from(args),
                          "request_rate": args.request_rate})
     path.write_text(json.dumps(head | result | {"request_rate": head["request_rate"], "provenance": record},
                                indent=1))

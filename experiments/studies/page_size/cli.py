@@ -5,11 +5,12 @@ import argparse
 from typing import Any
 
 from kvlab.common.errors import ConfigError
+from kvlab.common.limits import MAX_REQUESTS
+from kvlab.common.validate import check_int
 from kvlab.experiments.cli import flags
 from kvlab.experiments.sim.kernels import CHOICES, kernel_profile
-from kvlab.experiments.sim.roofline import HARDWARE
+from kvlab.experiments.sim.roofline import HARDWARE, hardware, model_spec
 from kvlab.experiments.sim.serve import slo
-from kvlab.experiments.sim.serve.cli import check_flags
 from kvlab.experiments.sim.serve.costs import PROFILES
 from kvlab.experiments.sim.serve.run import ServeSpec
 from kvlab.experiments.studies.page_size.settings import Cell, StudySettings
@@ -74,9 +75,20 @@ def cells(args: argparse.Namespace) -> tuple[Cell, ...]:
     prefix = {"off": (False,), "on": (True,), "both": (False, True)}[args.prefix_caching]
     for driver in args.driver_costs:
         for tp in tps:
-            check_flags(args.hardware, args.model, tp, 0, driver, args.seeds, args.num_prompts)
+            check_cell(args.hardware, args.model, tp, driver)
+    check_int("--seeds", args.seeds, 1, 1000)
+    check_int("--num-prompts", args.num_prompts, 1, MAX_REQUESTS)
     return tuple(Cell(d, k, tp, p) for d in args.driver_costs for k in args.kernel_costs for tp in tps
                  for p in prefix)
+
+
+def check_cell(hardware_name: str, model: str, tp: int, driver_costs: str) -> None:
+    """One cell's hardware, model at its TP degree and driver profile exist, before anything runs."""
+    hardware(hardware_name)
+    check_int("--tensor-parallel-sizes", tp, 1, 1024)
+    model_spec(model, tp=tp)
+    if driver_costs not in (*PROFILES, "host"):
+        raise ConfigError(f"unknown --driver-costs {driver_costs!r}; choose {', '.join([*PROFILES, 'host'])}")
 
 
 def settings_from(args: argparse.Namespace) -> StudySettings:
