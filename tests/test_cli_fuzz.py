@@ -34,7 +34,7 @@ STOPS: dict[tuple[str, ...], tuple[tuple[str, str], ...]] = {
     ("bench",): (("kvlab.experiments.bench.offline", "load"), ("kvlab.experiments.bench.offline", "importlib")),
     ("bench", "serve"): (("kvlab.experiments.loadgen.cli", "bench_once"),
                          ("kvlab.experiments.loadgen.sweep", "run_sweep")),
-    ("simulate",): (("kvlab.experiments.sim.cli", "changes_line"),
+    ("simulate",): (("kvlab.experiments.sim.cli", "changes_line"), ("kvlab.experiments.sim.cli", "run_kv_preset"),
                     ("kvlab.experiments.sim.worked_example", "print_worked_example")),
     ("simulate", "serve"): (("kvlab.experiments.sim.serve.cli", "simulate_serve"),),
     ("fallbacks",): (("kvlab.experiments.studies.fallbacks", "run_grid"),),

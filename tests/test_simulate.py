@@ -125,3 +125,26 @@ def test_seed_preset_reproduces_the_article_headlines(tmp_path):
         assert by_key[seed_article.key("paged", 60.0, b)].mean_waste_tokens == pytest.approx((b - 1) / 2, rel=0.1)
     pre = [by_key[seed_article.key("paged", 60.0, 16, watermark=w)].preemptions for w in seed_article.WATERMARKS]
     assert 150 < pre[0] < 350 and 5 < pre[1] < 40 and pre[2] == 0
+
+
+def test_fp8_preset_writes_rows_plot_and_provenance_of_each_variant(tmp_path):
+    rc = main(["simulate", "--preset", "fp8", "--num-requests", "12", "--jobs", "1", "--no-progress",
+               "--out", str(tmp_path)])
+    assert rc == 0
+    assert {p.name for p in tmp_path.iterdir()} == {"report.txt", "rows.json", "batch.png", "provenance.json"}
+    written = json.loads((tmp_path / "rows.json").read_text())
+    assert [(r["variant"], r["policy"]) for r in written["rows"]][:2] == [("auto", "reserve"), ("auto", "oracle")]
+    assert {r["variant"] for r in written["rows"]} == {"auto", "fp8_e4m3"}
+    variants = written["provenance"]["config"]["variants"]
+    assert variants["fp8_e4m3"]["engine"]["kv_cache_dtype"] == "fp8_e4m3"
+
+
+def test_window_preset_names_its_own_workload_and_cuts_nothing():
+    from kvlab.experiments.sim import kv_presets
+    from kvlab.experiments.workloads.requests import build_workload
+    workload = kv_presets.window_variants(SimSettings(workload=WorkloadSpec()))["mistral-7b"].workload
+    requests = build_workload(workload)
+    assert len(requests) == kv_presets.WINDOW_REQUESTS and workload.max_len == kv_presets.WINDOW_MAX_LEN
+    assert max(r.prompt_len + r.output_len for r in requests) <= kv_presets.WINDOW_MAX_LEN
+    assert min(r.prompt_len for r in requests) >= 16384                # drawn from 16K-28K, never cut below it
+    assert kv_presets.WINDOW_CHANGES.startswith("workload changes: none") and "cut" not in kv_presets.WINDOW_CHANGES

@@ -113,16 +113,30 @@ class SimulateOptions:
 
 
 def run_kv_preset(opts: SimulateOptions, settings: SimSettings, t0: float) -> int:
+    """fp8 or window: two variants of every backend; report.txt, rows.json (each row names its variant),
+    batch.png and provenance.json, as every simulate run."""
     from kvlab.experiments.sim import kv_presets
     if opts.preset == "fp8":
         variants, title = kv_presets.fp8_variants(settings), f"{settings.model}: bf16 KV vs fp8_e4m3 KV"
+        print(changes_line(settings.workload, scale_given=opts.workload.scale != 1.0))
     else:
         variants, title = kv_presets.window_variants(settings), "Mistral-7B: full attention vs sliding window 4096"
-    text = kv_presets.report(title, kv_presets.run_pair(variants, opts.jobs, opts.progress))
+        print(kv_presets.WINDOW_CHANGES)
+    rows = kv_presets.run_pair(variants, opts.jobs, opts.progress)
+    text = kv_presets.report(title, rows)
     print(text)
     print(f"\n{time.perf_counter() - t0:.1f} s host time")
-    save_report(opts, text)
+    write_variant_outputs(opts, text, rows, variants)
     return 0
+
+
+def write_variant_outputs(opts: SimulateOptions, text: str, rows: dict[str, list[SimRow]],
+                          variants: dict[str, SimSettings]) -> None:
+    """Each row names its variant; the provenance holds each variant's settings, the ones that ran."""
+    labelled = [({"variant": name, **r.to_json()}, batch_series([r], f"{name} ")) for name, rs in rows.items()
+                for r in rs]
+    write_files(opts, text, [row for row, _ in labelled], [s for _, series in labelled for s in series],
+                run_record(opts, variants))
 
 
 def sim_settings(opts: SimulateOptions) -> SimSettings:
@@ -221,10 +235,10 @@ def simulate(opts: SimulateOptions) -> int:
         raise ConfigError(f"--seeds must be >= 1, got {opts.seeds}")
     check_options(opts)
     settings = sim_settings(opts)
+    if opts.preset in ("fp8", "window"):                   # each prints the workload it runs
+        return run_kv_preset(opts, settings, time.perf_counter())
     print(changes_line(settings.workload, scale_given=opts.workload.scale != 1.0))
     t0 = time.perf_counter()
-    if opts.preset in ("fp8", "window"):
-        return run_kv_preset(opts, settings, t0)
     if opts.preset == "seed" and opts.seeds > 1:
         from kvlab.experiments.sim import seed_article
         text = seed_article.spread(settings, opts.seeds, opts.jobs, opts.progress)
@@ -257,16 +271,20 @@ def run_simulations(opts: SimulateOptions, settings: SimSettings) -> tuple:
 
 
 def write_outputs(opts: SimulateOptions, text: str, rows: list[SimRow], plotted: list[SimRow]) -> None:
+    write_files(opts, text, [r.to_json() for r in rows], batch_series(plotted), run_record(opts))
+
+
+def write_files(opts: SimulateOptions, text: str, rows: list[dict], series: list, record: dict) -> None:
+    """report.txt and provenance.json in the results directory; the rows JSON and the plot there or where asked."""
     out, json_path, plot_path = output_paths(opts)
-    record = run_record(opts)
     if out is not None:
         write_provenance(out, record)
         (out / "report.txt").write_text(text + "\n")
     if json_path:
-        Path(json_path).write_text(json.dumps({"provenance": record, "rows": [r.to_json() for r in rows]}, indent=1))
+        Path(json_path).write_text(json.dumps({"provenance": record, "rows": rows}, indent=1))
         print(f"rows written to {json_path}")
     if plot_path:
-        plot_batches(plot_path, plotted)
+        plot_batches(plot_path, series)
         print(f"plot written to {plot_path}")
     if out is not None:
         print(f"results in {out}/ (provenance.json, report.txt, rows.json, batch.png)")
@@ -275,10 +293,12 @@ def write_outputs(opts: SimulateOptions, text: str, rows: list[SimRow], plotted:
 RUN_ONLY = ("jobs", "out", "json", "plot", "no_save", "progress")    # how to run and where to write, not what
 
 
-def run_record(opts: SimulateOptions) -> dict:
-    """The provenance of a simulate run: its options (not where it writes) and the settings resolved from them."""
+def run_record(opts: SimulateOptions, variants: dict[str, SimSettings] | None = None) -> dict:
+    """The provenance of a simulate run: its options (not where it writes) and the settings resolved from them,
+    or a preset's variants' settings (the ones its runs used)."""
     options = {k: v for k, v in dataclasses.asdict(opts).items() if k not in RUN_ONLY}
-    return provenance({"command": "simulate", **options, "settings": sim_settings(opts)})
+    resolved = {"variants": variants} if variants else {"settings": sim_settings(opts)}
+    return provenance({"command": "simulate", **options, **resolved})
 
 
 def save_report(opts: SimulateOptions, text: str) -> None:
@@ -312,11 +332,18 @@ def plain_report(rows: list[SimRow], settings: SimSettings) -> str:
     return table(headers, body, title)
 
 
-def plot_batches(path: str, rows: list[SimRow]) -> None:
-    from kvlab.experiments.reporting.plots import Series, downsample, line_chart
-    series = [downsample(Series(f"{r.label} {fmt_gb(r.budget_gb)} wm {r.watermark:g}", r.timeline["time"],
-                                r.timeline["running"])) for r in rows if r.timeline]
-    line_chart(path, series, "simulated seconds", "running sequences", "Running batch over time (roofline clock)")
+def batch_series(rows: list[SimRow], prefix: str = "") -> list:
+    from kvlab.experiments.reporting.plots import Series, downsample
+    return [downsample(Series(f"{prefix}{r.label} {fmt_gb(r.budget_gb)} wm {r.watermark:g}", r.timeline["time"],
+                              r.timeline["running"])) for r in rows if r.timeline]
+
+
+def plot_batches(path: str, series: list) -> None:
+    """Running sequences against simulated seconds: a long step weighs its length here, while a table's mean
+    batch counts every step once, so a run that drains in many short steps plots above its mean batch."""
+    from kvlab.experiments.reporting.plots import line_chart
+    line_chart(path, series, "simulated seconds", "running sequences",
+               "Running batch over simulated time (tables: mean per step)")
 
 
 def fmt_gb(gb: float) -> str:

@@ -4,8 +4,8 @@
   bf16 KV against fp8_e4m3 KV: batch and throughput gains of fp8 per backend. fp8 halves both the bytes a token
   takes (capacity) and the bytes a decode step reads (roofline).
 - window: Mistral-7B (sliding window 4096) against the same model with full attention, prompts 16K-28K and
-  outputs 1K-4K (contexts up to 32K), every backend. The window reads at most W keys per query; kvlab's
-  backends do not yet free KV outside the window, so capacity (batch) is the full-attention one.
+  outputs 1K-4K (contexts up to 32K), every backend. The window reads at most W keys per query; paged frees
+  the blocks and vmm unmaps the pages wholly below it, reserve keeps its whole region.
 """
 from __future__ import annotations
 
@@ -20,6 +20,9 @@ BUDGET_GB = 60.0
 WINDOW_WORKLOAD = "uniform:16384-28672:1024-4096"
 WINDOW_REQUESTS = 200
 WINDOW_MAX_LEN = 32768
+WINDOW_CHANGES = (f"workload changes: none (the window preset's own workload: {WINDOW_REQUESTS} requests, "
+                  f"{WINDOW_WORKLOAD}, prompt + output <= {WINDOW_MAX_LEN} as drawn; --seed applies, "
+                  "--workload, --num-requests, --rate, --scale and --max-len do not)")
 
 
 def cases() -> list[SimCase]:
