@@ -115,18 +115,21 @@ def check_output_path(name: str, path: str | Path, directory: bool = False) -> P
         raise ConfigError(f"{name} {shown(str(p))}: is a directory; give a file path")
     if not directory and not p.parent.is_dir():
         raise ConfigError(f"{name} {shown(str(p))}: its directory {shown(str(p.parent))} does not exist")
-    _probe_writable(name, p if directory else p.parent)
+    folder = p if directory else p.parent
+    probe_writable(folder, f"{name} {shown(str(folder))}")
     return p
 
 
-def _probe_writable(name: str, folder: Path) -> None:
+def probe_writable(folder: Path, what: str) -> None:
+    """Write (and remove) a temporary file in `folder`, making it for the probe if needed and removing what was
+    made; a failure is one ConfigError line starting with `what`."""
     created = [d for d in (folder, *folder.parents) if not d.exists()]
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as e:
-        raise ConfigError(f"{name} {shown(str(folder))}: cannot write there ({e.strerror or e})") from None
+        raise ConfigError(f"{what}: cannot write there ({e.strerror or e})") from None
     finally:
         for d in created:
             with contextlib.suppress(OSError):

@@ -4,10 +4,8 @@ flag values, and the output-path probe run before a long run starts."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import re
-import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NoReturn
@@ -16,7 +14,7 @@ from kvlab.common.config import EngineConfig, make_config
 from kvlab.common.errors import ConfigError, KvlabError
 from kvlab.common.kv.registry import REGISTRY, backend_names
 from kvlab.common.limits import check_physical_budget
-from kvlab.common.validate import shown
+from kvlab.common.validate import probe_writable, shown
 
 # CLI flag -> EngineConfig field; each is optional and, when given, overrides the TOML file. Backends' own
 # options (block_size, page_size, ...) get their flags from their options dataclasses (see backend_flags).
@@ -143,15 +141,4 @@ def check_output_path(path: str | None, flag: str, directory: bool = False) -> N
         raise ConfigError(f"{flag} {path}: is a directory; give a file path")
     if not directory and not p.parent.is_dir():
         raise ConfigError(f"{flag} {path}: No such file or directory ({p.parent} does not exist)")
-    target = p if directory else p.parent
-    created = [d for d in (target, *target.parents) if not d.exists()]
-    try:
-        target.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=target):
-            pass
-    except OSError as e:
-        raise ConfigError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
-    finally:
-        for d in created:
-            with contextlib.suppress(OSError):
-                d.rmdir()
+    probe_writable(p if directory else p.parent, f"{flag} {path}")
