@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.common.errors import ConfigError
+from kvlab.common.limits import MAX_MODEL_LEN
 from kvlab.experiments.cli import flags
 from kvlab.experiments.reporting.tables import median, with_spread
 
@@ -72,8 +73,8 @@ def parse_contexts(text: str) -> tuple[int, ...]:
         values = tuple(int(t) for t in text.split(","))
     except ValueError:
         raise ConfigError(f"--contexts takes a comma list of token counts, got {text!r}") from None
-    if not values or min(values) < 2:
-        raise ConfigError(f"--contexts: every context must be at least 2 tokens, got {text!r}")
+    if not values or min(values) < 2 or max(values) > MAX_MODEL_LEN:
+        raise ConfigError(f"--contexts: every context must be 2 to {MAX_MODEL_LEN:,} tokens, got {text[:80]!r}")
     return values
 
 
@@ -89,10 +90,7 @@ def settings_from(args: argparse.Namespace) -> HandoffSettings:
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from(args)
-    import torch
-    os.sched_setaffinity(0, {settings.cpu})
-    torch.set_num_threads(1)
-    rows = [row for model in settings.models for row in measure_model(model, settings)]
+    rows = measure_all(settings)
     out = Path(settings.out or f"results/handoff-{time.strftime('%Y%m%d-%H%M%S')}")
     write_results(out, rows, settings)
     print(markdown(rows))
@@ -101,6 +99,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 # -- measuring --------------------------------------------------------------------------------------------------
+def measure_all(settings: HandoffSettings) -> list[dict[str, Any]]:
+    """Every model's rows, this process pinned to one core with one torch thread."""
+    import torch
+    os.sched_setaffinity(0, {settings.cpu})
+    torch.set_num_threads(1)
+    return [row for model in settings.models for row in measure_model(model, settings)]
+
+
 def measure_model(model_name: str, settings: HandoffSettings) -> list[dict[str, Any]]:
     from kvlab.common.loader import load_model
     model, _ = load_model(model_name, settings.dtype, "cpu")
