@@ -102,7 +102,7 @@ class Engine:
                                      keep_kv=self.kv.role == "prefill" and kv_transfer_params is not None,
                                      kv_import=kv_import)
             self.attributor.on_arrival(req)
-            self.kv.added(req, kv_import)
+            self.kv.release_unpulled(req)
         return request_id
 
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -127,7 +127,10 @@ class Engine:
         """Drop a request and free its KV; it produces no output. False if it is unknown or already finished."""
         with self.lock:
             self.stream.forget(str(request_id))
-            return self.scheduler.abort(str(request_id))
+            req = self.scheduler.requests.get(str(request_id))
+            aborted = self.scheduler.abort(str(request_id))
+            self.kv.release_unpulled(req)
+            return aborted
 
     def abort_all(self, request_ids: Iterable[str]) -> None:
         """Abort these requests and discard every output not yet returned: the engine is left empty of them."""

@@ -106,6 +106,17 @@ def test_a_decode_request_its_first_token_ends_declines_the_kv(engines):
     assert stats["count"] == 0 and prefill.cache_stats().used_units == 0
 
 
+def test_an_aborted_decode_request_releases_the_kv_it_did_not_pull(engines):
+    prefill, decode = engines("prefill"), engines("decode", max_num_seqs=1)
+    decode.add_request(PROMPT, GREEDY)                         # takes the decode engine's only slot
+    decode.step()
+    decode.add_request(PROMPT, GREEDY, request_id="late", kv_transfer_params=run(prefill, kv=REMOTE).kv_transfer_params)
+    decode.step()
+    assert decode.abort("late")
+    stats = settle(prefill, lambda s: s["failed"] == 1)
+    assert stats["count"] == 0 and prefill.cache_stats().used_units == 0
+
+
 def test_kept_kv_holds_a_slot_until_released(engines):
     """max_num_seqs counts kept sequences (the KV they hold is real): the next request waits, not fails, until the
     kept KV is pulled."""

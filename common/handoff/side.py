@@ -82,10 +82,11 @@ class HandoffRole:
         check_sampling(params, "decode")
         return params, PendingImport(kv["first_token_ids"][0], kv, self)
 
-    def added(self, req: Request, kv_import: PendingImport | None) -> None:
-        """A decode request that ended at birth (its first token is a stop, or max_tokens is 1) needs no KV."""
-        if kv_import is not None and req.finished:
-            client.decline(kv_import.kv, self.timeout_s)
+    def release_unpulled(self, req: Request | None) -> None:
+        """A decode request that ended before its import (its first token stopped it, it could never fit, it was
+        aborted) needs no KV: the prefill engine frees it now rather than at its timeout."""
+        if req is not None and req.finished and req.kv_import is not None:
+            client.decline(req.kv_import.kv, self.timeout_s)
 
     # -- decode: the pull, from admission --------------------------------------------------------------------
     def pull(self, req: Request, seq: Sequence, kv: dict[str, Any], reserve_units: int) -> int | None:
