@@ -157,6 +157,7 @@ def good_kv() -> dict:
     ({"first_token_ids": [10**9]}, "outside the vocabulary"),
     ({"backend": "vmm"}, "same backend"),
     ({"pool": "gpu0"}, "same kv_pool"),
+    ({"model": "smollm2-135m"}, "same model"),
 ])
 def test_bad_decode_kv_transfer_params_are_one_line_errors(engines, change, match):
     decode = engines("decode")

@@ -9,6 +9,7 @@ Every method runs on the engine's thread under its lock; the server thread only 
 """
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -78,7 +79,7 @@ class HandoffRole:
                                "colocated")
         if self.role == "prefill":
             return prefill_params(params, kv), None
-        check_decode(kv, prompt_len, self.config.backend, self.config.kv_pool, self.vocab_size)
+        check_decode(kv, prompt_len, self.config, self.vocab_size)
         check_sampling(params, "decode")
         return params, PendingImport(kv["first_token_ids"][0], kv, self)
 
@@ -124,8 +125,9 @@ class HandoffRole:
         if self.book is None:
             return
         for kept, outcome in self.book.settled():
-            self._release(kept.seq, outcome.taken)
+            seconds = self._release(kept.seq, outcome.taken)
             if outcome.taken:
+                outcome.report.seconds += seconds          # this side's part: the export, then the release
                 self.stats.add(outcome.report)
             else:
                 self.stats.failed += 1
@@ -133,11 +135,14 @@ class HandoffRole:
             self._release(kept.seq, False)
             self.stats.expired += 1
 
-    def _release(self, seq: Sequence, taken: bool | None) -> None:
+    def _release(self, seq: Sequence, taken: bool | None) -> float:
+        """Free a kept sequence through the backend; the seconds it took."""
+        start = time.perf_counter()
         try:
             self.backend.release(seq, taken)
         finally:
             self.scheduler.release_kept(seq)
+        return time.perf_counter() - start
 
     def close(self) -> None:
         """Stop serving; what is still kept goes with the cache."""
