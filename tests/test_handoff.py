@@ -12,7 +12,7 @@ import pytest
 
 from kvlab.common.config import make_config
 from kvlab.common.engine import Engine
-from kvlab.common.errors import ConfigError, RequestError
+from kvlab.common.errors import ConfigError, DriverError, RequestError
 from kvlab.common.sampling_params import SamplingParams
 from kvlab.vmm import pool
 from kvlab.vmm.pool.errors import PoolError
@@ -190,6 +190,32 @@ def test_role_options_are_one_line_config_errors(overrides, match):
         engine(**({"role": "colocated"} | overrides)) if "role" in overrides else \
             Engine.from_config(make_config(**(BASE | overrides)))
     assert "\n" not in str(info.value)
+
+
+def test_a_vmm_import_whose_mapping_fails_gives_the_pages_back(engines, monkeypatch):
+    """The pages were transferred, then mapping them failed: the request fails alone, the decode engine backs
+    exactly what the ledger says it holds, the prefill engine forgets the pages, the next handoff works."""
+    with pool.create(f"handoff-{os.getpid()}-{uuid.uuid4().hex[:8]}", 8 << 20, page_size=4096) as holder:
+        vmm = {"backend": "vmm", "page_size": 4096, "kv_pool": holder.name}
+        prefill, decode = engines("prefill", **vmm), engines("decode", **vmm)
+        host = decode.cache.allocator.driver.os.host
+
+        def refuse(*args, **kwargs):
+            raise DriverError("mmap refused")
+        with monkeypatch.context() as patch:
+            patch.setattr(host, "mmap_at", refuse)
+            failed = run(decode, kv=run(prefill, kv=REMOTE).kv_transfer_params)
+        assert failed.outputs[0].finish_reason == "error" and "mmap refused" in failed.error
+        settle(prefill, lambda s: s["failed"] == 1)
+        backed = {}
+        for role, e in (("prefill", prefill), ("decode", decode)):
+            memory = e.cache.allocator.driver.os
+            backed[role] = list(memory.backing.values())
+            assert memory.member.record().held == len(backed[role])
+            assert not backed[role] or memory.member.still_holds(backed[role])
+        assert backed["prefill"] == [] and backed["decode"]       # the pages moved; the decode keeps them as spares
+        expected = run(engines("colocated")).outputs[0].token_ids
+        assert run(decode, kv=run(prefill, kv=REMOTE).kv_transfer_params).outputs[0].token_ids == expected
 
 
 # -- the ledger's transfer step -----------------------------------------------------------------------------------

@@ -98,7 +98,7 @@ class HandoffRole:
             return None
         try:
             report = client.pull(kv, self.backend, seq, self.timeout_s)
-        except KvlabError as exc:
+        except (KvlabError, OSError) as exc:      # OSError: shared memory or a mapping the OS refused
             self.stats.failed += 1
             raise exc if isinstance(exc, HandoffError) else HandoffError(str(exc)) from None
         req.handoff = report.to_dict()
