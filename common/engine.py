@@ -97,10 +97,8 @@ class Engine:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         arrival = self.runner.clock() if arrival_time is None else arrival_time
         with self.lock:
-            params, kv_import = self.kv.intake(params, kv_transfer_params, len(token_ids))
-            req = self.scheduler.add(request_id, token_ids, params, arrival, text,
-                                     keep_kv=self.kv.role == "prefill" and kv_transfer_params is not None,
-                                     kv_import=kv_import)
+            params, keep_kv, kv_import = self.kv.intake(params, kv_transfer_params, len(token_ids))
+            req = self.scheduler.add(request_id, token_ids, params, arrival, text, keep_kv, kv_import)
             self.attributor.on_arrival(req)
             self.kv.release_unpulled(req)
         return request_id

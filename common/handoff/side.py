@@ -69,19 +69,21 @@ class HandoffRole:
         return self.server.address if self.server is not None else None
 
     # -- a request arrives ----------------------------------------------------------------------------------
-    def intake(self, params: SamplingParams, kv: Any, prompt_len: int) -> tuple[SamplingParams, PendingImport | None]:
-        """The request's sampling params (a prefill request samples one token) and, on a decode engine, its
-        import. Raises RequestError for kv_transfer_params this engine cannot use."""
+    def intake(self, params: SamplingParams, kv: Any, prompt_len: int
+               ) -> tuple[SamplingParams, bool, PendingImport | None]:
+        """The request's sampling params (a prefill request samples one token), whether its KV is kept when it
+        finishes (prefill), and its import (decode). Raises RequestError for kv_transfer_params this engine
+        cannot use."""
         if kv is None:
-            return params, None
+            return params, False, None
         if self.role == "colocated":
             raise RequestError("kv_transfer_params needs an engine with kv_role prefill or decode; this one is "
                                "colocated")
         if self.role == "prefill":
-            return prefill_params(params, kv), None
+            return prefill_params(params, kv), True, None
         check_decode(kv, prompt_len, self.config, self.vocab_size)
         check_sampling(params, "decode")
-        return params, PendingImport(kv["first_token_ids"][0], kv, self)
+        return params, False, PendingImport(kv["first_token_ids"][0], dict(kv), self)
 
     def release_unpulled(self, req: Request | None) -> None:
         """A decode request that ended before its import (its first token stopped it, it could never fit, it was
