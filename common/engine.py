@@ -60,7 +60,11 @@ class Engine:
         self._ids = itertools.count()
         self._closed = False
         self.lock = threading.RLock()      # held by step and add_request; the handoff server's thread takes it too
-        self.kv = HandoffRole(config, cache, self.scheduler, self.lock, vocab_size)
+        try:
+            self.kv = HandoffRole(config, cache, self.scheduler, self.lock, vocab_size)
+        except BaseException:              # a role this cache cannot take: release what was built for it
+            self._release_parts()
+            raise
 
     @classmethod
     def from_model(cls, config: EngineConfig, model: Any, tokenizer: Any = None, **kwargs: Any) -> Engine:
@@ -239,11 +243,14 @@ class Engine:
             with self.lock:
                 self._closed = True
                 self.kv.close()
-            try:
-                self.cache.close()
-            finally:
-                if hasattr(self.runner, "close"):    # e.g. the tensor-parallel runner's ranks
-                    self.runner.close()
+            self._release_parts()
+
+    def _release_parts(self) -> None:
+        try:
+            self.cache.close()
+        finally:
+            if hasattr(self.runner, "close"):    # e.g. the tensor-parallel runner's ranks
+                self.runner.close()
 
 
 def _all_token_ids(prompt: list | tuple) -> bool:

@@ -180,6 +180,16 @@ def test_bad_requests_on_either_role_are_one_line_errors(engines, role, kv, para
         engines(role).add_request(PROMPT, params, kv_transfer_params=kv)
 
 
+def test_a_vmm_role_without_a_pool_is_refused_after_releasing_its_cache(monkeypatch):
+    closed = []
+    from kvlab.common.kv.seam import KVCache
+    real_close = KVCache.close
+    monkeypatch.setattr(KVCache, "close", lambda self: closed.append(self) or real_close(self))
+    with pytest.raises(ConfigError, match="same kv_pool"):
+        Engine.from_config(make_config(**(BASE | {"backend": "vmm", "kv_role": "prefill"})))
+    assert len(closed) == 1 and closed[0].closed
+
+
 @pytest.mark.parametrize("overrides, match", [
     ({"kv_role": "router"}, "kv_role"),
     ({"handoff_timeout_s": 0}, "handoff_timeout_s"),
