@@ -32,13 +32,13 @@ def add_study(which: Any) -> None:
                                      "same phase-shifted bursts against each, repeated with the order alternated; "
                                      "p99 TTFT/TPOT and SLO attainment per model (docs/pool-ab.md).")
     p.add_argument("--engines", type=int, default=3, help="servers (models) per configuration")
-    p.add_argument("--total-bytes", type=flags.parse_bytes, default=12 * 2**20,
-                   help="the KV memory every configuration shares out (default 12MiB)")
+    p.add_argument("--total-bytes", type=flags.parse_bytes, default=9 * 2**20,
+                   help="the KV memory every configuration shares out (default 9MiB)")
     p.add_argument("--configurations", type=flags.parse_list, default=list(CONFIGURATIONS),
                    help=f"comma list of {','.join(CONFIGURATIONS)} (must include the baseline {BASELINE})")
     p.add_argument("--repeats", type=int, default=3, help="paired repeats, the order reversed on odd ones")
     p.add_argument("--model", default="tiny", help="the kvlab model every server serves")
-    p.add_argument("--max-model-len", type=int, default=512, help="every server's, so reserve's split is fair")
+    p.add_argument("--max-model-len", type=int, default=256, help="every server's, so reserve's split is fair")
     p.add_argument("--random-input-len", dest="input_len", type=int, default=128)
     p.add_argument("--random-output-len", dest="output_len", type=int, default=64)
     p.add_argument("--random-range-ratio", dest="range_ratio", type=float, default=0.25)
