@@ -17,7 +17,7 @@ from kvlab.experiments.cli import flags
 from kvlab.experiments.loadgen import checks
 from kvlab.experiments.loadgen.client import Target, Timeouts, fetch_model
 from kvlab.experiments.loadgen.load_run import LoadSpec
-from kvlab.experiments.loadgen.multi import MultiSpec, run_multi, summary_line
+from kvlab.experiments.loadgen.multi import MultiSpec, model_plans, run_multi, summary_line
 from kvlab.experiments.loadgen.phases import Phases
 
 MAX_MODELS = 16
@@ -83,6 +83,7 @@ def run(args: argparse.Namespace, load: LoadSpec) -> int:
     timeouts = Timeouts(args.connect_timeout, args.read_timeout, args.request_timeout)
     targets = [Target(u, args.backend, checks.check_endpoint(args.endpoint), args.model, timeouts=timeouts,
                       ignore_eos=load.ignore_eos) for u in urls]
+    model_plans(multi)                                  # the phases' and the dataset's errors before any request
     targets = [replace(t, model=t.model or fetch_model(t)) for t in targets]
     p = multi.phases
     print(f"kvlab bench serve: {len(targets)} models, bursts of {p.burst_rate:g} req/s ({p.idle_rate:g} between) "

@@ -4,11 +4,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import signal
 import sys
-import threading
-from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 from kvlab.common.errors import ConfigError
@@ -51,7 +47,7 @@ def add_study(which: Any) -> None:
     p.add_argument("--start-timeout", type=float, default=120.0, help="seconds for a configuration's servers to start")
     p.add_argument("--out", metavar="DIR", help="results directory (default results/pool-ab-<timestamp>)")
     p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(run=run, dataset="random", prefix_len=0, burst_rate=8.0, period=9.0)
+    p.set_defaults(run=run, dataset="random", prefix_len=0, burst_rate=6.0, period=12.0, duty_cycle=0.5)
 
 
 def configurations(keys: list[str]) -> tuple:
@@ -99,17 +95,5 @@ def settings_from(args: argparse.Namespace) -> PoolStudySettings:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvlab.experiments.loadgen.sweep import exit_on_sigterm
-    from kvlab.experiments.studies.pool.output import report, save
-    from kvlab.experiments.studies.pool.study import run_study
-    s = settings_from(args)
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, exit_on_sigterm)      # unwinds through every server's teardown
-    out = Path(s.out or Path("results") / datetime.now().strftime("pool-ab-%Y%m%d-%H%M%S"))
-    out.mkdir(parents=True, exist_ok=True)
-    records = run_study(s, out)
-    text = report(s, records)
-    print(text)
-    plot = save(s, records, out, text, "kvlab " + shlex.join(sys.argv[1:]))
-    print(f"results in {out}/ (table.md, table.csv, runs.json, provenance.json; share plot {plot})")
-    return 0 if all(m["completed"] for r in records for m in r["models"]) else 1
+    from kvlab.experiments.studies.pool.study import execute
+    return execute(settings_from(args), "kvlab " + shlex.join(sys.argv[1:]))

@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import sys
+import threading
 from dataclasses import replace
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +24,23 @@ from kvlab.experiments.studies.pool.servers import Launched, check_pool_gone, se
 from kvlab.experiments.studies.pool.settings import Configuration, PoolStudySettings
 
 WARM_UP = LoadRequest(list(range(3, 35)), 8)     # one short request per server before the measured run
-RUN_TIMEOUTS = Timeouts(connect=10.0, read=60.0, request=300.0)
+RUN_TIMEOUTS = Timeouts(connect=10.0, read=300.0, request=300.0)   # a queued request streams nothing for long
+
+
+def execute(s: PoolStudySettings, command: str) -> int:
+    """The whole study: the runs, the table printed, the results directory written."""
+    from kvlab.experiments.loadgen.sweep import exit_on_sigterm
+    from kvlab.experiments.studies.pool.output import report, save
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, exit_on_sigterm)      # unwinds through every server's teardown
+    out = Path(s.out or Path("results") / datetime.now().strftime("pool-ab-%Y%m%d-%H%M%S"))
+    out.mkdir(parents=True, exist_ok=True)
+    records = run_study(s, out)
+    text = report(s, records)
+    print(text)
+    plot = save(s, records, out, text, command)
+    print(f"results in {out}/ (table.md, table.csv, runs.json, provenance.json; share plot {plot})")
+    return 0 if all(m["completed"] for r in records for m in r["models"]) else 1
 
 
 def run_study(s: PoolStudySettings, out: Path) -> list[dict[str, Any]]:

@@ -19,12 +19,13 @@ class Spread:
     high: float
 
     def text(self, percent: bool = False, signed: bool = False) -> str:
+        """"median [low, high]": percents whole, else one decimal below 100 and none from 100 up."""
         if math.isnan(self.median):
             return "n/a"
-        f = (lambda v: f"{v:+.0%}" if signed else f"{v:.0%}") if percent else \
-            (lambda v: f"{v:+,.0f}" if signed else f"{v:,.0f}") if abs(self.median) >= 100 else \
-            (lambda v: f"{v:+,.1f}" if signed else f"{v:,.1f}")
-        return f"{f(self.median)} [{f(self.low)}, {f(self.high)}]"
+        sign = "+" if signed else ""
+        decimals = 0 if max(abs(self.low), abs(self.high)) >= 100 else 1
+        spec = f"{sign}.0%" if percent else f"{sign},.{decimals}f"
+        return f"{self.median:{spec}} [{self.low:{spec}}, {self.high:{spec}}]"
 
 
 def spread(values: list[float]) -> Spread:
