@@ -54,6 +54,7 @@ def test_odd_repeats_run_the_configurations_in_reverse():
     (["--server-args", "'unclosed"], "--server-args"),
     (["--out", "/proc/x/y"], "--out"),
     (["--seed", "-1"], "--seed"),
+    (["--burst-rate", "0.01", "--periods", "1"], "gets no request"),
 ])
 def test_bad_settings_are_one_line_before_any_server(capsys, argv, message):
     rc = cli.main(["study", "pool", *argv])
@@ -90,7 +91,7 @@ def test_the_study_end_to_end_on_tiny_servers(tmp_path):
     the plot, and every pool gone after its servers."""
     out = tmp_path / "ab"
     rc = cli.main(["study", "pool", "--engines", "2", "--total-bytes", "4MiB", "--configurations", "a,b",
-                   "--repeats", "2", "--burst-rate", "4", "--period", "2", "--periods", "1",
+                   "--repeats", "2", "--burst-rate", "4", "--period", "2", "--duty-cycle", "1", "--periods", "1",
                    "--random-input-len", "32", "--random-output-len", "8", "--goodput", "ttft:60000",
                    "--out", str(out), "--no-progress"])
     assert rc == 0

@@ -17,7 +17,7 @@ from kvlab.common.errors import ConfigError
 from kvlab.experiments.loadgen import latency
 from kvlab.experiments.loadgen.client import Target, run_load
 from kvlab.experiments.loadgen.datasets import LoadRequest
-from kvlab.experiments.loadgen.load_run import LoadSpec, load_requests, request_log
+from kvlab.experiments.loadgen.load_run import LoadSpec, attribution_totals, load_requests, request_log
 from kvlab.experiments.loadgen.phases import Phases
 from kvlab.experiments.loadgen.sampler import StatsSampler
 
@@ -82,12 +82,13 @@ async def all_streams(targets: list[Target], plans: list[Plan], max_concurrency:
 
 def model_block(multi: MultiSpec, index: int, target: Target, run: tuple[list[latency.RequestRecord], float, int],
                 slos: dict[str, float]) -> dict[str, Any]:
-    """One model's result: vLLM's summary keys, its SLO attainment, its bursts and its requests."""
+    """One model's result: vLLM's summary keys, the server's KV attribution summed over its requests (kv wait,
+    preemptions, recomputed tokens, map/unmap seconds), its SLO attainment, its bursts and its requests."""
     records, duration, peak = run
     percentiles = tuple(float(p) for p in multi.load.metric_percentiles)
     block = latency.summarize(records, duration, slos, multi.load.percentile_metrics, percentiles, peak)
     return {"model_index": index, "model_id": target.model, "base_url": target.base_url,
-            "num_prompts": len(records)} | block | {
+            "num_prompts": len(records)} | block | attribution_totals(records) | {
         "slo_attainment": attainment(records, slos), "bursts": multi.phases.bursts(index),
         "requests": [request_log(r) for r in records]}
 

@@ -13,7 +13,7 @@ from kvlab.common.validate import check_int, check_number, check_output_path
 from kvlab.experiments.cli import flags
 from kvlab.experiments.loadgen import checks, latency
 from kvlab.experiments.loadgen.load_run import LoadSpec
-from kvlab.experiments.loadgen.multi import MultiSpec
+from kvlab.experiments.loadgen.multi import MultiSpec, model_plans
 from kvlab.experiments.loadgen.multi_cli import MAX_MODELS, add_phase_flags, phases_from
 from kvlab.experiments.studies.pool.settings import BASELINE, CONFIGURATIONS, PoolStudySettings
 
@@ -85,6 +85,7 @@ def settings_from(args: argparse.Namespace) -> PoolStudySettings:
     engines = check_int("--engines", args.engines, 2, MAX_MODELS)
     total = check_memory(args.total_bytes, engines)
     multi = MultiSpec(phases_from(args, engines), load_spec(args))
+    model_plans(multi)                                  # every model gets requests, before any server starts
     server_args = ("--max-model-len", str(args.max_model_len), *checks.split_server_args(args.server_args))
     if args.out is not None:
         check_output_path("--out", args.out, directory=True)

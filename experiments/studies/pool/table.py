@@ -1,6 +1,7 @@
-"""The A/B's table: per model and configuration, the median over repeats of p99 TTFT, p99 TPOT and SLO
-attainment with their range, and the paired difference against the baseline (a): in each repeat, this
-configuration's value minus (a)'s, then the median and range of those differences."""
+"""The A/B's table: per model and configuration, the median over repeats of p99 TTFT, p99 TPOT, SLO attainment,
+and the server's preemptions and seconds in map/unmap calls summed over the model's requests, with their range;
+and the paired difference against the baseline (a): in each repeat, this configuration's value minus (a)'s,
+then the median and range of those differences."""
 from __future__ import annotations
 
 import math
@@ -9,7 +10,8 @@ from typing import Any
 
 import numpy as np
 
-METRICS = (("p99_ttft_ms", "p99 TTFT ms"), ("p99_tpot_ms", "p99 TPOT ms"), ("slo_attainment", "SLO attained"))
+METRICS = (("p99_ttft_ms", "p99 TTFT ms"), ("p99_tpot_ms", "p99 TPOT ms"), ("slo_attainment", "SLO attained"),
+           ("total_num_preemptions", "preemptions"), ("total_map_unmap_s", "map+unmap s"))
 
 
 @dataclass(frozen=True, slots=True)
