@@ -103,7 +103,8 @@ class EngineLoop:
 
     def _add(self, cmd: AddCommand) -> None:
         try:
-            self.engine.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id)
+            self.engine.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id,
+                                    kv_transfer_params=cmd.kv_transfer_params)
         except KvlabError as e:
             self.events.append(RejectedEvent(cmd.request_id, str(e)))
             return
