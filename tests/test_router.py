@@ -131,6 +131,8 @@ def test_503_in_the_vllm_shape_while_no_engine_of_a_role_is_alive():
     ["--role", "router", "--prefill", "http://h:1", "--decode", "http://h:2", "--upstream-timeout", "0"],
     ["--role", "prefill", "--decode", "http://h:2"],
     ["--upstream-timeout", "5"],
+    ["--colocated", "http://h:1"],
+    ["--role", "router", "--colocated", "http://h:1", "--decode", "http://h:2"],
     ["--role", "broker"],
 ])
 def test_bad_role_flags_are_one_line_and_exit_2(flags, capsys, monkeypatch):
@@ -146,4 +148,5 @@ def test_good_router_flags_reach_the_router(monkeypatch):
     monkeypatch.setattr(server, "serve_router", lambda settings, host, port: seen.append(settings) or 0)
     assert main(["serve", "--role", "router", "--prefill", "http://127.0.0.1:8100/", "http://[::1]:8101",
                  "--decode", "https://d:443", "--upstream-timeout", "7.5"]) == 0
-    assert seen[0].prefill == ["http://127.0.0.1:8100", "http://[::1]:8101"] and seen[0].timeout_s == 7.5
+    assert seen[0].engines["prefill"] == ["http://127.0.0.1:8100", "http://[::1]:8101"]
+    assert seen[0].engines["decode"] == ["https://d:443"] and seen[0].timeout_s == 7.5

@@ -2,6 +2,8 @@
 disaggregated proxy. Each completion or chat request goes to a prefill engine with max_tokens=1 and
 kv_transfer_params {"do_remote_decode": true}; the object it answers with goes, with the original request, to a
 decode engine, which pulls the KV and generates the whole completion; its answer (or stream) is the client's.
+With `--colocated` engines instead, each request goes whole to one of them: the same proxy in front of
+colocated engines, the baseline disaggregation is measured against.
 
 An engine's own error answer (a 400 for a bad field, a 404 for a model) is relayed as it came; an engine that
 cannot be reached or fails mid-request is a 502 with one line (mid-stream: one error event, then the stream
@@ -27,7 +29,7 @@ from kvlab.experiments.serve.app import DISCONNECT_POLL_S, read_json
 from kvlab.experiments.serve.body_limit import BodyLimit
 from kvlab.experiments.serve.prom import LATENCY_BUCKETS
 from kvlab.experiments.serve.protocol import ApiError
-from kvlab.experiments.serve.router_upstreams import ROLES, NoLiveEngine, Upstream, Upstreams, watching
+from kvlab.experiments.serve.router_upstreams import NoLiveEngine, Upstream, Upstreams, watching
 
 CONNECT_TIMEOUT_S = 5.0
 DROPPED_FROM_PREFILL = ("stream", "stream_options", "max_completion_tokens")
@@ -43,8 +45,7 @@ class ClientGone(Exception):
 
 @dataclass(frozen=True, slots=True)
 class RouterSettings:
-    prefill: list[str]
-    decode: list[str]
+    engines: dict[str, list[str]]     # role -> base URLs: prefill and decode, or colocated
     timeout_s: float                  # each upstream call (streams: the wait for each piece)
 
 
@@ -59,13 +60,13 @@ class RouterMetrics:
         self.prefill = Histogram("kvlab_router_prefill_seconds", "the prefill engine's answer, as the router waits",
                                  buckets=LATENCY_BUCKETS, registry=r)
         alive = Gauge("kvlab_router_engines_alive", "engines whose /health answered 200", ["role"], registry=r)
-        for role in ROLES:
+        for role in upstreams.roles():
             alive.labels(role).set_function(lambda role=role: upstreams.live_count(role))
 
 
 class Router:
     def __init__(self, settings: RouterSettings) -> None:
-        self.upstreams = Upstreams.of(settings.prefill, settings.decode)
+        self.upstreams = Upstreams.of(settings.engines)
         self.timeout_s = settings.timeout_s
         self.metrics = RouterMetrics(self.upstreams)
         self.session: aiohttp.ClientSession | None = None
@@ -98,6 +99,10 @@ class Router:
 
 
 def describe(e: BaseException) -> str:
+    if isinstance(e, (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError)):
+        return "the connection closed before the answer ended (the engine stopped or died)"
+    if isinstance(e, aiohttp.ClientConnectorError):
+        return "cannot connect (the engine is not running)"
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
@@ -120,14 +125,14 @@ def create_router_app(router: Router) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        for role in ROLES:
+        for role in router.upstreams.roles():
             if not router.upstreams.live_count(role):
                 raise NoLiveEngine(f"no {role} engine is alive")
         return Response(status_code=200)
 
     @app.get("/v1/models")
     async def models() -> Response:
-        engine = router.upstreams.pick("decode")
+        engine = router.upstreams.pick(router.upstreams.roles()[-1])         # decode, or colocated
         try:
             async with router.session.get(engine.url + "/v1/models", timeout=router.timeout(False)) as resp:
                 return Response(await resp.read(), status_code=resp.status, media_type="application/json")
@@ -174,6 +179,8 @@ async def route(router: Router, request: Request, path: str) -> Response:
     body = await read_json(request)
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    if "colocated" in router.upstreams.by_role:
+        return await forward(router, request, router.upstreams.pick("colocated"), path, body)
     started = time.perf_counter()
     status, answer = await while_connected(request, router.post(router.upstreams.pick("prefill"), path,
                                                                 prefill_body(body)))
@@ -182,10 +189,14 @@ async def route(router: Router, request: Request, path: str) -> Response:
         return Response(answer, status_code=status, media_type="application/json")
     router.metrics.prefill.observe(time.perf_counter() - started)
     decode = dict(body, kv_transfer_params=transfer_params(answer) | {"do_remote_prefill": True})
-    engine = router.upstreams.pick("decode")
+    return await forward(router, request, router.upstreams.pick("decode"), path, decode)
+
+
+async def forward(router: Router, request: Request, engine: Upstream, path: str, body: dict) -> Response:
+    """The engine's answer to `body`, relayed: JSON, or its stream piece by piece."""
     if body.get("stream") is True:
-        return await relay_stream(router, engine, path, decode)
-    status, answer = await while_connected(request, router.post(engine, path, decode))
+        return await relay_stream(router, engine, path, body)
+    status, answer = await while_connected(request, router.post(engine, path, body))
     router.metrics.requests.labels("ok" if status == 200 else "rejected").inc()
     return Response(answer, status_code=status, media_type="application/json")
 

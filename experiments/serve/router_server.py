@@ -31,22 +31,26 @@ def check_url(flag: str, text: str) -> str:
 
 
 def router_settings(args: argparse.Namespace) -> RouterSettings:
-    for flag in ("prefill", "decode"):
+    if args.colocated and (args.prefill or args.decode):
+        raise ConfigError("--role router takes --prefill and --decode engines, or --colocated ones, not both")
+    for flag in () if args.colocated else ("prefill", "decode"):
         if not getattr(args, flag):
-            raise ConfigError(f"--role router needs --{flag} URL [URL ...] (the {flag} engines' servers)")
+            raise ConfigError(f"--role router needs --{flag} URL [URL ...] (the {flag} engines' servers), "
+                              "or --colocated URL [URL ...]")
     engine_flags = [name for name in (*cli.engine_flag_names(), "config", *ENGINE_ONLY) if vars(args).get(name)]
     if engine_flags:
         flag = "--" + engine_flags[0].replace("_", "-")
         raise ConfigError(f"{flag} configures an engine; --role router runs none (give it to the engines' servers)")
     given = DEFAULT_UPSTREAM_TIMEOUT_S if args.upstream_timeout is None else args.upstream_timeout
     timeout = check_number("--upstream-timeout", given, 0.0, MAX_UPSTREAM_TIMEOUT_S, strict=True, unit=" s")
-    return RouterSettings([check_url("--prefill", u) for u in args.prefill],
-                          [check_url("--decode", u) for u in args.decode], timeout)
+    roles = ("prefill", "decode", "colocated")
+    return RouterSettings({role: [check_url(f"--{role}", u) for u in getattr(args, role) or []] for role in roles},
+                          timeout)
 
 
 def check_engine_role(args: argparse.Namespace) -> None:
     """An engine's server takes no router flag."""
-    for name in ("prefill", "decode", "upstream_timeout"):
+    for name in ("prefill", "decode", "colocated", "upstream_timeout"):
         if getattr(args, name) is not None:
             flag = "--" + name.replace("_", "-")
             raise ConfigError(f"{flag} is the router's flag; use it with --role router")

@@ -1,6 +1,6 @@
-"""The router's engines: one list per role (prefill, decode), each engine alive or not by its last /health
-answer, chosen round-robin among the live ones. A health loop polls every engine; a request that cannot reach
-an engine marks it dead at once, so the next request skips it until its /health answers 200 again."""
+"""The router's engines: one list per role (prefill and decode, or colocated), each engine alive or not by its
+last /health answer, chosen round-robin among the live ones. A health loop polls every engine; a request that
+cannot reach an engine marks it dead at once, so the next request skips it until its /health answers 200."""
 from __future__ import annotations
 
 import asyncio
@@ -13,7 +13,7 @@ import aiohttp
 log = logging.getLogger("kvlab.router")
 HEALTH_EVERY_S = 1.0
 HEALTH_TIMEOUT_S = 2.0
-ROLES = ("prefill", "decode")
+ROLES = ("prefill", "decode", "colocated")
 
 
 class NoLiveEngine(Exception):
@@ -28,8 +28,8 @@ class Upstream:
 
     def mark(self, alive: bool, why: str = "") -> None:
         if alive != self.alive:
-            log.warning("%s engine %s is %s%s", self.role, self.url, "up" if alive else "down",
-                        f" ({why})" if why else "")
+            log.log(logging.INFO if alive else logging.WARNING, "%s engine %s is %s%s", self.role, self.url,
+                    "up" if alive else "down", f" ({why})" if why else "")
         self.alive = alive
 
 
@@ -54,9 +54,13 @@ class Upstreams:
     by_role: dict[str, RoundRobin] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, prefill: list[str], decode: list[str]) -> Upstreams:
-        urls = {"prefill": prefill, "decode": decode}
-        return cls({role: RoundRobin([Upstream(u.rstrip("/"), role) for u in urls[role]]) for role in ROLES})
+    def of(cls, urls: dict[str, list[str]]) -> Upstreams:
+        """`urls`: role -> its engines' base URLs (roles without engines are left out)."""
+        return cls({role: RoundRobin([Upstream(u.rstrip("/"), role) for u in found])
+                    for role, found in urls.items() if found})
+
+    def roles(self) -> list[str]:
+        return list(self.by_role)
 
     def pick(self, role: str) -> Upstream:
         return self.by_role[role].next_live()

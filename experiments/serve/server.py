@@ -55,6 +55,8 @@ def add_role_flags(p: argparse.ArgumentParser) -> None:
                         "disaggregated serving; router: the proxy in front of them (docs/disaggregation.md)")
     p.add_argument("--prefill", nargs="+", metavar="URL", help="router: the prefill engines' servers")
     p.add_argument("--decode", nargs="+", metavar="URL", help="router: the decode engines' servers")
+    p.add_argument("--colocated", nargs="+", metavar="URL",
+                   help="router: colocated engines' servers instead, each request sent whole to one (the baseline)")
     p.add_argument("--upstream-timeout", type=float, metavar="S",
                    help="router: seconds each engine call may take (a stream: each piece; default 300)")
 
@@ -125,8 +127,8 @@ def run(args: argparse.Namespace) -> int:
 
 def serve_router(settings: RouterSettings, host: str, port: int) -> int:
     sock = bind(host, port)
-    print(f"kvlab serve: router on http://{host}:{sock.getsockname()[1]} ({len(settings.prefill)} prefill, "
-          f"{len(settings.decode)} decode engine(s))", flush=True)
+    engines = ", ".join(f"{len(urls)} {role}" for role, urls in settings.engines.items() if urls)
+    print(f"kvlab serve: router on http://{host}:{sock.getsockname()[1]} ({engines} engine(s))", flush=True)
     serve(create_router_app(Router(settings)), sock, lambda: None)
     return 0
 
