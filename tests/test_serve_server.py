@@ -23,6 +23,7 @@ from kvlab.common.config import make_config
 from kvlab.common.engine import Engine
 from kvlab.common.kv.types import CacheStats
 from kvlab.common.metrics import RunMetrics
+from kvlab.common.outputs import CompletionOutput, RequestOutput
 from kvlab.common.sampling_params import SamplingParams
 from kvlab.common.tokenizer import ByteTokenizer
 from kvlab.experiments.serve.app import Server, create_app
@@ -354,10 +355,15 @@ def test_an_engine_bug_ends_every_stream_and_health_says_503():
 
 
 class RecordedEngine:
-    """What ServerMetrics reads from an engine: the cache's stats and the run record."""
+    """What ServerMetrics reads from an engine: the cache's stats, the run record and the handoff totals."""
 
-    def __init__(self, stats: CacheStats, metrics: RunMetrics) -> None:
+    def __init__(self, stats: CacheStats, metrics: RunMetrics, handoffs: dict | None = None) -> None:
         self.stats, self.record = stats, metrics
+        self.handoffs = handoffs or dict.fromkeys(("count", "bytes_copied", "units_moved", "seconds", "failed",
+                                                   "expired"), 0)
+
+    def handoff_stats(self) -> dict:
+        return self.handoffs
 
     def cache_stats(self) -> CacheStats:
         return self.stats
@@ -385,7 +391,8 @@ def test_metrics_are_named_from_the_record_with_the_old_names_kept():
     assert (value("kvlab_preemptions_total"), value("kvlab_recomputed_tokens_total")) == (2, 30)
     assert (value("kvlab_map_calls_total"), value("kvlab_map_seconds_total")) == (3, 0.5)
     assert m.stats() == {"running": 3, "waiting": 1, "swapped": 0, "used_units": 4, "total_units": 10,
-                         "kv_usage_ratio": 0.4, "kv_utilization": 50 / 64, "kv_units_used": 4, "kv_units_total": 10}
+                         "kv_usage_ratio": 0.4, "kv_utilization": 50 / 64, "kv_units_used": 4, "kv_units_total": 10,
+                         "handoff": engine.handoffs}
     types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
     assert all(name.startswith("kvlab_") for name in types)
     for e in METRICS:                                  # _total for counters, and only for counters
@@ -427,3 +434,27 @@ def test_a_known_engine_failure_is_one_log_line_not_a_traceback(caplog):
         assert httpx.get(s.url + "/health", timeout=5).status_code == 503
     finally:
         s.stop()
+
+
+def test_handoff_totals_are_counters_and_the_stats_block():
+    """Engine.handoff_stats() running totals -> kvlab_handoff*_total counters (advanced, not added up) and the
+    "handoff" block of GET /kvlab/stats; a finished request's handoff -> the latency histogram."""
+    stats = CacheStats("vmm", "page", 16, total_units=10, used_units=0, free_units=10)
+    totals = {"count": 2, "bytes_copied": 0, "units_moved": 6, "seconds": 0.25, "failed": 1, "expired": 0}
+    engine, m = RecordedEngine(stats, RunMetrics("vmm"), totals), ServerMetrics("vmm")
+    for _ in range(2):
+        m.on_step(engine, 0, 0, 0, force=True)
+    text = m.text().decode()
+    value = lambda name: float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))      # noqa: E731
+    assert (value("kvlab_handoffs_total"), value("kvlab_handoff_units_moved_total")) == (2, 6)
+    assert (value("kvlab_handoff_seconds_total"), value("kvlab_handoffs_failed_total")) == (0.25, 1)
+    assert m.stats()["handoff"] == totals
+    out = RequestOutput("r", None, [1], [CompletionOutput(0, [2], None, "length")],
+                        handoff={"seconds": 0.003, "bytes_copied": 0, "units_moved": 3, "unit": "page"})
+    m.on_finished(out, 0.0)
+    assert value_of(m, "kvlab_handoff_latency_seconds_count") == 1
+    assert value_of(m, "kvlab_handoff_latency_seconds_sum") == 0.003
+
+
+def value_of(m: ServerMetrics, name: str) -> float:
+    return float(re.search(rf"^{name} (\S+)$", m.text().decode(), re.M).group(1))

@@ -69,6 +69,8 @@ class EngineLoop:
                 self._drain(block=not self.engine.has_unfinished())
                 if self.engine.has_unfinished() and not self.stopping.is_set():
                     self._step()
+                else:
+                    self._idle()
                 self._flush()
         except EOFError:                               # an engine process whose server went away
             log.warning("the server closed the engine's pipe; stopping")
@@ -133,6 +135,11 @@ class EngineLoop:
             self.events.append(FinishedEvent(out.request_id, out))
             self.metrics.on_finished(out, now)
         self._publish()
+
+    def _idle(self) -> None:
+        """Nothing to step: a prefill engine still frees the KV its decode engines took (or let expire)."""
+        self.engine.poll_handoffs()
+        self.metrics.on_handoffs(self.engine.handoff_stats())
 
     def _publish(self) -> None:
         running, waiting, swapped = self.engine.queue_depths()

@@ -140,7 +140,7 @@ class ServerMetrics:
         self.latest = gauges | {old: gauges[new] for old, new in OLD_STATS_KEYS.items()}
         if "pool" in s.extra:
             self._on_pool(s.extra["pool"])
-        self._on_handoffs(engine.handoff_stats())
+        self.on_handoffs(engine.handoff_stats())
         now = time.monotonic()
         if now - self.last_read < READ_EVERY_S and not force:
             return
@@ -155,7 +155,8 @@ class ServerMetrics:
             self._count_to("pool_" + name, pool[name])
         self.latest["pool"] = dict(pool)
 
-    def _on_handoffs(self, totals: dict[str, float]) -> None:
+    def on_handoffs(self, totals: dict[str, float]) -> None:
+        """The engine's handoff totals (Engine.handoff_stats) -> the counters and GET /kvlab/stats' "handoff"."""
         for key, name in HANDOFF_COUNTED.items():
             self._count_to(name, totals[key])
         self.latest["handoff"] = {key: totals[key] for key in HANDOFF_COUNTED}
