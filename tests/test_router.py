@@ -16,6 +16,7 @@ from kvlab.experiments.cli.main import main
 from kvlab.experiments.serve import server
 
 openai = pytest.importorskip("openai")
+BACKEND = "paged"
 LONG = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
 
 
@@ -25,7 +26,7 @@ def pair():
     procs: list[ServeProcess] = []
     try:
         for role in ("prefill", "decode", "decode"):
-            procs.append(engine("vmm", role))
+            procs.append(engine(BACKEND, role))
         procs.append(router(procs[:1], procs[1:]))
         wait_healthy(procs[-1].url)
         yield procs
@@ -46,8 +47,8 @@ def test_the_openai_client_through_the_router(pair):
     chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], **greedy)
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 6
     assert [m.id for m in c.models.list().data] == ["tiny"]
-    with pytest.raises(openai.BadRequestError, match="temperature"):      # the engine's own 400, relayed
-        c.completions.create(model="tiny", prompt="hello", temperature=float("nan"))
+    with pytest.raises(openai.BadRequestError, match="top_p"):             # the engine's own 400, relayed
+        c.completions.create(model="tiny", prompt="hello", top_p=7)
 
 
 def test_the_router_counts_in_its_own_metrics(pair):
@@ -104,7 +105,7 @@ def test_a_decode_server_killed_mid_stream_fails_only_its_requests(pair):
 
 
 def test_503_in_the_vllm_shape_while_no_engine_of_a_role_is_alive():
-    lone = engine("vmm", "decode")
+    lone = engine(BACKEND, "decode")
     try:
         proxy = ServeProcess("--role", "router", "--prefill", "http://127.0.0.1:9", "--decode", lone.url)
         try:
