@@ -40,6 +40,7 @@ class EngineLoop:
         self.events: list[Event] = []                 # this loop turn's, for the next EventBatch
         self.waiting = 0                               # the scheduler's waiting queue after the last step
         self.sent_waiting = 0
+        self.handoffs = engine.handoff_stats()        # the totals last published while idle
         self.stopping = threading.Event()
         self.failed = False
         self.thread = threading.Thread(target=self.run, name="kvlab-engine", daemon=True)
@@ -137,9 +138,13 @@ class EngineLoop:
         self._publish()
 
     def _idle(self) -> None:
-        """Nothing to step: a prefill engine still frees the KV its decode engines took (or let expire)."""
+        """Nothing to step: a prefill engine still frees the KV its decode engines took (or let expire), and
+        publishes the new totals."""
         self.engine.poll_handoffs()
-        self.metrics.on_handoffs(self.engine.handoff_stats())
+        totals = self.engine.handoff_stats()
+        if totals != self.handoffs:
+            self.handoffs = totals
+            self.metrics.on_handoffs(totals)
 
     def _publish(self) -> None:
         running, waiting, swapped = self.engine.queue_depths()

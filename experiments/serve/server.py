@@ -26,6 +26,7 @@ from kvlab.experiments.serve.router_server import check_engine_role, router_sett
 log = logging.getLogger("kvlab.serve")
 DEFAULT_MAX_WAITING = 1024
 GRACEFUL_S = 5
+BACKLOG = 2048                 # uvicorn's own
 ROLES = ("colocated", "prefill", "decode", "router")
 
 
@@ -110,34 +111,35 @@ def run(args: argparse.Namespace) -> int:
                                kv_role=args.role)
     engine, threads = start_engine(config, args.max_waiting, args.engine_thread)
     try:
+        app = create_app(Server(engine, args.served_model_name or str(config.model)))
         sock = bind(args.host, args.port)
-    except BaseException:
-        engine.stop()
-        raise
-    where = "a thread" if args.engine_thread else "its own process"
-    role = "" if config.kv_role == "colocated" else f" ({config.kv_role})"
-    print(f"kvlab serve: {config.backend}{role} on http://{args.host}:{sock.getsockname()[1]} "
-          f"(engine in {where}, {threads} torch thread(s))", flush=True)
-    try:
-        serve(create_app(Server(engine, args.served_model_name or str(config.model))), sock, engine.begin_stop)
+        where = "a thread" if args.engine_thread else "its own process"
+        role = "" if config.kv_role == "colocated" else f" ({config.kv_role})"
+        print(f"kvlab serve: {config.backend}{role} on http://{args.host}:{sock.getsockname()[1]} "
+              f"(engine in {where}, {threads} torch thread(s))", flush=True)
+        serve(app, sock, engine.begin_stop)
     finally:
         engine.stop()
     return 0
 
 
 def serve_router(settings: RouterSettings, host: str, port: int) -> int:
+    app = create_router_app(Router(settings))
     sock = bind(host, port)
     engines = ", ".join(f"{len(urls)} {role}" for role, urls in settings.engines.items() if urls)
     print(f"kvlab serve: router on http://{host}:{sock.getsockname()[1]} ({engines} engine(s))", flush=True)
-    serve(create_router_app(Router(settings)), sock, lambda: None)
+    serve(app, sock, lambda: None)
     return 0
 
 
 def bind(host: str, port: int) -> socket.socket:
+    """A listening socket: a client that connects once the start line is printed waits in the backlog until
+    uvicorn accepts, instead of being refused."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
+        sock.listen(BACKLOG)
     except BaseException:
         sock.close()
         raise
