@@ -16,13 +16,13 @@ from kvlab.experiments.cli.main import main
 from kvlab.experiments.serve import server
 
 openai = pytest.importorskip("openai")
-BACKEND = "paged"
+BACKEND = "vmm"
 LONG = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
 def pair():
-    """One prefill and two decode servers (vmm) and the router in front of them."""
+    """One prefill and two decode servers (vmm, one pool) and the router in front of them."""
     procs: list[ServeProcess] = []
     try:
         for role in ("prefill", "decode", "decode"):

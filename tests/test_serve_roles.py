@@ -64,7 +64,11 @@ class ServeProcess:
 
 
 def engine(backend: str, role: str, *extra: str) -> ServeProcess:
-    return ServeProcess("--model", "tiny", "--backend", backend, "--role", role, "--engine-thread", *extra)
+    """A tiny-model server; vmm's prefill and decode engines share a pool named after this test process (the
+    pages change owner in its ledger)."""
+    pool = ("--kv-pool", f"roles-test-{os.getpid()}", "--kv-pool-bytes", "256MiB")
+    shared = pool if backend == "vmm" and role != "colocated" else ()
+    return ServeProcess("--model", "tiny", "--backend", backend, "--role", role, "--engine-thread", *shared, *extra)
 
 
 def router(prefill: list[ServeProcess], decode: list[ServeProcess], *extra: str) -> ServeProcess:
