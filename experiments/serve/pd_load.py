@@ -13,6 +13,7 @@ import json
 import os
 import re
 import select
+import shlex
 import signal
 import statistics
 import subprocess
@@ -105,11 +106,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", default="vmm")
     p.add_argument("--model", default="tiny")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--pool-bytes", default="1GiB", help="vmm: the shared page pool's budget")
+    p.add_argument("--engine-flags", type=shlex.split, default=[],
+                   help='more `kvlab serve` flags for every engine, one string: --engine-flags="--max-num-seqs 8"')
     p.add_argument("--out", type=Path, default=Path("results/pd"))
     p.add_argument("bench", nargs=argparse.REMAINDER, help="-- then the `kvlab bench serve` flags of the load")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    engine_flags = ["--model", args.model, "--backend", args.backend]
+    engine_flags = ["--model", args.model, "--backend", args.backend, *args.engine_flags]
+    if args.backend == "vmm":           # the handoff moves pool pages; the colocated engines draw from a pool too
+        engine_flags += ["--kv-pool", f"pd-load-{os.getpid()}", "--kv-pool-bytes", args.pool_bytes]
     bench = [a for a in args.bench if a != "--"]
     runs: dict[str, list[dict]] = {name: [] for name in SETUPS}
     for repeat in range(args.repeats):
