@@ -47,8 +47,10 @@ def test_the_openai_client_through_the_router(pair):
     chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], **greedy)
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 6
     assert [m.id for m in c.models.list().data] == ["tiny"]
-    with pytest.raises(openai.BadRequestError, match="top_p"):             # the engine's own 400, relayed
+    with pytest.raises(openai.BadRequestError, match="top_p"):       # the engines' validation, before any engine
         c.completions.create(model="tiny", prompt="hello", top_p=7)
+    with pytest.raises(openai.NotFoundError, match="nope"):          # the prefill engine's own 404, relayed
+        c.completions.create(model="nope", prompt="hello")
 
 
 def test_the_router_counts_in_its_own_metrics(pair):

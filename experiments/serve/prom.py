@@ -178,7 +178,7 @@ class ServerMetrics:
         n_out = max(len(c.token_ids) for c in out.outputs) if out.outputs else 0
         self._inc("output_tokens", sum(len(c.token_ids) for c in out.outputs))
         self._inc("prompt_tokens", len(out.prompt_token_ids))
-        if out.handoff is not None:
+        if out.handoff is not None and out.handoff["units_moved"]:    # a prefill output's KV moves later: zeros
             self._observe("handoff_latency", out.handoff["seconds"])
         m = out.metrics
         if m is None or m.first_token_time is None:

@@ -5,7 +5,9 @@ decode engine, which pulls the KV and generates the whole completion; its answer
 With `--colocated` engines instead, each request goes whole to one of them: the same proxy in front of
 colocated engines, the baseline disaggregation is measured against.
 
-An engine's own error answer (a 400 for a bad field, a 404 for a model) is relayed as it came; an engine that
+A request is checked by the engines' own validation layer (protocol.py) first, so a bad field is a 400 before
+any engine computes anything (and no prefill KV waits for a decode call that would be refused). An engine's
+own error answer (a 404 for a model, a prompt too long for it) is relayed as it came; an engine that
 cannot be reached or fails mid-request is a 502 with one line (mid-stream: one error event, then the stream
 ends); no live engine of a role is a 503. Every upstream call has a timeout; a client that leaves closes the
 upstream connection, so the engine aborts the request (docs/disaggregation.md).
@@ -25,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvlab.common.limits import MAX_BODY_BYTES
+from kvlab.experiments.serve import protocol
 from kvlab.experiments.serve.app import DISCONNECT_POLL_S, read_json
 from kvlab.experiments.serve.body_limit import BodyLimit
 from kvlab.experiments.serve.prom import LATENCY_BUCKETS
@@ -32,6 +35,7 @@ from kvlab.experiments.serve.protocol import ApiError
 from kvlab.experiments.serve.router_upstreams import NoLiveEngine, Upstream, Upstreams, watching
 
 CONNECT_TIMEOUT_S = 5.0
+CHAT = "/v1/chat/completions"
 DROPPED_FROM_PREFILL = ("stream", "stream_options", "max_completion_tokens")
 
 
@@ -149,7 +153,7 @@ def create_router_app(router: Router) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await route(router, request, "/v1/chat/completions")
+        return await route(router, request, CHAT)
 
     return app
 
@@ -177,8 +181,7 @@ def add_error_handlers(app: FastAPI, router: Router) -> None:
 
 async def route(router: Router, request: Request, path: str) -> Response:
     body = await read_json(request)
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
+    protocol.parse(body, path == CHAT, lambda messages: "")     # a bad request is a 400 before any engine works
     if "colocated" in router.upstreams.by_role:
         return await forward(router, request, router.upstreams.pick("colocated"), path, body)
     started = time.perf_counter()
