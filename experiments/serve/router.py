@@ -163,6 +163,10 @@ def add_error_handlers(app: FastAPI, router: Router) -> None:
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
 
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception) -> JSONResponse:
+        return error_response(500, f"internal error: {type(e).__name__}: {e}", "internal_server_error")
+
     @app.exception_handler(NoLiveEngine)
     async def no_engine(request: Request, e: NoLiveEngine) -> JSONResponse:
         router.metrics.requests.labels("no_engine").inc()
