@@ -16,6 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvlab.experiments.serve.protocol import ApiError, parse
+
 ROOT = Path(__file__).resolve().parents[1]
 START_S = 120                  # a loaded machine starts the tiny model's server within this
 STOP_S = 30
@@ -198,3 +200,27 @@ def test_the_protocol_by_hand_prefill_then_decode_and_colocated_refuses_the_fiel
     decoded = post(cluster.decode.url, "/v1/completions", COMPLETION | {"kv_transfer_params": params})
     assert decoded["choices"][0]["token_ids"] == post(cluster.colocated.url, "/v1/completions",
                                                       COMPLETION)["choices"][0]["token_ids"]
+
+
+@pytest.mark.parametrize("value,message", [
+    ([1], "must be an object"),
+    ("do_remote_decode", "must be an object"),
+    ({"do_remote_decode": 1}, "do_remote_decode must be true or false"),
+    ({"num_tokens": True}, "num_tokens must be an integer"),
+    ({"pool": 3}, "pool must be a string or null"),
+    ({"first_token_ids": [-1]}, "first_token_ids must be token ids"),
+    ({"first_token_ids": [1.5]}, "first_token_ids must be token ids"),
+    ({"handoff_id": "x" * 5000}, "at most 4,096 characters"),
+])
+def test_kv_transfer_params_of_the_wrong_shape_are_one_line_400s(value, message):
+    with pytest.raises(ApiError) as e:
+        parse({"prompt": "hi", "kv_transfer_params": value}, False, None)
+    assert e.value.status == 400 and e.value.param == "kv_transfer_params" and message in e.value.message
+    assert "\n" not in e.value.message
+
+
+def test_kv_transfer_params_pass_through_as_given():
+    params = {"do_remote_prefill": True, "handoff_id": "ab", "address": "x", "num_tokens": 3,
+              "first_token_ids": [7], "backend": "vmm", "pool": None, "model": "tiny"}
+    assert parse({"prompt": "hi", "kv_transfer_params": params}, False, None).kv_transfer_params == params
+    assert parse({"prompt": "hi", "kv_transfer_params": None}, False, None).kv_transfer_params is None
