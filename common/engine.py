@@ -60,7 +60,11 @@ class Engine:
         self._ids = itertools.count()
         self._closed = False
         self.lock = threading.RLock()      # held by step and add_request; the handoff server's thread takes it too
-        self.kv = HandoffRole(config, cache, self.scheduler, self.lock, vocab_size)
+        try:
+            self.kv = HandoffRole(config, cache, self.scheduler, self.lock, vocab_size)
+        except BaseException:              # a role this cache cannot take: release what was built for it
+            self._release_parts()
+            raise
 
     @classmethod
     def from_model(cls, config: EngineConfig, model: Any, tokenizer: Any = None, **kwargs: Any) -> Engine:
@@ -97,12 +101,10 @@ class Engine:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         arrival = self.runner.clock() if arrival_time is None else arrival_time
         with self.lock:
-            params, kv_import = self.kv.intake(params, kv_transfer_params, len(token_ids))
-            req = self.scheduler.add(request_id, token_ids, params, arrival, text,
-                                     keep_kv=self.kv.role == "prefill" and kv_transfer_params is not None,
-                                     kv_import=kv_import)
+            params, keep_kv, kv_import = self.kv.intake(params, kv_transfer_params, len(token_ids))
+            req = self.scheduler.add(request_id, token_ids, params, arrival, text, keep_kv, kv_import)
             self.attributor.on_arrival(req)
-            self.kv.added(req, kv_import)
+            self.kv.release_unpulled(req)
         return request_id
 
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -127,7 +129,10 @@ class Engine:
         """Drop a request and free its KV; it produces no output. False if it is unknown or already finished."""
         with self.lock:
             self.stream.forget(str(request_id))
-            return self.scheduler.abort(str(request_id))
+            req = self.scheduler.requests.get(str(request_id))
+            aborted = self.scheduler.abort(str(request_id))
+            self.kv.release_unpulled(req)
+            return aborted
 
     def abort_all(self, request_ids: Iterable[str]) -> None:
         """Abort these requests and discard every output not yet returned: the engine is left empty of them."""
@@ -238,11 +243,14 @@ class Engine:
             with self.lock:
                 self._closed = True
                 self.kv.close()
-            try:
-                self.cache.close()
-            finally:
-                if hasattr(self.runner, "close"):    # e.g. the tensor-parallel runner's ranks
-                    self.runner.close()
+            self._release_parts()
+
+    def _release_parts(self) -> None:
+        try:
+            self.cache.close()
+        finally:
+            if hasattr(self.runner, "close"):    # e.g. the tensor-parallel runner's ranks
+                self.runner.close()
 
 
 def _all_token_ids(prompt: list | tuple) -> bool:

@@ -32,6 +32,7 @@ TIME_BOUND_S = 10            # one command, up to its first real work
 STOPS: dict[tuple[str, ...], tuple[tuple[str, str], ...]] = {
     ("generate",): (("kvlab.common.llm", "LLM"),),
     ("bench",): (("kvlab.experiments.bench.offline", "load"), ("kvlab.experiments.bench.offline", "importlib")),
+    ("bench", "handoff"): (("kvlab.experiments.bench.handoff", "measure_all"),),
     ("bench", "serve"): (("kvlab.experiments.loadgen.cli", "bench_once"),
                          ("kvlab.experiments.loadgen.sweep", "run_sweep")),
     ("simulate",): (("kvlab.experiments.sim.cli", "changes_line"), ("kvlab.experiments.sim.cli", "run_kv_preset"),

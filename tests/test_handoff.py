@@ -12,7 +12,7 @@ import pytest
 
 from kvlab.common.config import make_config
 from kvlab.common.engine import Engine
-from kvlab.common.errors import ConfigError, RequestError
+from kvlab.common.errors import ConfigError, DriverError, RequestError
 from kvlab.common.sampling_params import SamplingParams
 from kvlab.vmm import pool
 from kvlab.vmm.pool.errors import PoolError
@@ -106,6 +106,17 @@ def test_a_decode_request_its_first_token_ends_declines_the_kv(engines):
     assert stats["count"] == 0 and prefill.cache_stats().used_units == 0
 
 
+def test_an_aborted_decode_request_releases_the_kv_it_did_not_pull(engines):
+    prefill, decode = engines("prefill"), engines("decode", max_num_seqs=1)
+    decode.add_request(PROMPT, GREEDY)                         # takes the decode engine's only slot
+    decode.step()
+    decode.add_request(PROMPT, GREEDY, request_id="late", kv_transfer_params=run(prefill, kv=REMOTE).kv_transfer_params)
+    decode.step()
+    assert decode.abort("late")
+    stats = settle(prefill, lambda s: s["failed"] == 1)
+    assert stats["count"] == 0 and prefill.cache_stats().used_units == 0
+
+
 def test_kept_kv_holds_a_slot_until_released(engines):
     """max_num_seqs counts kept sequences (the KV they hold is real): the next request waits, not fails, until the
     kept KV is pulled."""
@@ -146,6 +157,7 @@ def good_kv() -> dict:
     ({"first_token_ids": [10**9]}, "outside the vocabulary"),
     ({"backend": "vmm"}, "same backend"),
     ({"pool": "gpu0"}, "same kv_pool"),
+    ({"model": "smollm2-135m"}, "same model"),
 ])
 def test_bad_decode_kv_transfer_params_are_one_line_errors(engines, change, match):
     decode = engines("decode")
@@ -168,6 +180,16 @@ def test_bad_requests_on_either_role_are_one_line_errors(engines, role, kv, para
         engines(role).add_request(PROMPT, params, kv_transfer_params=kv)
 
 
+def test_a_vmm_role_without_a_pool_is_refused_after_releasing_its_cache(monkeypatch):
+    closed = []
+    from kvlab.common.kv.seam import KVCache
+    real_close = KVCache.close
+    monkeypatch.setattr(KVCache, "close", lambda self: closed.append(self) or real_close(self))
+    with pytest.raises(ConfigError, match="same kv_pool"):
+        Engine.from_config(make_config(**(BASE | {"backend": "vmm", "kv_role": "prefill"})))
+    assert len(closed) == 1 and closed[0].closed
+
+
 @pytest.mark.parametrize("overrides, match", [
     ({"kv_role": "router"}, "kv_role"),
     ({"handoff_timeout_s": 0}, "handoff_timeout_s"),
@@ -178,6 +200,32 @@ def test_role_options_are_one_line_config_errors(overrides, match):
         engine(**({"role": "colocated"} | overrides)) if "role" in overrides else \
             Engine.from_config(make_config(**(BASE | overrides)))
     assert "\n" not in str(info.value)
+
+
+def test_a_vmm_import_whose_mapping_fails_gives_the_pages_back(engines, monkeypatch):
+    """The pages were transferred, then mapping them failed: the request fails alone, the decode engine backs
+    exactly what the ledger says it holds, the prefill engine forgets the pages, the next handoff works."""
+    with pool.create(f"handoff-{os.getpid()}-{uuid.uuid4().hex[:8]}", 8 << 20, page_size=4096) as holder:
+        vmm = {"backend": "vmm", "page_size": 4096, "kv_pool": holder.name}
+        prefill, decode = engines("prefill", **vmm), engines("decode", **vmm)
+        host = decode.cache.allocator.driver.os.host
+
+        def refuse(*args, **kwargs):
+            raise DriverError("mmap refused")
+        with monkeypatch.context() as patch:
+            patch.setattr(host, "mmap_at", refuse)
+            failed = run(decode, kv=run(prefill, kv=REMOTE).kv_transfer_params)
+        assert failed.outputs[0].finish_reason == "error" and "mmap refused" in failed.error
+        settle(prefill, lambda s: s["failed"] == 1)
+        backed = {}
+        for role, e in (("prefill", prefill), ("decode", decode)):
+            memory = e.cache.allocator.driver.os
+            backed[role] = list(memory.backing.values())
+            assert memory.member.record().held == len(backed[role])
+            assert not backed[role] or memory.member.still_holds(backed[role])
+        assert backed["prefill"] == [] and backed["decode"]       # the pages moved; the decode keeps them as spares
+        expected = run(engines("colocated")).outputs[0].token_ids
+        assert run(decode, kv=run(prefill, kv=REMOTE).kv_transfer_params).outputs[0].token_ids == expected
 
 
 # -- the ledger's transfer step -----------------------------------------------------------------------------------

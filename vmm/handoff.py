@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 class PooledPages(Protocol):
     """What the handoff needs of a pooled driver's OS layer (vmm/drivers/pooled.py)."""
     member: PoolMember
+    backing: dict[int, int]          # local page -> the pool page behind it
 
     def pool_page(self, local: int) -> int: ...
 
@@ -107,8 +108,19 @@ class VMMHandoff:
                 raise HandoffRefused("no free vmm slot for the imported KV")
             self._receive(giver, giver_pid, pages)
             fill = partial(self._map_received, groups, pages, num_tokens)
-            self.allocator.pages.new_slot(seq.seq_id, num_tokens, fill, fewest_pages=True)
+            try:
+                self.allocator.pages.new_slot(seq.seq_id, num_tokens, fill, fewest_pages=True)
+            except BaseException:
+                self._give_unadopted(pages)
+                raise
         return HandoffReport(0.0, 0, len(pages), self.unit)
+
+    def _give_unadopted(self, pages: list[int]) -> None:
+        """After a failed import: received pages no local page adopted go back to the pool (adopted ones are this
+        engine's idle spares, given back as any spare is)."""
+        adopted = set(self.os.backing.values())
+        if unadopted := [p for p in pages if p not in adopted]:
+            self.member.give(unadopted)
 
     def _receive(self, giver: int, giver_pid: int, pages: list[int]) -> None:
         try:

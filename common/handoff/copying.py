@@ -72,8 +72,12 @@ class CopyHandoff(ABC):
             raise HandoffError(f"the KV arrived as {shape}, this engine expects {list(self.layout(units, num_tokens))}")
         if self.allocator.allocate(seq, num_tokens) is None:
             raise HandoffRefused(f"no room for {num_tokens} tokens of imported KV")
-        with shm.mapped(fds[0], tuple(shape), self.shape.cache_dtype) as src:
-            self.write(seq, num_tokens, src)
+        try:
+            with shm.mapped(fds[0], tuple(shape), self.shape.cache_dtype) as src:
+                self.write(seq, num_tokens, src)
+        except BaseException:
+            self.allocator.free(seq)          # the request fails waiting, where nothing else would free it
+            raise
         return HandoffReport(0.0, _nbytes(shape, self.shape.cache_dtype), units, self.unit)
 
     def release(self, seq: Sequence, taken: bool | None) -> None:

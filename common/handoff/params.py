@@ -29,8 +29,8 @@ def prefill_params(params: SamplingParams, kv: Any) -> SamplingParams:
     return dataclasses.replace(params, max_tokens=1)
 
 
-def check_decode(kv: Any, prompt_len: int, backend: str, pool: str | None, vocab_size: int | None) -> None:
-    """The fields a decode engine needs, each checked against this engine and the prompt."""
+def check_decode(kv: Any, prompt_len: int, config: Any, vocab_size: int | None) -> None:
+    """The fields a decode engine needs, each checked against this engine's config and the prompt."""
     if not isinstance(kv, dict) or kv.get("do_remote_prefill") is not True:
         raise RequestError('a decode engine takes the prefill engine\'s kv_transfer_params (with '
                            f'"do_remote_prefill": true), got {_shown(kv)}')
@@ -45,12 +45,15 @@ def check_decode(kv: Any, prompt_len: int, backend: str, pool: str | None, vocab
         raise RequestError(f"kv_transfer_params num_tokens {kv['num_tokens']!r} does not match the prompt's "
                            f"{prompt_len} tokens: send the same prompt to both engines")
     _check_first_token(kv["first_token_ids"], vocab_size)
-    if kv["backend"] != backend:
-        raise RequestError(f"the KV comes from a {kv['backend']!r} engine but this decode engine runs {backend!r}: "
-                           "run both roles on the same backend")
-    if kv["pool"] != pool:
-        raise RequestError(f"the KV lives in pool {kv['pool']!r} but this decode engine is on pool {pool!r}: "
-                           "run both roles on the same kv_pool")
+    if kv["backend"] != config.backend:
+        raise RequestError(f"the KV comes from a {_shown(kv['backend'])} engine but this decode engine runs "
+                           f"{config.backend!r}: run both roles on the same backend")
+    if kv["pool"] != config.kv_pool:
+        raise RequestError(f"the KV lives in pool {_shown(kv['pool'])} but this decode engine is on pool "
+                           f"{config.kv_pool!r}: run both roles on the same kv_pool")
+    if kv.get("model", config.model) != config.model:
+        raise RequestError(f"the KV was computed by model {_shown(kv['model'])}, this decode engine runs "
+                           f"{config.model!r}: run both roles on the same model")
 
 
 def _check_text(kv: dict, key: str, limit: int) -> None:

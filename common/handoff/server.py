@@ -4,6 +4,7 @@ lock, sends the header (and descriptors), waits for the decode side's ack and po
 releases the KV. Only peers of the same user are served (SO_PEERCRED)."""
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import socket
@@ -17,9 +18,10 @@ from kvlab.common.handoff.wire import PREFIX, close_all, receive, send, socket_a
 
 if TYPE_CHECKING:
     from kvlab.common.handoff.book import KeptBook
-    from kvlab.common.handoff.seam import KVHandoff
+    from kvlab.common.handoff.seam import Export, KVHandoff
 
 ACCEPT_POLL_S = 0.2
+log = logging.getLogger("kvlab.handoff")
 
 
 def await_ack(conn: socket.socket) -> bool | None:
@@ -77,17 +79,9 @@ class HandoffServer:
 
     def _pull(self, conn: socket.socket, request: dict[str, Any]) -> None:
         handoff_id = request.get("handoff_id")
-        with self.lock:
-            kept = self.book.claim(handoff_id)
-            if kept is None:
-                return _refuse(conn, f"no KV is kept for handoff {str(handoff_id)[:64]!r}: it was taken, expired "
-                                     "(handoff_timeout_s) or never offered")
-            try:
-                self.backend.check_peer(request.get("layout"))
-                export = self.backend.export(kept.seq, kept.num_tokens)
-            except HandoffError as exc:
-                self.book.settle(Outcome(handoff_id, False, None))
-                return _refuse(conn, str(exc))
+        export, why = self._export(handoff_id, request.get("layout"))
+        if export is None:
+            return _refuse(conn, why)
         taken = None
         try:
             send(conn, {"ok": True, "header": export.header}, export.fds)
@@ -97,6 +91,23 @@ class HandoffServer:
         finally:
             close_all(export.fds)
             self.book.settle(Outcome(handoff_id, taken, export.report if taken else None))
+
+    def _export(self, handoff_id: Any, layout: Any) -> tuple[Export | None, str]:
+        """Claim and export the kept KV under the engine's lock, or say why not. A failed export settles at once,
+        so the KV is released (never left in flight)."""
+        with self.lock:
+            kept = self.book.claim(handoff_id)
+            if kept is None:
+                return None, (f"no KV is kept for handoff {str(handoff_id)[:64]!r}: it was taken, expired "
+                              "(handoff_timeout_s) or never offered")
+            try:
+                self.backend.check_peer(layout)
+                return self.backend.export(kept.seq, kept.num_tokens), ""
+            except Exception as exc:       # noqa: BLE001 - whatever failed, the KV must not stay claimed
+                if not isinstance(exc, (HandoffError, OSError)):
+                    log.exception("handoff %s: the export failed", handoff_id)
+                self.book.settle(Outcome(handoff_id, False, None))
+                return None, str(exc) or type(exc).__name__
 
     def close(self) -> None:
         self.stopping.set()

@@ -9,6 +9,7 @@ Every method runs on the engine's thread under its lock; the server thread only 
 """
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -68,24 +69,27 @@ class HandoffRole:
         return self.server.address if self.server is not None else None
 
     # -- a request arrives ----------------------------------------------------------------------------------
-    def intake(self, params: SamplingParams, kv: Any, prompt_len: int) -> tuple[SamplingParams, PendingImport | None]:
-        """The request's sampling params (a prefill request samples one token) and, on a decode engine, its
-        import. Raises RequestError for kv_transfer_params this engine cannot use."""
+    def intake(self, params: SamplingParams, kv: Any, prompt_len: int
+               ) -> tuple[SamplingParams, bool, PendingImport | None]:
+        """The request's sampling params (a prefill request samples one token), whether its KV is kept when it
+        finishes (prefill), and its import (decode). Raises RequestError for kv_transfer_params this engine
+        cannot use."""
         if kv is None:
-            return params, None
+            return params, False, None
         if self.role == "colocated":
             raise RequestError("kv_transfer_params needs an engine with kv_role prefill or decode; this one is "
                                "colocated")
         if self.role == "prefill":
-            return prefill_params(params, kv), None
-        check_decode(kv, prompt_len, self.config.backend, self.config.kv_pool, self.vocab_size)
+            return prefill_params(params, kv), True, None
+        check_decode(kv, prompt_len, self.config, self.vocab_size)
         check_sampling(params, "decode")
-        return params, PendingImport(kv["first_token_ids"][0], kv, self)
+        return params, False, PendingImport(kv["first_token_ids"][0], dict(kv), self)
 
-    def added(self, req: Request, kv_import: PendingImport | None) -> None:
-        """A decode request that ended at birth (its first token is a stop, or max_tokens is 1) needs no KV."""
-        if kv_import is not None and req.finished:
-            client.decline(kv_import.kv, self.timeout_s)
+    def release_unpulled(self, req: Request | None) -> None:
+        """A decode request that ended before its import (its first token stopped it, it could never fit, it was
+        aborted) needs no KV: the prefill engine frees it now rather than at its timeout."""
+        if req is not None and req.finished and req.kv_import is not None:
+            client.decline(req.kv_import.kv, self.timeout_s)
 
     # -- decode: the pull, from admission --------------------------------------------------------------------
     def pull(self, req: Request, seq: Sequence, kv: dict[str, Any], reserve_units: int) -> int | None:
@@ -96,7 +100,7 @@ class HandoffRole:
             return None
         try:
             report = client.pull(kv, self.backend, seq, self.timeout_s)
-        except KvlabError as exc:
+        except (KvlabError, OSError) as exc:      # OSError: shared memory or a mapping the OS refused
             self.stats.failed += 1
             raise exc if isinstance(exc, HandoffError) else HandoffError(str(exc)) from None
         req.handoff = report.to_dict()
@@ -123,8 +127,9 @@ class HandoffRole:
         if self.book is None:
             return
         for kept, outcome in self.book.settled():
-            self._release(kept.seq, outcome.taken)
+            seconds = self._release(kept.seq, outcome.taken)
             if outcome.taken:
+                outcome.report.seconds += seconds          # this side's part: the export, then the release
                 self.stats.add(outcome.report)
             else:
                 self.stats.failed += 1
@@ -132,11 +137,14 @@ class HandoffRole:
             self._release(kept.seq, False)
             self.stats.expired += 1
 
-    def _release(self, seq: Sequence, taken: bool | None) -> None:
+    def _release(self, seq: Sequence, taken: bool | None) -> float:
+        """Free a kept sequence through the backend; the seconds it took."""
+        start = time.perf_counter()
         try:
             self.backend.release(seq, taken)
         finally:
             self.scheduler.release_kept(seq)
+        return time.perf_counter() - start
 
     def close(self) -> None:
         """Stop serving; what is still kept goes with the cache."""

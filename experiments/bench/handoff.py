@@ -1,7 +1,8 @@
 """`kvlab bench handoff`: what handing a prompt's KV from a prefill engine to a decode engine costs, against context
 length, for each backend (issue 30): the pull's latency (both sides, from the decode engine's connect to its ack),
-the prefill side's export, the KV bytes copied and the units (pages, blocks, tokens) moved. Medians over repeats
-with their [min-max] spread; one process pinned to one core, one torch thread.
+the prefill side's own time (its export, then its release once the KV is taken: vmm unmaps the pages there), the
+KV bytes copied and the units (pages, blocks, tokens) moved. Medians over repeats with their [min-max] spread; one
+process pinned to one core, one torch thread.
 
 The two engines run in one process (the prefill engine serves pulls from its own thread, as in a server); vmm draws
 both engines' pages from one pool. The prompts are not computed: a runner samples token 1 without running the
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.common.errors import ConfigError
+from kvlab.common.limits import MAX_MODEL_LEN
 from kvlab.experiments.cli import flags
 from kvlab.experiments.reporting.tables import median, with_spread
 
@@ -72,8 +74,8 @@ def parse_contexts(text: str) -> tuple[int, ...]:
         values = tuple(int(t) for t in text.split(","))
     except ValueError:
         raise ConfigError(f"--contexts takes a comma list of token counts, got {text!r}") from None
-    if not values or min(values) < 2:
-        raise ConfigError(f"--contexts: every context must be at least 2 tokens, got {text!r}")
+    if not values or min(values) < 2 or max(values) > MAX_MODEL_LEN:
+        raise ConfigError(f"--contexts: every context must be 2 to {MAX_MODEL_LEN:,} tokens, got {text[:80]!r}")
     return values
 
 
@@ -89,10 +91,7 @@ def settings_from(args: argparse.Namespace) -> HandoffSettings:
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from(args)
-    import torch
-    os.sched_setaffinity(0, {settings.cpu})
-    torch.set_num_threads(1)
-    rows = [row for model in settings.models for row in measure_model(model, settings)]
+    rows = measure_all(settings)
     out = Path(settings.out or f"results/handoff-{time.strftime('%Y%m%d-%H%M%S')}")
     write_results(out, rows, settings)
     print(markdown(rows))
@@ -101,6 +100,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 # -- measuring --------------------------------------------------------------------------------------------------
+def measure_all(settings: HandoffSettings) -> list[dict[str, Any]]:
+    """Every model's rows, this process pinned to one core with one torch thread."""
+    import torch
+    os.sched_setaffinity(0, {settings.cpu})
+    torch.set_num_threads(1)
+    return [row for model in settings.models for row in measure_model(model, settings)]
+
+
 def measure_model(model_name: str, settings: HandoffSettings) -> list[dict[str, Any]]:
     from kvlab.common.loader import load_model
     model, _ = load_model(model_name, settings.dtype, "cpu")
@@ -154,7 +161,7 @@ class EnginePair:
         if done.error is not None:
             raise RuntimeError(f"the handoff failed: {done.error}")
         after = _settled(self.prefill, before["count"])
-        return {**done.handoff, "export_seconds": after["seconds"] - before["seconds"],
+        return {**done.handoff, "prefill_seconds": after["seconds"] - before["seconds"],
                 "prefill_bytes_copied": after["bytes_copied"] - before["bytes_copied"]}
 
     def __exit__(self, *exc: object) -> None:
@@ -186,24 +193,24 @@ def _settled(engine: Any, count: int) -> dict[str, Any]:
 
 def summarise(model: str, backend: str, context: int, bytes_per_token: int, runs: list[dict]) -> dict[str, Any]:
     ms = [r["seconds"] * 1e3 for r in runs]
-    export = [r["export_seconds"] * 1e3 for r in runs]
+    prefill = [r["prefill_seconds"] * 1e3 for r in runs]
     return {"model": model, "backend": backend, "context": context, "kv_bytes": context * bytes_per_token,
-            "latency_ms": ms, "latency_ms_median": median(ms), "export_ms": export,
-            "export_ms_median": median(export), "bytes_copied": runs[0]["bytes_copied"],
+            "latency_ms": ms, "latency_ms_median": median(ms), "prefill_ms": prefill,
+            "prefill_ms_median": median(prefill), "bytes_copied": runs[0]["bytes_copied"],
             "prefill_bytes_copied": runs[0]["prefill_bytes_copied"], "units_moved": runs[0]["units_moved"],
             "unit": runs[0]["unit"]}
 
 
 # -- reporting --------------------------------------------------------------------------------------------------
-HEADERS = ["model", "backend", "context", "KV bytes", "latency ms, median [min-max]", "prefill export ms",
-           "bytes copied", "units moved"]
+HEADERS = ["model", "backend", "context", "KV bytes", "latency ms, median [min-max]",
+           "prefill side ms (export + release)", "bytes copied", "units moved"]
 
 
 def cells(row: dict[str, Any]) -> list[Any]:
     def ms(v: float) -> str:
         return f"{v:.2f}"
     return [row["model"], row["backend"], row["context"], row["kv_bytes"], with_spread(row["latency_ms"], ms),
-            with_spread(row["export_ms"], ms), row["bytes_copied"], f"{row['units_moved']:,} {row['unit']}s"]
+            with_spread(row["prefill_ms"], ms), row["bytes_copied"], f"{row['units_moved']:,} {row['unit']}s"]
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
