@@ -355,15 +355,10 @@ def test_an_engine_bug_ends_every_stream_and_health_says_503():
 
 
 class RecordedEngine:
-    """What ServerMetrics reads from an engine: the cache's stats, the run record and the handoff totals."""
+    """What ServerMetrics reads from an engine: the cache's stats and the run record."""
 
-    def __init__(self, stats: CacheStats, metrics: RunMetrics, handoffs: dict | None = None) -> None:
+    def __init__(self, stats: CacheStats, metrics: RunMetrics) -> None:
         self.stats, self.record = stats, metrics
-        self.handoffs = handoffs or dict.fromkeys(("count", "bytes_copied", "units_moved", "seconds", "failed",
-                                                   "expired"), 0)
-
-    def handoff_stats(self) -> dict:
-        return self.handoffs
 
     def cache_stats(self) -> CacheStats:
         return self.stats
@@ -391,8 +386,7 @@ def test_metrics_are_named_from_the_record_with_the_old_names_kept():
     assert (value("kvlab_preemptions_total"), value("kvlab_recomputed_tokens_total")) == (2, 30)
     assert (value("kvlab_map_calls_total"), value("kvlab_map_seconds_total")) == (3, 0.5)
     assert m.stats() == {"running": 3, "waiting": 1, "swapped": 0, "used_units": 4, "total_units": 10,
-                         "kv_usage_ratio": 0.4, "kv_utilization": 50 / 64, "kv_units_used": 4, "kv_units_total": 10,
-                         "handoff": engine.handoffs}
+                         "kv_usage_ratio": 0.4, "kv_utilization": 50 / 64, "kv_units_used": 4, "kv_units_total": 10}
     types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
     assert all(name.startswith("kvlab_") for name in types)
     for e in METRICS:                                  # _total for counters, and only for counters
@@ -441,9 +435,9 @@ def test_handoff_totals_are_counters_and_the_stats_block():
     "handoff" block of GET /kvlab/stats; a finished request's handoff -> the latency histogram."""
     stats = CacheStats("vmm", "page", 16, total_units=10, used_units=0, free_units=10)
     totals = {"count": 2, "bytes_copied": 0, "units_moved": 6, "seconds": 0.25, "failed": 1, "expired": 0}
-    engine, m = RecordedEngine(stats, RunMetrics("vmm"), totals), ServerMetrics("vmm")
+    engine, m = RecordedEngine(stats, RunMetrics("vmm")), ServerMetrics("vmm")
     for _ in range(2):
-        m.on_step(engine, 0, 0, 0, force=True)
+        m.on_step(engine, 0, 0, 0, force=True, handoffs=totals)
     text = m.text().decode()
     value = lambda name: float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))      # noqa: E731
     assert (value("kvlab_handoffs_total"), value("kvlab_handoff_units_moved_total")) == (2, 6)

@@ -40,7 +40,7 @@ class EngineLoop:
         self.events: list[Event] = []                 # this loop turn's, for the next EventBatch
         self.waiting = 0                               # the scheduler's waiting queue after the last step
         self.sent_waiting = 0
-        self.handoffs = engine.handoff_stats()        # the totals last published while idle
+        self.handoffs = engine.handoff_stats()        # the totals last published
         self.stopping = threading.Event()
         self.failed = False
         self.thread = threading.Thread(target=self.run, name="kvlab-engine", daemon=True)
@@ -149,7 +149,9 @@ class EngineLoop:
     def _publish(self) -> None:
         running, waiting, swapped = self.engine.queue_depths()
         self.waiting = waiting
-        self.metrics.on_step(self.engine, running, waiting, swapped, force=not self.engine.has_unfinished())
+        self.handoffs = self.engine.handoff_stats()
+        self.metrics.on_step(self.engine, running, waiting, swapped, force=not self.engine.has_unfinished(),
+                             handoffs=self.handoffs)
 
     def _flush(self) -> None:
         """Send this turn's events, if any, or the waiting count if it changed (the server admits by it)."""

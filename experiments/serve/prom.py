@@ -127,7 +127,9 @@ class ServerMetrics:
             self._inc(name, total - self.sent.get(name, 0))
             self.sent[name] = total
 
-    def on_step(self, engine: Any, running: int, waiting: int, swapped: int, force: bool = False) -> None:
+    def on_step(self, engine: Any, running: int, waiting: int, swapped: int, force: bool = False,
+                handoffs: dict[str, float] | None = None) -> None:
+        """After a step; `handoffs`: the engine's handoff totals (Engine.handoff_stats), when it has a role."""
         s = engine.cache_stats()
         gauges = {"running": running, "waiting": waiting, "swapped": swapped, "used_units": s.used_units,
                   "total_units": s.total_units,
@@ -140,7 +142,8 @@ class ServerMetrics:
         self.latest = gauges | {old: gauges[new] for old, new in OLD_STATS_KEYS.items()}
         if "pool" in s.extra:
             self._on_pool(s.extra["pool"])
-        self.on_handoffs(engine.handoff_stats())
+        if handoffs is not None:
+            self.on_handoffs(handoffs)
         now = time.monotonic()
         if now - self.last_read < READ_EVERY_S and not force:
             return
