@@ -45,7 +45,8 @@ STOPS: dict[tuple[str, ...], tuple[tuple[str, str], ...]] = {
     ("simulate", "serve"): (("kvlab.experiments.sim.serve.cli", "simulate_serve"),),
     ("fallbacks",): (("kvlab.experiments.studies.fallbacks", "run_grid"),),
     ("sharing",): (("kvlab.common.loader", "load_model"),),
-    ("serve",): (("kvlab.experiments.serve.server", "start_engine"),),
+    ("serve",): (("kvlab.experiments.serve.server", "start_engine"),
+                 ("kvlab.experiments.serve.server", "serve_router")),       # --role router
     ("prefix",): (("kvlab.experiments.studies.prefix", "sim_rows"), ("kvlab.experiments.studies.prefix", "real_rows")),
     ("calibrate",): (("kvlab.experiments.bench.calibrate", "measure"),),
     ("study",): (),

@@ -20,7 +20,7 @@ from kvlab.common.validate import probe_writable, shown
 # options (block_size, page_size, ...) get their flags from their options dataclasses (see backend_flags).
 GENERIC_FLAGS = ("model", "backend", "kv_cache_bytes", "watermark", "preemption_mode", "max_num_seqs",
                  "max_num_batched_tokens", "max_model_len", "dtype", "device", "kernel", "seed", "threads",
-                 "tensor_parallel_size", "kv_cache_dtype", "kv_cache_scale")
+                 "tensor_parallel_size", "kv_cache_dtype", "kv_cache_scale", "handoff_timeout_s")
 SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "kb": 1000, "m": 1024**2, "mib": 1024**2, "mb": 1000**2,
               "g": 1024**3, "gib": 1024**3, "gb": 1000**3, "t": 1024**4, "tib": 1024**4, "tb": 1000**4}
 
@@ -107,6 +107,8 @@ def add_engine_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> 
         "kernel": {"help": "attention kernel: auto or a registry name"},
         "seed": {"type": int}, "threads": {"type": int, "help": "torch threads (default 1; 0 = torch default)"},
         "tensor_parallel_size": {"type": int, "help": "ranks sharding the model and KV heads (CPU: gloo)"},
+        "handoff_timeout_s": {"type": float, "metavar": "S",
+                              "help": "kv_role prefill: seconds kept KV waits for a decode engine's pull (default 30)"},
     }
     for name, kw in flags.items():
         if name not in skip:
