@@ -35,6 +35,7 @@ class SimEngine:
     added: list = field(default_factory=list)        # (request id, Request) in the order added
     tags: dict[str, Any] = field(default_factory=dict)   # request id -> the caller's tag
     finished: dict[str, Any] = field(default_factory=dict)
+    holds_back: Callable[[], bool] | None = None    # True while it should wait for memory instead of stepping
 
     def send(self, request: Request, at: float, tag: Any = None) -> None:
         heapq.heappush(self.inbox, (at, next(_order), request, tag))
@@ -53,7 +54,7 @@ class SimEngine:
             self.tags[rid] = tag
 
     def busy(self) -> bool:
-        return self.engine.has_unfinished()
+        return self.engine.has_unfinished() and not (self.holds_back is not None and self.holds_back())
 
     def step(self, now: float) -> tuple[float, list[Any]]:
         """One step starting at `now`: the clock after it, and the request outputs it finished."""
@@ -108,7 +109,11 @@ def drive(gpus: list[SimGpu], on_finished: Callable[[SimGpu, SimEngine, list[Any
     while True:
         gpu = min(gpus, key=SimGpu.next_event)
         if gpu.next_event() == float("inf"):
-            return max(g.clock for g in gpus)
+            held = [e for g in gpus for e in g.engines if e.engine.has_unfinished()]
+            if not held:
+                return max(g.clock for g in gpus)
+            for e in held:            # every engine waits for memory nobody will free: let their schedulers decide
+                e.holds_back = None
         stepped = gpu.step()
         if stepped is not None and stepped[1] and on_finished is not None:
             on_finished(gpu, *stepped)

@@ -2,7 +2,8 @@
 
 - shared:vmm-SIZE: one elastic pool of the total KV budget (shared.py); every engine's address space and
   scheduler see the whole budget, the pool decides who holds it;
-- aware:vmm-SIZE: the same pool with pool-aware admission (a what-if: shared.PoolAwareAllocator);
+- aware:vmm-SIZE: the same pool, the engines aware of it (a what-if: admission counts the pool's pages,
+  shared.PoolAwareAllocator, and an idle engine waits for pages held by others instead of failing the request);
 - split:BACKEND: a static equal split, each engine a cache of total / N (paged, vmm or reserve).
 
 The result has each model's figures (`kvlab bench serve`'s keys, SLO attainment, pages moved to it) and, at the
@@ -10,6 +11,7 @@ top, every latency figure's worst value over the models: a point meets an SLO wh
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,7 +108,27 @@ def build(arr: Arrangement, spec: PoolSpec, plans: list[list[Request]], seed: in
         for e in engines:
             e.close()
         raise
+    if arr.kind == "aware":
+        for e in engines:
+            e.holds_back = waits_for_pool(e.engine, pool)
     return engines, pool
+
+
+def waits_for_pool(engine: Any, pool: SharedPages) -> Callable[[], bool]:
+    """The what-if's other half: an engine with nothing running whose next request the pool could hold but cannot
+    now (other engines' running requests hold the pages) waits for them, instead of stepping, where its scheduler
+    would fail the request as one that "does not fit even in an empty cache" (true of a private cache only)."""
+    queues, allocator = engine.scheduler.queues, engine.cache.allocator
+
+    def waits() -> bool:
+        if queues.running:
+            return False
+        head = queues.swapped[0] if queues.swapped else queues.next_waiting()
+        if head is None:
+            return False
+        need = allocator.units_needed(head, head.num_tokens) * allocator.geo.num_tensors
+        return pool.obtainable() < need <= pool.pages
+    return waits
 
 
 def pooled_cache(pool: SharedPages | None, aware: bool) -> Any:
