@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvlab.common.errors import ConfigError
-from kvlab.common.limits import MAX_REQUESTS
+from kvlab.common.limits import MAX_REQUESTS, MAX_SPAN_S
 from kvlab.common.validate import check_int, check_number
 from kvlab.experiments.cli import flags
 from kvlab.experiments.loadgen.sweep import parse_rates
@@ -106,6 +106,9 @@ def settings_from(args: argparse.Namespace) -> PdSettings:
     rates = tuple(parse_rates(list(args.request_rates)))
     for rate in rates:
         check_number("--request-rates", rate, strict=True, high=1e5, unit=" req/s")
+        if args.num_prompts / rate > MAX_SPAN_S:
+            raise ConfigError(f"--request-rates {rate:g}/s spreads {args.num_prompts:,} requests over "
+                              f"~{args.num_prompts / rate:.3g} s, more than the maximum {MAX_SPAN_S:g} s (a week)")
     if args.out is not None and not args.no_save:
         flags.check_output_path(args.out, "--out", directory=True)
     serve = ServeSpec(dataset=args.dataset, num_requests=args.num_prompts, scale=args.scale, max_len=args.max_len,

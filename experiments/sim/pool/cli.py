@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvlab.common.errors import ConfigError
+from kvlab.common.limits import MAX_REQUESTS
 from kvlab.common.validate import check_int, check_number
 from kvlab.experiments.cli import flags
 from kvlab.experiments.loadgen.sweep import parse_rates
@@ -119,8 +120,10 @@ def check_onoff(args: argparse.Namespace) -> None:
     check_number("--idle-share", args.idle_share, high=1.0)
     check_number("--burstiness", args.burstiness, low=1e-3, high=1e3)
     check_number("--scale", args.scale, strict=True, high=1e6)
+    duration = args.period_s * args.periods
     for rate in parse_rates(list(args.total_rates)):
-        check_number("--total-rates", rate, strict=True, high=1e5, unit=" req/s")
+        check_number("--total-rates", rate, strict=True, high=MAX_REQUESTS / duration,
+                     unit=f" req/s (at most {MAX_REQUESTS:,} requests in {duration:g} s)")
 
 
 def _point(a: tuple) -> dict[str, Any]:
@@ -130,7 +133,7 @@ def _point(a: tuple) -> dict[str, Any]:
 def _search(a: tuple[Arrangement, PoolSpec, int, float, float]) -> dict[str, Any]:
     arr, spec, seed, start, tol = a
     found = slo.search(lambda rate: run_point(arr, spec, rate, seed, stop_on_miss=spec.slo), spec.slo, start, tol,
-                       high_limit=1e4)
+                       high_limit=MAX_REQUESTS / spec.onoff.duration_s / 2)
     passing = found.results.get(found.rate, {})
     return {"arrangement": arr.label, "seed": seed, "slo_rate": found.rate, "evaluations": found.evaluations,
             "at_slo_rate": passing, "runs": len(found.results)}
