@@ -83,8 +83,8 @@ def test_cli_handoff_table_grid_and_search(tmp_path, capsys):
     assert main([*common, "--request-rates", "4", "--no-save"]) == 0
     assert "pd copy/nvlink paged-16" in capsys.readouterr().out
     assert main([*common, "--backends", "vmm-2MiB", "--slo", "p99_ttft_ms<=2000,p99_tpot_ms<=100",
-                 "--slo-tolerance", "0.3", "--out", str(tmp_path)]) == 0
-    assert "pd remap vmm-2MiB" in capsys.readouterr().out and (tmp_path / "sim_pd.json").is_file()
+                 "--slo-tolerance", "0.3", "--out", str(tmp_path / "new" / "dir")]) == 0
+    assert "pd remap vmm-2MiB" in capsys.readouterr().out and (tmp_path / "new" / "dir" / "sim_pd.json").is_file()
 
 
 @pytest.mark.parametrize("argv,fragment", [

@@ -93,8 +93,8 @@ def test_cli_grid_and_search(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "shared vmm-64KiB" in out and "model 1" in out
     assert main([*common, "--slo", "p99_ttft_ms<=2000,p99_tpot_ms<=100", "--slo-tolerance", "0.3",
-                 "--out", str(tmp_path)]) == 0
-    assert "SLO total rate" in capsys.readouterr().out and (tmp_path / "sim_pool.json").is_file()
+                 "--out", str(tmp_path / "new" / "dir")]) == 0
+    assert "SLO total rate" in capsys.readouterr().out and (tmp_path / "new" / "dir" / "sim_pool.json").is_file()
 
 
 @pytest.mark.parametrize("argv,fragment", [

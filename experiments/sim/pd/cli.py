@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +18,7 @@ from kvlab.experiments.reporting.tables import table
 from kvlab.experiments.sim.gpu_figures import LINKS, MEMORY_UTILIZATION, kv_budget_gb, link
 from kvlab.experiments.sim.pd.handoff import Handoff
 from kvlab.experiments.sim.pd.run import PdSpec, Setup, run_point
+from kvlab.experiments.sim.results import save
 from kvlab.experiments.sim.roofline import model_spec
 from kvlab.experiments.sim.serve import slo, summary
 from kvlab.experiments.sim.serve.cli import check_run_flags
@@ -174,14 +174,9 @@ def simulate_pd(s: PdSettings) -> int:
     print(text)
     print(f"\n{time.perf_counter() - t0:.1f} s host time")
     if s.save:
-        from kvlab.experiments.reporting.provenance import jsonable
-        from kvlab.experiments.reporting.tables import results_dir
-        out = results_dir(s.out)
-        (out / "report.txt").write_text(text + "\n")
         meta = {"spec": dataclasses.asdict(s.spec), "setups": labels, "budget_gb": s.budget_gb,
                 "seeds": list(s.seeds)}
-        (out / "sim_pd.json").write_text(json.dumps(jsonable({"meta": meta, "result": result}), indent=1))
-        print(f"results in {out}/")
+        print(f"results in {save(s.out, 'simulate pd', 'sim_pd.json', meta, result, text)}/")
     return 0
 
 

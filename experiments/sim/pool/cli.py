@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +17,7 @@ from kvlab.experiments.loadgen.sweep import parse_rates
 from kvlab.experiments.sim.gpu_figures import MEMORY_UTILIZATION, kv_budget_gb
 from kvlab.experiments.sim.pool.onoff import OnOff
 from kvlab.experiments.sim.pool.run import Arrangement, PoolSpec, parse_arrangements, run_point
+from kvlab.experiments.sim.results import save
 from kvlab.experiments.sim.serve import slo, summary
 from kvlab.experiments.sim.serve.cli import check_run_flags
 from kvlab.experiments.sim.serve.costs import PROFILES, profile
@@ -160,14 +160,9 @@ def simulate_pool(s: PoolSettings) -> int:
     print(text)
     print(f"\n{time.perf_counter() - t0:.1f} s host time")
     if s.save:
-        from kvlab.experiments.reporting.provenance import jsonable
-        from kvlab.experiments.reporting.tables import results_dir
-        out = results_dir(s.out)
-        (out / "report.txt").write_text(text + "\n")
         meta = {"spec": dataclasses.asdict(s.spec), "arrangements": labels, "budget_gb": s.budget_gb,
                 "seeds": list(s.seeds)}
-        (out / "sim_pool.json").write_text(json.dumps(jsonable({"meta": meta, "result": result}), indent=1))
-        print(f"results in {out}/")
+        print(f"results in {save(s.out, 'simulate pool', 'sim_pool.json', meta, result, text)}/")
     return 0
 
 
