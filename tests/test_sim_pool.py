@@ -80,8 +80,11 @@ def test_attainment_and_worst_by_hand():
     fast = RequestRecord(success=True, output_tokens=3, ttft=0.5, latency=0.7)          # tpot 0.1 s
     slow = RequestRecord(success=True, output_tokens=3, ttft=2.5, latency=2.7)
     late = RequestRecord(success=True, output_tokens=3, ttft=0.5, latency=1.5)         # tpot 0.5 s
-    assert attainment([fast, slow, late, fast], {"p99_ttft_ms": 2000, "p99_tpot_ms": 200}) == 0.5
-    assert attainment([fast], {"p50_e2el_ms": 1}) is None
+    assert attainment([fast, slow, late, fast], {"ttft": 2000, "tpot": 200}) == 0.5
+    assert attainment([fast], {}) is None
+    assert PoolSpec(SMALL, OnOff(2), {"p99_ttft_ms": 2000, "p50_e2el_ms": 9}).request_limits == {"ttft": 2000}
+    goodput = ServeSpec(goodput={"tpot": 50.0, "e2el": 9.0})
+    assert PoolSpec(goodput, OnOff(2), {"p99_ttft_ms": 2000}).request_limits == {"tpot": 50.0}
     assert worst_of([1.0, math.nan, 3.0]) == 3.0 and math.isnan(worst_of([math.nan]))
 
 
@@ -89,7 +92,7 @@ def test_cli_grid_and_search(tmp_path, capsys):
     common = ["simulate", "pool", "--models", "2", "--budget-gb", "0.3", "--dataset", "random", "--input-len", "200",
               "--output-len", "40", "--period-s", "10", "--periods", "1", "--jobs", "1", "--no-progress",
               "--arrangements", "shared:vmm-64KiB,split:paged-16"]
-    assert main([*common, "--total-rates", "4", "--no-save"]) == 0
+    assert main([*common, "--total-rates", "4", "--goodput", "ttft:2000", "tpot:100", "--no-save"]) == 0
     out = capsys.readouterr().out
     assert "shared vmm-64KiB" in out and "model 1" in out
     assert main([*common, "--slo", "p99_ttft_ms<=2000,p99_tpot_ms<=100", "--slo-tolerance", "0.3",

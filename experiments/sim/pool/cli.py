@@ -19,7 +19,7 @@ from kvlab.experiments.sim.pool.onoff import OnOff
 from kvlab.experiments.sim.pool.run import Arrangement, PoolSpec, parse_arrangements, run_point
 from kvlab.experiments.sim.results import save
 from kvlab.experiments.sim.serve import slo, summary
-from kvlab.experiments.sim.serve.cli import check_run_flags
+from kvlab.experiments.sim.serve.cli import check_run_flags, checked_goodput
 from kvlab.experiments.sim.serve.costs import PROFILES, profile
 from kvlab.experiments.sim.serve.grid import pool_map
 from kvlab.experiments.sim.serve.run import ServeSpec
@@ -62,6 +62,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--slo", type=flags.arg_type(slo.parse_slo),
                    help="search the highest total rate at which every model meets e.g. p99_ttft_ms<=2000,"
                         "p99_tpot_ms<=100")
+    p.add_argument("--goodput", nargs="+", metavar="NAME:MS",
+                   help="per-request targets for SLO attainment and goodput: ttft:MS tpot:MS (default: --slo's)")
     p.add_argument("--slo-start", type=float, default=4.0)
     p.add_argument("--slo-tolerance", type=float, default=0.02)
     p.add_argument("--jobs", type=int, default=2)
@@ -102,7 +104,8 @@ def settings_from(args: argparse.Namespace) -> PoolSettings:
     serve = ServeSpec(dataset=args.dataset, scale=args.scale, max_len=args.max_len, input_len=args.input_len,
                       output_len=args.output_len, burstiness=args.burstiness, hardware=args.hardware,
                       model=args.model, model_prefill=not args.ignore_prefill, mfu=args.mfu,
-                      driver_profile=args.driver_costs, background_mapping=args.background_mapping)
+                      driver_profile=args.driver_costs, background_mapping=args.background_mapping,
+                      goodput=checked_goodput(args.goodput))
     onoff = OnOff(models, args.period_s, args.periods, args.duty, args.idle_share, args.burstiness)
     arrangements = tuple(parse_arrangements(list(args.arrangements), args.budget_gb, args.watermark))
     for arr in arrangements:

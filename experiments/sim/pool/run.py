@@ -76,6 +76,13 @@ class PoolSpec:
     def models(self) -> int:
         return self.onoff.models
 
+    @property
+    def request_limits(self) -> dict[str, float]:
+        """Each request's TTFT / TPOT limits for SLO attainment (ms): --goodput's, else the SLO's TTFT and TPOT."""
+        if self.serve.goodput:
+            return {k: v for k, v in self.serve.goodput.items() if k in ("ttft", "tpot")}
+        return {metric: ms for key, ms in self.slo.items() for metric in ("ttft", "tpot") if f"_{metric}_" in key}
+
 
 def plan_models(spec: PoolSpec, total_rate: float, seed: int) -> list[list[Request]]:
     """Each model's requests: its on/off arrivals, lengths drawn from (seed, model)."""
@@ -164,7 +171,7 @@ def model_result(engine: SimEngine, spec: PoolSpec, duration: float) -> dict[str
     records = engine.tap.records(engine.added, engine.finished)
     s = spec.serve
     result = latency.summarize(records, duration, s.goodput or None, percentiles=s.percentiles)
-    result["slo_attainment"] = attainment(records, spec.slo)
+    result["slo_attainment"] = attainment(records, spec.request_limits)
     share = getattr(engine.tap, "share", None)
     result["pages_received"] = share.unmapped_for_me if share is not None else 0
     metrics = engine.engine.metrics()
@@ -173,10 +180,8 @@ def model_result(engine: SimEngine, spec: PoolSpec, duration: float) -> dict[str
     return result
 
 
-def attainment(records: list[latency.RequestRecord], slo: dict[str, float]) -> float | None:
-    """The share of requests whose own TTFT and TPOT are within the SLO's TTFT and TPOT limits (None: no such
-    limit, or no request)."""
-    limits = {metric: ms for key, ms in slo.items() for metric in ("ttft", "tpot") if f"_{metric}_" in key}
+def attainment(records: list[latency.RequestRecord], limits: dict[str, float]) -> float | None:
+    """The share of requests whose own TTFT and TPOT are within `limits` (ms; None: no limit, or no request)."""
     if not limits or not records:
         return None
     return sum(r.success and latency.meets(r, limits) for r in records) / len(records)
