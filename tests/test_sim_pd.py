@@ -74,15 +74,21 @@ def test_a_slower_link_never_helps():
     assert slow["mean_e2el_ms"] >= fast["mean_e2el_ms"]
 
 
-def test_cli_handoff_table_grid_and_search(tmp_path, capsys):
+COMMON = ["simulate", "pd", "--num-prompts", "40", "--dataset", "random", "--input-len", "300", "--output-len", "20",
+          "--budget-gb", "20", "--links", "nvlink", "--jobs", "1", "--no-progress"]
+
+
+def test_cli_handoff_table_and_grid(capsys):
     assert main(["simulate", "pd", "--handoff-table"]) == 0
     out = capsys.readouterr().out
     assert "32,768" in out and "9.54 ms / 4.29 GB" in out and "67.1 ms" in out and "5.27 ms / 0 GB" in out
-    common = ["simulate", "pd", "--num-prompts", "40", "--dataset", "random", "--input-len", "300", "--output-len",
-              "20", "--budget-gb", "20", "--links", "nvlink", "--jobs", "1", "--no-progress"]
-    assert main([*common, "--request-rates", "4", "--no-save"]) == 0
+    assert main([*COMMON, "--request-rates", "4", "--no-save"]) == 0
     assert "pd copy/nvlink paged-16" in capsys.readouterr().out
-    assert main([*common, "--backends", "vmm-2MiB", "--slo", "p99_ttft_ms<=2000,p99_tpot_ms<=100",
+
+
+@pytest.mark.slow
+def test_cli_search(tmp_path, capsys):
+    assert main([*COMMON, "--backends", "vmm-2MiB", "--slo", "p99_ttft_ms<=2000,p99_tpot_ms<=100",
                  "--slo-tolerance", "0.3", "--out", str(tmp_path / "new" / "dir")]) == 0
     assert "pd remap vmm-2MiB" in capsys.readouterr().out and (tmp_path / "new" / "dir" / "sim_pd.json").is_file()
 

@@ -88,14 +88,20 @@ def test_attainment_and_worst_by_hand():
     assert worst_of([1.0, math.nan, 3.0]) == 3.0 and math.isnan(worst_of([math.nan]))
 
 
-def test_cli_grid_and_search(tmp_path, capsys):
-    common = ["simulate", "pool", "--models", "2", "--budget-gb", "0.3", "--dataset", "random", "--input-len", "200",
-              "--output-len", "40", "--period-s", "10", "--periods", "1", "--jobs", "1", "--no-progress",
-              "--arrangements", "shared:vmm-64KiB,split:paged-16"]
-    assert main([*common, "--total-rates", "4", "--goodput", "ttft:2000", "tpot:100", "--no-save"]) == 0
+COMMON = ["simulate", "pool", "--models", "2", "--budget-gb", "0.3", "--dataset", "random", "--input-len", "200",
+          "--output-len", "40", "--period-s", "10", "--periods", "1", "--jobs", "1", "--no-progress",
+          "--arrangements", "shared:vmm-64KiB,split:paged-16"]
+
+
+def test_cli_grid(capsys):
+    assert main([*COMMON, "--total-rates", "4", "--goodput", "ttft:2000", "tpot:100", "--no-save"]) == 0
     out = capsys.readouterr().out
     assert "shared vmm-64KiB" in out and "model 1" in out
-    assert main([*common, "--slo", "p99_ttft_ms<=2000,p99_tpot_ms<=100", "--slo-tolerance", "0.3",
+
+
+@pytest.mark.slow
+def test_cli_search(tmp_path, capsys):
+    assert main([*COMMON, "--slo", "p99_ttft_ms<=2000,p99_tpot_ms<=100", "--slo-tolerance", "0.3",
                  "--out", str(tmp_path / "new" / "dir")]) == 0
     assert "SLO total rate" in capsys.readouterr().out and (tmp_path / "new" / "dir" / "sim_pool.json").is_file()
 
