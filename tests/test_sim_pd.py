@@ -7,7 +7,7 @@ from kvlab.common.kv.seam import create_cache
 from kvlab.experiments.cli.main import main
 from kvlab.experiments.sim.gpu_figures import LINKS, Link
 from kvlab.experiments.sim.pd.handoff import Handoff, pages, tokens_per_page
-from kvlab.experiments.sim.pd.run import PdSpec, Setup, run_point
+from kvlab.experiments.sim.pd.run import Channel, PdSpec, Setup, run_point
 from kvlab.experiments.sim.roofline import model_spec
 from kvlab.experiments.sim.serve.costs import CUDA_A100
 from kvlab.experiments.sim.serve.run import ServeSpec, parse_backends
@@ -33,6 +33,15 @@ def test_a_remap_is_a_map_per_page_and_a_grant_per_tensor():
     assert h.seconds(1025) == pytest.approx(128 * 1.45e-6 + 64 * 36e-6)
     assert h.sender_seconds(1025) == pytest.approx(128 * (25.6e-6 + 1.45e-6) + 64 * 36e-6)
     assert h.bytes_copied(1025) == 0 and h.units_moved(1025) == 128
+
+
+def test_a_channel_books_each_handoff_in_the_earliest_gap():
+    c = Channel()
+    assert c.book(0, 1) == 1 and c.book(5, 1) == 6
+    assert c.book(0.5, 1) == 2                 # queued behind the first
+    assert c.book(1.5, 3) == 5                 # fits exactly between 2 and 5
+    assert c.book(0, 0.5) == 6.5               # no gap left before 6
+    assert c.busy == [(0, 1), (1, 2), (2, 5), (5, 6), (6, 6.5)]
 
 
 @pytest.mark.parametrize("page_size", [2 << 20, 64 << 10])

@@ -9,6 +9,7 @@ A request's record joins its first token (prefill engine) to the rest (decode en
 those a client of the pair would see, the handoff inside the first inter-token gap."""
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,13 +61,34 @@ def engines(setup: Setup, spec: PdSpec, role: str, count: int, requests: list[Re
                          prefill) for i in range(count)]
 
 
+class Channel:
+    """One decode engine's handoff channel: one handoff at a time, each booked in the earliest free gap from the
+    moment it is ready. Senders on different GPUs book out of time order (a long step that started first ends
+    after a short one that started later), so the channel keeps its bookings, not just its last end."""
+
+    def __init__(self) -> None:
+        self.busy: list[tuple[float, float]] = []     # (start, end), sorted and disjoint
+
+    def book(self, ready: float, seconds: float) -> float:
+        """When a handoff ready at `ready` and lasting `seconds` ends."""
+        start = ready
+        for s, e in self.busy:
+            if e <= start:
+                continue
+            if s >= start + seconds:
+                break
+            start = e
+        bisect.insort(self.busy, (start, start + seconds))
+        return start + seconds
+
+
 class PdRouter:
     """Sends arrivals to the prefill engines and, when a prompt is done, its KV on to a decode engine."""
 
     def __init__(self, prefill: list[SimEngine], decode: list[SimEngine], handoff: Handoff,
                  requests: list[Request]) -> None:
         self.prefill, self.decode, self.handoff, self.requests = prefill, decode, handoff, requests
-        self.channel_free = [0.0] * len(decode)
+        self.channels = [Channel() for _ in decode]
         self.waits: list[float] = []         # per handoff: queueing + transfer, seconds
         self.bytes_copied = self.units_moved = 0
         for k, r in enumerate(requests):
@@ -84,8 +106,7 @@ class PdRouter:
     def hand_off(self, gpu: SimGpu, k: int, r: Request) -> None:
         d = k % len(self.decode)
         tokens = r.prompt_len + 1
-        start = max(gpu.clock, self.channel_free[d])
-        done = self.channel_free[d] = start + self.handoff.seconds(tokens)
+        done = self.channels[d].book(gpu.clock, self.handoff.seconds(tokens))
         self.waits.append(done - gpu.clock)
         self.bytes_copied += self.handoff.bytes_copied(tokens)
         self.units_moved += self.handoff.units_moved(tokens)
