@@ -14,7 +14,7 @@ from kvlab.common.config import EngineConfig, make_config
 from kvlab.common.errors import ConfigError, KvlabError
 from kvlab.common.kv.registry import REGISTRY, backend_names
 from kvlab.common.limits import check_physical_budget
-from kvlab.common.validate import probe_writable, shown
+from kvlab.common.validate import check_text, probe_writable, shown
 
 # CLI flag -> EngineConfig field; each is optional and, when given, overrides the TOML file. Backends' own
 # options (block_size, page_size, ...) get their flags from their options dataclasses (see backend_flags).
@@ -136,7 +136,7 @@ def check_output_path(path: str | None, flag: str, directory: bool = False) -> N
     since permission bits say little to root or on read-only mounts; the probe leaves nothing behind."""
     if path is None:
         return
-    p = Path(path)
+    p = Path(check_text(flag, path, 4096))          # a NUL byte or lone surrogate: one line, before any OS call
     if directory and p.exists() and not p.is_dir():
         raise ConfigError(f"{flag} {path}: exists and is not a directory")
     if not directory and p.is_dir():
