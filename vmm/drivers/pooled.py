@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,7 +35,7 @@ class PoolExhausted(MapBudgetExhausted):
 
 def join_or_create(name: str, nbytes: int | None, page_size: int) -> PoolMember:
     """Join pool `name`; create it with `nbytes` if it does not exist and a size was given."""
-    engine = f"vmm-{os.getpid()}-{id(object()):x}"[-48:]
+    engine = f"vmm-{os.getpid()}-{uuid.uuid4().hex[:12]}"     # unique: two engines of one process included
     try:
         return join(name, engine=engine)
     except UnknownPool:
@@ -62,6 +63,7 @@ class PooledHostMemory:
         self.host = HostMemory(page_size, populate)
         self.backing: dict[int, int] = {}     # local page -> pool page
         self.idle: dict[int, None] = {}       # backed local pages no mapping uses, oldest first: the spares
+        self.loose: list[int] = []            # pool pages held for maps to come, backing no local page yet
         self.mapped: dict[int, int] = {}      # address -> local page mapped there
         self.refs: dict[int, int] = {}        # local page -> mappings of it
 
@@ -116,14 +118,21 @@ class PooledHostMemory:
             self.refs[page] = self.refs.get(page, 0) + 1
 
     def _back(self, pages: list[int]) -> None:
-        """Give each local page a pool page: a take for what the spares do not cover, then the oldest spares'
-        pages; all or nothing. A refused take asks the other engines for pages (the ledger's `wanted`)."""
-        need = len(pages) - len(self.idle)
+        """Give each local page a pool page: loose pages and a take for what the spares do not cover, then the
+        oldest spares' pages; all or nothing."""
+        self.hold(len(pages))
+        for page in pages:
+            self.backing[page] = self.loose.pop() if self.loose else self.backing.pop(self._oldest_idle())
+
+    def hold(self, count: int) -> None:
+        """Hold pool pages for `count` maps of pages without a backing, all or nothing: a take for what the loose
+        pages and the spares do not cover. A refused take asks the other engines for pages (the ledger's
+        `wanted`), then raises PoolExhausted with nothing changed."""
+        need = count - len(self.idle) - len(self.loose)
         taken = self.member.take(need) if need > 0 else []
         if taken is None:
             taken = self._ask(need)
-        for page in pages:
-            self.backing[page] = taken.pop() if taken else self.backing.pop(self._oldest_idle())
+        self.loose.extend(taken)
 
     def _ask(self, need: int) -> list[int]:
         """Ask the other engines for pages and wait for their stewards' answer (a few rounds), if any of them
@@ -165,10 +174,11 @@ class PooledHostMemory:
         self._give([self.backing.pop(p) for p in pages])
 
     def give_spare(self, limit: int) -> int:
-        """Give back up to `limit` pool pages no mapping uses, oldest first."""
-        pages = [self._oldest_idle() for _ in range(min(limit, len(self.idle)))]
-        self._give([self.backing.pop(p) for p in pages])
-        return len(pages)
+        """Give back up to `limit` pool pages no mapping uses: loose ones, then spares, oldest first."""
+        loose, self.loose = self.loose[:max(0, limit)], self.loose[max(0, limit):]
+        pages = [self._oldest_idle() for _ in range(min(limit - len(loose), len(self.idle)))]
+        self._give(loose + [self.backing.pop(p) for p in pages])
+        return len(loose) + len(pages)
 
     def _give(self, pool_pages: list[int]) -> None:
         if pool_pages:
@@ -195,6 +205,11 @@ class PooledVirtualMemory(VirtualMemory):
     def on_wanted(self, answer: Callable[[int], None]) -> None:
         """Call `answer(pages)` from the pool's steward thread while other engines want pages."""
         self.member.watch(answer)
+
+    def hold(self, local_pages: int) -> None:
+        """Make sure the next maps of `local_pages` pages without a backing cannot be refused by the pool (one
+        take, all or nothing; PoolExhausted if refused): a change made of several maps takes its pages first."""
+        self.os.hold(local_pages)
 
     def give_spare(self, limit: int) -> int:
         """Give back up to `limit` spare pages, keeping the engine at or above its floor."""

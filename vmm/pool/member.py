@@ -108,6 +108,11 @@ class PoolMember:
         with self._usable().locked() as ledger:
             return ledger.free, ledger.table.record(self.slot)
 
+    def owned(self) -> list[int]:
+        """The pages the books say this engine holds (the owner array, read under the lock)."""
+        with self._usable().locked() as ledger:
+            return ledger.pages_of(self.slot).tolist()
+
     def excess(self) -> int:
         """Pages held above the ceiling (after a limit was lowered): what the engine should give back."""
         r = self.record()
