@@ -225,7 +225,7 @@ def check_pool(cache: KVCache) -> None:
     """The pool's books say the engine holds exactly the pool pages its driver backs local pages with, one local
     page each; the kernel maps into the engine's ranges exactly those of its mapped local pages, at their
     addresses: so it reads and writes no page the books give another engine; every page it holds is in use, a
-    spare or loose (held for maps to come)."""
+    spare, kept (prefix-cached data, exactly the cache's groups) or loose (held for maps to come)."""
     allocator = cache.allocator
     driver, member = allocator.driver, allocator.driver.member
     with allocator._lock:               # the pool's steward thread gives pages back under this lock
@@ -233,13 +233,17 @@ def check_pool(cache: KVCache) -> None:
         backing, owned, loose = dict(memory.backing), member.owned(), list(memory.loose)
         want = {addr: backing[page] for addr, page in memory.mapped.items()}
         kernel = kernel_pool_maps(member.name, driver.page_size, driver.regions)
-        in_use, idle = set(memory.refs), set(memory.idle)
+        in_use, idle, kept = set(memory.refs), set(memory.idle), set(memory.kept)
+        cached = len(allocator.prefix.cache) if allocator.prefix is not None else 0
         held = member.record().held
     assert len(set(backing.values())) == len(backing), "two local pages share one pool page"
     assert sorted([*backing.values(), *loose]) == owned and held == len(owned), \
         f"the books give the engine {len(owned)} pages (held {held}), its driver backs {len(backing)}"
     assert kernel == want, "the kernel maps pool pages the driver does not list (or misses some)"
-    assert not in_use & idle and in_use | idle == set(backing), "a held pool page is neither mapped nor spare (or both)"
+    assert len(kept) == cached * allocator.geo.num_tensors and kept <= set(backing), \
+        "the driver keeps other pages than the prefix cache's, or lost one's pool page"
+    assert not in_use & idle and not idle & kept and in_use | idle | kept == set(backing), \
+        "a held pool page is neither mapped, spare nor kept (or two of them)"
 
 
 def check_pool_books(status) -> None:

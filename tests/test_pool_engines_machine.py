@@ -142,8 +142,10 @@ class TwoEngines(RuleBasedStateMachine):
         cache = self.w[who].cache
         floor = self.limits[who][0]
         held = cache.driver.member.record().held
+        evictions = cache.prefix.cache.evictions if cache.prefix is not None else 0
         cache.give_back(n)
         type(self).totals["answer"] += 1
+        type(self).totals["evicted"] += (cache.prefix.cache.evictions if cache.prefix is not None else 0) - evictions
         assert cache.driver.member.record().held >= min(held, floor), "an engine gave back below its floor"
 
     @invariant()
@@ -185,6 +187,32 @@ def test_two_engines_on_one_pool_keep_their_books_and_their_data(capsys):
         print(f"\n[pool machine] two engines: {total} operations ({t['limit']} limit changes, {t['answer']} "
               f"give-backs), {t['refused']} refused")
     assert total >= 800 and t["refused"] > 0 and t["limit"] and t["answer"]     # the pool was short and said so
+
+
+SHARED = [list(range(10, 18)), list(range(40, 53)), list(range(100, 120)), list(range(200, 240)),
+          list(range(300, 333))]          # prefixes of 1-2 whole 16-token pages: admissions hit the cache
+
+
+class TwoCachingEngines(TwoEngines):
+    """Both engines cache prefixes: idle cached pages are kept (never a spare) until evicted, and a give-back
+    evicts them, whole page groups, within the floor."""
+    overrides = {"enable_prefix_caching": True}
+
+    @rule(data=st.data(), prompt=st.tuples(st.sampled_from(SHARED), st.lists(st.integers(3, VOCAB), max_size=20)),
+          max_tokens=st.integers(1, 24), chunk=st.integers(1, MAX_LEN))
+    def admit_shared(self, data, prompt, max_tokens, chunk):
+        self.w[self.who(data)].admit((prompt[0] + prompt[1])[:MAX_LEN - 1], max_tokens, chunk)
+
+
+def test_two_engines_caching_prefixes_on_one_pool_keep_their_books_and_their_data(capsys):
+    machine = type("TwoCachingEnginesMachine", (TwoCachingEngines,), {"totals": Counter()})
+    run(machine, 20)
+    t = machine.totals
+    with capsys.disabled():
+        print(f"\n[pool machine] two caching engines: {sum(t[k] for k in OPS)} operations, "
+              f"{t['prefix_hit_tokens']} prefix-hit tokens, {t['answer']} give-backs evicting {t['evicted']} cached "
+              f"groups, {t['refused']} refused")
+    assert t["prefix_hit_tokens"] > 0 and t["refused"] > 0 and t["evicted"] > 0
 
 
 # -- the other engine in another process --------------------------------------------------------------------------

@@ -5,9 +5,10 @@ only while it is needed. Take before map: a local page without a backing gets on
 before the mmap, and the mmap maps the pool memfd at that page's offset. Unmapping keeps the backing as a spare
 (the page's data stays valid for a remap in the same call, as the driver's repairs expect); a later map of another
 local page reuses a spare before taking more, and spares go back to the pool (`member.give`) when another engine
-asks for pages (the ledger's `wanted` count) or when the driver closes. A refused take raises PoolExhausted,
-which the vmm handles as it handles a spent map budget: it unmaps freed slots' pages and tries once more, then
-the scheduler preempts.
+asks for pages (the ledger's `wanted` count) or when the driver closes. Pages holding prefix-cached data are
+kept (`keep`): unmapped, they are no spares until the cache evicts them (`let_go`). A refused take raises
+PoolExhausted, which the vmm handles as it handles a spent map budget: it unmaps freed slots' pages and tries once
+more, then the scheduler preempts.
 """
 from __future__ import annotations
 
@@ -64,6 +65,7 @@ class PooledHostMemory:
         self.backing: dict[int, int] = {}     # local page -> pool page
         self.idle: dict[int, None] = {}       # backed local pages no mapping uses, oldest first: the spares
         self.loose: list[int] = []            # pool pages held for maps to come, backing no local page yet
+        self.kept: set[int] = set()           # local pages whose data is wanted unmapped too (prefix-cached)
         self.mapped: dict[int, int] = {}      # address -> local page mapped there
         self.refs: dict[int, int] = {}        # local page -> mappings of it
 
@@ -100,7 +102,8 @@ class PooledHostMemory:
             self._back([p for p in local if p not in self.backing])
             self._map_each(addr, local)
         except BaseException:
-            self.idle.update((p, None) for p in local if p in self.backing and not self.refs.get(p))
+            self.idle.update((p, None) for p in local if p in self.backing and not self.refs.get(p)
+                             and p not in self.kept)
             raise
         return num_pages
 
@@ -165,7 +168,19 @@ class PooledHostMemory:
         self.refs[page] -= 1
         if not self.refs[page]:
             del self.refs[page]
-            self.idle[page] = None
+            if page not in self.kept:
+                self.idle[page] = None
+
+    def keep(self, pages: list[int]) -> None:
+        """The pages hold cached data: unmapped, they keep their pool pages and are no spares."""
+        self.kept.update(pages)
+        for page in pages:
+            self.idle.pop(page, None)
+
+    def let_go(self, pages: list[int]) -> None:
+        """Their cached data is no longer wanted: unmapped, they are spares again (oldest last)."""
+        self.kept.difference_update(pages)
+        self.idle.update((p, None) for p in pages if p in self.backing and p not in self.refs)
 
     def discard(self, first_page: int, num_pages: int) -> None:
         pages = [p for p in range(first_page, first_page + num_pages) if p in self.idle]
@@ -211,10 +226,21 @@ class PooledVirtualMemory(VirtualMemory):
         take, all or nothing; PoolExhausted if refused): a change made of several maps takes its pages first."""
         self.os.hold(local_pages)
 
+    def keep(self, pages: list[int]) -> None:
+        """Local pages holding prefix-cached data: never a spare while the cache keeps them."""
+        self.os.keep(pages)
+
+    def let_go(self, pages: list[int]) -> None:
+        self.os.let_go(pages)
+
+    def above_floor(self) -> int:
+        """Pages this engine holds above its floor: the most it may give back."""
+        record = self.member.record()
+        return record.held - record.floor
+
     def give_spare(self, limit: int) -> int:
         """Give back up to `limit` spare pages, keeping the engine at or above its floor."""
-        record = self.member.record()
-        return self.os.give_spare(min(limit, record.held - record.floor))
+        return self.os.give_spare(min(limit, self.above_floor()))
 
     def pool_stats(self) -> dict[str, Any]:
         """The pool block of the cache stats: the pool's size and use, this engine's share and its page moves."""
