@@ -5,6 +5,7 @@ real second process), written through one and read through the other."""
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import subprocess
 import sys
@@ -170,3 +171,16 @@ def test_a_second_process_imports_the_chunks_and_shares_their_bytes(fake, cuda):
         made.unmap(at)
     cuda.call("cuMemAddressFree", va, 2 * GRAN)
     made.close()
+
+
+def test_the_gpu_checks_pool_part_passes_its_cpu_dry_run(tmp_path):
+    """experiments/gpu/parts_pool.py: two processes on the fake device, as it runs on a lent GPU."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "check.json"
+    proc = subprocess.run(["bash", os.path.join(root, "experiments", "gpu_check.sh"), "--dry-run-cpu", "--parts",
+                           "cuda_pool", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    part = json.loads(out.read_text())["parts"]["cuda_pool"]
+    assert proc.returncode == 0 and part["ok"], part
+    result = part["result"]
+    assert result["child"] == {"child_reads_parent_write": True, "reexport_of_import": "ok", "child_ok": True}
+    assert result["parent_reads_child_write"] and result["fake_leaks"] == {}
