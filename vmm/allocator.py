@@ -259,16 +259,18 @@ class VMMAllocator(Allocator):
 
     # -- teardown -----------------------------------------------------------------------------------------
     def give_back(self, wanted: int) -> None:
-        """Other engines on the pool want pages: give spare ones back; if they fall short, unmap freed slots'
-        parked pages and give those, then evict idle prefix-cache groups (whole groups, least recent first) and
-        give theirs; never below the engine's floor (called from the pool's steward thread)."""
+        """Other engines on the pool want pages: give spare ones back, unmapping freed slots' parked pages first if
+        the spares fall short; then evict idle prefix-cache groups (whole groups, least recent first) and give
+        theirs; never below the engine's floor (called from the pool's steward thread). An engine running nothing
+        gives every spare and parked page at once, not only what is wanted: the asker's next takes then find them
+        free instead of waiting a steward round each (kvcached #359: an idle engine pins nothing)."""
         with self._lock:
             if self.closed:
                 return
-            given = self.driver.give_spare(wanted)
-            if given < wanted and self.table.stale:
+            idle = not self.table.slot_of
+            if self.table.stale and (idle or self.driver.spare_pages() < wanted):
                 self.growth.drop_stale()
-                given += self.driver.give_spare(wanted - given)
+            given = self.driver.give_spare(self.driver.spare_pages() if idle else wanted)
             tensors = self.geo.num_tensors
             groups = min(-(-(wanted - given) // tensors), self.driver.above_floor() // tensors)
             if groups > 0 and self.pool.evict(groups):

@@ -141,11 +141,14 @@ class PooledHostMemory:
         """Ask the other engines for pages and wait for their stewards' answer (a few rounds), if any of them
         holds pages above its floor; else, or still refused, out of room."""
         self.member.ask(need)
-        deadline = time.monotonic() + ANSWER_WAIT_S
-        while self.member.others_above_floors() and time.monotonic() < deadline:
-            time.sleep(ANSWER_POLL_S)
-            if (taken := self.member.take(need)) is not None:
-                return taken
+        try:
+            deadline = time.monotonic() + ANSWER_WAIT_S
+            while self.member.others_above_floors() and time.monotonic() < deadline:
+                time.sleep(ANSWER_POLL_S)
+                if (taken := self.member.take(need)) is not None:
+                    return taken
+        finally:          # waiting no more: others stop giving (and evicting cached pages) for this ask
+            self.member.withdraw(need)
         raise PoolExhausted(f"pool {self.member.name!r} refused {need} pages")
 
     def _oldest_idle(self) -> int:
@@ -187,6 +190,9 @@ class PooledHostMemory:
         for page in pages:
             del self.idle[page]
         self._give([self.backing.pop(p) for p in pages])
+
+    def spare_pages(self) -> int:
+        return len(self.loose) + len(self.idle)
 
     def give_spare(self, limit: int) -> int:
         """Give back up to `limit` pool pages no mapping uses: loose ones, then spares, oldest first."""
@@ -232,6 +238,10 @@ class PooledVirtualMemory(VirtualMemory):
 
     def let_go(self, pages: list[int]) -> None:
         self.os.let_go(pages)
+
+    def spare_pages(self) -> int:
+        """Pool pages held that no mapping uses and no cache keeps."""
+        return self.os.spare_pages()
 
     def above_floor(self) -> int:
         """Pages this engine holds above its floor: the most it may give back."""

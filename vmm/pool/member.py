@@ -85,6 +85,11 @@ class PoolMember:
         with self._usable().locked() as ledger:
             ledger.ask(n)
 
+    def withdraw(self, n: int) -> None:
+        """Stop asking for the n pages of an earlier `ask` (they came, or the engine stopped waiting)."""
+        with self._usable().locked() as ledger:
+            ledger.withdraw(n)
+
     def others_above_floors(self) -> int:
         """Pages the other engines hold above their floors: what they could give back if asked."""
         with self._usable().locked() as ledger:
