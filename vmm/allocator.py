@@ -267,10 +267,10 @@ class VMMAllocator(Allocator):
         with self._lock:
             if self.closed:
                 return
-            idle = not self.table.slot_of
-            if self.table.stale and (idle or self.driver.spare_pages() < wanted):
+            running_nothing = not self.table.slot_of
+            if self.table.stale and (running_nothing or self.driver.spare_pages() < wanted):
                 self.growth.drop_stale()
-            given = self.driver.give_spare(self.driver.spare_pages() if idle else wanted)
+            given = self.driver.give_spare(self.driver.spare_pages() if running_nothing else wanted)
             tensors = self.geo.num_tensors
             groups = min(-(-(wanted - given) // tensors), self.driver.above_floor() // tensors)
             if groups > 0 and self.pool.evict(groups):
