@@ -153,8 +153,6 @@ def check_kv_cache_scale(scale: float, kv_cache_dtype: str) -> None:
 def check_kv_pool(cfg: EngineConfig) -> None:
     if cfg.kv_pool is not None and cfg.backend != "vmm":
         raise ConfigError(f"kv_pool needs the vmm backend (pages mapped on demand), not {cfg.backend!r}")
-    if cfg.kv_pool is not None and cfg.enable_prefix_caching:
-        raise ConfigError("kv_pool with prefix caching is not supported yet (idle cached pages would be given back)")
     if cfg.kv_pool_bytes is not None and (cfg.kv_pool is None or cfg.kv_pool_bytes <= 0):
         raise ConfigError(f"kv_pool_bytes needs kv_pool and a positive size, got {cfg.kv_pool_bytes!r}")
 

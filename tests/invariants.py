@@ -204,6 +204,53 @@ def check_closed(cache: KVCache, threads_before: set[threading.Thread], memfd_be
     probe_of(cache).check_closed(cache)
 
 
+# -- an engine on a shared pool (issue 29) -----------------------------------------------------------------------
+def kernel_pool_maps(pool_name: str, page_size: int, regions: list) -> dict[int, int]:
+    """Address -> pool page of every page the kernel maps from pool `pool_name`'s memfd into `regions` (read from
+    /proc/self/maps: each VMA's range and file offset), whoever's books say what."""
+    out = {}
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if f"memfd:kvlab-pool-{pool_name}-pages" not in line:
+                continue
+            span, _, offset = line.split()[:3]
+            start, end = (int(x, 16) for x in span.split("-"))
+            if any(r.base <= start < r.base + r.nbytes for r in regions):
+                first = int(offset, 16) // page_size
+                out.update((start + i * page_size, first + i) for i in range((end - start) // page_size))
+    return out
+
+
+def check_pool(cache: KVCache) -> None:
+    """The pool's books say the engine holds exactly the pool pages its driver backs local pages with, one local
+    page each; the kernel maps into the engine's ranges exactly those of its mapped local pages, at their
+    addresses: so it reads and writes no page the books give another engine; every page it holds is in use, a
+    spare, kept (prefix-cached data, exactly the cache's groups) or loose (held for maps to come)."""
+    allocator = cache.allocator
+    driver, member = allocator.driver, allocator.driver.member
+    with allocator._lock:               # the pool's steward thread gives pages back under this lock
+        memory = driver.os
+        backing, owned, loose = dict(memory.backing), member.owned(), list(memory.loose)
+        want = {addr: backing[page] for addr, page in memory.mapped.items()}
+        kernel = kernel_pool_maps(member.name, driver.page_size, driver.regions)
+        in_use, idle, kept = set(memory.refs), set(memory.idle), set(memory.kept)
+        cached = len(allocator.prefix.cache) if allocator.prefix is not None else 0
+        held = member.record().held
+    assert len(set(backing.values())) == len(backing), "two local pages share one pool page"
+    assert sorted([*backing.values(), *loose]) == owned and held == len(owned), \
+        f"the books give the engine {len(owned)} pages (held {held}), its driver backs {len(backing)}"
+    assert kernel == want, "the kernel maps pool pages the driver does not list (or misses some)"
+    assert len(kept) == cached * allocator.geo.num_tensors and kept <= set(backing), \
+        "the driver keeps other pages than the prefix cache's, or lost one's pool page"
+    assert not in_use & idle and not idle & kept and in_use | idle | kept == set(backing), \
+        "a held pool page is neither mapped, spare nor kept (or two of them)"
+
+
+def check_pool_books(status) -> None:
+    """The books' totals: every page is free or held by one engine."""
+    assert status.used == sum(e.held for e in status.engines) and 0 <= status.free <= status.total, status
+
+
 # -- the workload -----------------------------------------------------------------------------------------------
 class Workload:
     """One backend plus the reference model. Every op counts itself in `ops` when it reaches the cache;
@@ -436,6 +483,8 @@ class Workload:
     def check(self) -> None:
         check_structure(self.kv, self.tracked, self.config.enable_prefix_caching)
         self.ops["checks"] += 1
+        if self.config.kv_pool is not None and not self.accounting_only:
+            check_pool(self.kv)
         if self.window is not None:
             self._check_window()
         if self.accounting_only:

@@ -22,6 +22,8 @@ from kvlab.experiments.serve.prom import ServerMetrics
 from kvlab.vmm import pool
 
 PROMPTS = [[1 + (7 * i + 3 * j) % 200 for j in range(5 + 9 * i)] for i in range(8)]
+SHARED = [1 + (5 * j) % 190 for j in range(40)]           # five whole 8-token pages every prompt below starts with
+PREFIX_PROMPTS = [SHARED + [1 + (7 * i + 3 * j) % 200 for j in range(3 + 5 * i)] for i in range(6)]
 PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)
 BASE = {"model": "tiny", "backend": "vmm", "max_model_len": 256, "page_size": 4096, "kv_cache_bytes": 16 << 20,
         "max_num_seqs": 1}
@@ -35,13 +37,15 @@ def pool_name() -> str:
     return f"test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-def run(**overrides) -> tuple[list[list[int]], dict, int]:
+def run(prompts: list[list[int]] = PROMPTS, **overrides) -> tuple[list[list[int]], dict, int]:
     """Greedy tokens, the pool block of the cache stats (or {}) and the preemptions of one engine's run; every
     request ran to its length."""
     llm = LLM(**(BASE | overrides))
     try:
-        outputs = [r.outputs[0] for r in llm.generate(PROMPTS, PARAMS)]
-        assert [o.finish_reason for o in outputs] == ["length"] * len(PROMPTS)
+        outputs = [r.outputs[0] for r in llm.generate(prompts, PARAMS)]
+        assert [o.finish_reason for o in outputs] == ["length"] * len(prompts)
+        if overrides.get("enable_prefix_caching"):
+            assert llm.cache_stats().prefix_hit_tokens > 0
         return [o.token_ids for o in outputs], llm.cache_stats().extra.get("pool", {}), llm.metrics().preemptions
     finally:
         llm.close()
@@ -77,6 +81,16 @@ def test_a_refused_take_preempts_like_a_spent_budget():
         assert holder.status().used == 0           # the engine gave every page back when it closed
 
 
+def test_prefix_caching_on_a_pool_generates_what_it_generates_alone():
+    """Cached pages are kept, not spares: prompts that hit them read the K/V they wrote, on a pool smaller than the
+    budget too (it evicts and reuses); the tokens equal a solo engine's with prefix caching."""
+    alone = run(PREFIX_PROMPTS, enable_prefix_caching=True)[0]
+    with pool.create(pool_name(), 4 * LONGEST, page_size=PAGE) as holder:
+        tokens, block, _ = run(PREFIX_PROMPTS, kv_pool=holder.name, enable_prefix_caching=True)
+        assert tokens == alone and 0 < block["used_bytes"] <= 4 * LONGEST
+        assert holder.status().used == 0
+
+
 def test_the_page_size_must_be_the_pools():
     with pool.create(pool_name(), 1 << 20, page_size=2 * PAGE) as holder:
         with pytest.raises(ConfigError, match="page size 8192"):
@@ -87,7 +101,6 @@ def test_the_page_size_must_be_the_pools():
 @pytest.mark.parametrize("overrides, match", [
     ({"backend": "paged", "kv_pool": "p"}, "needs the vmm backend"),
     ({"kv_pool_bytes": 1 << 20}, "kv_pool_bytes needs kv_pool"),
-    ({"kv_pool": "p", "enable_prefix_caching": True}, "prefix caching"),
     ({"kv_pool": "no-such-pool-here"}, "no pool named"),
 ])
 def test_pool_options_are_one_line_errors(overrides, match):
@@ -100,19 +113,22 @@ def test_pool_options_are_one_line_errors(overrides, match):
 ENGINE_SCRIPT = """
 import json, sys
 from kvlab import LLM, SamplingParams
-from tests.test_pool_engine import BASE, PARAMS, PROMPTS
-llm = LLM(**BASE, kv_pool=sys.argv[1])
-tokens = [r.outputs[0].token_ids for r in llm.generate(PROMPTS, PARAMS)]
-print(json.dumps({"tokens": tokens, "pool": llm.cache_stats().extra["pool"]}), flush=True)
-sys.stdin.readline()                   # idle, holding its freed slots' pages, until the test says stop
-print(json.dumps(llm.cache_stats().extra["pool"]), flush=True)
+from tests.test_pool_engine import BASE, PARAMS, PREFIX_PROMPTS, PROMPTS
+caching = sys.argv[2:] == ["prefix"]
+llm = LLM(**BASE, kv_pool=sys.argv[1], enable_prefix_caching=caching)
+tokens = [r.outputs[0].token_ids for r in llm.generate(PREFIX_PROMPTS if caching else PROMPTS, PARAMS)]
+extra = llm.cache_stats().extra
+print(json.dumps({"tokens": tokens, "pool": extra["pool"], "cached": extra.get("prefix_cached_pages", 0)}), flush=True)
+sys.stdin.readline()                   # idle, holding its freed slots' (and cached) pages, until the test says stop
+extra = llm.cache_stats().extra
+print(json.dumps({**extra["pool"], "prefix_evictions": extra.get("prefix_evictions", 0)}), flush=True)
 llm.close()
 """
 
 
-def start_engine(name: str) -> subprocess.Popen:
+def start_engine(name: str, *args: str) -> subprocess.Popen:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return subprocess.Popen([sys.executable, "-c", ENGINE_SCRIPT, name], stdin=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-c", ENGINE_SCRIPT, name, *args], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, cwd=root)
 
 
@@ -147,6 +163,34 @@ def test_an_idle_engine_feeds_a_starved_one_and_outputs_stay_equal(solo):
             assert read_line(a)["pages_given"] > 0            # A gave pages back while idle
             assert a.wait(DEADLINE_S) == 0
         finally:
+            a.kill()
+            a.wait()
+        assert holder.status().used == 0
+
+
+def test_an_idle_engine_with_a_warm_prefix_cache_feeds_a_starved_one(solo):
+    """Engine A caches prefixes and idles: most of what it holds is kept cache pages, not spares. A hog takes the
+    pool's free pages but 16; engine B (this process) is refused and asks; A's steward evicts idle cached groups
+    (whole groups, above its floor) and gives their pages; B generates what a solo engine does."""
+    with pool.create(pool_name(), 512 * PAGE, page_size=PAGE) as holder:
+        a = start_engine(holder.name, "prefix")
+        hog = None
+        try:
+            first = read_line(a)
+            kept = first["cached"] * 8                       # 8 pages (tensors) a cached group
+            assert kept * PAGE > LONGEST and first["pool"]["engine_bytes"] >= kept * PAGE
+            hog = pool.join(holder.name, engine="hog")
+            assert hog.take(holder.status().free - 16) is not None
+            tokens, block, _ = run(kv_pool=holder.name)
+            assert tokens == solo and block["pages_taken"] * PAGE >= LONGEST
+            a.stdin.write("\n")
+            a.stdin.flush()
+            last = read_line(a)
+            assert last["prefix_evictions"] > 0 and last["pages_given"] > 0
+            assert a.wait(DEADLINE_S) == 0
+        finally:
+            if hog is not None:
+                hog.close()
             a.kill()
             a.wait()
         assert holder.status().used == 0

@@ -28,7 +28,7 @@ from kvlab.vmm.growth import SlotGrowth
 from kvlab.vmm.mapper import BackgroundMapper
 from kvlab.vmm.page_pool import PagePool
 from kvlab.vmm.pages import SlotPages
-from kvlab.vmm.prefix import PagePrefixCache
+from kvlab.vmm.prefix import KeptGroups, PagePrefixCache
 from kvlab.vmm.slots import SlotTable
 from kvlab.vmm.swap import SwapSpace
 from kvlab.vmm.views import Ranges
@@ -66,7 +66,8 @@ class VMMAllocator(Allocator):
             _close_quietly(driver)
             raise
         self.tokens_per_unit = geo.tokens_per_page
-        cache = PagePrefixCache(geo.tokens_per_page) if config.enable_prefix_caching else None
+        keeper = KeptGroups(driver, geo.num_groups, geo.num_tensors) if hasattr(driver, "keep") else None
+        cache = PagePrefixCache(geo.tokens_per_page, keeper=keeper) if config.enable_prefix_caching else None
         self.pool, self.table = PagePool(geo.num_groups, cache), SlotTable(geo)
         self.pages = SlotPages(geo, driver, self.ranges.mirror, self.pool, self.table)
         self.prefix = PrefixAliases(cache, self.table, self.pages) if cache is not None else None
@@ -258,14 +259,22 @@ class VMMAllocator(Allocator):
 
     # -- teardown -----------------------------------------------------------------------------------------
     def give_back(self, wanted: int) -> None:
-        """Other engines on the pool want pages: give spare ones back, unmapping freed slots' parked pages if the
-        spares fall short (called from the pool's steward thread)."""
+        """Other engines on the pool want pages: give spare ones back, unmapping freed slots' parked pages first if
+        the spares fall short; then evict idle prefix-cache groups (whole groups, least recent first) and give
+        theirs; never below the engine's floor (called from the pool's steward thread). An engine running nothing
+        gives every spare and parked page at once, not only what is wanted: the asker's next takes then find them
+        free instead of waiting a steward round each (kvcached #359: an idle engine pins nothing)."""
         with self._lock:
             if self.closed:
                 return
-            if self.driver.give_spare(wanted) < wanted and self.table.stale:
+            running_nothing = not self.table.slot_of
+            if self.table.stale and (running_nothing or self.driver.spare_pages() < wanted):
                 self.growth.drop_stale()
-                self.driver.give_spare(wanted)
+            given = self.driver.give_spare(self.driver.spare_pages() if running_nothing else wanted)
+            tensors = self.geo.num_tensors
+            groups = min(-(-(wanted - given) // tensors), self.driver.above_floor() // tensors)
+            if groups > 0 and self.pool.evict(groups):
+                self.driver.give_spare(wanted - given)
 
     def close(self) -> None:
         """Stop the mapper and release the driver (a range a view still reads is released when that view dies)."""

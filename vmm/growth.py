@@ -123,6 +123,9 @@ class SlotGrowth:
         if claimed:
             slot, hit = self._claim(seq, num_tokens)
         try:
+            if not claimed and self.pool.num_shared and hasattr(self.pages.maps.driver, "hold"):
+                # a shared pool: copies and new pages are several maps; take their pool pages first, in one step
+                self.pages.maps.driver.hold(self.units_to_grow(slot, seq, num_tokens) * self.geo.num_tensors)
             self.pages.copy_on_write(slot, max(seq.num_computed_tokens, hit), num_tokens, emit)   # hits: not written
             self.pages.grow(slot, self.geo.pages_for(num_tokens))
         except BaseException:

@@ -7,12 +7,14 @@ copy-on-write if written), and computes only the rest.
 
 The cache holds no mapping of its own. A cached group that no slot maps any more keeps its physical pages
 (unmapped, out of the free pool) and waits in an LRU of idle groups; idle groups count as free capacity, and
-the allocator evicts them, oldest first and a whole group at a time, when the pool runs short.
+the allocator evicts them, oldest first and a whole group at a time, when the pool runs short. On a shared pool
+(docs/pool.md) the driver is told which pages hold cached data (`KeptGroups`): unmapped, they are not spares to
+reuse or give back; an eviction lets them go.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvlab.common.kv.prefix_hash import BlockKey, HashFn, chain_keys, default_hash
 
@@ -20,12 +22,35 @@ if TYPE_CHECKING:
     from kvlab.common.sequence import Sequence
 
 
+class PageKeeper(Protocol):
+    """A driver that must know which pages hold cached data (a shared pool's: vmm/drivers/pooled.py)."""
+
+    def keep(self, pages: list[int]) -> None: ...
+    def let_go(self, pages: list[int]) -> None: ...
+
+
+class KeptGroups:
+    """Cached page groups told to the driver as its pages: group g is page t * num_groups + g of each tensor t."""
+
+    def __init__(self, driver: PageKeeper, num_groups: int, num_tensors: int) -> None:
+        self.driver, self.num_groups, self.num_tensors = driver, num_groups, num_tensors
+
+    def pages(self, groups: list[int]) -> list[int]:
+        return [t * self.num_groups + g for g in groups for t in range(self.num_tensors)]
+
+    def keep(self, groups: list[int]) -> None:
+        self.driver.keep(self.pages(groups))
+
+    def let_go(self, groups: list[int]) -> None:
+        self.driver.let_go(self.pages(groups))
+
+
 class PagePrefixCache:
     """hash -> page group for computed full pages, what each was computed from, the idle LRU, and each live
-    sequence's chain of registered page hashes."""
+    sequence's chain of registered page hashes. `keeper`: told when groups enter and leave the cache."""
 
-    def __init__(self, tokens_per_page: int, hash_fn: HashFn = default_hash) -> None:
-        self.tokens_per_page, self.hash_fn = tokens_per_page, hash_fn
+    def __init__(self, tokens_per_page: int, hash_fn: HashFn = default_hash, keeper: KeptGroups | None = None) -> None:
+        self.tokens_per_page, self.hash_fn, self.keeper = tokens_per_page, hash_fn, keeper
         self._group_of: dict[int, int] = {}                     # hash -> group
         self._entry_of: dict[int, tuple[int, BlockKey]] = {}    # group -> (hash, key)
         self.idle: OrderedDict[int, None] = OrderedDict()       # cached groups no slot maps, least recent first
@@ -77,6 +102,8 @@ class PagePrefixCache:
             return
         self._group_of[page_hash] = group
         self._entry_of[group] = (page_hash, key)
+        if self.keeper is not None:
+            self.keeper.keep([group])
 
     def adopt(self, seq_id: int, hashes: list[int]) -> None:
         """A sequence starts with these registered pages (its prefix hits, or a fork parent's chain)."""
@@ -103,6 +130,8 @@ class PagePrefixCache:
             del self._group_of[page_hash]
             out.append(group)
         self.evictions += len(out)
+        if self.keeper is not None and out:
+            self.keeper.let_go(out)
         return out
 
     def check(self, refs: list[int]) -> None:

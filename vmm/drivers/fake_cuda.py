@@ -2,24 +2,27 @@
 tests drive vmm/drivers/cuda.py against it, and so does the GPU check's CPU dry run (experiments/gpu/).
 
 Like the real module every cuXxx returns a tuple `(CUresult, *values)`; structs and enums are the real ones from
-cuda.bindings (they work without a driver). It enforces the documented rules: cuInit first; a current context on
-the calling thread for memory calls; flags 0; sizes/addresses/offsets multiples of the MINIMUM granularity of the
-prop given; cuMemSetAccess takes a list and a fully mapped range; unmap covers whole mappings; cuMemAddressFree
-takes exactly a reservation with nothing mapped in it. Errors the real driver returns come back as CUresults;
-misuse the real driver would NOT catch (cuCtxCreate, unmapping while kernels may still run, i.e. without a
-cuCtxSynchronize since access was granted) raises AssertionError.
+cuda.bindings (they work without a driver). It enforces the documented rules: cuInit first; a current context on the
+calling thread for memory calls; flags 0; sizes/addresses/offsets multiples of the MINIMUM granularity of the prop
+given; cuMemSetAccess takes a list and a fully mapped range; unmap covers whole mappings; cuMemAddressFree takes
+exactly a reservation with nothing mapped in it; an allocation exports as a POSIX file descriptor only if it was
+created with that requestedHandleType, imports only from one, and its memory goes only when every handle to it (its
+imports included) is released and nothing maps it (fake_cuda_state.py). Errors the real driver returns come back as
+CUresults; misuse the real driver would NOT catch (cuCtxCreate, unmapping while kernels may still run, i.e. without
+a cuCtxSynchronize since access was granted) raises AssertionError.
 
 Physical memory is never zeroed (cuMemCreate memory is not): each handle's bytes are garbage, drawn from the
-handle's number, and `read(ptr, n)` returns what a mapped address holds. `cuPointerGetAttribute` fails on an address
-no mapping covers, as the real one does on an unmapped reservation; `torch_interop` makes torch's CUDA tensor
-factories behave as they do on a GPU (gpu-apis.md §1.6), so a view over a reservation built through a pointer query
-fails here as it would there.
+handle's number, and `read(ptr, n)` returns what a mapped address holds (`write(ptr, data)`: a kernel's write).
+`cuPointerGetAttribute` fails on an address no mapping covers, as the real one does on an unmapped reservation;
+`torch_interop` makes torch's CUDA tensor factories behave as they do on a GPU (gpu-apis.md §1.6), so a view over a
+reservation built through a pointer query fails here as it would there.
 
 `calls` records (name, thread id) in order; `fail(name, ...)` injects a CUresult or an exception; `leaks()` lists
 what was acquired and not given back."""
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 import weakref
 from typing import Any
@@ -27,7 +30,7 @@ from typing import Any
 import torch
 from cuda.bindings import driver as _real
 
-from kvlab.vmm.drivers.fake_cuda_state import CallLog, Contexts, DeviceMemory, Mapping
+from kvlab.vmm.drivers.fake_cuda_state import POSIX_FD, CallLog, Contexts, DeviceMemory, Mapping
 
 CUresult = _real.CUresult
 CUdevice = _real.CUdevice
@@ -78,7 +81,7 @@ class FakeCudaDriver:
         self.current, self.primary_retains = self.ctx.current, self.ctx.primary_retains
         self.primary_context, self.launch = self.ctx.primary_context, self.ctx.launch
         self.reservations, self.handles, self.mappings = self.mem.reservations, self.mem.handles, self.mem.mappings
-        self.memory, self.read = self.mem.memory, self.mem.read
+        self.memory, self.read, self.write = self.mem.memory, self.mem.read, self.mem.write
 
     def leaks(self) -> dict[str, Any]:
         out = {"reservations": dict(self.reservations), "handles": dict(self.handles),
@@ -194,9 +197,10 @@ class FakeCudaDriver:
             return (err, None)
         if flags != 0 or size <= 0 or not self.mem.aligned(size) or not self.mem.valid_prop(prop):
             return (INVALID_VALUE, None)
-        if sum(self.handles.values()) + size > self.memory_bytes:
+        if self.mem.allocated_bytes() + size > self.memory_bytes:
             return (OUT_OF_MEMORY, None)
-        return (OK, CUmemGenericAllocationHandle(self.mem.create(size)))
+        exportable = prop.requestedHandleTypes == POSIX_FD
+        return (OK, CUmemGenericAllocationHandle(self.mem.create(size, exportable)))
 
     def cuMemRelease(self, handle: Any):
         if (r := self.log.enter("cuMemRelease")) is not None:
@@ -208,8 +212,58 @@ class FakeCudaDriver:
             return (INVALID_VALUE,)
         if any(m.handle == h for m in self.mappings.values()):
             assert not self.ctx.work_pending, "cuMemRelease of a mapped handle while kernels may run: synchronise first"
-        del self.handles[h]   # a still-mapped handle's memory is freed when it is unmapped
-        self.memory.pop(h, None)
+        self.mem.release(h)   # a still-mapped handle's memory is freed when it is unmapped
+        return (OK,)
+
+    # -- sharing an allocation between processes (POSIX file descriptors) ------------------------------------
+    def cuMemExportToShareableHandle(self, handle: Any, handleType: Any, flags: int):
+        """A new descriptor of the allocation (the caller closes it); only for allocations created exportable."""
+        if (r := self.log.enter("cuMemExportToShareableHandle")) is not None:
+            return r + (None,)
+        if (err := self.ctx.need_context()) is not None:
+            return (err, None)
+        alloc = self.mem.alloc_of.get(int(handle)) if int(handle) in self.handles else None
+        if flags != 0 or alloc is None or handleType != POSIX_FD or alloc.fd is None:
+            return (INVALID_VALUE, None)
+        return (OK, os.dup(alloc.fd))
+
+    def cuMemImportFromShareableHandle(self, osHandle: Any, shHandleType: Any):
+        """A new handle to the allocation behind the descriptor (which stays the caller's to close)."""
+        if (r := self.log.enter("cuMemImportFromShareableHandle")) is not None:
+            return r + (None,)
+        if (err := self.ctx.need_context()) is not None:
+            return (err, None)
+        if shHandleType != POSIX_FD:
+            return (INVALID_VALUE, None)
+        try:
+            return (OK, CUmemGenericAllocationHandle(self.mem.import_fd(int(osHandle))))
+        except OSError:          # not an open descriptor
+            return (INVALID_VALUE, None)
+
+    def cuMemcpyDtoH(self, dstHost: Any, srcDevice: Any, ByteCount: int):
+        """Copy mapped device memory to the host address `dstHost` (an int)."""
+        if (r := self.log.enter("cuMemcpyDtoH")) is not None:
+            return r
+        if (err := self.ctx.need_context()) is not None:
+            return (err,)
+        p = int(srcDevice)
+        inside = self.mem.mapped_in(p, ByteCount)
+        if not inside or any(not self.mappings[q].accessible for q in inside):
+            return (INVALID_VALUE,)
+        ctypes.memmove(int(dstHost), self.mem.read(p, ByteCount), ByteCount)
+        return (OK,)
+
+    def cuMemsetD8(self, dstDevice: Any, uc: int, N: int):
+        if (r := self.log.enter("cuMemsetD8")) is not None:
+            return r
+        if (err := self.ctx.need_context()) is not None:
+            return (err,)
+        p = int(dstDevice)
+        inside = self.mem.mapped_in(p, N)
+        if not inside or any(not self.mappings[q].accessible for q in inside):
+            return (INVALID_VALUE,)
+        self.mem.write(p, bytes([uc]) * N)
+        self.ctx.work_pending = True
         return (OK,)
 
     def cuMemMap(self, ptr: Any, size: int, offset: int, handle: Any, flags: int):
@@ -224,7 +278,7 @@ class FakeCudaDriver:
             return (INVALID_VALUE,)
         if self.mem.reservation_of(p, size) is None or self.mem.mapped_in(p, size):
             return (INVALID_VALUE,)
-        self.mappings[p] = Mapping(size, h)
+        self.mappings[p] = Mapping(size, h, offset=offset)
         return (OK,)
 
     def cuMemSetAccess(self, ptr: Any, size: int, desc: Any, count: int):
@@ -261,7 +315,7 @@ class FakeCudaDriver:
             return (INVALID_VALUE,)   # unmap covers whole mappings only
         assert not self.ctx.work_pending, "cuMemUnmap while kernels may still read the pages: cuCtxSynchronize first"
         for q in inside:
-            del self.mappings[q]
+            self.mem.unmapped(self.mappings.pop(q).handle)
         return (OK,)
 
     # -- pointer queries ----------------------------------------------------------------------------------

@@ -5,14 +5,16 @@ only while it is needed. Take before map: a local page without a backing gets on
 before the mmap, and the mmap maps the pool memfd at that page's offset. Unmapping keeps the backing as a spare
 (the page's data stays valid for a remap in the same call, as the driver's repairs expect); a later map of another
 local page reuses a spare before taking more, and spares go back to the pool (`member.give`) when another engine
-asks for pages (the ledger's `wanted` count) or when the driver closes. A refused take raises PoolExhausted,
-which the vmm handles as it handles a spent map budget: it unmaps freed slots' pages and tries once more, then
-the scheduler preempts.
+asks for pages (the ledger's `wanted` count) or when the driver closes. Pages holding prefix-cached data are
+kept (`keep`): unmapped, they are no spares until the cache evicts them (`let_go`). A refused take raises
+PoolExhausted, which the vmm handles as it handles a spent map budget: it unmaps freed slots' pages and tries once
+more, then the scheduler preempts.
 """
 from __future__ import annotations
 
 import os
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,7 +36,7 @@ class PoolExhausted(MapBudgetExhausted):
 
 def join_or_create(name: str, nbytes: int | None, page_size: int) -> PoolMember:
     """Join pool `name`; create it with `nbytes` if it does not exist and a size was given."""
-    engine = f"vmm-{os.getpid()}-{id(object()):x}"[-48:]
+    engine = f"vmm-{os.getpid()}-{uuid.uuid4().hex[:12]}"     # unique: two engines of one process included
     try:
         return join(name, engine=engine)
     except UnknownPool:
@@ -62,6 +64,8 @@ class PooledHostMemory:
         self.host = HostMemory(page_size, populate)
         self.backing: dict[int, int] = {}     # local page -> pool page
         self.idle: dict[int, None] = {}       # backed local pages no mapping uses, oldest first: the spares
+        self.loose: list[int] = []            # pool pages held for maps to come, backing no local page yet
+        self.kept: set[int] = set()           # local pages whose data is wanted unmapped too (prefix-cached)
         self.mapped: dict[int, int] = {}      # address -> local page mapped there
         self.refs: dict[int, int] = {}        # local page -> mappings of it
 
@@ -98,7 +102,8 @@ class PooledHostMemory:
             self._back([p for p in local if p not in self.backing])
             self._map_each(addr, local)
         except BaseException:
-            self.idle.update((p, None) for p in local if p in self.backing and not self.refs.get(p))
+            self.idle.update((p, None) for p in local if p in self.backing and not self.refs.get(p)
+                             and p not in self.kept)
             raise
         return num_pages
 
@@ -116,24 +121,34 @@ class PooledHostMemory:
             self.refs[page] = self.refs.get(page, 0) + 1
 
     def _back(self, pages: list[int]) -> None:
-        """Give each local page a pool page: a take for what the spares do not cover, then the oldest spares'
-        pages; all or nothing. A refused take asks the other engines for pages (the ledger's `wanted`)."""
-        need = len(pages) - len(self.idle)
+        """Give each local page a pool page: loose pages and a take for what the spares do not cover, then the
+        oldest spares' pages; all or nothing."""
+        self.hold(len(pages))
+        for page in pages:
+            self.backing[page] = self.loose.pop() if self.loose else self.backing.pop(self._oldest_idle())
+
+    def hold(self, count: int) -> None:
+        """Hold pool pages for `count` maps of pages without a backing, all or nothing: a take for what the loose
+        pages and the spares do not cover. A refused take asks the other engines for pages (the ledger's
+        `wanted`), then raises PoolExhausted with nothing changed."""
+        need = count - len(self.idle) - len(self.loose)
         taken = self.member.take(need) if need > 0 else []
         if taken is None:
             taken = self._ask(need)
-        for page in pages:
-            self.backing[page] = taken.pop() if taken else self.backing.pop(self._oldest_idle())
+        self.loose.extend(taken)
 
     def _ask(self, need: int) -> list[int]:
         """Ask the other engines for pages and wait for their stewards' answer (a few rounds), if any of them
         holds pages above its floor; else, or still refused, out of room."""
         self.member.ask(need)
-        deadline = time.monotonic() + ANSWER_WAIT_S
-        while self.member.others_above_floors() and time.monotonic() < deadline:
-            time.sleep(ANSWER_POLL_S)
-            if (taken := self.member.take(need)) is not None:
-                return taken
+        try:
+            deadline = time.monotonic() + ANSWER_WAIT_S
+            while self.member.others_above_floors() and time.monotonic() < deadline:
+                time.sleep(ANSWER_POLL_S)
+                if (taken := self.member.take(need)) is not None:
+                    return taken
+        finally:          # waiting no more: others stop giving (and evicting cached pages) for this ask
+            self.member.withdraw(need)
         raise PoolExhausted(f"pool {self.member.name!r} refused {need} pages")
 
     def _oldest_idle(self) -> int:
@@ -156,13 +171,28 @@ class PooledHostMemory:
         self.refs[page] -= 1
         if not self.refs[page]:
             del self.refs[page]
-            self.idle[page] = None
+            if page not in self.kept:
+                self.idle[page] = None
+
+    def keep(self, pages: list[int]) -> None:
+        """The pages hold cached data: unmapped, they keep their pool pages and are no spares."""
+        self.kept.update(pages)
+        for page in pages:
+            self.idle.pop(page, None)
+
+    def let_go(self, pages: list[int]) -> None:
+        """Their cached data is no longer wanted: unmapped, they are spares again (oldest last)."""
+        self.kept.difference_update(pages)
+        self.idle.update((p, None) for p in pages if p in self.backing and p not in self.refs)
 
     def discard(self, first_page: int, num_pages: int) -> None:
         pages = [p for p in range(first_page, first_page + num_pages) if p in self.idle]
         for page in pages:
             del self.idle[page]
         self._give([self.backing.pop(p) for p in pages])
+
+    def spare_pages(self) -> int:
+        return len(self.loose) + len(self.idle)
 
     # -- the KV handoff's page interface (vmm/handoff.py) --------------------------------------------------------
     def pool_page(self, local: int) -> int:
@@ -187,13 +217,15 @@ class PooledHostMemory:
             raise DriverError("vmm handoff: cannot disown local pages that are still mapped")
         for local in locals_:
             self.idle.pop(local, None)
+            self.kept.discard(local)
         self.member.forget([self.backing.pop(local) for local in locals_])
 
     def give_spare(self, limit: int) -> int:
-        """Give back up to `limit` pool pages no mapping uses, oldest first."""
-        pages = [self._oldest_idle() for _ in range(min(limit, len(self.idle)))]
-        self._give([self.backing.pop(p) for p in pages])
-        return len(pages)
+        """Give back up to `limit` pool pages no mapping uses: loose ones, then spares, oldest first."""
+        loose, self.loose = self.loose[:max(0, limit)], self.loose[max(0, limit):]
+        pages = [self._oldest_idle() for _ in range(min(limit - len(loose), len(self.idle)))]
+        self._give(loose + [self.backing.pop(p) for p in pages])
+        return len(loose) + len(pages)
 
     def _give(self, pool_pages: list[int]) -> None:
         if pool_pages:
@@ -221,10 +253,30 @@ class PooledVirtualMemory(VirtualMemory):
         """Call `answer(pages)` from the pool's steward thread while other engines want pages."""
         self.member.watch(answer)
 
+    def hold(self, local_pages: int) -> None:
+        """Make sure the next maps of `local_pages` pages without a backing cannot be refused by the pool (one
+        take, all or nothing; PoolExhausted if refused): a change made of several maps takes its pages first."""
+        self.os.hold(local_pages)
+
+    def keep(self, pages: list[int]) -> None:
+        """Local pages holding prefix-cached data: never a spare while the cache keeps them."""
+        self.os.keep(pages)
+
+    def let_go(self, pages: list[int]) -> None:
+        self.os.let_go(pages)
+
+    def spare_pages(self) -> int:
+        """Pool pages held that no mapping uses and no cache keeps."""
+        return self.os.spare_pages()
+
+    def above_floor(self) -> int:
+        """Pages this engine holds above its floor: the most it may give back."""
+        record = self.member.record()
+        return record.held - record.floor
+
     def give_spare(self, limit: int) -> int:
         """Give back up to `limit` spare pages, keeping the engine at or above its floor."""
-        record = self.member.record()
-        return self.os.give_spare(min(limit, record.held - record.floor))
+        return self.os.give_spare(min(limit, self.above_floor()))
 
     def pool_stats(self) -> dict[str, Any]:
         """The pool block of the cache stats: the pool's size and use, this engine's share and its page moves."""

@@ -173,6 +173,11 @@ class Ledger:
         """A refused engine wants n pages: members holding spare pages give them back when they next look."""
         self.header["wanted"] = min(self.total, int(self.header["wanted"]) + n)
 
+    def withdraw(self, n: int) -> None:
+        """An engine stops waiting for the n pages it asked for (given, or given up): gives already lowered the
+        count, so it drops by what is left of n at most (a hint: a later refusal asks again)."""
+        self.header["wanted"] = max(0, int(self.header["wanted"]) - n)
+
     def set_limits(self, slot: int, floor: int, ceiling: int) -> None:
         """Each intermediate state is valid too: the floor goes first unless it would pass the old ceiling."""
         self.table.check_limits(slot, floor, ceiling)

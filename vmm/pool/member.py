@@ -102,6 +102,11 @@ class PoolMember:
         with self._usable().locked() as ledger:
             ledger.ask(n)
 
+    def withdraw(self, n: int) -> None:
+        """Stop asking for the n pages of an earlier `ask` (they came, or the engine stopped waiting)."""
+        with self._usable().locked() as ledger:
+            ledger.withdraw(n)
+
     def others_above_floors(self) -> int:
         """Pages the other engines hold above their floors: what they could give back if asked."""
         with self._usable().locked() as ledger:
@@ -124,6 +129,11 @@ class PoolMember:
         """The pool's free pages and this engine's record, read in one locked step."""
         with self._usable().locked() as ledger:
             return ledger.free, ledger.table.record(self.slot)
+
+    def owned(self) -> list[int]:
+        """The pages the books say this engine holds (the owner array, read under the lock)."""
+        with self._usable().locked() as ledger:
+            return ledger.pages_of(self.slot).tolist()
 
     def excess(self) -> int:
         """Pages held above the ceiling (after a limit was lowered): what the engine should give back."""

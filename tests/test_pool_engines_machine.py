@@ -1,0 +1,267 @@
+"""Two vmm engines on one shared pool under a hypothesis state machine (issue 29): random admits, steps, frees,
+forks, swaps and preemptions on both, and each engine's floor and ceiling changed mid-run. The pool is smaller
+than the two budgets together, so takes are refused and idle pages move between the engines (their stewards
+answer the ledger's `wanted` on their own threads, as in a server). After every step each engine passes the
+checks of tests/invariants.py (its books, and its K/V read back through the pool memfd at the pages the books
+give it), the books say each engine holds exactly the pool pages its driver backs, the kernel maps into its
+ranges exactly those (check_pool), and the two engines' pages never overlap: neither can see the other's data.
+
+A second variant runs the other engine in its own process (tests/invariants.py's random workload, every check
+after every operation) while the machine drives this one."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+from invariants import MAX_LEN, OPS, PAGE, VOCAB, Workload, check_pool_books, one_torch_thread  # noqa: F401
+
+from kvlab.vmm import pool
+from kvlab.vmm.drivers import pooled
+
+ENGINE_PAGES = 32          # the vmm probe's budget: 8 page groups x 4 tensors
+TOTAL = 24                 # pages: less than either budget, so takes are refused
+ENGINES = (0, 1)
+TESTS = Path(__file__).resolve().parent
+
+
+@pytest.fixture(autouse=True)
+def short_waits(monkeypatch):
+    """A refused engine waits for the others' answer 0.5 s in a server; the machine refuses often."""
+    monkeypatch.setattr(pooled, "ANSWER_WAIT_S", 0.02)
+
+
+def pool_name() -> str:
+    return f"machine-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+class TwoEngines(RuleBasedStateMachine):
+    overrides: dict = {}
+    totals: Counter = Counter()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.holder = pool.create(pool_name(), TOTAL * PAGE, PAGE, engine="holder", ceiling=0)
+        self.w = [Workload("vmm", False, seed=who, kv_pool=self.holder.name, check_invariants=True, **self.overrides)
+                  for who in ENGINES]
+        self.limits = {who: (0, TOTAL) for who in ENGINES}
+
+    def engine(self, who: int) -> str:
+        return self.w[who].cache.driver.member.engine
+
+    def pick(self, data, state: str) -> tuple[Workload, int]:
+        w = data.draw(st.sampled_from([w for w in self.w if w.ids(state)]))
+        return w, data.draw(st.sampled_from(w.ids(state)))
+
+    def _has(state: str):
+        return precondition(lambda self: any(w.ids(state) for w in self.w))
+
+    prompts = st.lists(st.integers(3, VOCAB), min_size=1, max_size=MAX_LEN - 1)
+
+    def who(self, data) -> int:
+        return data.draw(st.sampled_from(range(len(self.w))))
+
+    @rule(data=st.data(), prompt=prompts, max_tokens=st.integers(1, 48), chunk=st.integers(1, MAX_LEN))
+    def admit(self, data, prompt, max_tokens, chunk):
+        self.w[self.who(data)].admit(prompt, max_tokens, chunk)
+
+    @_has("waiting")
+    @rule(data=st.data(), chunk=st.integers(1, MAX_LEN))
+    def readmit(self, data, chunk):
+        w, sid = self.pick(data, "waiting")
+        w.readmit(sid, chunk)
+
+    @_has("live")
+    @rule(data=st.data(), n=st.integers(1, 24))
+    def step(self, data, n):
+        """One engine's step: every picked sequence computes up to n tokens (1: a decode step)."""
+        w, _ = self.pick(data, "live")
+        picks = data.draw(st.lists(st.sampled_from(w.ids("live")), min_size=1, max_size=3, unique=True))
+        w.write([(sid, n) for sid in picks])
+
+    @_has("live")
+    @rule(data=st.data(), n=st.integers(1, 24))
+    def grow(self, data, n):
+        w, sid = self.pick(data, "live")
+        w.grow(sid, n)
+
+    @_has("live")
+    @rule(data=st.data())
+    def fork(self, data):
+        w, sid = self.pick(data, "live")
+        w.fork(sid)
+
+    @_has("live")
+    @rule(data=st.data())
+    def free(self, data):
+        w, sid = self.pick(data, "live")
+        w.free(sid)
+
+    @_has("live")
+    @rule(data=st.data())
+    def preempt(self, data):
+        w, sid = self.pick(data, "live")
+        w.preempt(sid)
+
+    @_has("live")
+    @rule(data=st.data())
+    def swap_out(self, data):
+        w, sid = self.pick(data, "live")
+        if w.seq(sid).num_computed_tokens:
+            w.swap_out(sid)
+
+    @_has("swapped")
+    @rule(data=st.data())
+    def swap_in(self, data):
+        w, sid = self.pick(data, "swapped")
+        w.swap_in(sid)
+
+    @rule(data=st.data(), floor=st.integers(0, TOTAL // 2), room=st.integers(0, TOTAL))
+    def limit(self, data, floor, room):
+        """A new floor and ceiling for a running engine (kvlab pool limit): takes obey them from the next call."""
+        who = self.who(data)
+        ceiling = min(TOTAL, floor + room)
+        pool.set_limits(self.holder.name, self.engine(who), floor * PAGE, ceiling * PAGE)
+        self.limits[who] = (floor, ceiling)
+        type(self).totals["limit"] += 1
+
+    @rule(data=st.data(), n=st.integers(1, 8))
+    def answer(self, data, n):
+        """The steward's call, made now: give up to n spare pages back (freed slots' pages first, then idle
+        prefix-cache pages), never below the engine's floor."""
+        who = self.who(data)
+        cache = self.w[who].cache
+        floor = self.limits[who][0]
+        held = cache.driver.member.record().held
+        evictions = cache.prefix.cache.evictions if cache.prefix is not None else 0
+        cache.give_back(n)
+        type(self).totals["answer"] += 1
+        type(self).totals["evicted"] += (cache.prefix.cache.evictions if cache.prefix is not None else 0) - evictions
+        assert cache.driver.member.record().held >= min(held, floor), "an engine gave back below its floor"
+
+    @invariant()
+    def engines_and_books_agree(self):
+        for w in self.w:
+            w.check()                   # its books, its K/V through the pool memfd, check_pool
+        status = self.holder.status()
+        check_pool_books(status)
+        owned = [set(w.cache.driver.member.owned()) for w in self.w]
+        assert not owned[0] & owned[1], "two engines hold one pool page"
+        for who in ENGINES:
+            e = status.engine(self.engine(who))
+            assert (e.floor, e.ceiling) == self.limits[who]
+
+    def teardown(self):
+        try:
+            for w in reversed(self.w):      # the later engine's threads and mappings are not in the earlier's baseline
+                w.drain()
+                type(self).totals.update(w.ops)
+            assert self.holder.status().used == 0, "the engines left pages in the pool"
+        finally:
+            for w in self.w:
+                w.kv.close()
+            self.holder.close()
+
+
+def run(machine: type, examples: int) -> None:
+    run_state_machine_as_test(machine, settings=settings(
+        max_examples=examples, stateful_step_count=40, deadline=None, derandomize=True, database=None,
+        suppress_health_check=list(HealthCheck), print_blob=False))
+
+
+def test_two_engines_on_one_pool_keep_their_books_and_their_data(capsys):
+    machine = type("TwoEnginesMachine", (TwoEngines,), {"totals": Counter()})
+    run(machine, 30)
+    t = machine.totals
+    total = sum(t[k] for k in OPS + ("limit", "answer"))
+    with capsys.disabled():
+        print(f"\n[pool machine] two engines: {total} operations ({t['limit']} limit changes, {t['answer']} "
+              f"give-backs), {t['refused']} refused")
+    assert total >= 800 and t["refused"] > 0 and t["limit"] and t["answer"]     # the pool was short and said so
+
+
+SHARED = [list(range(10, 18)), list(range(40, 53)), list(range(100, 120)), list(range(200, 240)),
+          list(range(300, 333))]          # prefixes of 1-2 whole 16-token pages: admissions hit the cache
+
+
+class TwoCachingEngines(TwoEngines):
+    """Both engines cache prefixes: idle cached pages are kept (never a spare) until evicted, and a give-back
+    evicts them, whole page groups, within the floor."""
+    overrides = {"enable_prefix_caching": True}
+
+    @rule(data=st.data(), prompt=st.tuples(st.sampled_from(SHARED), st.lists(st.integers(3, VOCAB), max_size=20)),
+          max_tokens=st.integers(1, 24), chunk=st.integers(1, MAX_LEN))
+    def admit_shared(self, data, prompt, max_tokens, chunk):
+        self.w[self.who(data)].admit((prompt[0] + prompt[1])[:MAX_LEN - 1], max_tokens, chunk)
+
+
+def test_two_engines_caching_prefixes_on_one_pool_keep_their_books_and_their_data(capsys):
+    machine = type("TwoCachingEnginesMachine", (TwoCachingEngines,), {"totals": Counter()})
+    run(machine, 20)
+    t = machine.totals
+    with capsys.disabled():
+        print(f"\n[pool machine] two caching engines: {sum(t[k] for k in OPS)} operations, "
+              f"{t['prefix_hit_tokens']} prefix-hit tokens, {t['answer']} give-backs evicting {t['evicted']} cached "
+              f"groups, {t['refused']} refused")
+    assert t["prefix_hit_tokens"] > 0 and t["refused"] > 0 and t["evicted"] > 0
+
+
+# -- the other engine in another process --------------------------------------------------------------------------
+REMOTE = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from invariants import random_workload
+from kvlab.vmm.drivers import pooled
+pooled.ANSWER_WAIT_S = 0.02
+ops = random_workload("vmm", False, int(sys.argv[3]), int(sys.argv[4]), kv_pool=sys.argv[2], check_invariants=True)
+print(json.dumps(dict(ops)), flush=True)
+"""
+
+
+class OneEngineBesideAnother(TwoEngines):
+    """The second engine runs in the process `remote`; the rules drive this one."""
+
+    def __init__(self) -> None:
+        RuleBasedStateMachine.__init__(self)
+        self.holder = pool.create(pool_name(), TOTAL * PAGE, PAGE, engine="holder", ceiling=0)
+        self.remote = subprocess.Popen([sys.executable, "-c", REMOTE, str(TESTS), self.holder.name, "7", "120"],
+                                       stdout=subprocess.PIPE, text=True)
+        self.w = [Workload("vmm", False, seed=0, kv_pool=self.holder.name, check_invariants=True, **self.overrides)]
+        self.limits = {0: (0, TOTAL)}
+        deadline = time.monotonic() + 120
+        while len(self.holder.status().engines) < 3:    # the rules start once the other engine runs too
+            assert time.monotonic() < deadline and self.remote.poll() is None, "the other engine did not join"
+            time.sleep(0.05)
+
+    @invariant()
+    def engines_and_books_agree(self):
+        self.w[0].check()
+        status = self.holder.status()
+        check_pool_books(status)
+
+    def teardown(self):
+        try:
+            out, _ = self.remote.communicate(timeout=300)
+            assert self.remote.returncode == 0, "the engine in the other process failed its checks"
+            type(self).totals["remote_ops"] += sum(json.loads(out).get(k, 0) for k in OPS)
+        finally:
+            self.remote.kill()
+            super().teardown()
+
+
+def test_an_engine_beside_one_in_another_process_keeps_its_books_and_data(capsys):
+    machine = type("RemoteMachine", (OneEngineBesideAnother,), {"totals": Counter()})
+    run(machine, 2)
+    with capsys.disabled():
+        print(f"\n[pool machine] here {sum(machine.totals[k] for k in OPS)} operations, in the other process "
+              f"{machine.totals['remote_ops']}")
+    assert machine.totals["remote_ops"] >= 2 * 120 * 0.5
