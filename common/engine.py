@@ -94,6 +94,14 @@ class Engine:
         prefill engine {"do_remote_decode": True}, on a decode engine the prefill engine's answer
         (docs/disaggregation.md)."""
         self._check_open()
+        try:
+            return self._add(prompt, params, request_id, arrival_time, kv_transfer_params)
+        except RequestError:
+            self.kv.decline_refused(kv_transfer_params)     # a refused decode request never pulls its KV
+            raise
+
+    def _add(self, prompt: str | list[int], params: SamplingParams | None, request_id: str | None,
+             arrival_time: float | None, kv_transfer_params: dict[str, Any] | None) -> str:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")

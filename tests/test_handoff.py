@@ -117,6 +117,17 @@ def test_an_aborted_decode_request_releases_the_kv_it_did_not_pull(engines):
     assert stats["count"] == 0 and prefill.cache_stats().used_units == 0
 
 
+def test_a_decode_request_refused_at_intake_declines_the_kv(engines):
+    # a prompt + max_tokens this decode engine cannot take is refused before it is queued: the prefill engine
+    # frees the KV at once instead of holding it for handoff_timeout_s
+    prefill, decode = engines("prefill"), engines("decode", max_model_len=32)
+    kv = run(prefill, kv=REMOTE).kv_transfer_params
+    with pytest.raises(RequestError):
+        decode.add_request(PROMPT, SamplingParams(max_tokens=100, temperature=0.0), kv_transfer_params=kv)
+    stats = settle(prefill, lambda s: s["failed"] == 1)
+    assert stats["count"] == 0 and prefill.cache_stats().used_units == 0
+
+
 def test_kept_kv_holds_a_slot_until_released(engines):
     """max_num_seqs counts kept sequences (the KV they hold is real): the next request waits, not fails, until the
     kept KV is pulled."""

@@ -20,6 +20,7 @@ from kvlab.common.handoff.book import HandoffStats, KeptBook
 from kvlab.common.handoff.params import check_decode, check_sampling, prefill_params
 from kvlab.common.handoff.seam import HandoffError, HandoffReport, load_handoff
 from kvlab.common.handoff.server import HandoffServer
+from kvlab.common.handoff.wire import PREFIX
 
 if TYPE_CHECKING:
     import threading
@@ -90,6 +91,14 @@ class HandoffRole:
         aborted) needs no KV: the prefill engine frees it now rather than at its timeout."""
         if req is not None and req.finished and req.kv_import is not None:
             client.decline(req.kv_import.kv, self.timeout_s)
+
+    def decline_refused(self, kv: Any) -> None:
+        """A decode request refused before it was queued (a field that does not match, a prompt this engine
+        cannot take) never pulls: its prefill engine frees the KV now rather than at its timeout. Only a
+        well-formed kvlab handoff address is contacted."""
+        if self.role == "decode" and isinstance(kv, dict) and isinstance(kv.get("handoff_id"), str) \
+                and isinstance(kv.get("address"), str) and kv["address"].startswith(PREFIX):
+            client.decline(kv, self.timeout_s)
 
     # -- decode: the pull, from admission --------------------------------------------------------------------
     def pull(self, req: Request, seq: Sequence, kv: dict[str, Any], reserve_units: int) -> int | None:
