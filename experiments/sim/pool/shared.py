@@ -108,6 +108,13 @@ class PooledAccountingMemory(AccountingVirtualMemory):
         """No spares: an unmapped page went back to the pool when it was unmapped."""
         return 0
 
+    def spare_pages(self) -> int:
+        return 0
+
+    def above_floor(self) -> int:
+        """The simulated pool has no floors: every mapped page may be given."""
+        return self.budget.held
+
 
 class PoolAwareAllocator(VMMAllocator):
     """A what-if of the engine's admission (vmm/ is unchanged): the scheduler's fit test also asks the pool, so
