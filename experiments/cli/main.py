@@ -24,7 +24,7 @@ SUBCOMMANDS = {"generate": "kvlab.experiments.cli.generate", "bench": "kvlab.exp
                "pool": "kvlab.experiments.pool.cli",
                "sharing": "kvlab.experiments.studies.sharing", "serve": "kvlab.experiments.serve",
                "prefix": "kvlab.experiments.studies.prefix", "calibrate": "kvlab.experiments.bench.calibrate",
-               "study": "kvlab.experiments.studies.page_size.cli", "compare": "kvlab.experiments.compare"}
+               "study": "kvlab.experiments.studies.cli", "compare": "kvlab.experiments.compare"}
 
 
 def missing_subcommand(name: str, reason: str):

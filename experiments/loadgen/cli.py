@@ -1,5 +1,6 @@
 """`kvlab bench serve`: drive an OpenAI-compatible server (--base-url, or --host/--port), or, with --backends, start
-one kvlab server per backend in turn and sweep --request-rates over identical arrivals and prompts (see sweep.py).
+one kvlab server per backend in turn and sweep --request-rates over identical arrivals and prompts (see sweep.py),
+or, with --base-urls, drive several servers at once with phase-shifted bursts (multi_cli.py).
 
 The flags `vllm bench serve` also has carry its names, defaults and meanings, so a `vllm bench serve` command
 line that uses only those runs unchanged; kvlab's older names stay as aliases."""
@@ -16,7 +17,7 @@ from typing import Any
 from kvlab.common.errors import ConfigError
 from kvlab.common.validate import check_output_path
 from kvlab.experiments.cli import flags
-from kvlab.experiments.loadgen import checks, latency
+from kvlab.experiments.loadgen import checks, latency, multi_cli
 from kvlab.experiments.loadgen.client import BACKENDS, Target, Timeouts, fetch_model
 from kvlab.experiments.loadgen.load_run import LoadSpec, bench_once, format_result, load_plan
 
@@ -33,6 +34,7 @@ def add_parser(subparsers: Any) -> None:
     add_traffic_flags(p)
     add_result_flags(p)
     add_sweep_flags(p)
+    multi_cli.add_multi_flags(p)
     p.set_defaults(run=run)
 
 
@@ -128,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
     args.num_prompts = num_prompts if args.num_prompts is None else args.num_prompts
     checks.check_args(args)
     spec = load_spec_from(args)
+    if args.base_urls:
+        return multi_cli.run(args, spec)
     if args.backends:
         return sweep(args, spec)
     target = Target(checks.base_url(args), args.backend, checks.check_endpoint(args.endpoint), args.model,

@@ -138,10 +138,11 @@ def fetch_model(target: Target) -> str:
 
 async def run_load(target: Target | str, requests: Sequence[LoadRequest], arrivals: Sequence[float],
                    max_concurrency: int | None = None, model: str | None = None,
-                   on_done: Callable[[RequestRecord], None] | None = None
+                   on_done: Callable[[RequestRecord], None] | None = None, start_at: float | None = None
                    ) -> tuple[list[RequestRecord], float, int]:
     """Returns (records in request order, duration in seconds, most requests in flight at once); `on_done` is
-    called as each request ends (the progress bar). A plain URL is the `openai` backend with default timeouts."""
+    called as each request ends (the progress bar). A plain URL is the `openai` backend with default timeouts.
+    `start_at`: the time.perf_counter() that arrival 0.0 means (several runs sharing one clock); default now."""
     target = Target(target) if isinstance(target, str) else target
     limit = max_concurrency or len(requests)
     gate = asyncio.Semaphore(limit)
@@ -150,7 +151,7 @@ async def run_load(target: Target | str, requests: Sequence[LoadRequest], arriva
     connector = aiohttp.TCPConnector(limit=limit)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector, read_bufsize=1 << 20) as session:
         model = model or target.model or await served_model(session, target.base_url.rstrip("/"))
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if start_at is None else start_at
 
         async def one(req: LoadRequest) -> RequestRecord:
             nonlocal in_flight, peak

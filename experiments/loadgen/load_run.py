@@ -41,13 +41,18 @@ class LoadSpec:
     ignore_eos: bool = True
 
 
-def load_plan(spec: LoadSpec, rate: float) -> tuple[list[datasets.LoadRequest], list[float]]:
-    """Prompts and arrivals depend only on the spec and seed: every backend and rerun gets the same."""
+def load_requests(spec: LoadSpec) -> list[datasets.LoadRequest]:
+    """The spec's prompts and output lengths, from the spec and seed only."""
     tokenizer = None if spec.token_ids else prompts.load_tokenizer(spec.tokenizer or spec.model,
                                                                     explicit=spec.tokenizer is not None)
-    reqs = datasets.build(spec.dataset, spec.num_prompts, spec.seed, spec.vocab_size, scale=spec.scale,
+    return datasets.build(spec.dataset, spec.num_prompts, spec.seed, spec.vocab_size, scale=spec.scale,
                           input_len=spec.input_len, output_len=spec.output_len, range_ratio=spec.range_ratio,
                           prefix_len=spec.prefix_len, tokenizer=tokenizer)
+
+
+def load_plan(spec: LoadSpec, rate: float) -> tuple[list[datasets.LoadRequest], list[float]]:
+    """Prompts and arrivals depend only on the spec and seed: every backend and rerun gets the same."""
+    reqs = load_requests(spec)
     if reqs[0].timestamp is not None:
         return reqs, [r.timestamp for r in reqs]
     arrivals = arrival_times(len(reqs), rate, spec.burstiness, spec.seed)

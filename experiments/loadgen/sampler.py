@@ -1,5 +1,5 @@
-"""Samples a kvlab server's GET /kvlab/stats every ~0.2 s in a thread while a load run goes on: the KV utilisation
-and running batch over time, for the sweep's plots."""
+"""Samples a kvlab server's GET /kvlab/stats every ~0.2 s in a thread while a load run goes on: the KV utilisation,
+the running batch and (on a shared pool) the engine's bytes over time, for the sweep's and the multi-model plots."""
 from __future__ import annotations
 
 import threading
@@ -10,16 +10,18 @@ import httpx
 
 SAMPLE_EVERY_S = 0.2
 FIELDS = ("running", "waiting", "swapped", "kv_usage_ratio", "kv_utilization", "kv_units_used")
+POOL_FIELDS = ("total_bytes", "used_bytes", "engine_bytes")     # the `pool` block's, as pool_<name> (None: no pool)
 
 
 class StatsSampler:
     """`with StatsSampler(url) as s: ...` then `s.series`: {"t": [s since start], field: [...]}; a poll that fails
     is counted in `s.errors` and skipped (the server answers other requests meanwhile)."""
 
-    def __init__(self, base_url: str, every_s: float = SAMPLE_EVERY_S) -> None:
+    def __init__(self, base_url: str, every_s: float = SAMPLE_EVERY_S, t0: float | None = None) -> None:
         self.url = base_url.rstrip("/") + "/kvlab/stats"
         self.every_s = every_s
-        self.series: dict[str, list[float]] = {k: [] for k in ("t", *FIELDS)}
+        self.t0 = t0                # the time.perf_counter() that t = 0 means (default: when sampling starts)
+        self.series: dict[str, list[float]] = {k: [] for k in ("t", *FIELDS, *(f"pool_{f}" for f in POOL_FIELDS))}
         self.errors = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvlab-stats-sampler", daemon=True)
@@ -33,7 +35,7 @@ class StatsSampler:
         self._thread.join(10)
 
     def _run(self) -> None:
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if self.t0 is None else self.t0
         with httpx.Client(timeout=5) as client:
             while not self._stop.is_set():
                 self._sample(client, t0)
@@ -50,3 +52,6 @@ class StatsSampler:
             self.series["t"].append(round(time.perf_counter() - t0, 4))
             for k in FIELDS:
                 self.series[k].append(stats.get(k))
+            pool = stats.get("pool") or {}
+            for k in POOL_FIELDS:
+                self.series[f"pool_{k}"].append(pool.get(k))

@@ -18,9 +18,7 @@ from kvlab.experiments.studies.page_size.settings import Cell, StudySettings
 DEFAULT_SLO = "p99_ttft_ms<=2000,p99_tpot_ms<=100"
 
 
-def add_parser(subparsers: Any) -> None:
-    study = subparsers.add_parser("study", help="studies that answer one question each (page-size)")
-    which = study.add_subparsers(dest="study", required=True, metavar="STUDY")
+def add_study(which: Any) -> None:
     p = which.add_parser("page-size", help="paged block vs vmm page size: SLO rate, throughput, break-evens",
                          description="For a model, hardware, workload and SLO: the highest rate meeting the SLO "
                                      "and the throughput of each paged block size and vmm page size, and for each "
