@@ -16,6 +16,7 @@ from kvlab.common.kv.types import TORCH_DTYPES
 from kvlab.common.model import LLAMA3_ROPE_KEYS, LlamaForCausalLM, ModelConfig
 from kvlab.common.presets import PRESETS, load_preset
 from kvlab.common.tokenizer import BPETokenizer
+from kvlab.common.validate import user_path
 from kvlab.common.weights import assign_weights, check_device, check_fits, first_line, make_config
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "float32", d
 def locate(name_or_path: str | Path) -> tuple[str, Path]:
     """("preset" | "hf" | "gguf", path): what a model name names; anything else is one ModelLoadError line."""
     name = str(name_or_path)
-    path = Path(name).expanduser()
+    path = user_path(name)
     if name in PRESETS:
         return "preset", path
     if path.is_dir():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,11 @@ def check_text(name: str, value: Any, max_chars: int, error: type[KvlabError] = 
     except UnicodeEncodeError:
         raise error(f"{name} is not valid UTF-8 text: {shown(value)}") from None
     return value
+
+
+def user_path(name: str | Path) -> Path:
+    """`name` with a leading ~ or ~user expanded; left as it is when that user does not exist (pathlib raises)."""
+    return Path(os.path.expanduser(str(name)))
 
 
 def check_output_path(name: str, path: str | Path, directory: bool = False) -> Path:

@@ -14,6 +14,8 @@ import argparse
 import contextlib
 import io
 import logging
+import os
+import resource
 import signal
 import sys
 from collections.abc import Iterator
@@ -27,6 +29,8 @@ from hypothesis import strategies as st
 from kvlab.experiments.cli.main import build_parser, main
 
 TIME_BOUND_S = 10            # one command, up to its first real work
+MEMORY_BOUND = 4 << 30       # address space one command may add before its real work (a runaway one fails here
+                             # with MemoryError, naming its flag, instead of taking the machine's memory)
 
 # command -> what its real work starts with (module, attribute): replaced by a stub that ends the run accepted
 STOPS: dict[tuple[str, ...], tuple[tuple[str, str], ...]] = {
@@ -139,6 +143,18 @@ def time_bound(seconds: int) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
+@contextlib.contextmanager
+def memory_bound(extra: int) -> Iterator[None]:
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    in_use = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    limit = in_use + extra if hard == resource.RLIM_INFINITY else min(hard, in_use + extra)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
 @pytest.fixture(scope="module")
 def stubbed() -> Iterator[None]:
     import importlib
@@ -158,7 +174,8 @@ def run_cli(argv: list[str]) -> tuple[int, str, str]:
     handlers, level = root.handlers[:], root.level
     root.handlers = []
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), time_bound(TIME_BOUND_S):
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), time_bound(TIME_BOUND_S), \
+                memory_bound(MEMORY_BOUND):
             logging.basicConfig(stream=sys.stderr, force=True)
             rc = main(argv)
     except Accepted:

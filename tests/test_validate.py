@@ -178,3 +178,13 @@ def test_an_output_path_is_checked_before_work_and_the_probe_leaves_nothing(tmp_
         with pytest.raises(ConfigError) as e:
             check_output_path("--out", path, directory=directory)
         one_line(e, "--out", phrase)
+
+
+def test_a_home_of_an_unknown_user_is_a_missing_model_not_a_crash():
+    # pathlib's expanduser raises RuntimeError for ~user with no such user; found by tests/test_cli_fuzz.py
+    from kvlab.common.errors import ModelLoadError
+    from kvlab.common.loader import locate
+    from kvlab.common.validate import user_path
+    assert str(user_path("~no-such-user-kvlab/m")) == "~no-such-user-kvlab/m"
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        locate("~no-such-user-kvlab")

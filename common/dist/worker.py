@@ -8,15 +8,16 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from kvlab.common.dist.group import Groups, destroy_groups, die_with_parent, init_groups, rank_device
 from kvlab.common.dist.launch import WorkerTask, read_task
 from kvlab.common.dist.message import Mirror
 from kvlab.common.dist.shard import CommTimer, SafetensorsReader, build_shard, model_reader
+from kvlab.common.validate import user_path
 
 
 def main() -> int:
@@ -54,7 +55,7 @@ def run(task: WorkerTask) -> None:
 def load_shard(config: Any, rank: int, tp: int, groups: Groups):
     """HF directories: read only this rank's slices. Presets and GGUF: load whole, keep this rank's shard."""
     device = rank_device(config.device, rank)
-    path = Path(str(config.model)).expanduser()
+    path = user_path(config.model)
     if path.is_dir():
         from kvlab.common.loader import config_from_hf, read_json
         model_config = config_from_hf(read_json(path / "config.json"), path / "config.json")

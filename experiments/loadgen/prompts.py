@@ -9,7 +9,7 @@ from typing import Any
 
 from kvlab.common.errors import ConfigError, KvlabError
 from kvlab.common.tokenizer import ByteTokenizer
-from kvlab.common.validate import shown
+from kvlab.common.validate import shown, user_path
 
 BYTE_VOCAB = 259                   # the byte tokenizer kvlab's tiny preset uses: 256 bytes after pad/bos/eos
 PRINTABLE = range(ByteTokenizer.OFFSET + 0x20, ByteTokenizer.OFFSET + 0x7F)   # ASCII text: one token per byte
@@ -23,7 +23,7 @@ def load_tokenizer(name: str | None, explicit: bool) -> Any:
         return ByteTokenizer(BYTE_VOCAB, add_bos=False)
     from kvlab.common.loader import load_model
     from kvlab.common.presets import PRESETS
-    if name in PRESETS or Path(name).expanduser().exists():
+    if name in PRESETS or user_path(name).exists():
         try:
             tokenizer = load_model(name)[1]
         except KvlabError as e:

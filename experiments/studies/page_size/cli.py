@@ -94,7 +94,8 @@ def settings_from(args: argparse.Namespace) -> StudySettings:
     spec = ServeSpec(dataset=args.dataset, num_requests=args.num_prompts, input_len=args.input_len,
                      output_len=args.output_len, hardware=args.hardware, model=args.model, model_prefill=True,
                      calibration=args.calibration)
-    return StudySettings(spec, args.slo, tuple(range(args.seed, args.seed + args.seeds)), cells(args),
+    checked_cells = cells(args)           # checks --seeds too: before the range of seeds is built
+    return StudySettings(spec, args.slo, tuple(range(args.seed, args.seed + args.seeds)), checked_cells,
                          positive_ints("--paged-blocks", args.paged_blocks), tuple(args.vmm_pages), args.budget_gb,
                          flips=not args.no_flips, jobs=args.jobs, ray=args.ray, progress=not args.no_progress,
                          out=args.out, save=not args.no_save, plots=not args.no_plots)
