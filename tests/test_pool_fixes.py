@@ -125,7 +125,7 @@ def give_when_waiting(llm: LLM, hog: pool.PoolMember, pages: list[int], preempte
     if preempted:
         wait_for(lambda: llm.engine.scheduler.stats.preemptions > 0, "the request preempted for want of pages")
     else:
-        time.sleep(0.5)                  # many steps that admit nothing: the head must not fail
+        time.sleep(1.5)                  # steps that admit nothing, past any one wait: the head must not fail
     hog.give(pages)
 
 
