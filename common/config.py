@@ -29,6 +29,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 PREEMPTION_MODES = ("recompute", "swap")
+KV_ROLES = ("colocated", "prefill", "decode")
 DTYPES = ("float32", "float16", "bfloat16")
 DEVICE = re.compile(r"cpu|cuda(:[0-9]+)?")
 KV_SCALE_RANGE = (1e-6, 1e6)       # fp8 KV scales of real models are ~1e-3..10; beyond this K/V underflow or saturate
@@ -57,6 +58,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1        # ranks sharding the model and KV heads (common/dist/)
     kv_pool: str | None = None           # vmm: draw KV pages from this machine-wide pool (docs/pool.md)
     kv_pool_bytes: int | None = None     # create the pool with this budget if it does not exist yet
+    kv_role: str = "colocated"           # colocated | prefill | decode: P/D disaggregation (common/handoff/)
+    handoff_timeout_s: float = 30.0      # prefill role: kept KV nobody pulls within this is freed (expired)
     options: dict[str, Any] = field(default_factory=dict)   # backend name -> its options dataclass
 
     def __post_init__(self) -> None:
@@ -129,6 +132,8 @@ def validate(cfg: EngineConfig) -> None:
         raise ConfigError(f"max_num_batched_tokens ({cfg.max_num_batched_tokens}) must be >= max_num_seqs "
                           f"({cfg.max_num_seqs}) so every running sequence can decode in one step")
     check_kv_pool(cfg)
+    check_choice("kv_role", cfg.kv_role, KV_ROLES)
+    check_number("handoff_timeout_s", cfg.handoff_timeout_s, 0.01, 86400.0, unit=" seconds")
     for name, opts in cfg.options.items():
         opts.validate()
         check_types(opts, where=f"{name}.")    # also for a backend whose validate() forgets it

@@ -11,15 +11,17 @@ Low-level use (bench, simulator):
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvlab.common.errors import KvlabError, RequestError
+from kvlab.common.handoff.side import HandoffRole
 from kvlab.common.kv.seam import create_cache
 from kvlab.common.kv.types import CacheStats
 from kvlab.common.metrics import MetricsRecorder, RunMetrics
-from kvlab.common.outputs import StepResult
+from kvlab.common.outputs import RequestOutput, StepResult
 from kvlab.common.request import Request, SchedulerOutput, SchedulerStats
 from kvlab.common.sampling_params import SamplingParams
 from kvlab.common.sched.attribution import KVAttributor
@@ -57,6 +59,12 @@ class Engine:
         self.stream = TokenStream()
         self._ids = itertools.count()
         self._closed = False
+        self.lock = threading.RLock()      # held by step and add_request; the handoff server's thread takes it too
+        try:
+            self.kv = HandoffRole(config, cache, self.scheduler, self.lock, vocab_size)
+        except BaseException:              # a role this cache cannot take: release what was built for it
+            self._release_parts()
+            raise
 
     @classmethod
     def from_model(cls, config: EngineConfig, model: Any, tokenizer: Any = None, **kwargs: Any) -> Engine:
@@ -80,16 +88,31 @@ class Engine:
 
     # -- requests -------------------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None) -> str:
-        """Queue one request; raises RequestError if it is invalid. Returns its id."""
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    kv_transfer_params: dict[str, Any] | None = None) -> str:
+        """Queue one request; raises RequestError if it is invalid. Returns its id. `kv_transfer_params`: on a
+        prefill engine {"do_remote_decode": True}, on a decode engine the prefill engine's answer
+        (docs/disaggregation.md)."""
         self._check_open()
+        try:
+            return self._add(prompt, params, request_id, arrival_time, kv_transfer_params)
+        except RequestError:
+            self.kv.decline_refused(kv_transfer_params)     # a refused decode request never pulls its KV
+            raise
+
+    def _add(self, prompt: str | list[int], params: SamplingParams | None, request_id: str | None,
+             arrival_time: float | None, kv_transfer_params: dict[str, Any] | None) -> str:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         text, token_ids = self.tokenize(prompt)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         arrival = self.runner.clock() if arrival_time is None else arrival_time
-        self.attributor.on_arrival(self.scheduler.add(request_id, token_ids, params, arrival, text))
+        with self.lock:
+            params, keep_kv, kv_import = self.kv.intake(params, kv_transfer_params, len(token_ids))
+            req = self.scheduler.add(request_id, token_ids, params, arrival, text, keep_kv, kv_import)
+            self.attributor.on_arrival(req)
+            self.kv.release_unpulled(req)
         return request_id
 
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -112,8 +135,12 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """Drop a request and free its KV; it produces no output. False if it is unknown or already finished."""
-        self.stream.forget(str(request_id))
-        return self.scheduler.abort(str(request_id))
+        with self.lock:
+            self.stream.forget(str(request_id))
+            req = self.scheduler.requests.get(str(request_id))
+            aborted = self.scheduler.abort(str(request_id))
+            self.kv.release_unpulled(req)
+            return aborted
 
     def abort_all(self, request_ids: Iterable[str]) -> None:
         """Abort these requests and discard every output not yet returned: the engine is left empty of them."""
@@ -139,14 +166,39 @@ class Engine:
     def step(self) -> StepResult:
         """One iteration: each request's new tokens, and the requests that finished (or failed) in it."""
         self._check_open()
-        held, sampled, stats = self._advance()
-        finished = self.scheduler.pop_finished()
-        self.attributor.on_step_end(held, finished, stats.map_seconds + stats.unmap_seconds)
-        for req in finished:
-            self.attributor.on_finished(req)
-            self.recorder.on_finished(req)
-        decode = self.tokenizer.decode if self.tokenizer is not None else None
-        return self.stream.step(sampled, [request_output(req, decode) for req in finished])
+        with self.lock:
+            self.kv.poll()
+            held, sampled, stats = self._advance()
+            finished = self.scheduler.pop_finished()
+            self.attributor.on_step_end(held, finished, stats.map_seconds + stats.unmap_seconds)
+            outputs = []
+            for req in finished:
+                self.attributor.on_finished(req)
+                self.recorder.on_finished(req)
+                outputs.append(self._output(req))
+            return self.stream.step(sampled, outputs)
+
+    def _output(self, req: Request) -> RequestOutput:
+        output = request_output(req, self.tokenizer.decode if self.tokenizer is not None else None)
+        self.kv.finished(req, output)
+        return output
+
+    # -- prefill/decode handoff (common/handoff/) ------------------------------------------------------------
+    def poll_handoffs(self) -> None:
+        """Free the KV of finished handoffs and of kept KV that expired. step() does it; a serving loop with
+        nothing to step calls this while it waits (a prefill engine's kept KV is no unfinished work)."""
+        with self.lock:
+            if not self._closed:
+                self.kv.poll()
+
+    def handoff_stats(self) -> dict[str, Any]:
+        """{"count", "bytes_copied", "units_moved", "seconds", "failed", "expired"} summed since start."""
+        return self.kv.stats.to_dict()
+
+    @property
+    def handoff_address(self) -> str | None:
+        """Where this prefill engine serves pulls (None on other roles)."""
+        return self.kv.address
 
     def _advance(self) -> tuple[list[Sequence], list[Request], CacheStats]:
         """schedule -> execute -> update, timed and recorded. Returns the sequences holding KV during the step,
@@ -196,12 +248,17 @@ class Engine:
 
     def close(self) -> None:
         if not self._closed:
-            self._closed = True
-            try:
-                self.cache.close()
-            finally:
-                if hasattr(self.runner, "close"):    # e.g. the tensor-parallel runner's ranks
-                    self.runner.close()
+            with self.lock:
+                self._closed = True
+                self.kv.close()
+            self._release_parts()
+
+    def _release_parts(self) -> None:
+        try:
+            self.cache.close()
+        finally:
+            if hasattr(self.runner, "close"):    # e.g. the tensor-parallel runner's ranks
+                self.runner.close()
 
 
 def _all_token_ids(prompt: list | tuple) -> bool:

@@ -46,6 +46,8 @@ class RequestOutput:
     finished: bool = True
     metrics: RequestMetrics | None = None
     error: str | None = None            # set when the request failed alone (finish_reason "error")
+    kv_transfer_params: dict[str, Any] | None = None   # prefill role: what a decode engine needs to pull the KV
+    handoff: dict[str, Any] | None = None   # prefill/decode roles: seconds, bytes_copied, units_moved, unit
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -3,7 +3,7 @@ step's output, and the scheduler's counters."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -45,6 +45,15 @@ class SequenceGroup(Protocol):
 
     def drop(self) -> None:
         """The request failed or was aborted: expect nothing more."""
+
+
+class KVImport(Protocol):
+    """A decode request's pending KV import (common/handoff/side.py): its first token (sampled by the prefill
+    engine) and the pull that admission calls as its first allocation."""
+    first_token: int
+
+    def __call__(self, req: Request, seq: Sequence, reserve_units: int) -> int | None:
+        """The tokens of KV now held (the prompt), or None if there is no room yet (nothing pulled)."""
 
 
 @dataclass(slots=True)
@@ -91,6 +100,9 @@ class Request:
     error: str | None = None
     finished: bool = False
     attribution: KVAttribution = field(default_factory=KVAttribution)
+    keep_kv: bool = False                                   # prefill role: its KV stays after it finishes
+    kv_import: KVImport | None = None                       # decode role: admission pulls its KV first
+    handoff: dict[str, Any] | None = None                   # what the pull moved (common/handoff/seam.py)
 
     @property
     def width(self) -> int:

@@ -22,5 +22,6 @@ def build(config, shape, accounting_only):
 
 
 SPEC = BackendSpec(name="paged", unit="block", layout="paged", options=PagedOptions, build=build,
-                   label=lambda o: f"paged-{o.block_size}", probe="kvlab.paged.probe:PROBE", window_trim=True,
+                   label=lambda o: f"paged-{o.block_size}",
+                   handoff="kvlab.paged.handoff:make", probe="kvlab.paged.probe:PROBE", window_trim=True,
                    help="PagedAttention: a block pool, per-sequence block tables, copy-on-write")

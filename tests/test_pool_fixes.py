@@ -161,6 +161,12 @@ class IdleEngine:
     def queue_depths(self) -> tuple[int, int, int]:
         return 0, 0, 0
 
+    def handoff_stats(self) -> dict:
+        return {}
+
+    def poll_handoffs(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 

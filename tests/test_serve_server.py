@@ -23,6 +23,7 @@ from kvlab.common.config import make_config
 from kvlab.common.engine import Engine
 from kvlab.common.kv.types import CacheStats
 from kvlab.common.metrics import RunMetrics
+from kvlab.common.outputs import CompletionOutput, RequestOutput
 from kvlab.common.sampling_params import SamplingParams
 from kvlab.common.tokenizer import ByteTokenizer
 from kvlab.experiments.serve.app import Server, create_app
@@ -428,3 +429,27 @@ def test_a_known_engine_failure_is_one_log_line_not_a_traceback(caplog):
         assert httpx.get(s.url + "/health", timeout=5).status_code == 503
     finally:
         s.stop()
+
+
+def test_handoff_totals_are_counters_and_the_stats_block():
+    """Engine.handoff_stats() running totals -> kvlab_handoff*_total counters (advanced, not added up) and the
+    "handoff" block of GET /kvlab/stats; a finished request's handoff -> the latency histogram."""
+    stats = CacheStats("vmm", "page", 16, total_units=10, used_units=0, free_units=10)
+    totals = {"count": 2, "bytes_copied": 0, "units_moved": 6, "seconds": 0.25, "failed": 1, "expired": 0}
+    engine, m = RecordedEngine(stats, RunMetrics("vmm")), ServerMetrics("vmm")
+    for _ in range(2):
+        m.on_step(engine, 0, 0, 0, force=True, handoffs=totals)
+    text = m.text().decode()
+    value = lambda name: float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))      # noqa: E731
+    assert (value("kvlab_handoffs_total"), value("kvlab_handoff_units_moved_total")) == (2, 6)
+    assert (value("kvlab_handoff_seconds_total"), value("kvlab_handoffs_failed_total")) == (0.25, 1)
+    assert m.stats()["handoff"] == totals
+    out = RequestOutput("r", None, [1], [CompletionOutput(0, [2], None, "length")],
+                        handoff={"seconds": 0.003, "bytes_copied": 0, "units_moved": 3, "unit": "page"})
+    m.on_finished(out, 0.0)
+    assert value_of(m, "kvlab_handoff_latency_seconds_count") == 1
+    assert value_of(m, "kvlab_handoff_latency_seconds_sum") == 0.003
+
+
+def value_of(m: ServerMetrics, name: str) -> float:
+    return float(re.search(rf"^{name} (\S+)$", m.text().decode(), re.M).group(1))

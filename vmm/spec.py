@@ -37,5 +37,6 @@ def label(o: VMMOptions) -> str:
 
 
 SPEC = BackendSpec(name="vmm", unit="page group", layout="contiguous", options=VMMOptions, build=build,
-                   label=label, probe="kvlab.vmm.probe:PROBE", window_trim=True, unit_multiple=HOST_PAGE,
+                   label=label, handoff="kvlab.vmm.handoff:make", probe="kvlab.vmm.probe:PROBE", window_trim=True,
+                   unit_multiple=HOST_PAGE,
                    help="vAttention-style: contiguous virtual K/V ranges, physical pages mapped on demand")

@@ -61,6 +61,7 @@ class BackendSpec:
     help: str = ""                             # one line for --help and the README
     unit_option: str = ""                      # the options field setting tokens per unit; "": <unit>_size if any
     unit_multiple: int = 1                     # that field's values are multiples of this (vmm: the host page)
+    handoff: str = ""                          # "module:attribute" of its KV handoff factory (common/handoff/)
 
     def default_options(self) -> Any:
         return self.options()

@@ -27,5 +27,6 @@ def build(config, shape, accounting_only):
 # The baseline reserves each sequence's whole region at admission, so a growth watermark means nothing to it.
 SPEC = BackendSpec(name="reserve", unit="token", layout="contiguous", options=ReserveOptions, build=build,
                    label=lambda o: "reserve" if o.reserve_mode == "max" else "oracle",
-                   probe="kvlab.common.reserve.probe:PROBE", watermark=False,
+                   handoff="kvlab.common.reserve.handoff:make", probe="kvlab.common.reserve.probe:PROBE",
+                   watermark=False,
                    help="the pre-2023 baseline: one contiguous region per sequence, reserved at admission")

@@ -6,19 +6,24 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvlab.common.handoff.seam import HandoffError
 from kvlab.common.sched.groups import add_item
 
 if TYPE_CHECKING:
     from kvlab.common.kv.seam import Allocator
     from kvlab.common.request import Request, SchedulerOutput, SchedulerStats
+    from kvlab.common.sched.lifecycle import Lifecycle
     from kvlab.common.sched.queues import Queues
+    from kvlab.common.sequence import Sequence
 
 
 class Admission:
-    def __init__(self, cache: Allocator, queues: Queues, stats: SchedulerStats, watermark: float) -> None:
+    def __init__(self, cache: Allocator, queues: Queues, stats: SchedulerStats, watermark: float,
+                 life: Lifecycle) -> None:
         self.cache = cache
         self.queues = queues
         self.stats = stats
+        self.life = life
         self.watermark_units = int(watermark * cache.num_total_units())
 
     def watermark(self, req: Request) -> int:
@@ -45,6 +50,14 @@ class Admission:
                 budget -= n
         return budget
 
+    def _import(self, req: Request, seq: Sequence) -> int | None:
+        """A decode request's first allocation: its prompt's KV pulled from the prefill engine (None: no room yet,
+        nothing pulled)."""
+        hit = req.kv_import(req, seq, self.watermark(req))
+        if hit is not None:
+            req.kv_import = None
+        return hit
+
     def admit(self, out: SchedulerOutput, budget: int) -> None:
         cache, queues = self.cache, self.queues
         while budget > 0:
@@ -55,13 +68,20 @@ class Admission:
             if not queues.has_slots(req):
                 break
             target = seq.num_computed_tokens + min(seq.num_tokens - seq.num_computed_tokens, budget)
-            hit = cache.allocate(seq, target, self.watermark(req))
+            if req.kv_import is not None:
+                try:
+                    hit = target = self._import(req, seq)     # allocated so far: the prompt; its next chunk below
+                except HandoffError as exc:
+                    self.life.fail(req, f"request {req.request_id}: {exc}", out)
+                    continue
+            else:
+                hit = cache.allocate(seq, target, self.watermark(req))
             if hit is None:
                 break
             queues.waiting.remove(seq)               # the head, unless parked beams precede it
             queues.enter_running(seq, req)
             out.admitted.append(seq)
-            if hit:
+            if hit:        # a prefix hit, or a decode request's imported KV (its whole prompt)
                 seq.num_computed_tokens = max(seq.num_computed_tokens, min(hit, seq.num_tokens - 1))
             start = seq.num_computed_tokens
             if target <= start:              # the prefix hit covered this chunk: take the next one

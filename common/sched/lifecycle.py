@@ -92,7 +92,10 @@ class Lifecycle:
 
     # -- finishing ------------------------------------------------------------------------------------------
     def finish_seq(self, req: Request, seq: Sequence, reason: str, check_request: bool = True) -> None:
-        self._release(seq, req)
+        if req.keep_kv and seq.status is RUNNING:      # prefill role: a decode engine pulls the KV later
+            self.queues.keep(seq, req)
+        else:
+            self._release(seq, req)
         seq.status = FINISHED
         seq.finish_reason = reason
         if check_request:

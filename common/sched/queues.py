@@ -24,6 +24,7 @@ class Queues:
         self.requests: dict[str, Request] = {}     # unfinished
         self.req_of: dict[int, Request] = {}       # seq_id -> request
         self.finished: list[Request] = []          # finished since the last pop_finished()
+        self.kept: dict[int, Sequence] = {}        # finished, KV kept for a handoff (each holds one slot)
         self.slots_used = 0                        # sum of widths of requests with a running sequence
         self.dirty = False                         # running changed after this step's items were chosen
         self._seq_ids = itertools.count()
@@ -52,6 +53,16 @@ class Queues:
         req.num_running -= 1
         if req.num_running == 0:
             self.slots_used -= req.width
+
+    def keep(self, seq: Sequence, req: Request) -> None:
+        """A finished sequence whose KV stays for a handoff: out of running, still holding its slot."""
+        self.kept[seq.seq_id] = seq
+        self.leave_running(req)
+        self.slots_used += 1
+
+    def release_kept(self, seq: Sequence) -> None:
+        del self.kept[seq.seq_id]
+        self.slots_used -= 1
 
     def remove_running(self, seq: Sequence) -> None:
         if seq is self.running[-1]:
@@ -93,11 +104,13 @@ class Queues:
         assert all(s.status is SWAPPED for s in self.swapped)
         assert len(self.running) <= self.max_num_seqs, (len(self.running), self.max_num_seqs)
         live = {id(r): r for r in (self.req_of[s.seq_id] for s in self.running)}
-        assert self.slots_used == sum(r.width for r in live.values()), "slot accounting drifted"
+        assert self.slots_used == sum(r.width for r in live.values()) + len(self.kept), "slot accounting drifted"
         assert self.slots_used <= self.max_num_seqs
         for s in self.running:
             assert cache.holds(s), f"running sequence {s.seq_id} holds no KV"
             assert s.num_computed_tokens <= s.num_tokens
+        for s in self.kept.values():
+            assert cache.holds(s), f"kept sequence {s.seq_id} holds no KV"
         for s in self.waiting:
             assert not cache.holds(s), f"waiting sequence {s.seq_id} still holds KV"
         for s in self.swapped:

@@ -30,7 +30,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvlab.common.errors import RequestError
-from kvlab.common.request import Request, Sample, SampleSpec, SchedulerOutput, SchedulerStats
+from kvlab.common.request import KVImport, Request, Sample, SampleSpec, SchedulerOutput, SchedulerStats
 from kvlab.common.sampling_params import SamplingParams
 from kvlab.common.sched.admission import Admission
 from kvlab.common.sched.groups import add_item, make_group
@@ -56,7 +56,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.queues = Queues(config.max_num_seqs)
         self.life = Lifecycle(cache, self.queues, self.stats)
-        self.admission = Admission(cache, self.queues, self.stats, config.watermark)
+        self.admission = Admission(cache, self.queues, self.stats, config.watermark, self.life)
         self.preemption = Preemption(cache, self.queues, self.life, self.stats, config.preemption_mode)
 
     # -- read-only views (tests, experiments and the engine read them) -------------------------------------
@@ -82,12 +82,16 @@ class Scheduler:
 
     # -- requests -------------------------------------------------------------------------------------------
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-            arrival_time: float = 0.0, prompt: str | None = None) -> Request:
+            arrival_time: float = 0.0, prompt: str | None = None, keep_kv: bool = False,
+            kv_import: KVImport | None = None) -> Request:
         """Queue a request. Raises RequestError for what is wrong with the request itself; a request the
-        cache cannot hold fails alone (it is returned finished with an error by the next pop_finished)."""
+        cache cannot hold fails alone (it is returned finished with an error by the next pop_finished).
+        `keep_kv` (prefill role): its KV stays when it finishes, until release_kept. `kv_import` (decode role):
+        it starts with the first token appended and admission imports the prompt's KV."""
         self._validate(request_id, prompt_token_ids, params)
         stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos)
-        req = Request(request_id, params, list(prompt_token_ids), prompt, arrival_time, stop)
+        req = Request(request_id, params, list(prompt_token_ids), prompt, arrival_time, stop, keep_kv=keep_kv,
+                      kv_import=kv_import)
         req.group = make_group(req, self.life)
         seq = self.queues.new_seq(req, prompt_token_ids)
         if req.beam:
@@ -100,9 +104,18 @@ class Scheduler:
                                 f"{self.cache.name} cache holds at most {limit} per sequence "
                                 f"(kv_cache_bytes={self.config.kv_cache_bytes}): "
                                 f"{self._fix(limit, len(prompt_token_ids))}")
+        elif kv_import is not None:
+            self._start_imported(req, seq, kv_import.first_token, arrival_time)
         else:
             self.queues.waiting.append(seq)
         return req
+
+    def _start_imported(self, req: Request, seq: Sequence, first_token: int, now: float) -> None:
+        """The first token came with the request; it waits for admission unless that token ended it."""
+        self.life.append(req, seq, first_token, 0.0)
+        req.first_token_time = seq.first_token_time = seq.last_token_time = now
+        if not seq.is_finished:
+            self.queues.waiting.append(seq)
 
     def _fix(self, limit: int, prompt_len: int) -> str:
         """The advice that can help: fewer output tokens only if the prompt itself fits."""
@@ -144,6 +157,14 @@ class Scheduler:
     def pop_finished(self) -> list[Request]:
         return self.queues.pop_finished()
 
+    def is_kept(self, seq: Sequence) -> bool:
+        """Whether a finished sequence's KV is kept for a handoff."""
+        return seq.seq_id in self.queues.kept
+
+    def release_kept(self, seq: Sequence) -> None:
+        """A kept sequence's KV was freed (its handoff ended): its slot is free again."""
+        self.queues.release_kept(seq)
+
     # -- schedule -------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -154,8 +175,8 @@ class Scheduler:
             budget = self.admission.swap_in(out, budget)
             if not queues.swapped:
                 self.admission.admit(out, budget)
-        if not (out.items or out.preempted or out.swapped_out or out.failed) and queues.requests:
-            self.preemption.break_stall(out)
+        if not (out.items or out.preempted or out.swapped_out or out.failed) and queues.requests and not queues.kept:
+            self.preemption.break_stall(out)     # kept KV (prefill role) is released by its pull or its timeout
         if queues.dirty:                 # a preemption or failure may have hit an already scheduled item
             queues.dirty = False
             out.items = [it for it in out.items if it.seq.status is RUNNING]

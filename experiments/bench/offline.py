@@ -49,8 +49,11 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--no-progress", action="store_true")
     flags.add_engine_flags(p, skip=("backend",))
     p.set_defaults(run=run)
+    from kvlab.experiments.bench import handoff  # `kvlab bench handoff`: the prefill->decode KV handoff table
     from kvlab.experiments.loadgen import cli as bench_cli  # `kvlab bench serve ...`: the HTTP load generator
-    bench_cli.add_parser(p.add_subparsers(dest="bench_mode", metavar="MODE"))
+    modes = p.add_subparsers(dest="bench_mode", metavar="MODE")
+    bench_cli.add_parser(modes)
+    handoff.add_parser(modes)
 
 
 def settings_from(args: argparse.Namespace) -> BenchSettings:

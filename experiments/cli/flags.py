@@ -14,13 +14,13 @@ from kvlab.common.config import EngineConfig, make_config
 from kvlab.common.errors import ConfigError, KvlabError
 from kvlab.common.kv.registry import REGISTRY, backend_names
 from kvlab.common.limits import check_physical_budget
-from kvlab.common.validate import probe_writable, shown
+from kvlab.common.validate import check_text, probe_writable, shown
 
 # CLI flag -> EngineConfig field; each is optional and, when given, overrides the TOML file. Backends' own
 # options (block_size, page_size, ...) get their flags from their options dataclasses (see backend_flags).
 GENERIC_FLAGS = ("model", "backend", "kv_cache_bytes", "watermark", "preemption_mode", "max_num_seqs",
                  "max_num_batched_tokens", "max_model_len", "dtype", "device", "kernel", "seed", "threads",
-                 "tensor_parallel_size", "kv_cache_dtype", "kv_cache_scale")
+                 "tensor_parallel_size", "kv_cache_dtype", "kv_cache_scale", "handoff_timeout_s")
 SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "kb": 1000, "m": 1024**2, "mib": 1024**2, "mb": 1000**2,
               "g": 1024**3, "gib": 1024**3, "gb": 1000**3, "t": 1024**4, "tib": 1024**4, "tb": 1000**4}
 
@@ -107,6 +107,8 @@ def add_engine_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> 
         "kernel": {"help": "attention kernel: auto or a registry name"},
         "seed": {"type": int}, "threads": {"type": int, "help": "torch threads (default 1; 0 = torch default)"},
         "tensor_parallel_size": {"type": int, "help": "ranks sharding the model and KV heads (CPU: gloo)"},
+        "handoff_timeout_s": {"type": float, "metavar": "S",
+                              "help": "kv_role prefill: seconds kept KV waits for a decode engine's pull (default 30)"},
     }
     for name, kw in flags.items():
         if name not in skip:
@@ -134,7 +136,7 @@ def check_output_path(path: str | None, flag: str, directory: bool = False) -> N
     since permission bits say little to root or on read-only mounts; the probe leaves nothing behind."""
     if path is None:
         return
-    p = Path(path)
+    p = Path(check_text(flag, path, 4096))          # a NUL byte or lone surrogate: one line, before any OS call
     if directory and p.exists() and not p.is_dir():
         raise ConfigError(f"{flag} {path}: exists and is not a directory")
     if not directory and p.is_dir():

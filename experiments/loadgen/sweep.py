@@ -91,15 +91,36 @@ def server_counter(url: str, name: str) -> float:
     return float(m.group(1)) if m else math.nan
 
 
-def exit_on_sigterm(sig: int, frame) -> None:
-    raise SystemExit(128 + sig)          # unwinds through kvlab_server, which stops the child: no orphan
+@contextlib.contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """SIGTERM raises SystemExit in this process, so it unwinds through every server's teardown (no orphan); the
+    previous handler is back afterwards. A forked child (a worker pool's) that inherits it dies as by default."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    owner = os.getpid()
+
+    def unwind(sig: int, frame: Any) -> None:
+        if os.getpid() != owner:
+            signal.signal(sig, signal.SIG_DFL)
+            os.kill(os.getpid(), sig)
+        raise SystemExit(128 + sig)
+    previous = signal.signal(signal.SIGTERM, unwind)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def run_sweep(spec: LoadSpec, backends: list[str], rates: list[float], out_dir: str | None,
               server_args: list[str]) -> int:
     """Every backend's server in turn, every rate against it; `spec.model` is the kvlab preset served."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, exit_on_sigterm)
+    with sigterm_unwinds():
+        return _sweep(spec, backends, rates, out_dir, server_args)
+
+
+def _sweep(spec: LoadSpec, backends: list[str], rates: list[float], out_dir: str | None,
+           server_args: list[str]) -> int:
     out = Path(out_dir or Path("results") / datetime.now().strftime("%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
     rows, t0 = [], time.perf_counter()

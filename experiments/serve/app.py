@@ -163,7 +163,7 @@ async def generate(server: Server, request: Request, chat: bool) -> Response:
     engine = server.engine
     if not engine.is_alive():
         raise EngineGone(engine.gone_reason)
-    if not engine.submit(rid, prompt, sub.params, events.put_nowait):
+    if not engine.submit(rid, prompt, sub.params, events.put_nowait, sub.kv_transfer_params):
         raise ApiError(429, f"the waiting queue is full ({engine.max_waiting} requests); retry later",
                        kind="rate_limit_error")
     try:
@@ -192,6 +192,7 @@ class Response_:
         self.done = False
         self.error: str | None = None
         self.extra: dict[str, Any] = {}
+        self.transfer: dict[str, Any] | None = None     # the output's kv_transfer_params (a prefill engine's)
         self.echo = self._prompt_text() if sub.echo else ""
         n = sub.params.n
         self.writer = (None if sub.params.logprobs is None else
@@ -233,8 +234,9 @@ class Response_:
         if out is not None:
             self.n_prompt = len(out.prompt_token_ids)
             self.error = out.error
+            self.transfer = out.kv_transfer_params
             if out.metrics is not None:
-                self.extra = kvlab_extension(out.metrics)
+                self.extra = kvlab_extension(out.metrics, out.handoff)
         return pieces
 
     def usage(self) -> dict[str, int]:
@@ -255,7 +257,7 @@ class Response_:
                    for i, s in enumerate(self.dec.samples)]
         return {"id": self.rid, "object": "chat.completion" if self.sub.chat else "text_completion",
                 "created": self.created, "model": self.model(), "choices": choices, "usage": self.usage(),
-                "kvlab": self.extra}
+                "kv_transfer_params": self.transfer, "kvlab": self.extra}
 
     async def drain(self, request: Request) -> None:
         """Apply events until the request ends or its client leaves. The client is checked every DISCONNECT_POLL_S
@@ -290,11 +292,14 @@ class Response_:
         return None if self.writer is None else self.writer.take(i, ids)
 
     # -- streaming --------------------------------------------------------------------------------------------
-    def chunk(self, choices: list[dict[str, Any]], usage: dict | None = None, kvlab: dict | None = None) -> str:
+    def chunk(self, choices: list[dict[str, Any]], usage: dict | None = None, kvlab: dict | None = None,
+              transfer: dict | None = None) -> str:
         body = {"id": self.rid, "object": "chat.completion.chunk" if self.sub.chat else "text_completion",
                 "created": self.created, "model": self.model(), "choices": choices}
         if usage is not None:
             body["usage"] = usage
+        if transfer is not None:
+            body["kv_transfer_params"] = transfer
         if kvlab:
             body["kvlab"] = kvlab
         return f"data: {json.dumps(body)}\n\n"
@@ -318,7 +323,7 @@ class Response_:
                 tail.append(f"data: {json.dumps(err.body())}\n\n")
             tail.append(self.chunk([self.choice(i, "", s.finish_reason, delta=True) | {"token_ids": []}
                                     for i, s in enumerate(self.dec.samples)], self.running_usage(),
-                                   kvlab=self.extra))
+                                   kvlab=self.extra, transfer=self.transfer))
             if self.sub.include_usage:
                 tail.append(self.chunk([], self.usage()))
             tail.append("data: [DONE]\n\n")

@@ -41,6 +41,7 @@ class EngineLoop:
         self.waiting = 0                               # the scheduler's waiting queue after the last step
         self.stalled = False                           # the last step ran nothing: requests wait for memory
         self.sent_waiting = 0
+        self.handoffs = engine.handoff_stats()        # the totals last published
         self.stopping = threading.Event()
         self.failed = False
         self.thread = threading.Thread(target=self.run, name="kvlab-engine", daemon=True)
@@ -73,6 +74,8 @@ class EngineLoop:
                     self.metrics.on_idle(self.engine)
                 if self.engine.has_unfinished() and not self.stopping.is_set():
                     self._step()
+                else:
+                    self._idle()
                 self._flush()
         except EOFError:                               # an engine process whose server went away
             log.warning("the server closed the engine's pipe; stopping")
@@ -107,7 +110,8 @@ class EngineLoop:
 
     def _add(self, cmd: AddCommand) -> None:
         try:
-            self.engine.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id)
+            self.engine.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id,
+                                    kv_transfer_params=cmd.kv_transfer_params)
         except KvlabError as e:
             self.events.append(RejectedEvent(cmd.request_id, str(e)))
             return
@@ -137,11 +141,22 @@ class EngineLoop:
             self.metrics.on_finished(out, now)
         self._publish()
 
+    def _idle(self) -> None:
+        """Nothing to step: a prefill engine still frees the KV its decode engines took (or let expire), and
+        publishes the new totals."""
+        self.engine.poll_handoffs()
+        totals = self.engine.handoff_stats()
+        if totals != self.handoffs:
+            self.handoffs = totals
+            self.metrics.on_handoffs(totals)
+
     def _publish(self) -> None:
         running, waiting, swapped = self.engine.queue_depths()
         self.waiting = waiting
         self.stalled = not running and self.engine.has_unfinished()    # a pool's engine waiting for pages
-        self.metrics.on_step(self.engine, running, waiting, swapped, force=not self.engine.has_unfinished())
+        self.handoffs = self.engine.handoff_stats()
+        self.metrics.on_step(self.engine, running, waiting, swapped, force=not self.engine.has_unfinished(),
+                             handoffs=self.handoffs)
 
     def _flush(self) -> None:
         """Send this turn's events, if any, or the waiting count if it changed (the server admits by it)."""

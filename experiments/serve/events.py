@@ -33,6 +33,7 @@ class AddCommand:
     request_id: str
     prompt: str | list[int]
     params: SamplingParams
+    kv_transfer_params: dict[str, Any] | None = None    # disaggregated serving (Engine.add_request's)
 
 
 @record

@@ -56,13 +56,14 @@ class EngineHandle:
         self.last_waiting = 0                          # the engine's waiting queue after its last step
         self.streams: dict[str, Stream] = {}
 
-    def submit(self, request_id: str, prompt: str | list[int], params: Any, sink: Sink) -> bool:
+    def submit(self, request_id: str, prompt: str | list[int], params: Any, sink: Sink,
+               kv_transfer_params: dict[str, Any] | None = None) -> bool:
         """False when the waiting queue is full (the caller answers 429)."""
         if self.pending + self.last_waiting >= self.max_waiting:
             return False
         self.pending += 1
         self.streams[request_id] = Stream(sink)
-        self.send(AddCommand(request_id, prompt, params))
+        self.send(AddCommand(request_id, prompt, params, kv_transfer_params))
         return True
 
     def abort(self, request_id: str) -> None:

@@ -21,6 +21,9 @@ READ_EVERY_S = 0.2
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 COUNTED = ("preemptions", "recomputed_tokens", "num_steps")                  # RunMetrics, since the last reset
 CACHE_COUNTED = ("map_calls", "unmap_calls", "map_seconds", "unmap_seconds")  # CacheStats, since the start
+# Engine.handoff_stats() key -> its counter (since the start); GET /kvlab/stats has them under "handoff"
+HANDOFF_COUNTED = {"count": "handoffs", "bytes_copied": "handoff_bytes_copied", "units_moved": "handoff_units_moved",
+                   "seconds": "handoff_seconds", "failed": "handoffs_failed", "expired": "handoffs_expired"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +68,13 @@ METRICS = (
     Exported("pool_engine_bytes", Gauge, "bytes of the pool this engine holds"),
     Exported("pool_pages_taken", Counter, "pool pages this engine took"),
     Exported("pool_pages_given", Counter, "pool pages this engine gave back"),
+    Exported("handoffs", Counter, "KV handoffs between a prefill and a decode engine (either side counts each)"),
+    Exported("handoff_bytes_copied", Counter, "bytes of KV the handoffs copied (vmm remaps pages: 0)"),
+    Exported("handoff_units_moved", Counter, "pages or blocks the handoffs moved"),
+    Exported("handoff_seconds", Counter, "cumulative seconds in handoffs", unit="seconds"),
+    Exported("handoffs_failed", Counter, "handoffs that failed (peer gone, refused, mismatched)"),
+    Exported("handoffs_expired", Counter, "prefill KV released because no decode engine pulled it in time"),
+    Exported("handoff_latency", Histogram, "one request's KV handoff", unit="seconds"),
     Exported("requests_finished", Counter, "requests that finished"),
     Exported("num_failed", Counter, "requests that failed alone", old="requests_failed"),
     Exported("requests_aborted", Counter, "requests aborted (client gone or server stopping)"),
@@ -118,7 +128,9 @@ class ServerMetrics:
             self._inc(name, total - self.sent.get(name, 0))
             self.sent[name] = total
 
-    def on_step(self, engine: Any, running: int, waiting: int, swapped: int, force: bool = False) -> None:
+    def on_step(self, engine: Any, running: int, waiting: int, swapped: int, force: bool = False,
+                handoffs: dict[str, float] | None = None) -> None:
+        """After a step; `handoffs`: the engine's handoff totals (Engine.handoff_stats), when it has a role."""
         s = engine.cache_stats()
         gauges = {"running": running, "waiting": waiting, "swapped": swapped, "used_units": s.used_units,
                   "total_units": s.total_units, "mapped_bytes": s.mapped_bytes,
@@ -131,6 +143,8 @@ class ServerMetrics:
         self.latest = gauges | {old: gauges[new] for old, new in OLD_STATS_KEYS.items()}
         if "pool" in s.extra:
             self._on_pool(s.extra["pool"])
+        if handoffs is not None:
+            self.on_handoffs(handoffs)
         now = time.monotonic()
         if now - self.last_read < READ_EVERY_S and not force:
             return
@@ -156,6 +170,12 @@ class ServerMetrics:
             self._count_to("pool_" + name, pool[name])
         self.latest["pool"] = dict(pool)
 
+    def on_handoffs(self, totals: dict[str, float]) -> None:
+        """The engine's handoff totals (Engine.handoff_stats) -> the counters and GET /kvlab/stats' "handoff"."""
+        for key, name in HANDOFF_COUNTED.items():
+            self._count_to(name, totals[key])
+        self.latest["handoff"] = {key: totals[key] for key in HANDOFF_COUNTED}
+
     def _read_counts(self, engine: Any) -> None:
         m = engine.metrics()                       # computes percentiles: read a few times a second, not per step
         for name in COUNTED:
@@ -173,6 +193,8 @@ class ServerMetrics:
         n_out = max(len(c.token_ids) for c in out.outputs) if out.outputs else 0
         self._inc("output_tokens", sum(len(c.token_ids) for c in out.outputs))
         self._inc("prompt_tokens", len(out.prompt_token_ids))
+        if out.handoff is not None and out.handoff["units_moved"]:    # a prefill output's KV moves later: zeros
+            self._observe("handoff_latency", out.handoff["seconds"])
         m = out.metrics
         if m is None or m.first_token_time is None:
             return

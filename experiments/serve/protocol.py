@@ -6,6 +6,7 @@ its neutral value, a known field with a wrong type or value is a 400 naming it, 
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,12 @@ from kvlab.common.validate import shown
 
 DEFAULT_MAX_TOKENS = 16
 MAX_STOP_STRINGS = 4
+MAX_TRANSFER_PARAMS_CHARS = 4096   # kv_transfer_params as JSON: a handful of short fields
+# kv_transfer_params (vLLM's field for disaggregated serving, docs/disaggregation.md): the fields kvlab reads, by
+# the JSON type each must have; others are ignored, as vLLM's connectors ignore each other's
+TRANSFER_FIELDS = {"do_remote_decode": (bool,), "do_remote_prefill": (bool,), "handoff_id": (str,),
+                   "address": (str,), "backend": (str,), "pool": (str, type(None)), "num_tokens": (int,),
+                   "first_token_ids": (list,)}
 
 # Fields kvlab cannot honour, with the value that asks for nothing (sent by many clients, so accepted).
 UNSUPPORTED = {
@@ -51,6 +58,7 @@ class Submission:
     model: str = ""
     continuous_usage: bool = False      # usage in every streamed chunk (vLLM's continuous_usage_stats)
     echo: bool = False                  # completions: the prompt text leads each choice
+    kv_transfer_params: dict[str, Any] | None = None   # disaggregated serving: passed to the engine as given
 
 
 def bad(param: str, message: str) -> ApiError:
@@ -110,6 +118,34 @@ def _stream_usage(body: dict, stream: bool) -> tuple[bool, bool]:
         raise bad("stream_options", "is only allowed with stream=true")
     usage, continuous = _bool(opts, "include_usage", False), _bool(opts, "continuous_usage_stats", False)
     return usage, usage and continuous
+
+
+def _kv_transfer_params(body: dict) -> dict[str, Any] | None:
+    """The object's shape only (each field the engine reads has its JSON type); what the values mean is the
+    engine's to check (a 400 from add_request)."""
+    v = body.get("kv_transfer_params")
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise bad("kv_transfer_params", f"must be an object, got {shown(v)}")
+    if len(json.dumps(v)) > MAX_TRANSFER_PARAMS_CHARS:
+        raise bad("kv_transfer_params", f"may have at most {MAX_TRANSFER_PARAMS_CHARS:,} characters as JSON")
+    for name, types in TRANSFER_FIELDS.items():
+        if name in v and not _is(v[name], types):
+            kind = " or ".join("null" if t is type(None) else TYPE_NAMES[t] for t in types)
+            raise bad("kv_transfer_params", f"{name} must be {kind}, got {shown(v[name])}")
+    ids = v.get("first_token_ids", [])
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < MAX_VOCAB for t in ids):
+        raise bad("kv_transfer_params", f"first_token_ids must be token ids, got {shown(ids)}")
+    return v
+
+
+TYPE_NAMES = {bool: "true or false", str: "a string", int: "an integer", list: "a list"}
+
+
+def _is(value: Any, types: tuple[type, ...]) -> bool:
+    """isinstance, but a bool is no integer."""
+    return isinstance(value, types) and (bool in types or not isinstance(value, bool))
 
 
 def _refuse_unsupported(body: dict) -> None:
@@ -264,7 +300,8 @@ def parse(body: Any, chat: bool, render_chat) -> Submission:
         raise
     _best_of(body, params.n)
     usage, continuous = _stream_usage(body, stream)
-    return Submission(prompt, params, _stop(body), stream, usage, chat, model, continuous, echo)
+    return Submission(prompt, params, _stop(body), stream, usage, chat, model, continuous, echo,
+                      _kv_transfer_params(body))
 
 
 def tokenize_request(body: Any, render_chat, tokenizer: Any) -> list[int]:

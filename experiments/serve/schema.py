@@ -17,6 +17,13 @@ STOP = {"anyOf": [{"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS
                   {"type": "array", "maxItems": MAX_STOP_STRINGS,
                    "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}},
                   {"type": "null"}]}
+TRANSFER = {"type": "object",
+            "properties": {"do_remote_decode": BOOL, "do_remote_prefill": BOOL, "handoff_id": {"type": "string"},
+                           "address": {"type": "string"}, "backend": {"type": "string"},
+                           "pool": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+                           "num_tokens": {"type": "integer", "minimum": 0},
+                           "first_token_ids": {"type": "array", "maxItems": 1,
+                                               "items": {"type": "integer", "minimum": 0, "maximum": MAX_VOCAB - 1}}}}
 SAMPLING = {
     "model": {"type": "string"},
     "n": {"type": "integer", "minimum": 1, "maximum": MAX_N},
@@ -34,6 +41,7 @@ SAMPLING = {
     "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 2},
     "user": {"type": "string"},
+    "kv_transfer_params": TRANSFER,     # disaggregated serving (docs/disaggregation.md)
 }
 TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
 PROMPT = {"anyOf": [{"type": "string", "minLength": 1}, TOKEN_IDS]}

@@ -1,5 +1,6 @@
 """`kvlab serve`: start the engine (its own process by default, or a thread with --engine-thread), run uvicorn;
-SIGINT/SIGTERM abort in-flight work, free everything and exit 0."""
+SIGINT/SIGTERM abort in-flight work, free everything and exit 0. `--role prefill|decode` serves one side of
+disaggregated serving, `--role router` the proxy in front of them (docs/disaggregation.md)."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +8,7 @@ import contextlib
 import logging
 import signal
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -19,10 +20,14 @@ from kvlab.experiments.cli import flags as cli
 from kvlab.experiments.serve.app import Server, create_app
 from kvlab.experiments.serve.engine_process import ProcessEngine
 from kvlab.experiments.serve.handles import EngineHandle, ThreadEngine, build_engine
+from kvlab.experiments.serve.router import Router, RouterSettings, create_router_app
+from kvlab.experiments.serve.router_server import check_engine_role, router_settings
 
 log = logging.getLogger("kvlab.serve")
 DEFAULT_MAX_WAITING = 1024
 GRACEFUL_S = 5
+BACKLOG = 2048                 # uvicorn's own
+ROLES = ("colocated", "prefill", "decode", "router")
 
 
 def add_parser(subparsers) -> None:
@@ -40,17 +45,30 @@ def add_parser(subparsers) -> None:
     p.add_argument("--kv-pool", metavar="NAME", help="vmm: draw KV pages from this machine-wide pool (docs/pool.md)")
     p.add_argument("--kv-pool-bytes", metavar="BYTES", type=cli.parse_bytes,
                    help="create the --kv-pool with this budget if no engine serves it yet, e.g. 8GiB")
+    add_role_flags(p)
     cli.add_engine_flags(p)
     p.set_defaults(run=run)
+
+
+def add_role_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--role", choices=ROLES, default=None,
+                   help="colocated (default): prefill and decode in one engine; prefill | decode: one side of "
+                        "disaggregated serving; router: the proxy in front of them (docs/disaggregation.md)")
+    p.add_argument("--prefill", nargs="+", metavar="URL", help="router: the prefill engines' servers")
+    p.add_argument("--decode", nargs="+", metavar="URL", help="router: the decode engines' servers")
+    p.add_argument("--colocated", nargs="+", metavar="URL",
+                   help="router: colocated engines' servers instead, each request sent whole to one (the baseline)")
+    p.add_argument("--upstream-timeout", type=float, metavar="S",
+                   help="router: seconds each engine call may take (a stream: each piece; default 300)")
 
 
 class SignalServer(uvicorn.Server):
     """uvicorn, but a signal first aborts in-flight generation (so streams end at once), and the process exits 0
     afterwards instead of re-raising the signal."""
 
-    def __init__(self, config: uvicorn.Config, engine: EngineHandle) -> None:
+    def __init__(self, config: uvicorn.Config, begin_stop: Callable[[], None]) -> None:
         super().__init__(config)
-        self.engine = engine
+        self.begin_stop = begin_stop
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -63,7 +81,7 @@ class SignalServer(uvicorn.Server):
 
     def on_signal(self, sig: int, frame) -> None:
         log.warning("signal %d: aborting in-flight requests and stopping", sig)
-        self.engine.begin_stop()
+        self.begin_stop()
         self.should_exit = True
 
 
@@ -86,20 +104,53 @@ def check_server_flags(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_server_flags(args)
-    config = cli.engine_config(vars(args), kv_pool=args.kv_pool, kv_pool_bytes=args.kv_pool_bytes)
+    if args.role == "router":
+        return serve_router(router_settings(args), args.host, args.port)
+    check_engine_role(args)
+    config = cli.engine_config(vars(args), kv_pool=args.kv_pool, kv_pool_bytes=args.kv_pool_bytes,
+                               kv_role=args.role)
     engine, threads = start_engine(config, args.max_waiting, args.engine_thread)
-    app = create_app(Server(engine, args.served_model_name or str(config.model)))
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((args.host, args.port))
+        app = create_app(Server(engine, args.served_model_name or str(config.model)))
+        sock = bind(args.host, args.port)
         where = "a thread" if args.engine_thread else "its own process"
-        print(f"kvlab serve: {config.backend} on http://{args.host}:{sock.getsockname()[1]} "
+        role = "" if config.kv_role == "colocated" else f" ({config.kv_role})"
+        print(f"kvlab serve: {config.backend}{role} on http://{args.host}:{sock.getsockname()[1]} "
               f"(engine in {where}, {threads} torch thread(s))", flush=True)
-        uv_config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=GRACEFUL_S,
-                                   timeout_keep_alive=KEEP_ALIVE_S, h11_max_incomplete_event_size=MAX_HEADER_BYTES)
-        SignalServer(uv_config, engine).run(sockets=[sock])
+        serve(app, sock, engine.begin_stop)
     finally:
         engine.stop()
-        sock.close()
     return 0
+
+
+def serve_router(settings: RouterSettings, host: str, port: int) -> int:
+    app = create_router_app(Router(settings))
+    sock = bind(host, port)
+    engines = ", ".join(f"{len(urls)} {role}" for role, urls in settings.engines.items() if urls)
+    print(f"kvlab serve: router on http://{host}:{sock.getsockname()[1]} ({engines} engine(s))", flush=True)
+    serve(app, sock, lambda: None)
+    return 0
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket: a client that connects once the start line is printed waits in the backlog until
+    uvicorn accepts, instead of being refused."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(BACKLOG)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def serve(app: object, sock: socket.socket, begin_stop: Callable[[], None]) -> None:
+    """uvicorn on a bound socket until a signal (or the app) stops it; the socket is closed after."""
+    uv_config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=GRACEFUL_S,
+                               timeout_keep_alive=KEEP_ALIVE_S, h11_max_incomplete_event_size=MAX_HEADER_BYTES)
+    try:
+        SignalServer(uv_config, begin_stop).run(sockets=[sock])
+    finally:
+        sock.close()

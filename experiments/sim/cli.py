@@ -80,8 +80,12 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--no-save", action="store_true", help="print only; write no files")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(run=run)
+    from kvlab.experiments.sim.pd import cli as pd_cli
+    from kvlab.experiments.sim.pool import cli as pool_cli
     from kvlab.experiments.sim.serve import cli as serve_cli
-    serve_cli.add_parser(p.add_subparsers(dest="simulate_command", metavar="serve", required=False))
+    commands = p.add_subparsers(dest="simulate_command", metavar="serve | pool | pd", required=False)
+    for command in (serve_cli, pool_cli, pd_cli):
+        command.add_parser(commands)
 
 
 @dataclass(frozen=True)

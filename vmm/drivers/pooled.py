@@ -201,6 +201,32 @@ class PooledHostMemory:
     def spare_pages(self) -> int:
         return len(self.loose) + len(self.idle)
 
+    # -- the KV handoff's page interface (vmm/handoff.py) --------------------------------------------------------
+    def pool_page(self, local: int) -> int:
+        """The pool page behind a mapped local page."""
+        return self.backing[local]
+
+    def adopt(self, pages: dict[int, int]) -> None:
+        """Back these unmapped local pages with pool pages this engine just received (their data stays); a page's
+        old, idle backing goes back to the pool. The next map of them maps the received pages."""
+        if any(local in self.refs for local in pages):
+            raise DriverError("vmm handoff: cannot adopt pool pages into local pages that are mapped")
+        old = [self.backing[local] for local in pages if local in self.backing]
+        for local, pool_page in pages.items():
+            self.idle.pop(local, None)
+            self.backing[local] = pool_page
+        self._give(old)
+
+    def disown(self, locals_: list[int]) -> None:
+        """Forget the pool pages behind these unmapped local pages: another engine took them (no give, they are not
+        this engine's any more)."""
+        if any(local in self.refs for local in locals_):
+            raise DriverError("vmm handoff: cannot disown local pages that are still mapped")
+        for local in locals_:
+            self.idle.pop(local, None)
+            self.kept.discard(local)
+        self.member.forget([self.backing.pop(local) for local in locals_])
+
     def give_spare(self, limit: int) -> int:
         """Give back up to `limit` pool pages no mapping uses: loose ones, then spares, oldest first."""
         loose, self.loose = self.loose[:max(0, limit)], self.loose[max(0, limit):]

@@ -20,6 +20,7 @@ from kvlab.vmm.pool.errors import PoolError
 from kvlab.vmm.pool.memory import punch
 from kvlab.vmm.pool.status import PoolStatus, read_status
 from kvlab.vmm.pool.steward import Steward
+from kvlab.vmm.pool.transfer import all_held, transfer
 
 
 class PoolMember:
@@ -78,6 +79,22 @@ class PoolMember:
         punch(attachment.pages_fd, self.page_size, pages)       # still ours: no one else can map them yet
         with attachment.locked() as ledger:
             ledger.give(self.slot, np.asarray(pages, dtype=np.int64))
+        self._held.difference_update(pages)
+
+    def receive(self, giver: int, giver_pid: int, pages: list[int]) -> None:
+        """Pages another engine (pool slot `giver`) holds become this engine's, all or none (vmm/pool/transfer.py):
+        TransferRefused past this engine's ceiling, PoolError if the giver does not hold them all."""
+        with self._usable().locked() as ledger:
+            transfer(ledger, giver, giver_pid, self.slot, np.asarray(pages, dtype=np.int64))
+        self._held.update(pages)
+
+    def still_holds(self, pages: list[int]) -> bool:
+        """Whether every one of `pages` is still this engine's (not transferred or reaped away)."""
+        with self._usable().locked() as ledger:
+            return all_held(ledger, self.slot, np.asarray(pages, dtype=np.int64))
+
+    def forget(self, pages: list[int]) -> None:
+        """Pages another engine took by transfer: no longer this engine's to give (the books say so already)."""
         self._held.difference_update(pages)
 
     def ask(self, n: int) -> None:

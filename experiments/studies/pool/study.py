@@ -5,9 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
 import sys
-import threading
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
@@ -29,10 +27,13 @@ RUN_TIMEOUTS = Timeouts(connect=10.0, read=300.0, request=300.0)   # a queued re
 
 def execute(s: PoolStudySettings, command: str) -> int:
     """The whole study: the runs, the table printed, the results directory written."""
-    from kvlab.experiments.loadgen.sweep import exit_on_sigterm
+    from kvlab.experiments.loadgen.sweep import sigterm_unwinds
+    with sigterm_unwinds():                                 # unwinds through every server's teardown
+        return _execute(s, command)
+
+
+def _execute(s: PoolStudySettings, command: str) -> int:
     from kvlab.experiments.studies.pool.output import report, save
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, exit_on_sigterm)      # unwinds through every server's teardown
     out = Path(s.out or Path("results") / datetime.now().strftime("pool-ab-%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
     records = run_study(s, out)

@@ -1,0 +1,2 @@
+"""`kvlab simulate pd`: prefill/decode disaggregation at GPU scale, the KV handoff copied or remapped
+(docs/simulator-serving.md)."""

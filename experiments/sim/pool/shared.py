@@ -1,0 +1,128 @@
+"""One elastic page pool for several simulated vmm engines: the accounting-only counterpart of vmm/pool/.
+
+Every engine's accounting driver checks its maps with the pool (`PoolShare`, the budget its mapping count checks
+before a map, never after); the pool holds `pages` physical pages for all engines together, and an engine's share
+is its driver's mapped pages (CUDA mappings never merge: each mapped page is one physical page).
+An engine whose map would pass the total first asks the other engines for pages: each answers with its
+allocator's own `give_back` (the call the real pool's steward makes), which unmaps its freed slots' parked pages.
+Only then is the map refused (MapBudgetExhausted: the vmm then drops its own parked pages and retries, then the
+scheduler waits or preempts, as with a real pool). An unmapped page is back in the pool at once (no spares are
+held: in the accounting world there is no memory to keep), and floors are 0.
+
+Driver costs: a given page's cuMemUnmap is charged to the engine that asked for it (it waits for the give-back),
+not to the giver, which may be idle and step no more; the asker's cuMemMap of the page is its own map."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kvlab.common.kv.seam import KVCache, NullStorage
+from kvlab.vmm.allocator import VMMAllocator
+from kvlab.vmm.drivers.accounting import AccountingVirtualMemory
+from kvlab.vmm.drivers.map_budget import MapBudgetExhausted, MappingCount
+
+
+class SharedPages:
+    """The pool's books: pages held by all engines against the total."""
+
+    def __init__(self, pages: int) -> None:
+        self.pages = pages
+        self.shares: list[PoolShare] = []
+        self.pages_moved = 0         # pages given back on request, over the run
+
+    @property
+    def held(self) -> int:
+        return sum(share.held for share in self.shares)
+
+    def join(self) -> PoolShare:
+        share = PoolShare(self)
+        self.shares.append(share)
+        return share
+
+    def obtainable(self) -> int:
+        """Pages an engine could map now: the free ones and every engine's parked (freed slots') pages."""
+        return self.pages - self.held + sum(share.parked() for share in self.shares)
+
+    def reclaim(self, asker: PoolShare, wanted: int) -> None:
+        """Ask every other engine to give back pages it holds without need, until `wanted` are free."""
+        for share in self.shares:
+            if self.pages - self.held >= wanted:
+                return
+            if share is not asker and share.answer is not None:
+                freed = share.give_back(wanted - (self.pages - self.held))
+                asker.unmapped_for_me += freed
+                self.pages_moved += freed
+
+
+class PoolShare:
+    """One engine's account in the pool: the `budget` its driver's MappingCount checks and books."""
+
+    def __init__(self, pool: SharedPages) -> None:
+        self.pool = pool
+        self.answer: Callable[[int], None] | None = None    # the allocator's give_back
+        self.driver: AccountingVirtualMemory | None = None
+        self.parked: Callable[[], int] = lambda: 0     # the allocator's parked pages (build_cache sets it)
+        self.unmapped_for_me = 0        # pages other engines unmapped to give this one room
+        self.unmapped_for_others = 0    # pages this engine unmapped to give others room
+
+    @property
+    def held(self) -> int:
+        return self.driver.stats.mapped_pages if self.driver is not None else 0
+
+    def check(self, delta: int, call: str) -> None:
+        pool = self.pool
+        if delta <= 0 or pool.held + delta <= pool.pages:
+            return
+        pool.reclaim(self, pool.held + delta - pool.pages)
+        free = pool.pages - pool.held
+        if delta > free:
+            raise MapBudgetExhausted(f"{call} needs {delta} pages; the shared pool has {free} of {pool.pages} free")
+
+    def add(self, delta: int) -> None:
+        """Booked by the driver itself (its mapped pages are the share)."""
+
+    def give_back(self, wanted: int) -> int:
+        """The allocator's answer to `wanted`; returns the pages it unmapped."""
+        stats = self.driver.stats
+        before = stats.pages_unmapped
+        self.answer(wanted)
+        freed = stats.pages_unmapped - before
+        self.unmapped_for_others += freed
+        return freed
+
+
+class PooledAccountingMemory(AccountingVirtualMemory):
+    """The accounting driver, its mapped pages booked in a shared pool (never merged: CUDA's rule)."""
+
+    def __init__(self, page_size: int, share: PoolShare) -> None:
+        super().__init__(page_size, merges=False)
+        self.budget = share
+        self.mappings = MappingCount(self.stats, None, share)
+        share.driver = self
+
+    def on_wanted(self, answer: Callable[[int], None]) -> None:
+        """The allocator registers its give_back here, as with a real pool's driver."""
+        self.budget.answer = answer
+
+    def give_spare(self, limit: int) -> int:
+        """No spares: an unmapped page went back to the pool when it was unmapped."""
+        return 0
+
+
+class PoolAwareAllocator(VMMAllocator):
+    """A what-if of the engine's admission (vmm/ is unchanged): the scheduler's fit test also asks the pool, so
+    growth, and the admission watermark, count against the pages every engine could still get (the pool's free
+    pages and every engine's reclaimable parked pages), not only against this engine's own address space."""
+
+    def _fits(self, seq: Any, num_tokens: int, reserve_units: int) -> bool:
+        if not super()._fits(seq, num_tokens, reserve_units):
+            return False
+        need = self.units_needed(seq, num_tokens) + reserve_units
+        return need * self.geo.num_tensors <= self.driver.budget.pool.obtainable()
+
+
+def build_cache(config: Any, shape: Any, driver: PooledAccountingMemory, aware: bool) -> KVCache:
+    """An accounting-only vmm cache over the pool's driver; `aware`: with the pool-aware fit test."""
+    allocator = (PoolAwareAllocator if aware else VMMAllocator)(config, shape, driver)
+    driver.budget.parked = lambda: allocator.table.excess * allocator.geo.num_tensors
+    return KVCache(allocator=allocator, storage=NullStorage(), shape=shape)
