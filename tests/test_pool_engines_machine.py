@@ -206,8 +206,11 @@ class TwoCachingEngines(TwoEngines):
 
 def test_two_engines_caching_prefixes_on_one_pool_keep_their_books_and_their_data(capsys):
     machine = type("TwoCachingEnginesMachine", (TwoCachingEngines,), {"totals": Counter()})
-    run(machine, 20)
     t = machine.totals
+    for _ in range(3):      # the stewards answer on their own threads, so how often a hit survives varies by run:
+        run(machine, 20)    # run again (every check still runs after every step) until each path was taken
+        if t["prefix_hit_tokens"] and t["refused"] and t["evicted"]:
+            break
     with capsys.disabled():
         print(f"\n[pool machine] two caching engines: {sum(t[k] for k in OPS)} operations, "
               f"{t['prefix_hit_tokens']} prefix-hit tokens, {t['answer']} give-backs evicting {t['evicted']} cached "
