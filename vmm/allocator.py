@@ -76,10 +76,12 @@ class VMMAllocator(Allocator):
         self.mapper = BackgroundMapper(geo, self._lock, self.growth.map_ahead, opts.background_mapping)
         self.closed = False
         self.plain = cache is None and window is None    # allocate's in-place path applies
-        self.pooled = hasattr(driver, "on_wanted")        # a pool's driver: other engines share its memory
+        if hasattr(driver, "on_wanted"):                 # a pool's driver: other engines may ask for pages
+            driver.on_wanted(self.give_back)
+        self.pooled = hasattr(driver, "room_pages")      # a machine-wide pool's: capacity is what it can give now
         if self.pooled:
             self.growth.room = lambda: driver.room_pages() // geo.num_tensors
-            driver.on_wanted(self.give_back, self.givable_pages)
+            driver.report_givable(self.givable_pages)
 
     # -- capacity -----------------------------------------------------------------------------------------
     def num_total_units(self) -> int:

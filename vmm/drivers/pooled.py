@@ -256,10 +256,13 @@ class PooledVirtualMemory(VirtualMemory):
         super().__init__(memory, page_size, None, process_budget())
         self.member = memory.member
 
-    def on_wanted(self, answer: Callable[[int], None], report: Callable[[], int]) -> None:
-        """Call `answer(pages)` from the pool's steward thread while other engines want pages, and publish
-        `report()` (the pages this engine could give) each steward round."""
-        self.member.watch(answer, report)
+    def on_wanted(self, answer: Callable[[int], None]) -> None:
+        """Call `answer(pages)` from the pool's steward thread while other engines want pages."""
+        self.member.watch(answer)
+
+    def report_givable(self, givable: Callable[[], int]) -> None:
+        """Publish `givable()` (the pages this engine could give if asked) each steward round."""
+        self.member.report(givable)
 
     def begin_step(self) -> None:
         """An engine step starts: a refused take may wait for other engines once more."""

@@ -128,12 +128,15 @@ class PoolMember:
         with self._usable().locked() as ledger:
             ledger.publish(self.slot, givable)
 
-    def watch(self, answer: Callable[[int], None], report: Callable[[], int] | None = None) -> None:
-        """Call `answer(pages)` from the steward thread, about every 0.1 s, while refused engines want pages;
-        and each round, after answering, publish `report()` (the pages this engine could give)."""
+    def watch(self, answer: Callable[[int], None]) -> None:
+        """Call `answer(pages)` from the steward thread, about every 0.1 s, while refused engines want pages."""
         self._usable()
         self._steward.on_wanted = answer
-        self._steward.on_round = (lambda: self.publish(report())) if report is not None else None
+
+    def report(self, givable: Callable[[], int]) -> None:
+        """Each steward round, after answering, publish `givable()` (the pages this engine could give)."""
+        self._usable()
+        self._steward.on_round = lambda: self.publish(givable())
 
     def wanted(self) -> int:
         """Pages refused engines are waiting for. Read without the lock: a hint checked often, never a promise."""
