@@ -150,11 +150,20 @@ def probe_of(cache: KVCache):
     return get_backend(cache.name).load_probe()
 
 
+def own_free_units(cache: Allocator) -> int:
+    """The cache's own free units: on a pool, before what the pool can give now (which other engines change)."""
+    return cache.growth.free_units() if getattr(cache, "pooled", False) else cache.num_free_units()
+
+
 def check_capacity(cache: Allocator) -> None:
     st = cache.stats()
     assert st.free_units + st.used_units == st.total_units == cache.num_total_units(), (
         f"free {st.free_units} + used {st.used_units} != total {st.total_units}")
-    assert st.free_units == cache.num_free_units() and 0 <= st.used_units <= st.total_units
+    assert 0 <= st.used_units <= st.total_units
+    if getattr(cache, "pooled", False):     # on a pool: what the pool can give now, within the engine's own free
+        assert 0 <= cache.num_free_units() <= st.free_units
+    else:
+        assert st.free_units == cache.num_free_units()
 
 
 def check_holds(cache: Allocator, tracked: dict[int, Tracked]) -> None:
@@ -288,7 +297,7 @@ class Workload:
 
     # -- guarded cache calls
     def _snapshot(self) -> tuple[int, dict[int, bool]]:
-        return self.cache.num_free_units(), {sid: self.cache.holds(t.seq) for sid, t in self.tracked.items()}
+        return own_free_units(self.cache), {sid: self.cache.holds(t.seq) for sid, t in self.tracked.items()}
 
     def _refused(self, before: tuple[int, dict[int, bool]], what: str) -> None:
         self.ops["refused"] += 1
@@ -307,7 +316,7 @@ class Workload:
             self._refused(before, "allocate")
             return None
         assert need <= before[0], f"allocate({seq.seq_id}, {n}) succeeded with {need} units needed, {before[0]} free"
-        used = before[0] - self.cache.num_free_units()
+        used = before[0] - own_free_units(self.cache)
         released = self._after_window_allocate(self.tracked[seq.seq_id], n, held_before) if self.window else 0
         assert used == need - released, (
             f"allocate({seq.seq_id}, {n}) took {used} units: units_needed said {need}, the window released {released}")
@@ -513,7 +522,7 @@ class Workload:
             if t.alloc_tokens <= t.alloc_computed + 1:                    # decoding: the backends' promise
                 assert len(units) <= -(-w // unit) + 1, f"seq {sid} decodes with {len(units)} units, W={w}"
             in_use.update(units)
-        free, total = self.cache.num_free_units(), self.cache.num_total_units()
+        free, total = own_free_units(self.cache), self.cache.num_total_units()
         assert free == total - len(in_use), f"{free} units free, {total} - {len(in_use)} in use expected"
 
     def drain(self) -> None:

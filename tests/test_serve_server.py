@@ -386,7 +386,8 @@ def test_metrics_are_named_from_the_record_with_the_old_names_kept():
     assert (value("kvlab_preemptions_total"), value("kvlab_recomputed_tokens_total")) == (2, 30)
     assert (value("kvlab_map_calls_total"), value("kvlab_map_seconds_total")) == (3, 0.5)
     assert m.stats() == {"running": 3, "waiting": 1, "swapped": 0, "used_units": 4, "total_units": 10,
-                         "kv_usage_ratio": 0.4, "kv_utilization": 50 / 64, "kv_units_used": 4, "kv_units_total": 10}
+                         "kv_usage_ratio": 0.4, "kv_utilization": 50 / 64, "kv_units_used": 4, "kv_units_total": 10,
+                         "mapped_bytes": 0}
     types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
     assert all(name.startswith("kvlab_") for name in types)
     for e in METRICS:                                  # _total for counters, and only for counters

@@ -78,14 +78,31 @@ class VMMAllocator(Allocator):
         self.plain = cache is None and window is None    # allocate's in-place path applies
         if hasattr(driver, "on_wanted"):                 # a pool's driver: other engines may ask for pages
             driver.on_wanted(self.give_back)
+        self.pooled = hasattr(driver, "room_pages")      # a machine-wide pool's: capacity is what it can give now
+        if self.pooled:
+            self.growth.room = lambda: driver.room_pages() // geo.num_tensors
+            driver.report_givable(self.givable_pages)
 
     # -- capacity -----------------------------------------------------------------------------------------
     def num_total_units(self) -> int:
         return self.geo.num_groups
 
     def num_free_units(self) -> int:
+        """On a pool: what the pool can give this engine now, not its whole ceiling."""
         with self._lock:   # the background mapper moves pages from the pool to a slot's tail
-            return self.growth.free_units()
+            return self.growth.available_units()
+
+    def begin_step(self) -> None:
+        if self.pooled:
+            self.driver.begin_step()
+
+    def shortage_is_transient(self, seq: Sequence, num_tokens: int) -> bool:
+        """On a pool other engines hold memory that comes back: a sequence within this engine's ceiling fits
+        once they give it."""
+        if not self.pooled or num_tokens > self.geo.max_len:
+            return False
+        ceiling = min(self.geo.num_groups, self.driver.ceiling_pages() // self.geo.num_tensors)
+        return self.geo.pages_for(num_tokens) <= ceiling
 
     def max_tokens_per_seq(self) -> int:
         return min(self.geo.num_groups * self.geo.tokens_per_page, self.geo.max_len)
@@ -199,7 +216,7 @@ class VMMAllocator(Allocator):
     def stats(self) -> CacheStats:
         with self._lock:
             geo, d, table, counters = self.geo, self.driver.stats, self.table, self.pages.counters
-            free = self.num_free_units()
+            free = self.growth.free_units()
             used, mapped_groups = geo.num_groups - free, geo.num_groups - self.pool.num_free
             return CacheStats(
                 backend=self.name, unit_name=self.unit_name, tokens_per_unit=geo.tokens_per_page,
@@ -257,7 +274,16 @@ class VMMAllocator(Allocator):
                 "free + used + reclaimable + idle cached != total pages"
             self.ranges.check_mapped(self.driver, self.geo, self.table.slots)
 
-    # -- teardown -----------------------------------------------------------------------------------------
+    # -- the pool -----------------------------------------------------------------------------------------
+    def givable_pages(self) -> int:
+        """Pages a give-back could return now: spares, freed slots' parked pages, idle cached groups' pages
+        (published to the pool each steward round, so askers wait only when something can come)."""
+        with self._lock:
+            if self.closed:
+                return 0
+            parked = sum(len(self.table.slots[i].groups) for i in self.table.stale)
+            return self.driver.spare_pages() + (parked + self.pool.num_idle()) * self.geo.num_tensors
+
     def give_back(self, wanted: int) -> None:
         """Other engines on the pool want pages: give spare ones back, unmapping freed slots' parked pages first if
         the spares fall short; then evict idle prefix-cache groups (whole groups, least recent first) and give

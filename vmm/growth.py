@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 from kvlab.vmm.drivers.map_budget import MapBudgetExhausted
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from kvlab.common.kv.types import MoveSink
     from kvlab.common.sequence import Sequence
     from kvlab.vmm.aliases import PrefixAliases
@@ -23,11 +25,19 @@ class SlotGrowth:
     def __init__(self, pages: SlotPages, prefix: PrefixAliases | None, swap: SwapSpace, window: int | None) -> None:
         self.pages, self.prefix, self.swap, self.window = pages, prefix, swap, window
         self.geo, self.table, self.pool = pages.geo, pages.table, pages.pool
+        self.room: Callable[[], int] | None = None    # a pool's driver: groups the pool can back now
 
     # -- cost -----------------------------------------------------------------------------------------------
     def free_units(self) -> int:
         """Free groups, reclaimable mapped ones and idle cached ones: all can be taken."""
         return self.pool.num_free + self.table.excess + self.pool.num_idle()
+
+    def available_units(self) -> int:
+        """What can be taken now: free units, the unmapped ones only as far as the pool can back them (`room`,
+        a pool's driver: other engines hold the rest)."""
+        if self.room is None:
+            return self.free_units()
+        return self.table.excess + self.pool.num_idle() + min(self.pool.num_free, self.room())
 
     def fits(self, seq: Sequence, num_tokens: int, reserve_units: int) -> bool:
         """Whether growing to `num_tokens` leaves `reserve_units` free (asked for every running sequence every
@@ -41,7 +51,7 @@ class SlotGrowth:
             need = self.units_to_admit(seq, num_tokens)
         else:
             need = self.units_to_grow(self.table.slots[index], seq, num_tokens)
-        return need + reserve_units <= self.free_units()
+        return need + reserve_units <= self.available_units()
 
     def units_to_admit(self, seq: Sequence, num_tokens: int) -> int:
         """Pages a first allocation takes: prefix hits mapped in another slot cost nothing, idle ones a unit."""

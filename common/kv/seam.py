@@ -83,6 +83,14 @@ class Allocator(ABC):
     def units_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Extra units `seq` needs to hold `num_tokens` tokens (0 if it already can); asks, changes nothing."""
 
+    def begin_step(self) -> None:
+        """A scheduler step starts (a pooled vmm allocator may wait for other engines' pages once per step)."""
+
+    def shortage_is_transient(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether `seq` refused alone at `num_tokens` could fit later with nothing of its own to free (memory
+        shared with other engines comes back); False: alone in this cache it never fits."""
+        return False
+
     @abstractmethod
     def allocate(self, seq: Sequence, num_tokens: int, reserve_units: int = 0) -> int | None:
         """Make `seq` hold `num_tokens` tokens if that leaves `reserve_units` free (the watermark). Returns

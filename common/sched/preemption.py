@@ -1,7 +1,8 @@
 """Making room: idle beams are released first (newest first), then running sequences are preempted one at a
 time, newest admitted first, by recompute or swap (`preemption_mode`); alone, a sequence that cannot grow
-fails. At a stall, the newest group's idle beams are released, or the queue head that cannot fit even in an
-empty cache fails alone."""
+fails, unless the cache says its shortage is transient (memory shared with other engines): then it is preempted
+and waits. At a stall, the newest group's idle beams are released, or the queue head that cannot fit even in an
+empty cache fails alone (a transient shortage: it waits)."""
 from __future__ import annotations
 
 import logging
@@ -38,7 +39,7 @@ class Preemption:
         while self.cache.allocate(seq, target) is None:
             idle = self.queues.newest_idle()
             victim = idle if idle is not None else running[-1]
-            if victim is seq and len(running) == 1:
+            if victim is seq and len(running) == 1 and not self.cache.shortage_is_transient(seq, target):
                 req = self.queues.req_of[seq.seq_id]
                 self.life.fail(req, f"request {req.request_id} cannot grow to {target} tokens even alone in the "
                                     f"{self.cache.name} cache: raise kv_cache_bytes or lower max_tokens", out)
@@ -104,6 +105,9 @@ class Preemption:
         if head is None:
             raise RuntimeError("scheduler stall with nothing running, swapped or admissible: every waiting "
                                "sequence is a parked beam (a group stepped without its last proposal?)")
+        tokens = head.num_computed_tokens if head.status is SWAPPED else head.num_tokens
+        if self.cache.shortage_is_transient(head, tokens):
+            return                               # other engines hold the memory: it waits for them
         req = queues.req_of[head.seq_id]
         self.life.fail(req, f"request {req.request_id} does not fit even in an empty {self.cache.name} cache "
                             f"({head.num_tokens} tokens): raise kv_cache_bytes or lower max_tokens", out)

@@ -169,6 +169,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         queues = self.queues
+        self.cache.begin_step()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted and not out.swapped_out:
             budget = self.admission.swap_in(out, budget)

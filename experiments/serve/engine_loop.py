@@ -39,6 +39,7 @@ class EngineLoop:
         self.live: set[str] = set()                   # engine thread only: requests accepted, not yet ended
         self.events: list[Event] = []                 # this loop turn's, for the next EventBatch
         self.waiting = 0                               # the scheduler's waiting queue after the last step
+        self.stalled = False                           # the last step ran nothing: requests wait for memory
         self.sent_waiting = 0
         self.handoffs = engine.handoff_stats()        # the totals last published
         self.stopping = threading.Event()
@@ -67,7 +68,10 @@ class EngineLoop:
     def run(self) -> None:
         try:
             while not self.stopping.is_set():
-                self._drain(block=not self.engine.has_unfinished())
+                idle = self.stalled or not self.engine.has_unfinished()
+                self._drain(block=idle)
+                if idle:           # the pool's books move while idle too (other engines take what it gave)
+                    self.metrics.on_idle(self.engine)
                 if self.engine.has_unfinished() and not self.stopping.is_set():
                     self._step()
                 else:
@@ -149,6 +153,7 @@ class EngineLoop:
     def _publish(self) -> None:
         running, waiting, swapped = self.engine.queue_depths()
         self.waiting = waiting
+        self.stalled = not running and self.engine.has_unfinished()    # a pool's engine waiting for pages
         self.handoffs = self.engine.handoff_stats()
         self.metrics.on_step(self.engine, running, waiting, swapped, force=not self.engine.has_unfinished(),
                              handoffs=self.handoffs)

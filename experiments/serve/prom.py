@@ -53,6 +53,7 @@ METRICS = (
     Exported("swapped", Gauge, "sequences swapped out to host memory", vllm="num_requests_swapped"),
     Exported("used_units", Gauge, "KV allocation units in use", old="kv_units_used"),
     Exported("total_units", Gauge, "KV allocation units in the budget", old="kv_units_total"),
+    Exported("mapped_bytes", Gauge, "bytes of KV memory mapped (vmm: freed slots' parked pages included)"),
     Exported("kv_usage_ratio", Gauge, "used units / total units", unit="ratio"),
     Exported("kv_utilization", Gauge, "live tokens / allocated token slots", unit="ratio", old="kv_utilization"),
     Exported("preemptions", Counter, "cumulative preemptions"),
@@ -132,7 +133,7 @@ class ServerMetrics:
         """After a step; `handoffs`: the engine's handoff totals (Engine.handoff_stats), when it has a role."""
         s = engine.cache_stats()
         gauges = {"running": running, "waiting": waiting, "swapped": swapped, "used_units": s.used_units,
-                  "total_units": s.total_units,
+                  "total_units": s.total_units, "mapped_bytes": s.mapped_bytes,
                   "kv_usage_ratio": s.used_units / s.total_units if s.total_units else 0.0,
                   "kv_utilization": s.live_tokens / s.allocated_token_slots if s.allocated_token_slots else 0.0}
         for name, value in gauges.items():
@@ -149,6 +150,17 @@ class ServerMetrics:
             return
         self.last_read = now
         self._read_counts(engine)
+
+    def on_idle(self, engine: Any) -> None:
+        """Between steps (an idle engine): refresh the memory gauges and the pool block, which other engines
+        change (a steward gives pages away while nothing steps). Nothing before the first step's gauges."""
+        if not self.latest:
+            return
+        s = engine.cache_stats()
+        self._set("mapped_bytes", s.mapped_bytes)
+        self.latest["mapped_bytes"] = s.mapped_bytes
+        if "pool" in s.extra:
+            self._on_pool(s.extra["pool"])
 
     def _on_pool(self, pool: dict[str, Any]) -> None:
         """The pool block: gauges and counters under pool_*, and the block itself in GET /kvlab/stats."""

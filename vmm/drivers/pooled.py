@@ -25,7 +25,7 @@ from kvlab.vmm.drivers.map_budget import MapBudgetExhausted, process_budget
 from kvlab.vmm.drivers.types import PartialCall, Region
 from kvlab.vmm.pool import PoolExists, PoolMember, UnknownPool, create, join
 
-ANSWER_WAIT_S = 0.5        # a few steward rounds (0.1 s each) for other engines to give pages back
+ANSWER_WAIT_S = 0.5        # at most a few steward rounds (0.1 s each) for other engines to give pages back
 ANSWER_POLL_S = 0.01
 
 
@@ -68,6 +68,7 @@ class PooledHostMemory:
         self.kept: set[int] = set()           # local pages whose data is wanted unmapped too (prefix-cached)
         self.mapped: dict[int, int] = {}      # address -> local page mapped there
         self.refs: dict[int, int] = {}        # local page -> mappings of it
+        self.may_wait = True                  # no wait for others' pages yet this engine step
 
     @property
     def fd(self) -> int:
@@ -138,15 +139,21 @@ class PooledHostMemory:
         self.loose.extend(taken)
 
     def _ask(self, need: int) -> list[int]:
-        """Ask the other engines for pages and wait for their stewards' answer (a few rounds), if any of them
-        holds pages above its floor; else, or still refused, out of room."""
+        """Ask the other engines for pages and wait for their stewards' answer, once per engine step and only
+        while some of them published pages they can give; else, or still refused, out of room (the engine
+        preempts, as on a spent map budget)."""
+        if not self.may_wait or not self.member.others_givable():
+            raise PoolExhausted(f"pool {self.member.name!r} refused {need} pages")
+        self.may_wait = False
         self.member.ask(need)
         try:
             deadline = time.monotonic() + ANSWER_WAIT_S
-            while self.member.others_above_floors() and time.monotonic() < deadline:
+            while time.monotonic() < deadline:
                 time.sleep(ANSWER_POLL_S)
                 if (taken := self.member.take(need)) is not None:
                     return taken
+                if not self.member.others_givable():      # they gave all they could, to others or to the pool
+                    break
         finally:          # waiting no more: others stop giving (and evicting cached pages) for this ask
             self.member.withdraw(need)
         raise PoolExhausted(f"pool {self.member.name!r} refused {need} pages")
@@ -252,6 +259,21 @@ class PooledVirtualMemory(VirtualMemory):
     def on_wanted(self, answer: Callable[[int], None]) -> None:
         """Call `answer(pages)` from the pool's steward thread while other engines want pages."""
         self.member.watch(answer)
+
+    def report_givable(self, givable: Callable[[], int]) -> None:
+        """Publish `givable()` (the pages this engine could give if asked) each steward round."""
+        self.member.report(givable)
+
+    def begin_step(self) -> None:
+        """An engine step starts: a refused take may wait for other engines once more."""
+        self.os.may_wait = True
+
+    def room_pages(self) -> int:
+        """Pages the next maps can have now: spares, and what the pool can give this engine within its ceiling."""
+        return self.os.spare_pages() + self.member.room()
+
+    def ceiling_pages(self) -> int:
+        return self.member.record().ceiling
 
     def hold(self, local_pages: int) -> None:
         """Make sure the next maps of `local_pages` pages without a backing cannot be refused by the pool (one

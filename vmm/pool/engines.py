@@ -14,7 +14,8 @@ from kvlab.vmm.pool.errors import LimitError, PoolError
 
 NAME_BYTES = 48
 ENGINE = np.dtype([("in_use", "<i8"), ("pid", "<i8"), ("floor", "<i8"), ("ceiling", "<i8"), ("held", "<i8"),
-                   ("given", "<i8"), ("taken", "<i8"), ("name", f"S{NAME_BYTES}")])
+                   ("given", "<i8"), ("taken", "<i8"), ("name", f"S{NAME_BYTES}"),
+                   ("givable", "<i8")])      # pages the engine holds without need, as it last published (a hint)
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class EngineRecord:
     held: int
     given: int
     taken: int
+    givable: int = 0     # spare, parked and idle cached pages, as last published
 
 
 class EngineTable:
@@ -39,7 +41,7 @@ class EngineTable:
     def record(self, slot: int) -> EngineRecord:
         e = self.rows[slot]
         return EngineRecord(slot, int(e["pid"]), e["name"].decode(), int(e["floor"]), int(e["ceiling"]),
-                            int(e["held"]), int(e["given"]), int(e["taken"]))
+                            int(e["held"]), int(e["given"]), int(e["taken"]), int(e["givable"]))
 
     def records(self) -> list[EngineRecord]:
         return [self.record(slot) for slot in self.live_slots()]
@@ -64,6 +66,20 @@ class EngineTable:
         live = self.rows["in_use"] != 0
         live[exclude] = False
         return int(np.clip(self.rows["held"][live] - self.rows["floor"][live], 0, None).sum())
+
+    def givable(self, exclude: int) -> int:
+        """Pages live engines other than `exclude` could give now: each one's published count, within its floor."""
+        live = self.rows["in_use"] != 0
+        live[exclude] = False
+        rows = self.rows[live]
+        return int(np.clip(np.minimum(rows["givable"], rows["held"] - rows["floor"]), 0, None).sum())
+
+    def room(self, slot: int, free: int) -> int:
+        """Pages engine `slot` could get now: free ones past others' unmet floors, and others' givable ones,
+        within its ceiling."""
+        e = self.rows[slot]
+        pool = max(0, free - self.unmet_floors(exclude=slot)) + self.givable(exclude=slot)
+        return max(0, min(int(e["ceiling"] - e["held"]), pool))
 
     def free_slot(self) -> int:
         slots = np.flatnonzero(self.rows["in_use"] == 0)

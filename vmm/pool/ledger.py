@@ -18,7 +18,7 @@ from kvlab.vmm.pool.errors import LimitError, PoolError
 
 FREE = -1
 MAGIC = 0x6B766C61622D706C    # "kvlab-pl"
-VERSION = 2
+VERSION = 3                      # 3: engine records carry `givable`
 HEADER = np.dtype([("magic", "<u8"), ("version", "<i8"), ("page_size", "<i8"), ("total_pages", "<i8"),
                    ("max_engines", "<i8"), ("free", "<i8"), ("dirty", "<i8"), ("reclaimed_pages", "<i8"),
                    ("reclaimed_engines", "<i8"), ("joins", "<i8"),
@@ -99,7 +99,7 @@ class Ledger:
         with self.changing():
             e = self.engines[slot]
             e["pid"], e["name"], e["floor"], e["ceiling"] = pid, name.encode()[:NAME_BYTES], floor, ceiling
-            e["held"] = e["given"] = e["taken"] = 0
+            e["held"] = e["given"] = e["taken"] = e["givable"] = 0
             e["in_use"] = 1
         self.header["joins"] += 1
 
@@ -177,6 +177,10 @@ class Ledger:
         """An engine stops waiting for the n pages it asked for (given, or given up): gives already lowered the
         count, so it drops by what is left of n at most (a hint: a later refusal asks again)."""
         self.header["wanted"] = max(0, int(self.header["wanted"]) - n)
+
+    def publish(self, slot: int, givable: int) -> None:
+        """The engine's count of pages it holds without need (a hint for askers: never read by take)."""
+        self.engines[slot]["givable"] = max(0, givable)
 
     def set_limits(self, slot: int, floor: int, ceiling: int) -> None:
         """Each intermediate state is valid too: the floor goes first unless it would pass the old ceiling."""

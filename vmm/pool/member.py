@@ -108,14 +108,35 @@ class PoolMember:
             ledger.withdraw(n)
 
     def others_above_floors(self) -> int:
-        """Pages the other engines hold above their floors: what they could give back if asked."""
+        """Pages the other engines hold above their floors (in use or not)."""
         with self._usable().locked() as ledger:
             return ledger.table.above_floors(exclude=self.slot)
+
+    def others_givable(self) -> int:
+        """Pages the other engines published they could give back if asked (within their floors)."""
+        with self._usable().locked() as ledger:
+            return ledger.table.givable(exclude=self.slot)
+
+    def room(self) -> int:
+        """Pages this engine could get now (free, or given by others if asked), within its ceiling. Read without
+        the lock: a capacity hint asked every step, never a promise (take decides)."""
+        ledger = self._attachment.ledger
+        return ledger.table.room(self.slot, ledger.free)
+
+    def publish(self, givable: int) -> None:
+        """Tell askers how many pages this engine holds without need (spare, parked, idle cached)."""
+        with self._usable().locked() as ledger:
+            ledger.publish(self.slot, givable)
 
     def watch(self, answer: Callable[[int], None]) -> None:
         """Call `answer(pages)` from the steward thread, about every 0.1 s, while refused engines want pages."""
         self._usable()
         self._steward.on_wanted = answer
+
+    def report(self, givable: Callable[[], int]) -> None:
+        """Each steward round, after answering, publish `givable()` (the pages this engine could give)."""
+        self._usable()
+        self._steward.on_round = lambda: self.publish(givable())
 
     def wanted(self) -> int:
         """Pages refused engines are waiting for. Read without the lock: a hint checked often, never a promise."""

@@ -24,6 +24,7 @@ class Steward:
         self.attachment, self.own_slot, self.interval = attachment, own_slot, interval
         self.server = server
         self.on_wanted: Callable[[int], None] | None = None    # the engine's answer when others want pages
+        self.on_round: Callable[[], None] | None = None        # then, each round: publish what it could give
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kvlab-pool-{attachment.name}", daemon=True)
         self._thread.start()
@@ -51,11 +52,13 @@ class Steward:
         """Engines were refused pages: let this engine give back what it holds without need. The count is read
         without the lock (a hint); the answer takes the locks it needs."""
         wanted = int(self.attachment.ledger.header["wanted"])
-        if wanted and self.on_wanted is not None:
-            try:
+        try:
+            if wanted and self.on_wanted is not None:
                 self.on_wanted(wanted)
-            except Exception:               # never kill the steward: joins and reaping must go on
-                log.exception("pool %s: giving pages back failed", self.attachment.name)
+            if self.on_round is not None:
+                self.on_round()
+        except Exception:               # never kill the steward: joins and reaping must go on
+            log.exception("pool %s: giving pages back failed", self.attachment.name)
 
     def _reap(self) -> None:
         with self.attachment.locked() as ledger:
