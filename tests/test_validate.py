@@ -188,3 +188,29 @@ def test_a_home_of_an_unknown_user_is_a_missing_model_not_a_crash():
     assert str(user_path("~no-such-user-kvlab/m")) == "~no-such-user-kvlab/m"
     with pytest.raises(ModelLoadError, match="does not exist"):
         locate("~no-such-user-kvlab")
+
+
+def test_an_output_path_with_a_nul_byte_is_one_line():
+    # the writable probe's os.rmdir raised ValueError("embedded null byte") before the text check ran
+    from kvlab.experiments.cli.flags import check_output_path
+    with pytest.raises(ConfigError, match="NUL"):
+        check_output_path("a\x00b", "--out")
+
+
+def test_sigterm_unwinds_only_its_own_process_and_restores_the_handler():
+    import os
+    import signal
+
+    from kvlab.experiments.loadgen.sweep import sigterm_unwinds
+    before = signal.getsignal(signal.SIGTERM)
+    with sigterm_unwinds():
+        pid = os.fork()
+        if pid == 0:                                  # a forked worker: SIGTERM ends it as by default
+            os.kill(os.getpid(), signal.SIGTERM)
+            os._exit(0)                               # not reached
+        _, status = os.waitpid(pid, 0)
+        with pytest.raises(SystemExit) as stopped:
+            os.kill(os.getpid(), signal.SIGTERM)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
+    assert stopped.value.code == 128 + signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is before
