@@ -77,7 +77,9 @@ def test_sigterm_to_generate_tp2_stops_every_rank_and_exits_143():
         while not children(proc.pid) and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.2)
         workers = children(proc.pid)
-        assert workers, "the worker never started"
+        early = proc.poll()                           # an early exit says why (seen once under CI, not reproduced)
+        assert workers, f"the worker never started (exit {early}): " + (proc.stderr.read()[-1500:] if early is not None
+                                                                         else "still running")
         time.sleep(5)                           # into start-up or the first steps: the outcome is the same
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
