@@ -144,3 +144,13 @@ def check_output_path(path: str | None, flag: str, directory: bool = False) -> N
     if not directory and not p.parent.is_dir():
         raise ConfigError(f"{flag} {path}: No such file or directory ({p.parent} does not exist)")
     probe_writable(p if directory else p.parent, f"{flag} {path}")
+
+
+def add_search_run_flags(p: argparse.ArgumentParser) -> None:
+    """The SLO search's start and tolerance and a simulation run's workers and output (simulate pool, pd)."""
+    p.add_argument("--slo-start", type=float, default=4.0, help="first rate the search tries")
+    p.add_argument("--slo-tolerance", type=float, default=0.02, help="relative width at which bisection stops")
+    p.add_argument("--jobs", type=int, default=2, help="worker processes")
+    p.add_argument("--out", metavar="DIR", help="results directory (default results/<timestamp>/)")
+    p.add_argument("--no-save", action="store_true")
+    p.add_argument("--no-progress", action="store_true")

@@ -62,12 +62,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--driver-costs", default="cuda-a100", help=" | ".join(PROFILES))
     p.add_argument("--slo", type=flags.arg_type(slo.parse_slo), help="search the highest rate meeting e.g. "
                                                                     "p99_ttft_ms<=2000,p99_tpot_ms<=100")
-    p.add_argument("--slo-start", type=float, default=4.0)
-    p.add_argument("--slo-tolerance", type=float, default=0.02)
-    p.add_argument("--jobs", type=int, default=2)
-    p.add_argument("--out", metavar="DIR")
-    p.add_argument("--no-save", action="store_true")
-    p.add_argument("--no-progress", action="store_true")
+    flags.add_search_run_flags(p)
     p.set_defaults(run=run)
 
 

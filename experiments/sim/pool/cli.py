@@ -64,12 +64,7 @@ def add_parser(subparsers: Any) -> None:
                         "p99_tpot_ms<=100")
     p.add_argument("--goodput", nargs="+", metavar="NAME:MS",
                    help="per-request targets for SLO attainment and goodput: ttft:MS tpot:MS (default: --slo's)")
-    p.add_argument("--slo-start", type=float, default=4.0)
-    p.add_argument("--slo-tolerance", type=float, default=0.02)
-    p.add_argument("--jobs", type=int, default=2)
-    p.add_argument("--out", metavar="DIR")
-    p.add_argument("--no-save", action="store_true")
-    p.add_argument("--no-progress", action="store_true")
+    flags.add_search_run_flags(p)
     p.set_defaults(run=run)
 
 
