@@ -5,12 +5,11 @@ A pool engine is the server's engine process, a child of the `kvlab serve` proce
 The series have the shape of loadgen/sampler.py's, so loadgen/shares.py reads either."""
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from kvlab.experiments.loadgen.sampler import SAMPLE_EVERY_S
+from kvlab.experiments.loadgen.sampler import SAMPLE_EVERY_S, Ticker
 
 
 class LedgerSampler:
@@ -20,22 +19,14 @@ class LedgerSampler:
         self.pool, self.server_pids, self.t0, self.every_s = pool, server_pids, t0, every_s
         self.series = [{"t": [], "pool_total_bytes": [], "pool_engine_bytes": []} for _ in server_pids]
         self.errors = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvlab-ledger-sampler", daemon=True)
+        self._ticker = Ticker(self._sample, every_s, "kvlab-ledger-sampler")
 
     def __enter__(self) -> LedgerSampler:
-        self._thread.start()
+        self._ticker.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join(10)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._sample()
-            self._stop.wait(self.every_s)
-        self._sample()
+        self._ticker.stop()
 
     def _sample(self) -> None:
         from kvlab.vmm.pool import PoolError, status
