@@ -4,7 +4,7 @@
 
 Engine A (a child process) runs the test prompts and idles holding its freed slots' pages; engine B (this process)
 runs the same prompts on what is left of the pool: every refused take asks the others, and the time from the ask to
-the granted take is recorded (PooledHostMemory._ask wrapped). Not a test: a measurement, printed.
+the granted take is recorded (PooledMemory._ask wrapped). Not a test: a measurement, printed.
 """
 from __future__ import annotations
 
@@ -23,15 +23,15 @@ from tests.test_pool_engine import BASE, LONGEST, PAGE, PARAMS, PROMPTS, read_li
 
 
 def timed_asks(waits: list[float]) -> None:
-    ask = pooled.PooledHostMemory._ask
+    ask = pooled.PooledMemory._ask
 
-    def timed(self: pooled.PooledHostMemory, need: int) -> list[int]:
+    def timed(self: pooled.PooledMemory, need: int) -> list[int]:
         t0 = time.perf_counter()
         try:
             return ask(self, need)
         finally:
             waits.append(time.perf_counter() - t0)
-    pooled.PooledHostMemory._ask = timed
+    pooled.PooledMemory._ask = timed
 
 
 def one_run() -> None:

@@ -30,11 +30,12 @@ def name():
 def test_status_prints_the_table_and_json(name, capsys):
     assert main(["pool", "status", name]) == 0
     out = capsys.readouterr().out
-    assert "total 64.0 KiB (16), used 12.0 KiB (3), free 52.0 KiB (13)" in out
+    assert f"pool {name} on cpu: total 64.0 KiB (16), used 12.0 KiB (3), free 52.0 KiB (13)" in out
     assert "alpha" in out and str(os.getpid()) in out
     assert main(["pool", "status", name, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert (data["total_bytes"], data["used_pages"], data["engines"][0]["held"]) == (16 * PAGE, 3, 3)
+    assert data["device"] == "cpu"
 
 
 def test_limit_changes_a_running_engine(name, capsys):
@@ -58,6 +59,7 @@ def test_limit_changes_a_running_engine(name, capsys):
     (["pool", "create", "x", "--bytes", "65537"], "multiple of the page size"),
     (["pool", "create", "x", "--bytes", "100TiB"], "more than this machine's RAM"),
     (["pool", "create", "a/b", "--bytes", "64KiB"], "bad pool name"),
+    (["pool", "create", "x", "--bytes", "64KiB", "--device", "gpu0"], "unknown device 'gpu0'"),
 ])
 def test_errors_are_one_line_and_exit_2(name, argv, fragment, capsys):
     assert main([a.format(name=name) for a in argv]) == 2

@@ -47,6 +47,14 @@ def parse_bytes(text: str) -> int:
     return int(size)
 
 
+def parse_device(text: str) -> str:
+    """'cpu', 'cuda' or 'cuda:N'."""
+    from kvlab.common.config import DEVICE
+    if not DEVICE.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"unknown device {shown(text)}; use cpu or cuda[:N]")
+    return text
+
+
 def arg_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     """An argparse `type=` that keeps a KvlabError's actionable message (argparse would print only
     "invalid <name> value" for a ValueError)."""

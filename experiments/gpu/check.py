@@ -18,6 +18,8 @@ Two selections of the same parts: the check (default, under 8 minutes: gpu_check
   gpu_tests        pytest -m gpu                                                           (check)
   cuda_pool        the pool's CUDA chunks shared by two processes: export, import, map,    (check)
                    write in one, read in the other, tear down (experiments/gpu/parts_pool.py)
+  cuda_pool_engines two tiny engines in two processes on one CUDA pool: the tokens of one    (check)
+                   engine alone, nothing left after (experiments/gpu/parts_pool_engines.py)
   unmapped_access  a driver copy from, then a kernel read of, an unmapped page (faults)    (both)
 
 Whether a GPU is present is decided before any part runs (experiments/gpu/detect.py), never by a part's
@@ -35,7 +37,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvlab.experiments.gpu import parts_driver, parts_engine, parts_kernels, parts_pool, parts_triton
+from kvlab.experiments.gpu import (
+    parts_driver,
+    parts_engine,
+    parts_kernels,
+    parts_pool,
+    parts_pool_engines,
+    parts_triton,
+)
 from kvlab.experiments.gpu.detect import detect_gpu
 from kvlab.experiments.gpu.harness import ROOT, CheckDoc, run_one, run_part
 
@@ -46,12 +55,13 @@ PARTS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "triton_vs_sdpa": parts_triton.part_triton_vs_sdpa, "triton_kernel": parts_triton.part_triton_kernel,
     "kernel_costs": parts_kernels.part_kernel_costs,
     "vmm_vs_paged": parts_engine.part_vmm_vs_paged, "gpu_tests": parts_engine.part_gpu_tests,
-    "cuda_pool": parts_pool.part_cuda_pool, "unmapped_access": parts_driver.part_unmapped_access,
+    "cuda_pool": parts_pool.part_cuda_pool, "cuda_pool_engines": parts_pool_engines.part_cuda_pool_engines,
+    "unmapped_access": parts_driver.part_unmapped_access,
 }
 # each part's own timeout; first compiles of the Triton kernel take tens of seconds each (cached on disk)
 PART_SECONDS = {"environment": 60, "unmapped_view": 15, "vmm_round_trip": 20, "vmm_latency": 20, "cuda_vmm": 45,
                 "vmm_cache": 30, "triton_vs_sdpa": 110, "triton_kernel": 60, "kernel_costs": 45, "vmm_vs_paged": 90,
-                "gpu_tests": 150, "cuda_pool": 75,
+                "gpu_tests": 150, "cuda_pool": 75, "cuda_pool_engines": 100,
                 "unmapped_access": 25}
 
 
@@ -64,7 +74,8 @@ class Selection:
 
 
 CHECK = Selection("check", ("environment", "cuda_vmm", "triton_vs_sdpa", "kernel_costs", "vmm_vs_paged",
-                            "gpu_tests", "cuda_pool", "unmapped_access"), 450, "gpu_check.json")
+                            "gpu_tests", "cuda_pool", "cuda_pool_engines", "unmapped_access"), 450,
+                  "gpu_check.json")
 FIRST_CONTACT = Selection("first-contact", ("environment", "unmapped_view", "vmm_round_trip", "vmm_latency",
                                             "vmm_cache", "triton_kernel", "unmapped_access"), 150,
                           "first_contact.json")

@@ -1,6 +1,7 @@
-"""`kvlab pool create NAME --bytes N` holds a pool in the foreground until Ctrl-C or SIGTERM (with
---exit-when-idle, also once every other engine that joined has left); `kvlab pool status NAME` prints the books;
-`kvlab pool limit NAME ENGINE --min B --max B` changes an engine's floor and ceiling while it runs."""
+"""`kvlab pool create NAME --bytes N [--device cuda:N]` holds a pool (host memory, or chunks on that GPU) in the
+foreground until Ctrl-C or SIGTERM (with --exit-when-idle, also once every other engine that joined has left);
+`kvlab pool status NAME` prints the books; `kvlab pool limit NAME ENGINE --min B --max B` changes an engine's floor
+and ceiling while it runs."""
 from __future__ import annotations
 
 import argparse
@@ -28,6 +29,9 @@ def add_parser(subparsers: Any) -> None:
     create.add_argument("--bytes", type=cli.parse_bytes, required=True, help="the pool's total, e.g. 8GiB")
     create.add_argument("--page-size", type=cli.parse_bytes, default=pool.DEFAULT_PAGE_SIZE,
                         help=f"bytes per page, fixed for the pool's life (default {fmt_bytes(pool.DEFAULT_PAGE_SIZE)})")
+    create.add_argument("--device", default="cpu", type=cli.parse_device,
+                        help="where the pages are: cpu (a memfd, default) or cuda[:N] (exportable chunks on that GPU; "
+                             "--page-size is rounded up to the device's granularity)")
     create.add_argument("--exit-when-idle", action="store_true",
                         help="also end once other engines have joined and all of them have left")
     status = actions.add_parser("status", help="total, used, free and every engine's pages and limits")
@@ -46,18 +50,24 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_create(args: argparse.Namespace) -> int:
-    check_fits_in_ram(f"pool {args.name}", args.bytes, "lower --bytes")
-    member = pool.create(args.name, args.bytes, args.page_size, engine=HOLDER, ceiling=0)
+    if args.device == "cpu":
+        check_fits_in_ram(f"pool {args.name}", args.bytes, "lower --bytes")
+        member, pages = pool.create(args.name, args.bytes, args.page_size, engine=HOLDER, ceiling=0), None
+    else:
+        from kvlab.vmm.drivers.pooled_cuda import create_cuda_pool
+        member, pages = create_cuda_pool(args.name, args.bytes, args.page_size, args.device, HOLDER)
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         print(f"pool {args.name}: {fmt_bytes(args.bytes)} in {member.total_pages} pages of "
-              f"{fmt_bytes(args.page_size)}; engines join with kvlab.vmm.pool.join({args.name!r}); "
-              f"Ctrl-C or SIGTERM ends it", flush=True)
+              f"{fmt_bytes(member.page_size)} on {args.device}; engines join with --kv-pool {args.name} "
+              f"(kv_pool={args.name!r}); Ctrl-C or SIGTERM ends it", flush=True)
         hold(member, stop, args.exit_when_idle)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if pages is not None:
+            pages.close([])
         member.close()
     print(f"pool {args.name}: closed", flush=True)
     return 0
@@ -82,7 +92,7 @@ def engine_row(e: EngineRecord, page_size: int) -> str:
 
 
 def status_table(s: pool.PoolStatus) -> str:
-    lines = [f"pool {s.name}: total {size(s.total, s.page_size)}, used {size(s.used, s.page_size)}, "
+    lines = [f"pool {s.name} on {s.device}: total {size(s.total, s.page_size)}, used {size(s.used, s.page_size)}, "
              f"free {size(s.free, s.page_size)}, kept for floors {size(s.reserved, s.page_size)}; "
              f"pages of {fmt_bytes(s.page_size)}; returned from dead engines: {s.reclaimed_pages} pages of "
              f"{s.reclaimed_engines} engines",

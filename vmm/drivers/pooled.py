@@ -1,29 +1,27 @@
-"""Host virtual memory whose physical pages come from a machine-wide pool (vmm/pool/, docs/pool.md).
+"""Virtual memory whose physical pages come from a machine-wide pool (vmm/pool/, docs/pool.md), on the host or a GPU.
 
 The driver's books still number its pages 0..n-1 (its "local" pages); each local page is backed by a pool page
 only while it is needed. Take before map: a local page without a backing gets one from the ledger (`member.take`)
-before the mmap, and the mmap maps the pool memfd at that page's offset. Unmapping keeps the backing as a spare
-(the page's data stays valid for a remap in the same call, as the driver's repairs expect); a later map of another
-local page reuses a spare before taking more, and spares go back to the pool (`member.give`) when another engine
-asks for pages (the ledger's `wanted` count) or when the driver closes. Pages holding prefix-cached data are
-kept (`keep`): unmapped, they are no spares until the cache evicts them (`let_go`). A refused take raises
+before it is mapped, and the map puts that pool page at the address (pooled_host.py: the memfd at the page's
+offset; pooled_cuda.py: the page's chunk at its offset). Unmapping keeps the backing as a spare (the page's data
+stays valid for a remap in the same call, as the driver's repairs expect); a later map of another local page
+reuses a spare before taking more, and spares go back to the pool (`member.give`) when another engine asks for
+pages (the ledger's `wanted` count) or when the driver closes. Pages holding prefix-cached data are kept
+(`keep`): unmapped, they are no spares until the cache evicts them (`let_go`). A refused take raises
 PoolExhausted, which the vmm handles as it handles a spent map budget: it unmaps freed slots' pages and tries once
 more, then the scheduler preempts.
 """
 from __future__ import annotations
 
-import os
 import time
-import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
-from kvlab.common.errors import ConfigError, DriverError
+from kvlab.common.errors import DriverError
 from kvlab.vmm.drivers.base import VirtualMemory
-from kvlab.vmm.drivers.host import MAP_FIXED, MAP_POPULATE, MAP_SHARED, PROT_READ, PROT_WRITE, HostMemory
 from kvlab.vmm.drivers.map_budget import MapBudgetExhausted, process_budget
 from kvlab.vmm.drivers.types import PartialCall, Region
-from kvlab.vmm.pool import PoolExists, PoolMember, UnknownPool, create, join
+from kvlab.vmm.pool import PoolMember
 
 ANSWER_WAIT_S = 0.5        # at most a few steward rounds (0.1 s each) for other engines to give pages back
 ANSWER_POLL_S = 0.01
@@ -34,34 +32,44 @@ class PoolExhausted(MapBudgetExhausted):
     KV; nothing changed."""
 
 
-def join_or_create(name: str, nbytes: int | None, page_size: int) -> PoolMember:
-    """Join pool `name`; create it with `nbytes` if it does not exist and a size was given."""
-    engine = f"vmm-{os.getpid()}-{uuid.uuid4().hex[:12]}"     # unique: two engines of one process included
-    try:
-        return join(name, engine=engine)
-    except UnknownPool:
-        if nbytes is None:
-            raise ConfigError(f"no pool named {name!r} is running; create it (kvlab pool create {name} --bytes N) "
-                              "or give kv_pool_bytes") from None
-    try:
-        return create(name, nbytes, page_size=page_size, engine=engine)
-    except PoolExists:                    # another engine created it first
-        return join(name, engine=engine)
+class PoolPageMapper(Protocol):
+    """A device's part of a pooled driver: its address space and views, and one pool page mapped at an address."""
+    name: str
+    page_size: int
+
+    def granularity(self) -> int: ...
+
+    def reserve(self, nbytes: int) -> int: ...
+
+    def release(self, region: Region) -> None: ...
+
+    def view(self, region: Region, offset: int, nbytes: int) -> tuple[Any, Any]: ...
+
+    def map_page(self, addr: int, pool_page: int) -> int:
+        """Map one pool page read-write at `addr`; the OS calls made. A failure leaves nothing mapped there."""
+
+    def unmap(self, addr: int, num_pages: int) -> int:
+        """As `OSMemory.unmap`: `PartialCall` when the first pages were unmapped before a failure."""
+
+    def taken(self, pool_pages: list[int]) -> None:
+        """Pages new to this engine from the pool: what another engine wrote there must not be read."""
+
+    def gone(self, pool_pages: list[int]) -> None:
+        """Pages no longer this engine's (given back, or taken by another engine in a handoff)."""
+
+    def close(self, pool_maps: Sequence[int]) -> None: ...
 
 
-class PooledHostMemory:
-    """The host's OS calls with pool pages as physical memory (`OSMemory`); reserve, release and views are the
-    host's own. Not thread-safe: the vmm allocator's lock serialises every call, the give-backs included."""
+class PooledMemory:
+    """The OS calls (`OSMemory`) with pool pages as physical memory: `pages` (pooled_host.py, pooled_cuda.py)
+    reserves, views and maps one pool page at an address on its device; this class decides which pool page backs
+    which local page. Not thread-safe: the vmm allocator's lock serialises every call, the give-backs included."""
 
-    name = "host"
     merges = False            # consecutive local pages sit at unrelated pool offsets
 
-    def __init__(self, member: PoolMember, page_size: int, populate: bool = True) -> None:
-        if member.page_size != page_size:
-            raise ConfigError(f"vmm page_size {page_size} differs from pool {member.name!r}'s page size "
-                              f"{member.page_size}; set page_size (--page-size) to {member.page_size}")
-        self.member, self.page_size, self.populate = member, page_size, populate
-        self.host = HostMemory(page_size, populate)
+    def __init__(self, member: PoolMember, page_size: int, pages: PoolPageMapper) -> None:
+        self.member, self.page_size, self.pages = member, page_size, pages
+        self.name = pages.name
         self.backing: dict[int, int] = {}     # local page -> pool page
         self.idle: dict[int, None] = {}       # backed local pages no mapping uses, oldest first: the spares
         self.loose: list[int] = []            # pool pages held for maps to come, backing no local page yet
@@ -72,24 +80,26 @@ class PooledHostMemory:
 
     @property
     def fd(self) -> int:
+        """A host pool's memfd, for reading pages beside the mappings (vmm/probe.py), as the host driver's."""
         return self.member.page_fd
 
     def pool_offset(self, page: int) -> int:
+        """The memfd offset of the pool page behind local page `page`."""
         return self.member.page_offset(self.backing[page])
 
     def granularity(self) -> int:
-        return self.host.granularity()
+        return self.pages.granularity()
 
     def reserve(self, nbytes: int) -> int:
-        return self.host.reserve(nbytes)
+        return self.pages.reserve(nbytes)
 
     def release(self, region: Region) -> None:
-        self.host.release(region)
+        self.pages.release(region)
         for addr in [a for a in self.mapped if region.base <= a < region.base + region.nbytes]:
             self._forget(addr)
 
     def view(self, region: Region, offset: int, nbytes: int) -> tuple[Any, Any]:
-        return self.host.view(region, offset, nbytes)
+        return self.pages.view(region, offset, nbytes)
 
     def resize_pool(self, old_pages: int, new_pages: int) -> None:
         """Local pages cost nothing until mapped; cut ones (unmapped, checked by the driver) give their pages."""
@@ -101,25 +111,24 @@ class PooledHostMemory:
             self.idle.pop(page, None)
         try:
             self._back([p for p in local if p not in self.backing])
-            self._map_each(addr, local)
+            return self._map_each(addr, local)
         except BaseException:
             self.idle.update((p, None) for p in local if p in self.backing and not self.refs.get(p)
                              and p not in self.kept)
             raise
-        return num_pages
 
-    def _map_each(self, addr: int, local: range) -> None:
-        flags = MAP_SHARED | MAP_FIXED | (MAP_POPULATE if self.populate else 0)
+    def _map_each(self, addr: int, local: range) -> int:
+        calls = 0
         for i, page in enumerate(local):
             try:
-                self.host.mmap_at("map pool pages", addr + i * self.page_size, self.page_size,
-                                  PROT_READ | PROT_WRITE, flags, self.fd, self.pool_offset(page))
+                calls += self.pages.map_page(addr + i * self.page_size, self.backing[page])
             except DriverError as e:
                 if i:
                     raise PartialCall(str(e), i) from e
                 raise
             self.mapped[addr + i * self.page_size] = page
             self.refs[page] = self.refs.get(page, 0) + 1
+        return calls
 
     def _back(self, pages: list[int]) -> None:
         """Give each local page a pool page: loose pages and a take for what the spares do not cover, then the
@@ -136,6 +145,7 @@ class PooledHostMemory:
         taken = self.member.take(need) if need > 0 else []
         if taken is None:
             taken = self._ask(need)
+        self.pages.taken(taken)
         self.loose.extend(taken)
 
     def _ask(self, need: int) -> list[int]:
@@ -164,10 +174,17 @@ class PooledHostMemory:
         return page
 
     def unmap(self, addr: int, num_pages: int) -> int:
-        self.host.unmap(addr, num_pages)
+        try:
+            calls = self.pages.unmap(addr, num_pages)
+        except PartialCall as e:
+            self._forget_run(addr, e.pages_done)
+            raise
+        self._forget_run(addr, num_pages)
+        return calls
+
+    def _forget_run(self, addr: int, num_pages: int) -> None:
         for i in range(num_pages):
             self._forget(addr + i * self.page_size)
-        return 1
 
     def _forget(self, addr: int) -> None:
         """The mapping at addr is gone; a local page no longer mapped anywhere keeps its pool page, idle (its
@@ -225,7 +242,9 @@ class PooledHostMemory:
         for local in locals_:
             self.idle.pop(local, None)
             self.kept.discard(local)
-        self.member.forget([self.backing.pop(local) for local in locals_])
+        gone = [self.backing.pop(local) for local in locals_]
+        self.pages.gone(gone)
+        self.member.forget(gone)
 
     def give_spare(self, limit: int) -> int:
         """Give back up to `limit` pool pages no mapping uses: loose ones, then spares, oldest first."""
@@ -237,24 +256,29 @@ class PooledHostMemory:
     def _give(self, pool_pages: list[int]) -> None:
         if pool_pages:
             self.member.give(pool_pages)
+            self.pages.gone(pool_pages)
 
     def close(self, pool_maps: Sequence[int]) -> None:
-        self.host.close(pool_maps)
-        self.member.close()           # gives back every page still held
+        try:
+            self.pages.close(pool_maps)
+        finally:
+            self.member.close()           # gives back every page still held
 
 
 class PooledVirtualMemory(VirtualMemory):
-    """Host virtual memory over pool `pool` (joined, or created with `pool_bytes` if it does not exist)."""
+    """Virtual memory over pool `pool` (joined, or created with `pool_bytes` if it does not exist) on `device`
+    (cpu, or cuda[:N]; `driver`: the cuda.bindings driver module or a fake)."""
 
-    def __init__(self, pool: str, page_size: int, pool_bytes: int | None = None, populate: bool = True) -> None:
-        member = join_or_create(pool, pool_bytes, page_size)
-        try:
-            memory = PooledHostMemory(member, page_size, populate)
-        except BaseException:
-            member.close()
-            raise
-        super().__init__(memory, page_size, None, process_budget())
-        self.member = memory.member
+    def __init__(self, pool: str, page_size: int, pool_bytes: int | None = None, device: str = "cpu",
+                 populate: bool = True, driver: Any = None) -> None:
+        if device.split(":")[0] == "cpu":
+            from kvlab.vmm.drivers.pooled_host import host_pool_pages
+            member, pages, budget = *host_pool_pages(pool, pool_bytes, page_size, populate), process_budget()
+        else:
+            from kvlab.vmm.drivers.pooled_cuda import cuda_pool_pages
+            member, pages, budget = *cuda_pool_pages(pool, pool_bytes, page_size, device, driver), None
+        super().__init__(PooledMemory(member, pages.page_size, pages), pages.page_size, None, budget)
+        self.member = member
 
     def on_wanted(self, answer: Callable[[int], None]) -> None:
         """Call `answer(pages)` from the pool's steward thread while other engines want pages."""

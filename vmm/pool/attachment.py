@@ -1,17 +1,20 @@
-"""One process's hold on a pool: the pages memfd, the books (ledger.py) mapped shared, and a lock description of
-its own. Byte 0 of the ledger file is the pool's lock; byte 1 + s is engine slot s's liveness lock, held by the
-engine's process for as long as it lives (locks.py)."""
+"""One process's hold on a pool: the books (ledger.py) mapped shared, a lock description of its own, and the
+descriptors of the pool's memory (one memfd of pages on the host, one per chunk on a GPU: cuda_chunks.py). Byte 0
+of the ledger file is the pool's lock; byte 1 + s is engine slot s's liveness lock, held by the engine's process
+for as long as it lives (locks.py)."""
 from __future__ import annotations
 
 import contextlib
 import mmap
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from kvlab.vmm.pool import locks
-from kvlab.vmm.pool.ledger import Ledger
+from kvlab.vmm.pool.errors import PoolError
+from kvlab.vmm.pool.ledger import HOST, Ledger
 from kvlab.vmm.pool.memory import punch
+from kvlab.vmm.pool.status import device_text
 
 POOL_LOCK = 0
 LIVENESS = 1
@@ -22,11 +25,11 @@ def liveness_byte(slot: int) -> int:
 
 
 class Attachment:
-    """Owns `pages_fd` and `ledger_fd` from the start, closing them if it fails (they are the descriptors passed
+    """Owns `ledger_fd` and `memory_fds` from the start, closing them if it fails (they are the descriptors passed
     to joiners; no lock is ever taken through them)."""
 
-    def __init__(self, name: str, pages_fd: int, ledger_fd: int) -> None:
-        self.name, self.pages_fd, self.ledger_fd = name, pages_fd, ledger_fd
+    def __init__(self, name: str, ledger_fd: int, memory_fds: list[int]) -> None:
+        self.name, self.ledger_fd, self.memory_fds = name, ledger_fd, list(memory_fds)
         self.lock_fd, self._map, self.ledger = None, None, None
         self._thread_lock = threading.Lock()     # the OFD lock does not exclude this process's own threads
         try:
@@ -34,10 +37,34 @@ class Attachment:
             self._map = mmap.mmap(self.lock_fd, os.fstat(self.lock_fd).st_size)
             self.ledger = Ledger(self._map)
             self.ledger.check(name)
+            self._check_memory()
         except BaseException:
             self.close()
             raise
-        self.page_size = int(self.ledger.header["page_size"])
+        self.page_size, self.device = int(self.ledger.header["page_size"]), self.ledger.device
+
+    def _check_memory(self) -> None:
+        if len(self.memory_fds) != int(self.ledger.header["chunks"]):
+            raise PoolError(f"pool {self.name!r} passed {len(self.memory_fds)} memory descriptors for books that "
+                            f"say {int(self.ledger.header['chunks'])}")
+
+    @property
+    def descriptors(self) -> list[int]:
+        """What a joiner is passed: the books first, then the memory."""
+        return [self.ledger_fd, *self.memory_fds]
+
+    @property
+    def pages_fd(self) -> int:
+        """The host pool's memfd of pages."""
+        if self.device != HOST:
+            raise PoolError(f"pool {self.name!r} holds its pages on {device_text(self.device)}, not in a memfd")
+        return self.memory_fds[0]
+
+    def scrub(self, pages: Iterable[int]) -> None:
+        """Pages no engine holds now: on the host their memory goes back to the OS (the next owner reads zeros);
+        a GPU chunk cannot give part of itself back, so there the next owner zeroes what it takes."""
+        if self.device == HOST:
+            punch(self.pages_fd, self.page_size, pages)
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[Ledger]:
@@ -56,7 +83,7 @@ class Attachment:
         dead = [s for s in ledger.table.live_slots()
                 if s != own_slot and not locks.held_elsewhere(self.lock_fd, liveness_byte(s))]
         for slot in dead:
-            punch(self.pages_fd, self.page_size, ledger.pages_of(slot).tolist())
+            self.scrub(ledger.pages_of(slot).tolist())
             ledger.reclaim(slot)
         return len(dead)
 
@@ -68,6 +95,7 @@ class Attachment:
         except BufferError:    # a caller's frame still holds a view of the books: unmapped when it goes
             pass
         self._map = None
-        for fd in (self.lock_fd, self.ledger_fd, self.pages_fd):
+        for fd in (self.lock_fd, self.ledger_fd, *self.memory_fds):
             if fd is not None:
                 os.close(fd)
+        self.memory_fds = []

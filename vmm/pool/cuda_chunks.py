@@ -16,6 +16,9 @@ from typing import Any
 from kvlab.common.errors import DriverError
 from kvlab.vmm.drivers.cuda_device import CudaDevice, as_int
 from kvlab.vmm.pool.errors import LimitError
+from kvlab.vmm.pool.rendezvous import MAX_MEMORY_FDS
+
+MAX_CHUNK_BYTES = 4 << 30      # a 141 GB H200 pool is 36 chunks, within the descriptors one join passes
 
 
 def posix_fd(drv: Any) -> Any:
@@ -41,6 +44,19 @@ def check_sizes(total: int, chunk: int, page: int, granularity: int) -> int:
     if total <= 0 or total % chunk:
         raise LimitError(f"pool size {total} is not a positive multiple of the chunk size {chunk}")
     return total // chunk
+
+
+def chunk_size(total: int, page: int) -> int:
+    """The chunk size of a pool of `total` bytes: the fewest chunks of at most MAX_CHUNK_BYTES that split it into
+    whole pages (fewer chunks: fewer handles and descriptors; a chunk's memory is held until the pool ends)."""
+    if page <= 0 or total <= 0 or total % page:
+        raise LimitError(f"pool size {total} is not a positive multiple of the page size {page}")
+    pages = total // page
+    for count in range(-(-total // MAX_CHUNK_BYTES), MAX_MEMORY_FDS + 1):
+        if pages % count == 0:
+            return total // count
+    raise LimitError(f"a pool of {pages} pages splits into no {MAX_MEMORY_FDS} or fewer chunks of at most "
+                     f"{MAX_CHUNK_BYTES >> 30} GiB; pick a size that is a multiple of a few GiB")
 
 
 class CudaChunks:

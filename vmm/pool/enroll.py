@@ -4,12 +4,16 @@ from __future__ import annotations
 import mmap
 import os
 import socket
+import uuid
+from collections.abc import Callable
 
+from kvlab.common.errors import ConfigError
 from kvlab.vmm.pool import locks, rendezvous
 from kvlab.vmm.pool.attachment import Attachment, liveness_byte
-from kvlab.vmm.pool.errors import LimitError, PoolError
-from kvlab.vmm.pool.ledger import MAX_PAGES, Ledger, ledger_bytes, to_pages
+from kvlab.vmm.pool.errors import LimitError, PoolError, PoolExists, UnknownPool
+from kvlab.vmm.pool.ledger import HOST, MAX_PAGES, Ledger, ledger_bytes, to_pages
 from kvlab.vmm.pool.member import PoolMember
+from kvlab.vmm.pool.status import device_text
 from kvlab.vmm.pool.steward import Steward
 
 DEFAULT_PAGE_SIZE = 64 * 1024
@@ -77,30 +81,70 @@ def new_memfd(name: str, nbytes: int) -> int:
 
 
 def create(name: str, nbytes: int, page_size: int = DEFAULT_PAGE_SIZE, engine: str | None = None, floor: int = 0,
-           ceiling: int | None = None) -> PoolMember:
+           ceiling: int | None = None, memory: Callable[[], list[int]] | None = None,
+           device: int = HOST) -> PoolMember:
     """A new pool of `nbytes` in pages of `page_size`, served under `name`; this process is its first engine.
+    `memory`, called once the name is claimed: the descriptors of the pool's memory, owned by the pool from then
+    (default: one memfd of `nbytes`); `device`: HOST, or the GPU whose chunks they are (cuda_chunks.py).
     Nothing is named in the filesystem: the pool lives as long as one member does."""
     rendezvous.check_name(name)
     total = check_geometry(nbytes, page_size)
     server = rendezvous.claim(name)
     try:
-        attachment = Attachment(name, *new_pool_files(name, nbytes, page_size, total))
+        memory_fds = memory() if memory is not None else [new_memfd(f"{rendezvous.PREFIX}{name}-pages", nbytes)]
+        attachment = Attachment(name, new_books(name, page_size, total, device, memory_fds), memory_fds)
     except BaseException:
         server.close()
         raise
     return _enroll_or_close(attachment, engine, floor, ceiling, server)
 
 
-def new_pool_files(name: str, nbytes: int, page_size: int, total: int) -> tuple[int, int]:
-    """The pages memfd and the books' memfd, formatted."""
-    fds: list[int] = []
+def new_books(name: str, page_size: int, total: int, device: int, memory_fds: list[int]) -> int:
+    """The books' memfd, formatted; on failure the memory's descriptors are closed too."""
+    fd = None
     try:
-        fds.append(new_memfd(f"{rendezvous.PREFIX}{name}-pages", nbytes))
-        fds.append(new_memfd(f"{rendezvous.PREFIX}{name}-ledger", ledger_bytes(total, MAX_ENGINES)))
-        with mmap.mmap(fds[1], ledger_bytes(total, MAX_ENGINES)) as books:
-            Ledger.format(books, page_size, total, MAX_ENGINES)
+        if len(memory_fds) > rendezvous.MAX_MEMORY_FDS:
+            raise LimitError(f"a pool's memory is at most {rendezvous.MAX_MEMORY_FDS} descriptors, not "
+                             f"{len(memory_fds)}")
+        fd = new_memfd(f"{rendezvous.PREFIX}{name}-ledger", ledger_bytes(total, MAX_ENGINES))
+        with mmap.mmap(fd, ledger_bytes(total, MAX_ENGINES)) as books:
+            Ledger.format(books, page_size, total, MAX_ENGINES, device, len(memory_fds))
     except BaseException:
-        for fd in fds:
-            os.close(fd)
+        for f in memory_fds + ([fd] if fd is not None else []):
+            os.close(f)
         raise
-    return fds[0], fds[1]
+    return fd
+
+
+def join_or_create(name: str, nbytes: int | None, page_size: int, device: int = HOST,
+                   memory: Callable[[], list[int]] | None = None) -> PoolMember:
+    """An engine's way in: join pool `name`, or create it with `nbytes` (and `memory`, as `create`) if it does
+    not exist and a size was given; the pool must hold its pages on `device`, in pages of `page_size`."""
+    engine = f"vmm-{os.getpid()}-{uuid.uuid4().hex[:12]}"     # unique: two engines of one process included
+    try:
+        member = join(name, engine=engine)
+    except UnknownPool:
+        if nbytes is None:
+            flag = "" if device == HOST else f" --device {device_text(device)}"
+            raise ConfigError(f"no pool named {name!r} is running; create it (kvlab pool create {name} --bytes N"
+                              f"{flag}) or give kv_pool_bytes") from None
+        try:
+            return create(name, nbytes, page_size=page_size, engine=engine, memory=memory, device=device)
+        except PoolExists:                    # another engine created it first
+            member = join(name, engine=engine)
+    return fitting(member, page_size, device)
+
+
+def fitting(member: PoolMember, page_size: int, device: int) -> PoolMember:
+    """The member, if its pool's pages are where and what size this engine maps; else it leaves, in one line."""
+    problem = None
+    if member.device != device:
+        problem = (f"holds its pages on {device_text(member.device)}; an engine on {device_text(device)} cannot map "
+                   "them (run every engine of a pool on its device)")
+    elif member.page_size != page_size:
+        problem = (f"has a page size {member.page_size}, not the engine's page_size {page_size}; set page_size "
+                   f"(--page-size) to {member.page_size}")
+    if problem is None:
+        return member
+    member.close()
+    raise ConfigError(f"pool {member.name!r} {problem}")

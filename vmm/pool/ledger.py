@@ -18,8 +18,11 @@ from kvlab.vmm.pool.errors import LimitError, PoolError
 
 FREE = -1
 MAGIC = 0x6B766C61622D706C    # "kvlab-pl"
-VERSION = 3                      # 3: engine records carry `givable`
+VERSION = 4                      # 3: engine records carry `givable`; 4: the header says where the memory is
+HOST = -1                        # `device` of a pool whose pages are one memfd; else the CUDA device's ordinal
 HEADER = np.dtype([("magic", "<u8"), ("version", "<i8"), ("page_size", "<i8"), ("total_pages", "<i8"),
+                   ("device", "<i8"),      # HOST, or the ordinal of the GPU whose chunks hold the pages
+                   ("chunks", "<i8"),      # the memory's descriptors passed at join: 1 memfd, or the CUDA chunks
                    ("max_engines", "<i8"), ("free", "<i8"), ("dirty", "<i8"), ("reclaimed_pages", "<i8"),
                    ("reclaimed_engines", "<i8"), ("joins", "<i8"),
                    ("hint", "<i8"),        # every page below `hint` is owned: take searches from there
@@ -48,10 +51,11 @@ class Ledger:
         self.table = EngineTable(self.engines, len(self.owner), int(self.header["page_size"]))
 
     @staticmethod
-    def format(buf, page_size: int, total_pages: int, max_engines: int) -> None:
+    def format(buf, page_size: int, total_pages: int, max_engines: int, device: int = HOST, chunks: int = 1) -> None:
         """Write empty books into `buf` (zeroed, ledger_bytes long)."""
         header = np.frombuffer(buf, HEADER, 1)[0]
         header["page_size"], header["total_pages"], header["max_engines"] = page_size, total_pages, max_engines
+        header["device"], header["chunks"] = device, chunks
         header["free"] = total_pages
         np.frombuffer(buf, OWNER, total_pages, HEADER.itemsize + max_engines * ENGINE.itemsize)[:] = FREE
         header["version"], header["magic"] = VERSION, MAGIC      # last: the books are whole
@@ -68,6 +72,11 @@ class Ledger:
     @property
     def free(self) -> int:
         return int(self.header["free"])
+
+    @property
+    def device(self) -> int:
+        """HOST, or the CUDA device whose chunks hold the pages."""
+        return int(self.header["device"])
 
     def pages_of(self, slot: int) -> np.ndarray:
         return np.flatnonzero(self.owner == slot)

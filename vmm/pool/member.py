@@ -17,7 +17,6 @@ from kvlab.vmm.pool import locks
 from kvlab.vmm.pool.attachment import Attachment, liveness_byte
 from kvlab.vmm.pool.engines import EngineRecord
 from kvlab.vmm.pool.errors import PoolError
-from kvlab.vmm.pool.memory import punch
 from kvlab.vmm.pool.status import PoolStatus, read_status
 from kvlab.vmm.pool.steward import Steward
 from kvlab.vmm.pool.transfer import all_held, transfer
@@ -34,8 +33,22 @@ class PoolMember:
 
     @property
     def page_fd(self) -> int:
-        """The pool's memfd: map page p at offset page_offset(p), MAP_SHARED."""
+        """A host pool's memfd: map page p at offset page_offset(p), MAP_SHARED."""
         return self._attachment.pages_fd
+
+    @property
+    def device(self) -> int:
+        """HOST (-1), or the CUDA device whose chunks hold the pages."""
+        return self._attachment.device
+
+    @property
+    def chunk_fds(self) -> list[int]:
+        """A GPU pool's chunks as descriptors, the pool's to close: import each once (cuda_chunks.py)."""
+        return list(self._attachment.memory_fds)
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.total_pages * self.page_size // len(self._attachment.memory_fds)
 
     def page_offset(self, page: int) -> int:
         if not 0 <= page < self.total_pages:
@@ -76,7 +89,7 @@ class PoolMember:
         if len(set(pages)) != len(pages) or not self._held.issuperset(pages):
             raise PoolError(f"engine {self.engine!r} can give only distinct pages it holds; "
                             f"{sorted(set(pages) - self._held)[:8] or 'duplicates'} are not")
-        punch(attachment.pages_fd, self.page_size, pages)       # still ours: no one else can map them yet
+        attachment.scrub(pages)                                # still ours: no one else can map them yet
         with attachment.locked() as ledger:
             ledger.give(self.slot, np.asarray(pages, dtype=np.int64))
         self._held.difference_update(pages)
@@ -175,7 +188,7 @@ class PoolMember:
         self._steward = None
         attachment = self._attachment
         with attachment.locked() as ledger:
-            punch(attachment.pages_fd, self.page_size, ledger.pages_of(self.slot).tolist())
+            attachment.scrub(ledger.pages_of(self.slot).tolist())
             ledger.unregister(self.slot)
             locks.unlock(attachment.lock_fd, liveness_byte(self.slot))
         attachment.close()

@@ -1,6 +1,7 @@
 """Joining by name through a Linux abstract Unix socket, "\\0kvlab-pool-NAME": no file anywhere, and the name is
 gone the moment its socket closes, its process's death included. Whichever member binds the name serves joins
-by passing the pool's two descriptors (socket.send_fds, SCM_RIGHTS) to processes of the same user."""
+by passing the pool's descriptors (socket.send_fds, SCM_RIGHTS: the books, then the memory) to processes of the
+same user."""
 from __future__ import annotations
 
 import errno
@@ -13,7 +14,8 @@ import time
 from kvlab.vmm.pool.errors import PoolError, PoolExists, UnknownPool
 
 PREFIX = "kvlab-pool-"
-HELLO = b"kvlab-pool/1"
+HELLO = b"kvlab-pool/2"          # 2: the books first, then one or more memory descriptors
+MAX_MEMORY_FDS = 64              # a GPU pool's chunks (cuda_chunks.py); SCM_RIGHTS passes up to 253
 NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 JOIN_WAIT_S = 0.5     # longer than a steward handover (steward.py), so a join never falls into one
 ANSWER_WAIT_S = 5.0
@@ -85,17 +87,17 @@ def _connect(name: str) -> socket.socket:
             time.sleep(0.02)
 
 
-def fetch(name: str) -> tuple[int, int]:
-    """The pool's (pages, ledger) descriptors from whichever member serves the name."""
+def fetch(name: str) -> tuple[int, list[int]]:
+    """The pool's books and memory descriptors from whichever member serves the name."""
     check_name(name)
     with _connect(name) as sock:
         sock.settimeout(ANSWER_WAIT_S)
         try:
-            msg, fds, _, _ = socket.recv_fds(sock, len(HELLO), 2, socket.MSG_CMSG_CLOEXEC)
+            msg, fds, _, _ = socket.recv_fds(sock, len(HELLO), 1 + MAX_MEMORY_FDS, socket.MSG_CMSG_CLOEXEC)
         except TimeoutError:
             raise PoolError(f"pool {name!r} did not answer the join within {ANSWER_WAIT_S:g} s") from None
-    if msg != HELLO or len(fds) != 2:
+    if msg != HELLO or len(fds) < 2:
         for fd in fds:
             os.close(fd)
         raise PoolError(f"pool {name!r} answered the join with something else ({msg[:32]!r})")
-    return fds[0], fds[1]
+    return fds[0], fds[1:]

@@ -42,7 +42,7 @@ class Steward:
             if self.server is None:
                 self._stop.wait(self.interval)
                 continue
-            rendezvous.serve_one(self.server, [self.attachment.pages_fd, self.attachment.ledger_fd],
+            rendezvous.serve_one(self.server, self.attachment.descriptors,
                                  max(0.0, next_reap - time.monotonic()))
             if time.monotonic() >= next_reap:
                 self._reap()
