@@ -27,6 +27,13 @@ def import_driver() -> Any:
     return driver
 
 
+def cuda_index(device: str) -> int:
+    """N of cuda:N, or for plain cuda torch's current device (0 without a GPU)."""
+    if ":" in device:
+        return int(device.split(":")[1])
+    return torch.cuda.current_device() if torch.cuda.is_available() else 0
+
+
 def as_int(handle: Any) -> int:
     """CUdeviceptr / CUcontext / handle objects -> int (None and NULL -> 0)."""
     return 0 if handle is None else int(handle)

@@ -2,11 +2,10 @@
 driver on cpu, the CUDA driver on cuda[:N]."""
 from __future__ import annotations
 
-import torch
-
 from kvlab.common.errors import ConfigError
 from kvlab.vmm.drivers.accounting import AccountingVirtualMemory
 from kvlab.vmm.drivers.base import VirtualMemory
+from kvlab.vmm.drivers.cuda_device import cuda_index
 
 
 def make_driver(device: str, page_size: int, accounting_only: bool, pool: str | None = None,
@@ -24,11 +23,4 @@ def make_driver(device: str, page_size: int, accounting_only: bool, pool: str | 
         from kvlab.vmm.drivers.host import HostVirtualMemory
         return HostVirtualMemory(page_size)
     from kvlab.vmm.drivers.cuda import CudaVirtualMemory
-    return CudaVirtualMemory(int(cuda_device(device).split(":")[1]), page_size)
-
-
-def cuda_device(device: str) -> str:
-    """cuda:N as given, or plain cuda as torch's current device (0 without a GPU)."""
-    if ":" in device:
-        return device
-    return f"cuda:{torch.cuda.current_device() if torch.cuda.is_available() else 0}"
+    return CudaVirtualMemory(cuda_index(device), page_size)

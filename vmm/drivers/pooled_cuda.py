@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvlab.vmm.drivers.cuda import CudaMemory
-from kvlab.vmm.drivers.factory import cuda_device
+from kvlab.vmm.drivers.cuda_device import cuda_index
 from kvlab.vmm.drivers.types import Region
 from kvlab.vmm.pool import PoolMember, create, join_or_create
 from kvlab.vmm.pool.cuda_chunks import CudaChunks, chunk_size
@@ -104,7 +104,7 @@ def on_device(device: str, page_size: int, driver: Any, nbytes: int | None,
               enter: Callable[[CudaMemory, ChunkMaker], PoolMember]) -> tuple[PoolMember, CudaPoolPages]:
     """The device's memory, a member entered by `enter`, and its chunks (made by the maker if it created the
     pool, else imported); all released if any step fails."""
-    memory = CudaMemory(int(cuda_device(device).split(":")[1]), page_size, driver)
+    memory = CudaMemory(cuda_index(device), page_size, driver)
     maker, member = ChunkMaker(memory, nbytes or 0), None
     try:
         member = enter(memory, maker)
