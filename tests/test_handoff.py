@@ -219,7 +219,7 @@ def test_a_vmm_import_whose_mapping_fails_gives_the_pages_back(engines, monkeypa
     with pool.create(f"handoff-{os.getpid()}-{uuid.uuid4().hex[:8]}", 8 << 20, page_size=4096) as holder:
         vmm = {"backend": "vmm", "page_size": 4096, "kv_pool": holder.name}
         prefill, decode = engines("prefill", **vmm), engines("decode", **vmm)
-        host = decode.cache.allocator.driver.os.pages.host
+        host = decode.cache.allocator.driver.os.pages.memory
 
         def refuse(*args, **kwargs):
             raise DriverError("mmap refused")

@@ -173,14 +173,26 @@ def test_a_second_process_imports_the_chunks_and_shares_their_bytes(fake, cuda):
     made.close()
 
 
-def test_the_gpu_checks_pool_part_passes_its_cpu_dry_run(tmp_path):
-    """experiments/gpu/parts_pool.py: two processes on the fake device, as it runs on a lent GPU."""
+def dry_run(part: str, tmp_path) -> dict:
+    """One part of the GPU check in its CPU dry run; its result, once it passed."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "check.json"
     proc = subprocess.run(["bash", os.path.join(root, "experiments", "gpu_check.sh"), "--dry-run-cpu", "--parts",
-                           "cuda_pool", "--out", str(out)], capture_output=True, text=True, timeout=300)
-    part = json.loads(out.read_text())["parts"]["cuda_pool"]
-    assert proc.returncode == 0 and part["ok"], part
-    result = part["result"]
+                           part, "--out", str(out)], capture_output=True, text=True, timeout=300)
+    got = json.loads(out.read_text())["parts"][part]
+    assert proc.returncode == 0 and got["ok"], got
+    return got["result"]
+
+
+def test_the_gpu_checks_pool_part_passes_its_cpu_dry_run(tmp_path):
+    """experiments/gpu/parts_pool.py: two processes on the fake device, as it runs on a lent GPU."""
+    result = dry_run("cuda_pool", tmp_path)
     assert result["child"] == {"child_reads_parent_write": True, "reexport_of_import": "ok", "child_ok": True}
     assert result["parent_reads_child_write"] and result["fake_leaks"] == {}
+
+
+def test_the_gpu_checks_pool_engines_part_passes_its_cpu_dry_run(tmp_path):
+    """experiments/gpu/parts_pool_engines.py on cpu over a host pool, as it runs on a lent GPU over a CUDA one."""
+    result = dry_run("cuda_pool_engines", tmp_path)
+    assert result["this_engine_equals_solo"] and result["child_equals_solo"] and result["pool_gone"]
+    assert result["pool_block"]["pages_taken"] > 0 and result["child"]["pool_block"]["pages_taken"] > 0

@@ -4,7 +4,6 @@ zeros (the chunks are not punched: the taker zeroes), a handoff keeps its data, 
 host and GPU pools refuse each other's engines in one line, and nothing is left on any fake when they close."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -287,15 +286,3 @@ def test_a_killed_engine_s_pages_come_back_and_read_zeros_to_the_next_owner(fake
             child.wait()
         vm.close()
 
-
-def test_the_gpu_checks_pool_engines_part_passes_its_cpu_dry_run(tmp_path):
-    """experiments/gpu/parts_pool_engines.py on cpu over a host pool, as it runs on a lent GPU over a CUDA one."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = tmp_path / "check.json"
-    proc = subprocess.run(["bash", os.path.join(root, "experiments", "gpu_check.sh"), "--dry-run-cpu", "--parts",
-                           "cuda_pool_engines", "--out", str(out)], capture_output=True, text=True, timeout=300)
-    part = json.loads(out.read_text())["parts"]["cuda_pool_engines"]
-    assert proc.returncode == 0 and part["ok"], part
-    result = part["result"]
-    assert result["this_engine_equals_solo"] and result["child_equals_solo"] and result["pool_gone"]
-    assert result["pool_block"]["pages_taken"] > 0 and result["child"]["pool_block"]["pages_taken"] > 0

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from kvlab.common.errors import DriverError
 from kvlab.vmm.drivers.base import VirtualMemory
 from kvlab.vmm.drivers.map_budget import MapBudgetExhausted, process_budget
-from kvlab.vmm.drivers.types import PartialCall, Region
+from kvlab.vmm.drivers.types import OSMemory, PartialCall, Region
 from kvlab.vmm.pool import PoolMember
 
 ANSWER_WAIT_S = 0.5        # at most a few steward rounds (0.1 s each) for other engines to give pages back
@@ -33,23 +33,14 @@ class PoolExhausted(MapBudgetExhausted):
 
 
 class PoolPageMapper(Protocol):
-    """A device's part of a pooled driver: its address space and views, and one pool page mapped at an address."""
+    """A device's part of a pooled driver: one pool page mapped at an address, over the device's own driver calls
+    (`memory`: its reservations, unmaps, views and granularity)."""
     name: str
     page_size: int
-
-    def granularity(self) -> int: ...
-
-    def reserve(self, nbytes: int) -> int: ...
-
-    def release(self, region: Region) -> None: ...
-
-    def view(self, region: Region, offset: int, nbytes: int) -> tuple[Any, Any]: ...
+    memory: OSMemory
 
     def map_page(self, addr: int, pool_page: int) -> int:
         """Map one pool page read-write at `addr`; the OS calls made. A failure leaves nothing mapped there."""
-
-    def unmap(self, addr: int, num_pages: int) -> int:
-        """As `OSMemory.unmap`: `PartialCall` when the first pages were unmapped before a failure."""
 
     def taken(self, pool_pages: list[int]) -> None:
         """Pages new to this engine from the pool: what another engine wrote there must not be read."""
@@ -88,18 +79,18 @@ class PooledMemory:
         return self.member.page_offset(self.backing[page])
 
     def granularity(self) -> int:
-        return self.pages.granularity()
+        return self.pages.memory.granularity()
 
     def reserve(self, nbytes: int) -> int:
-        return self.pages.reserve(nbytes)
+        return self.pages.memory.reserve(nbytes)
 
     def release(self, region: Region) -> None:
-        self.pages.release(region)
+        self.pages.memory.release(region)
         for addr in [a for a in self.mapped if region.base <= a < region.base + region.nbytes]:
             self._forget(addr)
 
     def view(self, region: Region, offset: int, nbytes: int) -> tuple[Any, Any]:
-        return self.pages.view(region, offset, nbytes)
+        return self.pages.memory.view(region, offset, nbytes)
 
     def resize_pool(self, old_pages: int, new_pages: int) -> None:
         """Local pages cost nothing until mapped; cut ones (unmapped, checked by the driver) give their pages."""
@@ -175,7 +166,7 @@ class PooledMemory:
 
     def unmap(self, addr: int, num_pages: int) -> int:
         try:
-            calls = self.pages.unmap(addr, num_pages)
+            calls = self.pages.memory.unmap(addr, num_pages)
         except PartialCall as e:
             self._forget_run(addr, e.pages_done)
             raise

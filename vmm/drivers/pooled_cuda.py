@@ -11,7 +11,6 @@ from typing import Any
 
 from kvlab.vmm.drivers.cuda import CudaMemory
 from kvlab.vmm.drivers.cuda_device import cuda_index
-from kvlab.vmm.drivers.types import Region
 from kvlab.vmm.pool import PoolMember, create, join_or_create
 from kvlab.vmm.pool.cuda_chunks import CudaChunks, chunk_size
 
@@ -22,18 +21,6 @@ class CudaPoolPages:
     def __init__(self, memory: CudaMemory, chunks: CudaChunks) -> None:
         self.memory, self.chunks, self.page_size = memory, chunks, memory.page_size
         self.fresh: set[int] = set()       # pool pages taken from the pool and not yet mapped (zeroed then)
-
-    def granularity(self) -> int:
-        return self.memory.granularity()
-
-    def reserve(self, nbytes: int) -> int:
-        return self.memory.reserve(nbytes)
-
-    def release(self, region: Region) -> None:
-        self.memory.release(region)
-
-    def view(self, region: Region, offset: int, nbytes: int) -> tuple[Any, Any]:
-        return self.memory.view(region, offset, nbytes)
 
     def map_page(self, addr: int, pool_page: int) -> int:
         self.chunks.map(addr, pool_page)
@@ -46,9 +33,6 @@ class CudaPoolPages:
             raise
         self.fresh.discard(pool_page)
         return 3
-
-    def unmap(self, addr: int, num_pages: int) -> int:
-        return self.memory.unmap(addr, num_pages)      # one synchronise, then page by page
 
     def taken(self, pool_pages: list[int]) -> None:
         self.fresh.update(pool_pages)

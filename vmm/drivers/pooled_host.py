@@ -4,10 +4,8 @@ engines give back, so a page new to an engine reads zeros without work here."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from kvlab.vmm.drivers.host import MAP_FIXED, MAP_POPULATE, MAP_SHARED, PROT_READ, PROT_WRITE, HostMemory
-from kvlab.vmm.drivers.types import Region
 from kvlab.vmm.pool import PoolMember, join_or_create
 
 
@@ -16,28 +14,13 @@ class HostPoolPages:
 
     def __init__(self, member: PoolMember, page_size: int, populate: bool = True) -> None:
         self.member, self.page_size = member, page_size
-        self.host = HostMemory(page_size, populate)
+        self.memory = HostMemory(page_size, populate)     # reservations, views, unmaps: one mmap, all or nothing
         self.flags = MAP_SHARED | MAP_FIXED | (MAP_POPULATE if populate else 0)
 
-    def granularity(self) -> int:
-        return self.host.granularity()
-
-    def reserve(self, nbytes: int) -> int:
-        return self.host.reserve(nbytes)
-
-    def release(self, region: Region) -> None:
-        self.host.release(region)
-
-    def view(self, region: Region, offset: int, nbytes: int) -> tuple[Any, Any]:
-        return self.host.view(region, offset, nbytes)
-
     def map_page(self, addr: int, pool_page: int) -> int:
-        self.host.mmap_at("map pool pages", addr, self.page_size, PROT_READ | PROT_WRITE, self.flags,
-                          self.member.page_fd, self.member.page_offset(pool_page))
+        self.memory.mmap_at("map pool pages", addr, self.page_size, PROT_READ | PROT_WRITE, self.flags,
+                            self.member.page_fd, self.member.page_offset(pool_page))
         return 1
-
-    def unmap(self, addr: int, num_pages: int) -> int:
-        return self.host.unmap(addr, num_pages)      # one mmap: all or nothing
 
     def taken(self, pool_pages: list[int]) -> None:
         """Punched by their giver (or by the reaper of a dead one): zeros already."""
@@ -46,7 +29,7 @@ class HostPoolPages:
         """The pool punches them when given; a handoff's taker wants their data."""
 
     def close(self, pool_maps: Sequence[int]) -> None:
-        self.host.close(pool_maps)
+        self.memory.close(pool_maps)
 
 
 def host_pool_pages(pool: str, nbytes: int | None, page_size: int, populate: bool) -> tuple[PoolMember, HostPoolPages]:
