@@ -151,7 +151,7 @@ def test_gpu_check_dry_run_runs_every_part_on_cpu(tmp_path):
     assert proc.returncode == 0, {k: v.get("error") for k, v in parts.items()}
     assert doc["mode"] == "cpu-dry-run" and doc["selection"] == "check"
     assert set(parts) == {"environment", "cuda_vmm", "triton_vs_sdpa", "kernel_costs", "vmm_vs_paged", "gpu_tests",
-                          "cuda_pool", "unmapped_access"}
+                          "cuda_pool", "cuda_pool_engines", "unmapped_access"}
     profile = parts["kernel_costs"]["result"]["profile"]
     assert {p["phase"] for p in profile["points"]} == {"decode", "prefill"} and profile["name"] == "measured"
     vmm = parts["cuda_vmm"]["result"]
