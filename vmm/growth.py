@@ -4,6 +4,7 @@ unmapped, new pages mapped, retried once after unmapping parked pages when the O
 """
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from kvlab.vmm.drivers.map_budget import MapBudgetExhausted
@@ -133,9 +134,7 @@ class SlotGrowth:
         if claimed:
             slot, hit = self._claim(seq, num_tokens)
         try:
-            if not claimed and self.pool.num_shared and hasattr(self.pages.maps.driver, "hold"):
-                # a shared pool: copies and new pages are several maps; take their pool pages first, in one step
-                self.pages.maps.driver.hold(self.units_to_grow(slot, seq, num_tokens) * self.geo.num_tensors)
+            self._hold(slot, seq, max(seq.num_computed_tokens, hit), num_tokens)
             self.pages.copy_on_write(slot, max(seq.num_computed_tokens, hit), num_tokens, emit)   # hits: not written
             self.pages.grow(slot, self.geo.pages_for(num_tokens))
         except BaseException:
@@ -146,6 +145,25 @@ class SlotGrowth:
             raise
         self.table.hold(slot, max(slot.held, num_tokens))
         return hit
+
+    def _hold(self, slot: Slot, seq: Sequence, start: int, num_tokens: int) -> None:
+        """A shared pool's driver: take the pool pages of every map this growth makes (copies, new groups, each in
+        every tensor: one driver call per tensor) in one ledger step before the first. A refusal then comes before
+        anything changed, and it asks the other engines for the growth's whole shortfall at once, not for one
+        tensor's page (its one wait in the step got that page, and the next tensor's map was refused)."""
+        driver = self.pages.maps.driver
+        if not hasattr(driver, "hold"):
+            return
+        new = max(0, self.geo.pages_for(num_tokens) - len(slot.groups))
+        new += len(self.pages.shared_pages(slot, start, num_tokens))
+        unmapped = min(new, self.pool.num_free)      # the others come from parked or cached groups: already backed
+        if not unmapped:
+            return
+        t0 = time.perf_counter()
+        try:
+            driver.hold(unmapped * self.geo.num_tensors)
+        finally:          # taking (and waiting for) pool pages is part of mapping, as it is inside a map call
+            driver.stats.map_seconds += time.perf_counter() - t0
 
     def _claim(self, seq: Sequence, num_tokens: int) -> tuple[Slot, int]:
         """A slot for a first allocation (with its cached prefix pages aliased in); returns it and the hit tokens."""

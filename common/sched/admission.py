@@ -1,7 +1,9 @@
 """Admission: swapped sequences come back first (FCFS), then waiting ones are admitted FCFS (parked beams are
 passed over) while max_num_seqs has slots for their request and the cache can hold this step's chunk and
 still keep the watermark free. The watermark applies only to a request with nothing running while something
-else runs: a lone request is never blocked by it, and a recomputing sibling of running work is growth."""
+else runs: a lone request is never blocked by it, and a recomputing sibling of running work is growth. A
+sequence preempted alone for a transient shortage (common/sched/preemption.py) is held back until the cache has
+room for its end."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -31,12 +33,24 @@ class Admission:
         or when the request already runs (a sibling of admitted work grows it, like decode growth)."""
         return self.watermark_units if self.queues.running and req.num_running == 0 else 0
 
+    def held_back(self, seq: Sequence) -> bool:
+        """Whether `seq`, preempted alone for a transient shortage, waits on: until the cache has room for the
+        tokens it is held for, or until they can never fit (then it comes back, and fails alone if it must)."""
+        tokens = self.queues.held.get(seq.seq_id)
+        if tokens is None:
+            return False
+        cache = self.cache
+        if cache.units_needed(seq, tokens) > cache.num_free_units() and cache.shortage_is_transient(seq, tokens):
+            return True
+        del self.queues.held[seq.seq_id]
+        return False
+
     def swap_in(self, out: SchedulerOutput, budget: int) -> int:
         cache, queues = self.cache, self.queues
         while queues.swapped and budget > 0:
             seq = queues.swapped[0]
             req = queues.req_of[seq.seq_id]
-            if not queues.has_slots(req):
+            if not queues.has_slots(req) or self.held_back(seq):
                 break
             if not cache.swap_in(seq, self.watermark(req)):
                 break
@@ -65,7 +79,7 @@ class Admission:
             if seq is None:
                 break
             req = queues.req_of[seq.seq_id]
-            if not queues.has_slots(req):
+            if not queues.has_slots(req) or self.held_back(seq):
                 break
             target = seq.num_computed_tokens + min(seq.num_tokens - seq.num_computed_tokens, budget)
             if req.kv_import is not None:

@@ -147,5 +147,6 @@ class Lifecycle:
         del queues.requests[req.request_id]
         for s in req.seqs:
             queues.req_of.pop(s.seq_id, None)
+            queues.held.pop(s.seq_id, None)
         if emit:
             queues.finished.append(req)

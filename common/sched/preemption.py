@@ -1,8 +1,9 @@
 """Making room: idle beams are released first (newest first), then running sequences are preempted one at a
 time, newest admitted first, by recompute or swap (`preemption_mode`); alone, a sequence that cannot grow
 fails, unless the cache says its shortage is transient (memory shared with other engines): then it is preempted
-and waits. At a stall, the newest group's idle beams are released, or the queue head that cannot fit even in an
-empty cache fails alone (a transient shortage: it waits)."""
+and held back until the cache has room for its end (common/sched/admission.py). At a stall, the newest group's
+idle beams are released, or the queue head that cannot fit even in an empty cache fails alone (a transient
+shortage: it waits)."""
 from __future__ import annotations
 
 import logging
@@ -39,11 +40,13 @@ class Preemption:
         while self.cache.allocate(seq, target) is None:
             idle = self.queues.newest_idle()
             victim = idle if idle is not None else running[-1]
-            if victim is seq and len(running) == 1 and not self.cache.shortage_is_transient(seq, target):
-                req = self.queues.req_of[seq.seq_id]
-                self.life.fail(req, f"request {req.request_id} cannot grow to {target} tokens even alone in the "
-                                    f"{self.cache.name} cache: raise kv_cache_bytes or lower max_tokens", out)
-                return removed_before
+            if victim is seq and len(running) == 1:
+                if not self.cache.shortage_is_transient(seq, target):
+                    req = self.queues.req_of[seq.seq_id]
+                    self.life.fail(req, f"request {req.request_id} cannot grow to {target} tokens even alone in "
+                                        f"the {self.cache.name} cache: raise kv_cache_bytes or lower max_tokens", out)
+                    return removed_before
+                self._hold_back(seq, target)
             removed_before += running.index(victim) < i
             if idle is not None:
                 self.release_idle([idle], out)
@@ -52,6 +55,13 @@ class Preemption:
             if seq.status is not RUNNING:
                 break
         return removed_before
+
+    def _hold_back(self, seq: Sequence, target: int) -> None:
+        """Preempted alone for a transient shortage: it comes back when the cache can hold it to its end (or to
+        `target` if its end can never fit). Re-admitted as soon as its next chunk fits, it would recompute its
+        prompt only to be preempted again at its next unit while other engines hold the memory."""
+        end = seq.final_len
+        self.queues.held[seq.seq_id] = end if self.cache.shortage_is_transient(seq, end) else target
 
     def release_idle(self, beams: list[Sequence], out: SchedulerOutput) -> None:
         """Free the KV of idle beams (running, candidates in): they keep their candidates and stay parked in

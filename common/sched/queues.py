@@ -25,6 +25,7 @@ class Queues:
         self.req_of: dict[int, Request] = {}       # seq_id -> request
         self.finished: list[Request] = []          # finished since the last pop_finished()
         self.kept: dict[int, Sequence] = {}        # finished, KV kept for a handoff (each holds one slot)
+        self.held: dict[int, int] = {}             # seq_id -> tokens the cache must have room for to re-admit it
         self.slots_used = 0                        # sum of widths of requests with a running sequence
         self.dirty = False                         # running changed after this step's items were chosen
         self._seq_ids = itertools.count()
@@ -115,3 +116,4 @@ class Queues:
             assert not cache.holds(s), f"waiting sequence {s.seq_id} still holds KV"
         for s in self.swapped:
             assert not cache.holds(s), f"swapped-out sequence {s.seq_id} still holds resident KV"
+        assert set(self.held) <= {s.seq_id for s in (*self.waiting, *self.swapped)}, "a held-back sequence runs"
