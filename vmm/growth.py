@@ -4,7 +4,6 @@ unmapped, new pages mapped, retried once after unmapping parked pages when the O
 """
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
 from kvlab.vmm.drivers.map_budget import MapBudgetExhausted
@@ -159,11 +158,7 @@ class SlotGrowth:
         unmapped = min(new, self.pool.num_free)      # the others come from parked or cached groups: already backed
         if not unmapped:
             return
-        t0 = time.perf_counter()
-        try:
-            driver.hold(unmapped * self.geo.num_tensors)
-        finally:          # taking (and waiting for) pool pages is part of mapping, as it is inside a map call
-            driver.stats.map_seconds += time.perf_counter() - t0
+        driver.hold(unmapped * self.geo.num_tensors)
 
     def _claim(self, seq: Sequence, num_tokens: int) -> tuple[Slot, int]:
         """A slot for a first allocation (with its cached prefix pages aliased in); returns it and the hit tokens."""

@@ -292,8 +292,13 @@ class PooledVirtualMemory(VirtualMemory):
 
     def hold(self, local_pages: int) -> None:
         """Make sure the next maps of `local_pages` pages without a backing cannot be refused by the pool (one
-        take, all or nothing; PoolExhausted if refused): a change made of several maps takes its pages first."""
-        self.os.hold(local_pages)
+        take, all or nothing; PoolExhausted if refused): a change made of several maps takes its pages first.
+        Taking (and waiting for) pool pages is part of mapping, as inside a map call: counted as map time."""
+        t0 = time.perf_counter()
+        try:
+            self.os.hold(local_pages)
+        finally:
+            self.stats.map_seconds += time.perf_counter() - t0
 
     def keep(self, pages: list[int]) -> None:
         """Local pages holding prefix-cached data: never a spare while the cache keeps them."""
