@@ -1,4 +1,4 @@
-"""The one "wait until the server is up" helper (experiments/loadgen/health.py): it returns once /health answers
+"""The one "wait until the server is up" helper (experiments/serve/health.py): it returns once /health answers
 200, and fails in one ServerNotReady line when the deadline passes or the watched process exits first."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from kvlab.common.errors import KvlabError
-from kvlab.experiments.loadgen.health import ServerNotReady, healthy, wait_healthy
+from kvlab.experiments.serve.health import ServerNotReady, healthy, wait_healthy
 
 
 class LateHealth(BaseHTTPRequestHandler):

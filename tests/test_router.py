@@ -13,8 +13,8 @@ import pytest
 from test_serve_roles import ServeProcess, engine, router
 
 from kvlab.experiments.cli.main import main
-from kvlab.experiments.loadgen.health import wait_healthy
 from kvlab.experiments.serve import server
+from kvlab.experiments.serve.health import wait_healthy
 
 openai = pytest.importorskip("openai")
 BACKEND = "vmm"

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvlab.experiments.loadgen.health import wait_healthy
+from kvlab.experiments.serve.health import wait_healthy
 from kvlab.experiments.serve.protocol import ApiError, parse
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -26,11 +26,11 @@ from kvlab.common.metrics import RunMetrics
 from kvlab.common.outputs import CompletionOutput, RequestOutput
 from kvlab.common.sampling_params import SamplingParams
 from kvlab.common.tokenizer import ByteTokenizer
-from kvlab.experiments.loadgen.health import wait_healthy
 from kvlab.experiments.serve.app import Server, create_app
 from kvlab.experiments.serve.decoding import Decoding
 from kvlab.experiments.serve.engine_process import ProcessEngine
 from kvlab.experiments.serve.handles import ThreadEngine
+from kvlab.experiments.serve.health import wait_healthy
 from kvlab.experiments.serve.prom import METRICS, ServerMetrics
 
 openai = pytest.importorskip("openai")       # a dev dependency (pyproject [dev])

@@ -22,9 +22,9 @@ from typing import Any
 import httpx
 
 from kvlab.common.errors import ConfigError
-from kvlab.experiments.loadgen.health import ServerNotReady, wait_healthy
 from kvlab.experiments.loadgen.load_run import LoadSpec, bench_once
 from kvlab.experiments.loadgen.sampler import StatsSampler
+from kvlab.experiments.serve.health import ServerNotReady, wait_healthy
 
 log = logging.getLogger("kvlab.bench.serve")
 START_TIMEOUT_S = 120

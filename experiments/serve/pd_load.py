@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvlab.experiments.loadgen.health import ServerNotReady, wait_healthy
+from kvlab.experiments.serve.health import ServerNotReady, wait_healthy
 
 SETUPS = {"disaggregated": ("prefill", "decode"), "colocated": ("colocated", "colocated")}
 METRICS = ("p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "request_goodput")

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvlab.common.errors import ConfigError
-from kvlab.experiments.loadgen.health import ServerNotReady, wait_healthy
 from kvlab.experiments.loadgen.sweep import stop
+from kvlab.experiments.serve.health import ServerNotReady, wait_healthy
 
 POLL_S = 0.1
 POOL_GONE_S = 5.0          # the last member's exit ends the pool; the kernel may take a moment to close it all
