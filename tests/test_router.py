@@ -10,10 +10,11 @@ import time
 
 import httpx
 import pytest
-from test_serve_roles import ServeProcess, engine, router, wait_healthy
+from test_serve_roles import ServeProcess, engine, router
 
 from kvlab.experiments.cli.main import main
 from kvlab.experiments.serve import server
+from kvlab.experiments.serve.health import wait_healthy
 
 openai = pytest.importorskip("openai")
 BACKEND = "vmm"
@@ -28,7 +29,7 @@ def pair():
         for role in ("prefill", "decode", "decode"):
             procs.append(engine(BACKEND, role))
         procs.append(router(procs[:1], procs[1:]))
-        wait_healthy(procs[-1].url)
+        wait_healthy(procs[-1].url, 30, procs[-1].proc)
         yield procs
     finally:
         for p in reversed(procs):

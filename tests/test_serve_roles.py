@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvlab.experiments.serve.health import wait_healthy
 from kvlab.experiments.serve.protocol import ApiError, parse
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,18 +79,6 @@ def router(prefill: list[ServeProcess], decode: list[ServeProcess], *extra: str)
                         "--decode", *[d.url for d in decode], *extra)
 
 
-def wait_healthy(url: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"{url}/health did not answer 200 within {timeout} s")
-
-
 class Cluster:
     """One backend's prefill, decode and colocated servers, and the router in front of the first two."""
 
@@ -101,7 +90,7 @@ class Cluster:
             self.decode = self._add(engine(backend, "decode"))
             self.colocated = self._add(engine(backend, "colocated"))
             self.router = self._add(router([self.prefill], [self.decode]))
-            wait_healthy(self.router.url)
+            wait_healthy(self.router.url, 30, self.router.proc)
         except BaseException:
             self.stop()
             raise

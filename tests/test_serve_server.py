@@ -30,6 +30,7 @@ from kvlab.experiments.serve.app import Server, create_app
 from kvlab.experiments.serve.decoding import Decoding
 from kvlab.experiments.serve.engine_process import ProcessEngine
 from kvlab.experiments.serve.handles import ThreadEngine
+from kvlab.experiments.serve.health import wait_healthy
 from kvlab.experiments.serve.prom import METRICS, ServerMetrics
 
 openai = pytest.importorskip("openai")       # a dev dependency (pyproject [dev])
@@ -244,7 +245,7 @@ def test_sigterm_during_load_exits_zero():
         line = proc.stdout.readline()
         url = re.search(r"http://\S+", line).group(0)
         assert "(engine in its own process, 1 torch thread(s))" in line, line   # --threads 1 here too, as in LLM
-        assert wait_for(lambda: _healthy(url), 30)
+        wait_healthy(url, 30, proc)
         body = {"model": "tiny", "prompt": "load", "max_tokens": 500, "ignore_eos": True}
         pool = ThreadPoolExecutor(8)
         futures = [pool.submit(_post_quietly, url, body) for _ in range(8)]
@@ -262,13 +263,6 @@ def test_sigterm_during_load_exits_zero():
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def _running(url: str) -> float:

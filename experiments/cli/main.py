@@ -17,6 +17,7 @@ from typing import Any
 
 from kvlab.common.errors import ConfigError, KvlabError
 from kvlab.experiments.cli.flags import KvlabParser, first_line
+from kvlab.experiments.cli.startup import end_startup
 
 # subcommand -> the module with its add_parser(subparsers) and run(args)
 SUBCOMMANDS = {"generate": "kvlab.experiments.cli.generate", "bench": "kvlab.experiments.bench.offline",
@@ -75,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     command = f"kvlab {argv[0]}" if argv and argv[0] in SUBCOMMANDS else "kvlab"
     try:
+        end_startup()            # inside the try: from here on a Ctrl-C is the KeyboardInterrupt caught below
         parser = build_parser()
         try:
             args = parser.parse_args(argv)
@@ -96,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from kvlab.experiments.cli.startup import end_startup
-    end_startup()
-    sys.exit(main())
+    status = main()
+    # Under `python -m`, CPython remembers a Ctrl-C that passed through an exec/eval of a string (a dataclass or
+    # namedtuple being made when it came), handled or not, and then exits by SIGINT (-2) instead of with our 130;
+    # the next evaluation of a string forgets it. (The `kvlab` script exits through Py_Exit: not affected.)
+    eval("None")
+    sys.exit(status)

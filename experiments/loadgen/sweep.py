@@ -24,6 +24,7 @@ import httpx
 from kvlab.common.errors import ConfigError
 from kvlab.experiments.loadgen.load_run import LoadSpec, bench_once
 from kvlab.experiments.loadgen.sampler import StatsSampler
+from kvlab.experiments.serve.health import ServerNotReady, wait_healthy
 
 log = logging.getLogger("kvlab.bench.serve")
 START_TIMEOUT_S = 120
@@ -62,14 +63,9 @@ def wait_started(proc: subprocess.Popen) -> str:
     m = re.search(r"http://\S+", line)
     if not m:
         proc.wait(10)
-        raise ConfigError(f"kvlab serve did not start: {line.strip() or proc.stderr.read().strip()[-300:]}")
-    url, deadline = m.group(0), time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return url
-        time.sleep(0.1)
-    raise ConfigError(f"kvlab serve at {url} did not become healthy in {START_TIMEOUT_S} s")
+        raise ServerNotReady(f"kvlab serve did not start: {line.strip() or proc.stderr.read().strip()[-300:]}")
+    wait_healthy(m.group(0), START_TIMEOUT_S, proc)
+    return m.group(0)
 
 
 def stop(proc: subprocess.Popen, backend: str) -> None:

@@ -18,10 +18,9 @@ import signal
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
+from kvlab.experiments.serve.health import ServerNotReady, wait_healthy
 
 SETUPS = {"disaggregated": ("prefill", "decode"), "colocated": ("colocated", "colocated")}
 METRICS = ("p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "request_goodput")
@@ -51,16 +50,11 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def wait_healthy(url: str) -> None:
-    deadline = time.monotonic() + START_S
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit(f"{url}/health did not answer 200 within {START_S} s")
+def wait_router(router: subprocess.Popen, url: str) -> None:
+    try:
+        wait_healthy(url, START_S, router)
+    except ServerNotReady as e:
+        raise SystemExit(str(e)) from None
 
 
 def run_setup(name: str, engine_flags: list[str], bench_flags: list[str], out: Path, repeat: int) -> dict:
@@ -74,7 +68,7 @@ def run_setup(name: str, engine_flags: list[str], bench_flags: list[str], out: P
             urls.setdefault(role, []).append(url)
         router, url = start("--role", "router", *[a for role, found in urls.items() for a in (f"--{role}", *found)])
         procs.append(router)
-        wait_healthy(url)
+        wait_router(router, url)
         filename = f"{name}-{repeat}.json"
         subprocess.run([*CLI, "bench", "serve", "--base-url", url, *bench_flags, "--metric-percentiles", "50,99",
                         "--save-result", "--result-dir", str(out), "--result-filename", filename, "--disable-tqdm"],

@@ -13,10 +13,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
 from kvlab.common.errors import ConfigError
 from kvlab.experiments.loadgen.sweep import stop
+from kvlab.experiments.serve.health import ServerNotReady, wait_healthy
 
 POLL_S = 0.1
 POOL_GONE_S = 5.0          # the last member's exit ends the pool; the kernel may take a moment to close it all
@@ -36,7 +35,7 @@ def servers(argvs: list[list[str]], model: str, logs: Path, timeout_s: float) ->
         for i, argv in enumerate(argvs):
             procs.append(launch(argv, model, logs / f"server{i}.log"))
         deadline = time.monotonic() + timeout_s
-        yield [Launched(wait_healthy(p, logs / f"server{i}.log", deadline), p.pid) for i, p in enumerate(procs)]
+        yield [Launched(wait_serving(p, logs / f"server{i}.log", deadline), p.pid) for i, p in enumerate(procs)]
     finally:
         for i, proc in enumerate(procs):
             stop(proc, f"server {i}")
@@ -51,30 +50,32 @@ def launch(argv: list[str], model: str, log: Path) -> subprocess.Popen:
                                 env=dict(os.environ), text=True)
 
 
-def wait_healthy(proc: subprocess.Popen, log: Path, deadline: float) -> str:
-    """The server's URL once it prints it and answers /health; a one-line error if it exits or runs late."""
-    url = None
-    while time.monotonic() < deadline:
+def wait_serving(proc: subprocess.Popen, log: Path, deadline: float) -> str:
+    """The server's URL once it prints it and answers /health; a one-line error if it exits or runs late (its
+    log's last line, or where its log is)."""
+    try:
+        url = wait_url(proc, log, deadline)
+        wait_healthy(url, max(deadline - time.monotonic(), 0.0), proc)
+    except ServerNotReady as e:
+        tail = log.read_text().strip().splitlines()[-1:] or ["no output"]
+        raise ServerNotReady(f"{e}: {tail[0][:200]}" if proc.poll() is not None else f"{e}; see {log}") from None
+    return url
+
+
+def wait_url(proc: subprocess.Popen, log: Path, deadline: float) -> str:
+    """The URL of the server's start line, once its log has it."""
+    while (url := started_url(log)) is None:
         if proc.poll() is not None:
-            tail = log.read_text().strip().splitlines()[-1:] or ["no output"]
-            raise ConfigError(f"kvlab serve exited with {proc.returncode} before serving: {tail[0][:200]}")
-        url = url or started_url(log)
-        if url and healthy(url):
-            return url
+            raise ServerNotReady(f"kvlab serve exited with {proc.returncode} before serving")
+        if time.monotonic() >= deadline:
+            raise ServerNotReady(f"kvlab serve ({log.name}) printed no start line in time")
         time.sleep(POLL_S)
-    raise ConfigError(f"kvlab serve ({log.name}) did not answer /health in time; see {log}")
+    return url
 
 
 def started_url(log: Path) -> str | None:
     m = re.search(r"on (http://\S+)", log.read_text())
     return m.group(1) if m else None
-
-
-def healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def check_pool_gone(name: str) -> None:
