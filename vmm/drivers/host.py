@@ -15,7 +15,6 @@ which also drops whatever an earlier failed unmap left mapped.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import mmap
 import os
 import sys
@@ -29,29 +28,27 @@ from kvlab.common.errors import DriverError
 from kvlab.vmm.drivers.base import VirtualMemory
 from kvlab.vmm.drivers.map_budget import MapBudget, max_map_count, process_budget
 from kvlab.vmm.drivers.types import DriverStats, Region
+from kvlab.vmm.libc import (
+    FALLOC_FL_KEEP_SIZE,
+    FALLOC_FL_PUNCH_HOLE,
+    LIBC,
+    MAP_ANONYMOUS,
+    MAP_FAILED,
+    MAP_FIXED,
+    MAP_NORESERVE,
+    MAP_POPULATE,
+    MAP_PRIVATE,
+    MAP_SHARED,
+    PROT_NONE,
+    PROT_READ,
+    PROT_WRITE,
+)
 
 __all__ = ["DEFAULT_PAGE_SIZE", "POOL_NAME", "HostMemory", "HostVirtualMemory",
            "max_map_count"]   # max_map_count: map_budget.py
 
-PROT_NONE, PROT_READ, PROT_WRITE = 0x0, 0x1, 0x2
-MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS = 0x1, 0x2, 0x10, 0x20
-MAP_NORESERVE, MAP_POPULATE = 0x4000, 0x8000
-FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x1, 0x2
-MAP_FAILED = ctypes.c_void_p(-1).value
 POOL_NAME = "kvlab-kv"
 DEFAULT_PAGE_SIZE = 64 * 1024
-
-
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_long]
-    libc.munmap.restype = ctypes.c_int
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.fallocate.restype = ctypes.c_int
-    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
-    return libc
 
 
 class HostMemory:
@@ -67,7 +64,7 @@ class HostMemory:
         if page_size <= 0 or page_size % mmap.PAGESIZE:
             raise DriverError(f"page_size {page_size} is not a positive multiple of the OS page ({mmap.PAGESIZE})")
         self.page_size, self.populate = page_size, populate
-        self.libc = _libc()
+        self.libc = LIBC
         self.fd = os.memfd_create(POOL_NAME, os.MFD_CLOEXEC)
         self._file_pages = 0
         self.collected: weakref.finalize | None = None

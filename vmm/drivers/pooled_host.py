@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvlab.vmm.drivers.host import MAP_FIXED, MAP_POPULATE, MAP_SHARED, PROT_READ, PROT_WRITE, HostMemory
+from kvlab.vmm.drivers.host import HostMemory
+from kvlab.vmm.libc import MAP_FIXED, MAP_POPULATE, MAP_SHARED, PROT_READ, PROT_WRITE
 from kvlab.vmm.pool import PoolMember, join_or_create
 
 

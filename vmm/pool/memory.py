@@ -3,29 +3,28 @@ addresses into which pool pages are mapped MAP_FIXED|MAP_SHARED by offset, as th
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 from collections.abc import Iterable, Iterator
 
+from kvlab.vmm.libc import (
+    FALLOC_FL_KEEP_SIZE,
+    FALLOC_FL_PUNCH_HOLE,
+    LIBC,
+    MAP_ANONYMOUS,
+    MAP_FAILED,
+    MAP_FIXED,
+    MAP_NORESERVE,
+    MAP_PRIVATE,
+    MAP_SHARED,
+    PROT_NONE,
+    PROT_READ,
+    PROT_WRITE,
+)
 from kvlab.vmm.pool.errors import PoolError
 
-PROT_NONE, PROT_RW = 0x0, 0x1 | 0x2
-MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS, MAP_NORESERVE = 0x1, 0x2, 0x10, 0x20, 0x4000
+PROT_RW = PROT_READ | PROT_WRITE
 RESERVED = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE
-FALLOC_PUNCH_HOLE_KEEP_SIZE = 0x2 | 0x1
-MAP_FAILED = ctypes.c_void_p(-1).value
-
-
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
-    return libc
-
-
-LIBC = _libc()
+FALLOC_PUNCH_HOLE_KEEP_SIZE = FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
 
 
 def _failed(what: str) -> PoolError:
