@@ -10,8 +10,7 @@ import math
 import os
 import re
 import signal
-import subprocess
-import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -24,11 +23,10 @@ import httpx
 from kvlab.common.errors import ConfigError
 from kvlab.experiments.loadgen.load_run import LoadSpec, bench_once
 from kvlab.experiments.loadgen.sampler import StatsSampler
-from kvlab.experiments.serve.health import ServerNotReady, wait_healthy
+from kvlab.experiments.serve.process import launch, stop, wait_serving
 
 log = logging.getLogger("kvlab.bench.serve")
 START_TIMEOUT_S = 120
-STOP_TIMEOUT_S = 30
 ROW_KEYS = ("backend", "request_rate", "completed", "failed", "duration", "request_throughput",
             "output_throughput", "request_goodput", "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms",
             "p50_itl_ms", "p99_itl_ms", "p50_e2el_ms", "p99_e2el_ms", "max_concurrent_requests", "server_preemptions",
@@ -47,38 +45,15 @@ def parse_rates(items: list[str]) -> list[float]:
 
 @contextlib.contextmanager
 def kvlab_server(backend: str, model: str, extra: list[str]) -> Iterator[str]:
-    """A `kvlab serve` subprocess; yields its base URL; always stopped (SIGTERM, then kill after a timeout)."""
-    cmd = [sys.executable, "-m", "kvlab.experiments.cli.main", "serve", "--model", model, "--backend", backend,
-           "--host", "127.0.0.1", "--port", "0", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
-    try:
-        url = wait_started(proc)
-        yield url
-    finally:
-        stop(proc, backend)
-
-
-def wait_started(proc: subprocess.Popen) -> str:
-    line = proc.stdout.readline()
-    m = re.search(r"http://\S+", line)
-    if not m:
-        proc.wait(10)
-        raise ServerNotReady(f"kvlab serve did not start: {line.strip() or proc.stderr.read().strip()[-300:]}")
-    wait_healthy(m.group(0), START_TIMEOUT_S, proc)
-    return m.group(0)
-
-
-def stop(proc: subprocess.Popen, backend: str) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
+    """A `kvlab serve` subprocess (experiments/serve/process.py), its output in a temporary log; yields its base
+    URL; always stopped (SIGTERM, then kill after a timeout)."""
+    with tempfile.TemporaryDirectory(prefix="kvlab-serve-") as tmp:
+        log_file = Path(tmp) / f"{backend}.log"
+        proc = launch(["--model", model, "--backend", backend, *extra], log_file)
         try:
-            proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-            log.warning("%s server ignored SIGTERM for %d s; killed", backend, STOP_TIMEOUT_S)
-    if proc.returncode != 0:
-        log.warning("%s server exited with %s: %s", backend, proc.returncode, proc.stderr.read()[-300:])
+            yield wait_serving(proc, log_file, time.monotonic() + START_TIMEOUT_S)
+        finally:
+            stop(proc, f"{backend} server", log_file)
 
 
 def server_counter(url: str, name: str) -> float:
