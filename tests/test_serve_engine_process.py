@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from processes import alive, children
+from processes import alive, children, command_line
 from test_serve_server import LiveServer, wait_for
 
 from kvlab.common.config import make_config
@@ -96,3 +96,25 @@ def test_every_message_pickles_as_its_fields():
         cls, fields = msg.__reduce__()
         assert cls is type(msg) and isinstance(fields, tuple), msg
     assert str(pickle.loads(pickle.dumps(messages[7])).error) == "no model"
+
+
+def test_ctrl_c_while_the_engine_process_starts_is_no_traceback():
+    """The engine process ignores Ctrl-C from its first line: a terminal's Ctrl-C while it imports torch is the
+    server's to handle (one line), never a KeyboardInterrupt traceback of the engine, and nothing is left."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "kvlab.experiments.cli.main", "serve", "--model", "tiny",
+                             "--backend", "paged", "--port", "0"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert wait_for(lambda: any("engine_process" in command_line(p) for p in children(proc.pid)), 60)
+        engine = next(p for p in children(proc.pid) if "engine_process" in command_line(p))
+        os.killpg(proc.pid, signal.SIGINT)
+        code = proc.wait(60)
+        err = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert code in (0, 130), (code, err)
+    assert wait_for(lambda: not alive(engine), 10)

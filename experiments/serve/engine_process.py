@@ -46,7 +46,10 @@ QUERY_TIMEOUT_S = 10
 EXIT_WAIT_S = 1.0                # a dead engine is reaped within this, to name its exit code or signal
 SOCKET_BUFFER = 4 << 20          # a burst of requests fits: a send never blocks the event loop on a busy engine
 LOG_FORMAT = "%(name)s: %(levelname)s: %(message)s"       # as the CLI's
-CHILD = "import sys; from kvlab.experiments.serve.engine_process import child_main; sys.exit(child_main({fd}))"
+# SIGINT is ignored before the first import: a terminal's Ctrl-C during the engine's start-up (torch loading) is the
+# server's to handle, not a traceback of this process
+CHILD = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); import sys; "
+         "from kvlab.experiments.serve.engine_process import child_main; sys.exit(child_main({fd}))")
 
 
 class ProcessEngine(EngineHandle):
@@ -223,7 +226,6 @@ class PipeInbox:
 
 
 def child_main(fd: int) -> int:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = Connection(fd)
     setup = conn.recv()
     sys.path[:] = setup.sys_path
