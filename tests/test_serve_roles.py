@@ -149,8 +149,10 @@ def test_disaggregated_greedy_answers_equal_a_colocated_server_s(cluster, path, 
 
 
 def test_each_request_reports_its_handoff_and_both_roles_sum_them(cluster):
-    before = [httpx.get(p.url + "/kvlab/stats", timeout=10).json()["handoff"]
-              for p in (cluster.prefill, cluster.decode)]
+    decoded = httpx.get(cluster.decode.url + "/kvlab/stats", timeout=10).json()["handoff"]
+    # earlier tests' handoffs: the decode side counted each before answering, the prefill side counts once the
+    # pull is done, maybe after the answer: settled when it has counted as many
+    before = [wait_for_count(cluster.prefill.url, decoded["count"]), decoded]
     answer = post(cluster.router.url, "/v1/completions", COMPLETION)
     handoff = answer["kvlab"]["handoff"]
     assert handoff.keys() == {"seconds", "bytes_copied", "units_moved", "unit"} and handoff["units_moved"] > 0
