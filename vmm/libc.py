@@ -10,6 +10,9 @@ MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS = 0x1, 0x2, 0x10, 0x20
 MAP_NORESERVE, MAP_POPULATE = 0x4000, 0x8000
 FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x1, 0x2
 MAP_FAILED = ctypes.c_void_p(-1).value
+PROT_RW = PROT_READ | PROT_WRITE
+RESERVED = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE       # address space only: no memory, faults if touched
+PUNCH_HOLE = FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE       # fallocate mode: give the range's memory back
 
 
 def _typed(libc: ctypes.CDLL) -> ctypes.CDLL:

@@ -134,6 +134,19 @@ class CudaDevice:
             log.error("%s", exc)
 
 
+def release_handles(cuda: CudaDevice, handles: list[int]) -> None:
+    """cuMemRelease every handle; then report the failures, if any, in one DriverError."""
+    failed: list[DriverError] = []
+    for h in handles:
+        try:
+            cuda.call("cuMemRelease", h)
+        except DriverError as exc:
+            failed.append(exc)
+    if failed:
+        raise DriverError(f"{len(failed)} of {len(handles)} cuMemRelease calls failed (first: {failed[0]})"
+                          ) from failed[0]
+
+
 class PoolHandles:
     """Pool page -> its cuMemCreate handle (None: discarded, created again when next mapped)."""
 
@@ -170,16 +183,7 @@ class PoolHandles:
         self.release(gone)
 
     def release(self, handles: list[int]) -> None:
-        """Release every handle; then report the failures, if any, in one DriverError."""
-        failed: list[DriverError] = []
-        for h in handles:
-            try:
-                self.cuda.call("cuMemRelease", h)
-            except DriverError as exc:
-                failed.append(exc)
-        if failed:
-            raise DriverError(f"{len(failed)} of {len(handles)} cuMemRelease calls failed (first: {failed[0]})"
-                              ) from failed[0]
+        release_handles(self.cuda, handles)
 
     def close(self, pool_maps: Sequence[int]) -> None:
         """Release every handle (a handle still mapped after a failed unmap is freed when that unmap happens,

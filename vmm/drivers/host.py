@@ -29,19 +29,15 @@ from kvlab.vmm.drivers.base import VirtualMemory
 from kvlab.vmm.drivers.map_budget import MapBudget, max_map_count, process_budget
 from kvlab.vmm.drivers.types import DriverStats, Region
 from kvlab.vmm.libc import (
-    FALLOC_FL_KEEP_SIZE,
-    FALLOC_FL_PUNCH_HOLE,
     LIBC,
-    MAP_ANONYMOUS,
     MAP_FAILED,
     MAP_FIXED,
-    MAP_NORESERVE,
     MAP_POPULATE,
-    MAP_PRIVATE,
     MAP_SHARED,
     PROT_NONE,
-    PROT_READ,
-    PROT_WRITE,
+    PROT_RW,
+    PUNCH_HOLE,
+    RESERVED,
 )
 
 __all__ = ["DEFAULT_PAGE_SIZE", "POOL_NAME", "HostMemory", "HostVirtualMemory",
@@ -86,7 +82,7 @@ class HostMemory:
         return got
 
     def reserve(self, nbytes: int) -> int:
-        return self.mmap_at("reserve", None, nbytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
+        return self.mmap_at("reserve", None, nbytes, PROT_NONE, RESERVED, -1, 0)
 
     def release(self, region: Region) -> None:
         if self.libc.munmap(region.base, region.nbytes) != 0:
@@ -102,18 +98,16 @@ class HostMemory:
 
     def map(self, addr: int, first_page: int, num_pages: int) -> int:
         flags = MAP_SHARED | MAP_FIXED | (MAP_POPULATE if self.populate else 0)
-        self.mmap_at("map pool pages", addr, num_pages * self.page_size, PROT_READ | PROT_WRITE, flags, self.fd,
+        self.mmap_at("map pool pages", addr, num_pages * self.page_size, PROT_RW, flags, self.fd,
                    first_page * self.page_size)
         return 1
 
     def unmap(self, addr: int, num_pages: int) -> int:
-        self.mmap_at("unmap to PROT_NONE", addr, num_pages * self.page_size, PROT_NONE,
-                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0)
+        self.mmap_at("unmap to PROT_NONE", addr, num_pages * self.page_size, PROT_NONE, RESERVED | MAP_FIXED, -1, 0)
         return 1
 
     def discard(self, first_page: int, num_pages: int) -> None:
-        mode = FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
-        if self.libc.fallocate(self.fd, mode, first_page * self.page_size, num_pages * self.page_size) != 0:
+        if self.libc.fallocate(self.fd, PUNCH_HOLE, first_page * self.page_size, num_pages * self.page_size) != 0:
             err = ctypes.get_errno()
             raise DriverError(f"fallocate(PUNCH_HOLE) of pool pages [{first_page}, +{num_pages}) failed: "
                               f"{os.strerror(err)}")

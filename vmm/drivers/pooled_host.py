@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvlab.vmm.drivers.host import HostMemory
-from kvlab.vmm.libc import MAP_FIXED, MAP_POPULATE, MAP_SHARED, PROT_READ, PROT_WRITE
+from kvlab.vmm.libc import MAP_FIXED, MAP_POPULATE, MAP_SHARED, PROT_RW
 from kvlab.vmm.pool import PoolMember, join_or_create
 
 
@@ -19,7 +19,7 @@ class HostPoolPages:
         self.flags = MAP_SHARED | MAP_FIXED | (MAP_POPULATE if populate else 0)
 
     def map_page(self, addr: int, pool_page: int) -> int:
-        self.memory.mmap_at("map pool pages", addr, self.page_size, PROT_READ | PROT_WRITE, self.flags,
+        self.memory.mmap_at("map pool pages", addr, self.page_size, PROT_RW, self.flags,
                             self.member.page_fd, self.member.page_offset(pool_page))
         return 1
 

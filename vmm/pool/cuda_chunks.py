@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 from kvlab.common.errors import DriverError
-from kvlab.vmm.drivers.cuda_device import CudaDevice, as_int
+from kvlab.vmm.drivers.cuda_device import CudaDevice, as_int, release_handles
 from kvlab.vmm.pool.errors import LimitError
 from kvlab.vmm.pool.rendezvous import MAX_MEMORY_FDS
 
@@ -144,11 +144,4 @@ class CudaChunks:
         handles, self.handles = self.handles, []
         if handles:
             self.cuda.ensure_context()
-        failed = []
-        for handle in handles:
-            try:
-                self.cuda.call("cuMemRelease", handle)
-            except DriverError as exc:
-                failed.append(exc)
-        if failed:
-            raise DriverError(f"{len(failed)} of {len(handles)} pool chunks could not be released: {failed[0]}")
+            release_handles(self.cuda, handles)

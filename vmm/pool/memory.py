@@ -6,25 +6,8 @@ import ctypes
 import os
 from collections.abc import Iterable, Iterator
 
-from kvlab.vmm.libc import (
-    FALLOC_FL_KEEP_SIZE,
-    FALLOC_FL_PUNCH_HOLE,
-    LIBC,
-    MAP_ANONYMOUS,
-    MAP_FAILED,
-    MAP_FIXED,
-    MAP_NORESERVE,
-    MAP_PRIVATE,
-    MAP_SHARED,
-    PROT_NONE,
-    PROT_READ,
-    PROT_WRITE,
-)
+from kvlab.vmm.libc import LIBC, MAP_FAILED, MAP_FIXED, MAP_SHARED, PROT_NONE, PROT_RW, PUNCH_HOLE, RESERVED
 from kvlab.vmm.pool.errors import PoolError
-
-PROT_RW = PROT_READ | PROT_WRITE
-RESERVED = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE
-FALLOC_PUNCH_HOLE_KEEP_SIZE = FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
 
 
 def _failed(what: str) -> PoolError:
@@ -49,7 +32,7 @@ def runs(pages: Iterable[int]) -> Iterator[tuple[int, int]]:
 def punch(fd: int, page_size: int, pages: Iterable[int]) -> None:
     """Give the pages' memory back to the OS; the next reader of them sees zeros."""
     for first, count in runs(pages):
-        if LIBC.fallocate(fd, FALLOC_PUNCH_HOLE_KEEP_SIZE, first * page_size, count * page_size) != 0:
+        if LIBC.fallocate(fd, PUNCH_HOLE, first * page_size, count * page_size) != 0:
             raise _failed(f"punching {count} pool pages at page {first}")
 
 
