@@ -154,6 +154,22 @@ def check_output_path(path: str | None, flag: str, directory: bool = False) -> N
     probe_writable(p if directory else p.parent, f"{flag} {path}")
 
 
+def add_fleet_workload_flags(p: argparse.ArgumentParser) -> None:
+    """The arrivals, dataset, model and hardware of a simulated fleet of engines (simulate pool, pd)."""
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1 = Poisson)")
+    p.add_argument("--dataset", choices=("seed", "random"), default="seed")
+    p.add_argument("--scale", type=float, default=1.0)
+    p.add_argument("--max-len", type=int, default=4096)
+    p.add_argument("--input-len", type=int, default=1024, help="random dataset")
+    p.add_argument("--output-len", type=int, default=128, help="random dataset")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=int, default=1)
+    p.add_argument("--watermark", type=float, default=0.05)
+    p.add_argument("--hardware", default="h100")
+    p.add_argument("--model", default="llama3-8b")
+    p.add_argument("--mfu", type=float, default=0.5)
+
+
 def add_search_run_flags(p: argparse.ArgumentParser) -> None:
     """The SLO search's start and tolerance and a simulation run's workers and output (simulate pool, pd)."""
     p.add_argument("--slo-start", type=float, default=4.0, help="first rate the search tries")
