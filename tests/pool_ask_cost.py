@@ -11,30 +11,16 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 sys.path.insert(0, os.getcwd())
 
-from kvlab import LLM  # noqa: E402
-from kvlab.vmm import pool  # noqa: E402
-from tests.test_pool_ask import BusyEngine  # noqa: E402
-from tests.test_pool_engine import BASE, LONGEST, PAGE, PARAMS, PROMPTS, pool_name  # noqa: E402
-from tests.test_pool_fixes import Asks  # noqa: E402
+from tests.test_pool_ask import starved_run  # noqa: E402
 
 
 def one_run() -> str:
-    with pool.create(pool_name(), LONGEST, page_size=PAGE, engine="busy") as member:
-        BusyEngine(member)
-        llm = LLM(**(BASE | {"kv_pool": member.name}))
-        try:
-            asks = Asks(llm.engine.cache.allocator.driver.member)
-            t0 = time.perf_counter()
-            llm.generate([PROMPTS[-1]], PARAMS)
-            wall, stats = time.perf_counter() - t0, llm.cache_stats()
-            return (f"{asks.count} asks, run {wall:.2f} s, map+unmap {stats.map_seconds + stats.unmap_seconds:.2f} s, "
-                    f"{llm.metrics().preemptions} preemptions")
-        finally:
-            llm.close()
+    run = starved_run()
+    return (f"{run.asks} asks, run {run.seconds:.2f} s, map+unmap {run.map_unmap_s:.2f} s, "
+            f"{run.preemptions} preemptions")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ wait left in the step, undid the growth: one wait a step for every page of every
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from kvlab import LLM
 from kvlab.vmm import pool
@@ -29,12 +30,17 @@ class BusyEngine:
         self.member.publish(len(self.pages))
 
 
-def test_a_starved_engine_asks_a_busy_one_for_its_whole_growth_at_once():
-    alone = LLM(**BASE)
-    try:
-        expected = alone.generate([PROMPTS[-1]], PARAMS)[0].outputs[0].token_ids
-    finally:
-        alone.close()
+@dataclass(frozen=True)
+class StarvedRun:
+    tokens: list[int]
+    asks: int
+    seconds: float
+    map_unmap_s: float
+    preemptions: int
+
+
+def starved_run() -> StarvedRun:
+    """The longest test prompt on an engine whose pool a BusyEngine holds whole (tests/pool_ask_cost.py prints it)."""
     with pool.create(pool_name(), LONGEST, page_size=PAGE, engine="busy") as member:
         BusyEngine(member)
         llm = LLM(**(BASE | {"kv_pool": member.name}))
@@ -42,8 +48,19 @@ def test_a_starved_engine_asks_a_busy_one_for_its_whole_growth_at_once():
             asks = Asks(llm.engine.cache.allocator.driver.member)
             t0 = time.perf_counter()
             out = llm.generate([PROMPTS[-1]], PARAMS)[0].outputs[0]
-            waited = time.perf_counter() - t0
-            assert out.token_ids == expected
-            assert asks.count <= GROUPS and llm.metrics().preemptions == 0, (asks.count, waited)
+            seconds, stats = time.perf_counter() - t0, llm.cache_stats()
+            return StarvedRun(out.token_ids, asks.count, seconds, stats.map_seconds + stats.unmap_seconds,
+                              llm.metrics().preemptions)
         finally:
             llm.close()
+
+
+def test_a_starved_engine_asks_a_busy_one_for_its_whole_growth_at_once():
+    alone = LLM(**BASE)
+    try:
+        expected = alone.generate([PROMPTS[-1]], PARAMS)[0].outputs[0].token_ids
+    finally:
+        alone.close()
+    run = starved_run()
+    assert run.tokens == expected
+    assert run.asks <= GROUPS and run.preemptions == 0, (run.asks, run.seconds)
