@@ -46,6 +46,7 @@ def test_odd_repeats_run_the_configurations_in_reverse():
     (["--engines", "1"], "--engines must be an integer in [2, 16]"),
     (["--repeats", "0"], "--repeats must be an integer in [1, 100]"),
     (["--random-input-len", "250"], "exceeds --max-model-len 256"),
+    (["--random-input-len", "9" * 400], "--random-input-len must be an integer in [1, 256]"),
     (["--max-model-len", "1"], "--max-model-len must be an integer"),
     (["--goodput", "ttft:nan"], "bad --goodput"),
     (["--idle-rate", "20"], "--idle-rate must be a finite number in [0, 6]"),

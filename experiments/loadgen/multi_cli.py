@@ -41,8 +41,9 @@ def add_phase_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--periods", type=int, default=2, help="multi: periods in the run")
 
 
-def phases_from(args: argparse.Namespace, models: int) -> Phases:
-    """The multi-model flags, checked: bounded rates, a run within MAX_SPAN_S and MAX_REQUESTS."""
+def phases_from(args: argparse.Namespace, models: int, load: LoadSpec) -> Phases:
+    """The multi-model flags, checked: bounded rates, a run within MAX_SPAN_S and MAX_REQUESTS (the prompts'
+    lengths from `load`, already checked)."""
     burst = check_number("--burst-rate", args.burst_rate, 0.0, 1e6, strict=True, unit=" requests/s")
     idle = check_number("--idle-rate", args.idle_rate, 0.0, burst, unit=" requests/s (at most --burst-rate)")
     duty = check_number("--duty-cycle", args.duty_cycle, 0.0, 1.0, strict=True)
@@ -54,7 +55,7 @@ def phases_from(args: argparse.Namespace, models: int) -> Phases:
     if expected > MAX_REQUESTS:
         raise ConfigError(f"the phases send about {expected:,.0f} requests per model, more than the maximum "
                           f"{MAX_REQUESTS:,} (MAX_REQUESTS); lower --burst-rate, --period or --periods")
-    tokens = expected * (args.prefix_len + args.input_len * (1 + args.range_ratio))
+    tokens = expected * (load.prefix_len + load.input_len * (1 + load.range_ratio))
     if args.dataset == "random" and tokens > MAX_PROMPT_TOKENS:
         raise ConfigError(f"the phases' prompts reach about {tokens:,.0f} tokens per model, more than the maximum "
                           f"{MAX_PROMPT_TOKENS:,} (MAX_PROMPT_TOKENS); send fewer or shorter prompts")
@@ -75,7 +76,7 @@ def multi_spec_from(args: argparse.Namespace, load: LoadSpec) -> tuple[MultiSpec
     if args.backends:
         raise ConfigError("--base-urls drives running servers; --backends starts its own: give one of them")
     urls = check_urls(args.base_urls)
-    return MultiSpec(phases_from(args, len(urls)), load), urls
+    return MultiSpec(phases_from(args, len(urls), load), load), urls
 
 
 def run(args: argparse.Namespace, load: LoadSpec) -> int:

@@ -84,7 +84,8 @@ def settings_from(args: argparse.Namespace) -> PoolStudySettings:
     """The one place the study's flags are read; everything checked before a server starts."""
     engines = check_int("--engines", args.engines, 2, MAX_MODELS)
     total = check_memory(args.total_bytes, engines)
-    multi = MultiSpec(phases_from(args, engines), load_spec(args))
+    load = load_spec(args)
+    multi = MultiSpec(phases_from(args, engines, load), load)
     model_plans(multi)                                  # every model gets requests, before any server starts
     server_args = ("--max-model-len", str(args.max_model_len), *checks.split_server_args(args.server_args))
     if args.out is not None:
