@@ -3,23 +3,15 @@ scheduler and one model runner.
 
     from kvlab import LLM, SamplingParams, EngineConfig
 
-The subpackages `kvlab.common`, `kvlab.vmm`, `kvlab.paged` and `kvlab.experiments` live in the repository's
-top-level folders of the same names; this folder links to them (kvlab/common -> ../common, ...), so the one import
-name resolves by path, for the interpreter and for tools alike, and nothing generic lands at the top of sys.path.
+The subpackages `kvlab.common`, `kvlab.vmm`, `kvlab.paged` and `kvlab.experiments` live in this folder, so the one
+import name resolves by path for the interpreter and for tools alike; the repository's top-level common/, vmm/,
+paged/ and experiments/ are links to them, kept for the design's folder names.
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 __all__ = ["LLM", "EngineConfig", "SamplingParams"]
-
-# A copy of the checkout that lost its links (an archive tool that drops symlinks): the subpackages still sit
-# beside this folder. Only a kvlab checkout is added, never an arbitrary parent directory.
-_checkout = Path(__file__).resolve().parent.parent
-if not (Path(__file__).parent / "vmm").is_dir() and (_checkout / "pyproject.toml").is_file() \
-        and (_checkout / "vmm" / "__init__.py").is_file() and str(_checkout) not in __path__:
-    __path__.append(str(_checkout))
 
 
 def __getattr__(name: str) -> Any:  # lazy: `import kvlab` stays light for the CLI and tests

@@ -103,6 +103,7 @@ def test_a_part_that_hung_before_writing_is_a_timeout(tmp_path):
 def test_gpu_check_sh_prefers_the_given_then_the_project_interpreter(tmp_path):
     """$PYTHON if set, else .venv/bin/python, else python3 (issue 19.1): checked on a copy of the script."""
     (tmp_path / "experiments").mkdir()
+    (tmp_path / "pyproject.toml").write_text("")   # the script finds the checkout's root by it
     script = (ROOT / "experiments" / "gpu_check.sh").read_text().replace("exec timeout --kill-after=5 475 ",
                                                                          "echo ")
     (tmp_path / "experiments" / "gpu_check.sh").write_text(script)

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DOCS = (ROOT / "README.md", ROOT / "docs" / "experiments.md")
 IMG = ROOT / "docs" / "img"
 BEGIN, END = "<!-- regenerate:bench -->", "<!-- /regenerate:bench -->"

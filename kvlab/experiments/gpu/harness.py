@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PART_TIMEOUT_ENV = "KVLAB_GPU_CHECK_PART_SECONDS"     # tells a part its own timeout
 CHECK_SCRIPT = Path(__file__).resolve().with_name("check.py")
 

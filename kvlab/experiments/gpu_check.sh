@@ -10,7 +10,7 @@
 # PYTHONPATH=<repo root>, so a bare image with torch preinstalled needs no install step. Each part runs in its
 # own subprocess with its own timeout; the whole run is cut at 475 s (the JSON keeps every finished part).
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." && { [ -f pyproject.toml ] || cd ..; }   # experiments/ or kvlab/experiments/
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ -n "${PYTHON:-}" ]; then py="$PYTHON"
 elif [ -x .venv/bin/python ]; then py=.venv/bin/python
