@@ -8,13 +8,14 @@ import dataclasses
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from kvlab.common.config import EngineConfig, make_config
 from kvlab.common.errors import ConfigError, KvlabError
 from kvlab.common.kv.registry import REGISTRY, backend_names
 from kvlab.common.limits import check_physical_budget
 from kvlab.common.validate import check_text, probe_writable, shown
+from kvlab.experiments.cli.parser import KvlabParser, first_line  # noqa: F401 (re-exported for the commands)
 
 # CLI flag -> EngineConfig field; each is optional and, when given, overrides the TOML file. Backends' own
 # options (block_size, page_size, ...) get their flags from their options dataclasses (see backend_flags).
@@ -26,13 +27,6 @@ SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "kb": 1000, "m": 1024**2, "
 
 
 MAX_SIZE_BYTES = 2**60        # any size flag: far beyond any machine's memory, and an int everywhere below
-
-
-class KvlabParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line on stderr and exit code 2 (no usage dump)."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def parse_bytes(text: str) -> int:
@@ -131,11 +125,6 @@ def engine_config(flag_values: Mapping[str, Any], **overrides: Any) -> EngineCon
     config = make_config(flag_values.get("config"), **values)
     check_physical_budget(config.device, config.kv_cache_bytes, "lower --kv-cache-bytes")
     return config
-
-
-def first_line(e: BaseException) -> str:
-    text = str(e).strip() or type(e).__name__
-    return text.splitlines()[0]
 
 
 def check_output_path(path: str | None, flag: str, directory: bool = False) -> None:

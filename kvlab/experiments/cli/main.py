@@ -1,7 +1,9 @@
-"""The `kvlab` command: generate, bench, simulate, fallbacks, sharing.
+"""The `kvlab` command (its subcommands: experiments/cli/commands.py).
 
 Each subcommand lives in its own module with `add_parser(subparsers)` and `run(args) -> int`; the flags they
-share are in cli/flags.py. Any KvlabError, and any bad flag value, becomes one line on stderr and exit code 2.
+share are in cli/flags.py. Only the module of the subcommand being run is imported: `kvlab --help` and a bad
+command name print from the summaries in commands.py without importing torch. Any KvlabError, and any bad flag
+value, becomes one line on stderr and exit code 2.
 """
 from __future__ import annotations
 
@@ -13,19 +15,15 @@ import argparse
 import importlib
 import logging
 import sys
+from collections.abc import Collection
 from typing import Any
 
 from kvlab.common.errors import ConfigError, KvlabError
-from kvlab.experiments.cli.flags import KvlabParser, first_line
+from kvlab.experiments.cli.commands import COMMANDS, chosen_command
+from kvlab.experiments.cli.parser import KvlabParser, first_line
 from kvlab.experiments.cli.startup import end_startup
 
-# subcommand -> the module with its add_parser(subparsers) and run(args)
-SUBCOMMANDS = {"generate": "kvlab.experiments.cli.generate", "bench": "kvlab.experiments.bench.offline",
-               "simulate": "kvlab.experiments.sim.cli", "fallbacks": "kvlab.experiments.studies.fallbacks",
-               "pool": "kvlab.experiments.pool.cli",
-               "sharing": "kvlab.experiments.studies.sharing", "serve": "kvlab.experiments.serve",
-               "prefix": "kvlab.experiments.studies.prefix", "calibrate": "kvlab.experiments.bench.calibrate",
-               "study": "kvlab.experiments.studies.cli", "compare": "kvlab.experiments.compare"}
+SUBCOMMANDS = {name: command.module for name, command in COMMANDS.items()}   # subcommand -> its module
 
 
 def missing_subcommand(name: str, reason: str):
@@ -49,12 +47,17 @@ def register(subparsers: Any, name: str) -> None:
     module.add_parser(subparsers)
 
 
-def build_parser() -> KvlabParser:
+def build_parser(full: Collection[str] = tuple(COMMANDS)) -> KvlabParser:
+    """The parser with the subcommands in `full` complete (all by default); the others appear by name and
+    summary only, so their modules are not imported."""
     parser = KvlabParser(prog="kvlab", description="Compare KV-cache memory managers: vmm, paged, reserve.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in SUBCOMMANDS:
-        register(subparsers, name)
+    for name, entry in COMMANDS.items():
+        if name in full:
+            register(subparsers, name)
+        else:
+            subparsers.add_parser(name, help=entry.summary, add_help=False)
     return parser
 
 
@@ -77,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     command = f"kvlab {argv[0]}" if argv and argv[0] in SUBCOMMANDS else "kvlab"
     try:
         end_startup()            # inside the try: from here on a Ctrl-C is the KeyboardInterrupt caught below
-        parser = build_parser()
+        command_name = chosen_command(argv)
+        parser = build_parser([command_name] if command_name else [])
         try:
             args = parser.parse_args(argv)
         except SystemExit as e:                      # -h (0) or a usage error (2, already printed)
