@@ -99,8 +99,9 @@ def test_every_message_pickles_as_its_fields():
 
 
 def test_ctrl_c_while_the_engine_process_starts_is_no_traceback():
-    """The engine process ignores Ctrl-C from its first line: a terminal's Ctrl-C while it imports torch is the
-    server's to handle (one line), never a KeyboardInterrupt traceback of the engine, and nothing is left."""
+    """The engine process runs in a session of its own: a terminal's Ctrl-C (to the foreground process group) while
+    its interpreter starts or imports torch is the server's to handle (one line), never a KeyboardInterrupt
+    traceback or "Fatal Python error: init_import_site" of the engine, and nothing is left."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen([sys.executable, "-m", "kvlab.experiments.cli.main", "serve", "--model", "tiny",
                              "--backend", "paged", "--port", "0"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
@@ -108,6 +109,7 @@ def test_ctrl_c_while_the_engine_process_starts_is_no_traceback():
     try:
         assert wait_for(lambda: any("engine_process" in command_line(p) for p in children(proc.pid)), 60)
         engine = next(p for p in children(proc.pid) if "engine_process" in command_line(p))
+        assert os.getpgid(engine) != os.getpgid(proc.pid) and os.getsid(engine) != os.getsid(proc.pid)
         os.killpg(proc.pid, signal.SIGINT)
         code = proc.wait(60)
         err = proc.stderr.read()

@@ -9,8 +9,10 @@ The two processes talk over a socket pair, one pickled record (experiments/serve
   engine -> server: EngineReady or EngineFailed once; then an EventBatch once per loop turn with anything to say,
                     and a StatsReply for each StatsQuery, answered between steps
 
-The engine process ignores SIGINT (a terminal's Ctrl-C reaches the whole process group; the server orders the
-stop), stops on ("stop",) or SIGTERM, and stops by itself when the pipe closes, so it never outlives the server.
+The engine process starts in a session of its own, so a terminal's Ctrl-C (sent to the foreground process group)
+never reaches it, not even while its interpreter is still starting (a SIGINT then is a "Fatal Python error:
+init_import_site" that no handler can catch); the server orders the stop. It also ignores SIGINT, stops on
+("stop",) or SIGTERM, and stops by itself when the pipe closes, so it never outlives the server.
 """
 from __future__ import annotations
 
@@ -63,8 +65,10 @@ class ProcessEngine(EngineHandle):
             s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
         fd = theirs.fileno()
-        # stdout=2: whatever the engine prints joins the server's log, not the start line a caller may parse
-        self.proc = subprocess.Popen([sys.executable, "-c", CHILD.format(fd=fd)], pass_fds=[fd], stdout=2)
+        # stdout=2: whatever the engine prints joins the server's log, not the start line a caller may parse;
+        # a session of its own: the terminal's Ctrl-C is the server's alone (see the module's docstring)
+        self.proc = subprocess.Popen([sys.executable, "-c", CHILD.format(fd=fd)], pass_fds=[fd], stdout=2,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
         theirs.close()
         self.conn = Connection(ours.detach())
         self.queries: dict[int, asyncio.Future] = {}
