@@ -41,7 +41,7 @@ def side_by_side(runs: list[dict[str, Any]]) -> str:
     body = [[label, *(f(r) for r in runs)] for label, f in rows]
     first = runs[0]
     verdicts = [verdict(r["backend"], r["repeats_output_tokens_per_s"], first["backend"],
-                        first["repeats_output_tokens_per_s"]) + kernel_note(r, first) for r in runs[1:]]
+                        first["repeats_output_tokens_per_s"], "output tok/s") + kernel_note(r, first) for r in runs[1:]]
     return "\n".join([table(["", *(r["backend"] for r in runs)], body), "", *verdicts])
 
 

@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     command = f"kvlab {argv[0]}" if argv and argv[0] in SUBCOMMANDS else "kvlab"
     try:
         end_startup()            # inside the try: from here on a Ctrl-C is the KeyboardInterrupt caught below
+        if "--resume" in argv:
+            from kvlab.experiments.reporting.checkpoint import resumed_argv
+            argv = resumed_argv(argv)
         command_name = chosen_command(argv)
         parser = build_parser([command_name] if command_name else [])
         try:
@@ -87,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         except SystemExit as e:                      # -h (0) or a usage error (2, already printed)
             return int(e.code or 0)
         command = f"kvlab {args.command}"
+        args.command_line = argv         # what a checkpointing run stores for --resume (reporting/checkpoint.py)
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                             format="%(name)s: %(levelname)s: %(message)s")
         return int(args.run(args) or 0)

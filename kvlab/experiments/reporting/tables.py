@@ -101,18 +101,20 @@ def with_spread(values: Sequence[float | None], formatter=fmt) -> str:
 
 
 def verdict(name_a: str, a: Sequence[float], name_b: str, b: Sequence[float], unit: str = "tok/s") -> str:
-    """Plain words on two backends' repeated runs: a difference is claimed only when every run of one beats every
-    run of the other (disjoint ranges; by chance 1 time in 10 with 3 runs each, less with more), otherwise
-    it says there is no significant difference."""
-    if len(a) < 3 or len(b) < 3:       # with 2 runs each, disjoint ranges happen by chance 1 time in 3
+    """Plain words on two backends' repeated runs (worded by reporting/verdict.py): a difference is claimed only
+    when every run of one beats every run of the other (disjoint ranges; by chance 1 time in 10 with 3 runs
+    each, less with more), otherwise the two are not distinguishable."""
+    from kvlab.experiments.reporting import verdict as words
+    if words.too_few(len(a), len(b)):
         return (f"{name_a} vs {name_b}: too few runs to tell ({', '.join(map(fmt, a))} vs {', '.join(map(fmt, b))} "
-                f"{unit}); use --repeats 3 or more")
+                f"{unit}); use --repeats {words.MIN_REPEATS} or more")
     ranges = f"{name_a} {fmt(min(a))}-{fmt(max(a))}, {name_b} {fmt(min(b))}-{fmt(max(b))} {unit} over {len(a)} runs"
-    if min(a) > max(b) or min(b) > max(a):
-        fast, slow = (name_a, name_b) if min(a) > max(b) else (name_b, name_a)
-        ratio = max(median(a), median(b)) / max(min(median(a), median(b)), 1e-12)
-        return f"{fast} faster than {slow} in every run, x{ratio:.2f} by median ({ranges})"
-    return f"{name_a} vs {name_b}: no significant difference, the runs overlap ({ranges})"
+    word = words.judge(words.spread(b), words.spread(a))
+    said = words.sentence(name_a, name_b, word, unit)
+    if word == words.SAME:
+        return f"{said}: the runs overlap ({ranges})"
+    ratio = median(a) / max(median(b), 1e-12)
+    return f"{said} in every run, x{ratio:.2f} by median ({ranges})"
 
 
 # -- progress --------------------------------------------------------------------------------------------------

@@ -18,12 +18,13 @@ from kvlab.common.validate import check_int, check_number
 from kvlab.experiments.cli import flags
 from kvlab.experiments.loadgen import latency
 from kvlab.experiments.loadgen.sweep import ROW_KEYS, parse_rates
+from kvlab.experiments.reporting.checkpoint import keeping
 from kvlab.experiments.sim.core import SimCase
 from kvlab.experiments.sim.kernels import CHOICES, kernel_profile
 from kvlab.experiments.sim.roofline import HARDWARE, hardware, model_spec
 from kvlab.experiments.sim.serve import slo, summary
 from kvlab.experiments.sim.serve.costs import PROFILES, profile
-from kvlab.experiments.sim.serve.grid import pool_chain, pool_map
+from kvlab.experiments.sim.serve.grid import Saved, pool_chain, pool_map, saved_points
 from kvlab.experiments.sim.serve.run import (
     SHARE_KEYS,
     ServeSpec,
@@ -34,8 +35,8 @@ from kvlab.experiments.sim.serve.run import (
     run_point,
 )
 
-WARM_STEP = 1.05         # a later seed's first bracket factor around the first seed's SLO rate
-PAGED_BYTES_PER_BLOCK = 160      # as `kvlab simulate`: accounting-only paged blocks keep ~160 B of books each
+WARM_STEP = 1.05  # a later seed's first bracket factor around the first seed's SLO rate; accounting-only paged
+PAGED_BYTES_PER_BLOCK = 160      # blocks keep ~160 B of books each (as `kvlab simulate`)
 SLO_KEYS = {f"{stat}_{metric}_ms" for metric in latency.METRICS
             for stat in ("mean", "median", "std", *(f"p{p:g}" for p in latency.DEFAULT_PERCENTILES))}
 CSV_KEYS = (*ROW_KEYS[:1], "seed", *ROW_KEYS[1:], "driver_exposed_seconds", "driver_hidden_seconds",
@@ -93,7 +94,10 @@ def add_parser(subparsers: Any) -> None:
                    help="shard the model over N GPUs: per-rank costs and KV, ring all-reduces over the hardware's "
                         "NVLink; --budget-gb is per GPU (docs/tensor-parallel.md, Simulator)")
     p.add_argument("--jobs", type=int, default=2, help="worker processes")
-    p.add_argument("--out", metavar="DIR", help="results directory (default results/<timestamp>/)")
+    p.add_argument("--out", metavar="DIR", help="results directory (default results/<timestamp>/); every finished "
+                                                "point is kept there as it finishes (points.jsonl)")
+    p.add_argument("--resume", metavar="DIR", help="finish the interrupted run in DIR: its command line again, "
+                                                   "only the points it does not hold yet")
     p.add_argument("--no-save", action="store_true")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true")
@@ -120,6 +124,8 @@ class ServeSettings:
     out: str | None = None
     save: bool = True
     plots: bool = True
+    resume: str | None = None               # the results directory of an interrupted run to finish
+    argv: tuple[str, ...] = ()              # the command line, stored for --resume
 
 
 def settings_from(args: argparse.Namespace) -> ServeSettings:
@@ -139,8 +145,8 @@ def settings_from(args: argparse.Namespace) -> ServeSettings:
     settings = ServeSettings(spec, tuple(args.backends), args.budget_gb, args.watermark,
                              tuple(range(args.seed, args.seed + args.seeds)), tuple(args.request_rates), args.slo,
                              args.search, args.slo_start, args.slo_tolerance, args.independent_seeds,
-                             not args.no_early_stop, args.jobs, not args.no_progress, args.out, not args.no_save,
-                             not args.no_plots)
+                             not args.no_early_stop, args.jobs, not args.no_progress, args.resume or args.out,
+                             not args.no_save, not args.no_plots, args.resume, tuple(getattr(args, "command_line", ())))
     check_cases(settings, parse_backends(list(settings.backends), settings.budget_gb, settings.watermark))
     plan(spec, 1.0, args.seed)          # the dataset: an unknown kind or a bad trace fails here, not in a worker
     return settings
@@ -247,7 +253,7 @@ def slo_jobs(s: ServeSettings, cases: list[SimCase]) -> tuple:
                       for c in cases for seed in s.seeds], "slo_rate")
 
 
-def run_searches(s: ServeSettings, cases: list[SimCase]) -> tuple[list[dict[str, Any]], str]:
+def run_searches(s: ServeSettings, cases: list[SimCase], saved: Saved | None = None) -> tuple[list[dict], str]:
     """Every (backend, seed) search. On the rate axis, unless --independent-seeds: each backend's first seed
     searches from --slo-start; its other seeds then start at that answer with 5% brackets (WARM_STEP), as soon
     as it is known, which takes about half the runs. Every answer is still verified on its own seed: it passed
@@ -255,7 +261,7 @@ def run_searches(s: ServeSettings, cases: list[SimCase]) -> tuple[list[dict[str,
     fn, jobs, key = slo_jobs(s, cases)
     seeds = s.seeds
     if s.search != "request-rate" or len(seeds) == 1 or s.independent_seeds:
-        return pool_map(fn, jobs, s.jobs, s.progress, unit="search"), key
+        return pool_map(fn, jobs, s.jobs, s.progress, unit="search", saved=saved), key
 
     def warm(first: dict[str, Any]) -> list[tuple]:
         """The backend's other seeds, started at its first seed's answer (none found: from --slo-start)."""
@@ -263,7 +269,7 @@ def run_searches(s: ServeSettings, cases: list[SimCase]) -> tuple[list[dict[str,
         return [(*j[:4], first[key], *j[5:7], WARM_STEP) for j in mine] if first[key] > 0 else mine
 
     searches = pool_chain(fn, [j for j in jobs if j[2] == seeds[0]], lambda f: warm(f) if f["seed"] == seeds[0]
-                          else [], len(jobs), s.jobs, s.progress)
+                          else [], len(jobs), s.jobs, s.progress, saved=saved)
     order = {label: i for i, label in enumerate(backend_label(c) for c in cases)}
     return sorted(searches, key=lambda s: (order[s["backend"]], s["seed"])), key
 
@@ -278,10 +284,13 @@ def simulate_serve(s: ServeSettings) -> int:
     t0 = time.perf_counter()
     meta = {"spec": dataclasses.asdict(s.spec), "backends": labels, "seeds": list(s.seeds),
             "budget_gb": s.budget_gb, "watermark": s.watermark}
-    if s.slo:
-        rows, result, text = slo_search(s, cases, labels, meta)
-    else:
-        rows, result, text = rate_grid(s, cases, labels)
+    saved = checkpoint_of(s, cases)
+    s = dataclasses.replace(s, out=str(saved.checkpoint.out)) if saved else s      # save() writes there too
+    with keeping(saved and saved.checkpoint, "simulate serve"):
+        if s.slo:
+            rows, result, text = slo_search(s, cases, labels, meta, saved)
+        else:
+            rows, result, text = rate_grid(s, cases, labels, saved)
     meta["host_seconds"] = time.perf_counter() - t0
     print(text)
     stopped = meta.get("runs_stopped_early", 0)
@@ -293,9 +302,18 @@ def simulate_serve(s: ServeSettings) -> int:
     return 0
 
 
-def slo_search(s: ServeSettings, cases: list[SimCase], labels: list[str], meta: dict) -> tuple:
+def checkpoint_of(s: ServeSettings, cases: list[SimCase]) -> Saved | None:
+    """Every finished point (a grid run, or a whole SLO search) kept as it finishes; None with --no-save."""
+    total = len(cases) * len(s.seeds) * (1 if s.slo else len(s.request_rates))
+    if s.slo:
+        return saved_points(s, total, lambda job: f"{backend_label(job[0])} seed {job[2]} search", RUN_ONLY)
+    return saved_points(s, total, lambda job: f"{backend_label(job[0])} rate {job[2]:g} seed {job[3]}", RUN_ONLY)
+
+
+def slo_search(s: ServeSettings, cases: list[SimCase], labels: list[str], meta: dict,
+               saved: Saved | None = None) -> tuple:
     """(rows with figures, result, table) of every (backend, seed) SLO search; counts the stopped runs in meta."""
-    searches, key = run_searches(s, cases)
+    searches, key = run_searches(s, cases, saved)
     runs = [r for found in searches for r in found["runs"]]
     rows = [r for r in runs if not r.get("stopped_early")]       # the runs with figures
     meta["runs_stopped_early"] = len(runs) - len(rows)
@@ -305,11 +323,11 @@ def slo_search(s: ServeSettings, cases: list[SimCase], labels: list[str], meta: 
     return rows, result, slo_table(result, s.slo, s.spec)
 
 
-def rate_grid(s: ServeSettings, cases: list[SimCase], labels: list[str]) -> tuple:
+def rate_grid(s: ServeSettings, cases: list[SimCase], labels: list[str], saved: Saved | None = None) -> tuple:
     """(rows, result, table) of every backend at every rate and seed."""
     rates = parse_rates(list(s.request_rates))
     jobs = [(c, s.spec, r, seed) for c in cases for r in rates for seed in s.seeds]
-    rows = pool_map(_point, jobs, s.jobs, s.progress)
+    rows = pool_map(_point, jobs, s.jobs, s.progress, saved=saved)
     result = {"figures": summary.fold(rows), "ratios": summary.ratios(rows, labels[0])}
     return rows, result, grid_table(result["figures"], s.spec)
 
@@ -335,7 +353,9 @@ def grid_table(figures: list[dict[str, Any]], spec: ServeSpec) -> str:
     from kvlab.experiments.reporting.tables import table
     keys = ("p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "output_throughput", "request_goodput")
     body = [[f["backend"], rate_label(f["request_rate"]), *(pm(f.get(k)) for k in keys)] for f in figures]
-    return table(["backend", "rate", *keys], body, profile_line(spec) + " (mean ± std over seeds)")
+    seeds = max((f[k]["n"] for f in figures for k in keys if f.get(k)), default=1)
+    over = " (mean ± std over seeds)" if seeds > 1 else " (one seed: no spread)"
+    return table(["backend", "rate", *keys], body, profile_line(spec) + over)
 
 
 def slo_table(result: dict[str, Any], target: dict[str, float], spec: ServeSpec) -> str:
@@ -356,7 +376,7 @@ def slo_table(result: dict[str, Any], target: dict[str, float], spec: ServeSpec)
                  f"{what} with {goal}; {profile_line(spec)}")
 
 
-RUN_ONLY = ("jobs", "progress", "out", "save", "plots")      # how to run and where to write, not what
+RUN_ONLY = ("jobs", "progress", "out", "save", "plots", "resume", "argv")   # how to run and where, not what
 
 
 def save(s: ServeSettings, meta: dict, result: dict, rows: list[dict], text: str) -> Path:

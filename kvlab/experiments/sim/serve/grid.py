@@ -1,91 +1,139 @@
 """Run many independent points (or SLO searches) in a process pool. Ctrl-C: the workers ignore SIGINT, the parent
-terminates them all (simulation.worker_pool) and the CLI exits 130 with one line."""
+terminates them all (simulation.worker_pool) and the CLI exits 130 with one line. With a Saved (a checkpoint and
+the key of each job), every finished job is recorded as it finishes and a job the checkpoint holds is not run
+again (reporting/checkpoint.py)."""
 from __future__ import annotations
 
+import dataclasses
 import queue
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
 
+from kvlab.experiments.reporting.checkpoint import Checkpoint
 from kvlab.experiments.sim.core import worker_pool
 
 
+class Saved(NamedTuple):
+    checkpoint: Checkpoint
+    key: Callable[[Any], str]          # a job's arguments -> the text naming its point
+
+
+def saved_points(s: Any, total: int, key: Callable[[Any], str], run_only: Sequence[str]) -> Saved | None:
+    """A simulate command's checkpoint in its results directory (None with --no-save): `s` is its settings
+    dataclass (with save, out, resume, argv); its fields less `run_only` are the configuration a resume must
+    match."""
+    if not s.save:
+        return None
+    from kvlab.experiments.reporting.provenance import jsonable
+    from kvlab.experiments.reporting.tables import results_dir
+    config = jsonable({k: v for k, v in dataclasses.asdict(s).items() if k not in run_only})
+    return Saved(Checkpoint(results_dir(s.out), s.argv, config, total, resume=s.resume is not None), key)
+
+
 def pool_map(fn: Callable[[Any], Any], jobs_args: list[Any], jobs: int, progress: bool = False,
-             unit: str = "run") -> list[Any]:
-    bar = _bar(len(jobs_args), progress, unit)
+             unit: str = "run", desc: str = "simulate serve", saved: Saved | None = None) -> list[Any]:
+    """fn over every job, results in job order; with `saved`, only the jobs it does not hold run."""
+    keys = [saved.key(a) for a in jobs_args] if saved else []
+    todo = [a for a, k in zip(jobs_args, keys) if k not in saved.checkpoint] if saved else jobs_args
+    bar = _bar(len(jobs_args), progress, unit, desc)
+    if bar:
+        bar.update(len(jobs_args) - len(todo))
     try:
-        return _map(fn, jobs_args, jobs, bar)
+        done = _map(fn, todo, jobs, bar, saved)
     finally:                          # an interrupt too: the bar's line is cleared before the error line
         if bar:
             bar.close()
+    return [saved.checkpoint.get(k) for k in keys] if saved else done
 
 
-def _map(fn: Callable[[Any], Any], jobs_args: list[Any], jobs: int, bar: Any) -> list[Any]:
+def _map(fn: Callable[[Any], Any], jobs_args: list[Any], jobs: int, bar: Any, saved: Saved | None) -> list[Any]:
     out: list[Any] = []
+
+    def finished(a: Any, r: Any) -> None:
+        out.append(r)
+        if saved:
+            saved.checkpoint.record(saved.key(a), r)
+        bar and bar.update(1)
     if jobs <= 1 or len(jobs_args) <= 1:
         for a in jobs_args:
-            out.append(fn(a))
-            bar and bar.update(1)
+            finished(a, fn(a))
         return out
     with worker_pool(min(jobs, len(jobs_args))) as pool:
-        for r in pool.imap(fn, jobs_args):
-            out.append(r)
-            bar and bar.update(1)
+        for a, r in zip(jobs_args, pool.imap(fn, jobs_args)):
+            finished(a, r)
     return out
 
 
 def pool_chain(fn: Callable[[Any], Any], first: list[Any], follow: Callable[[Any], list[Any]], total: int,
-               jobs: int, progress: bool = False, unit: str = "search") -> list[Any]:
+               jobs: int, progress: bool = False, unit: str = "search", saved: Saved | None = None) -> list[Any]:
     """Run `first`; each result r adds the jobs `follow(r)`, which start as soon as a worker is free (no
-    barrier between the two kinds). `total`: every job expected, for the progress bar. Completion order."""
-    bar = _bar(total, progress, unit)
+    barrier between the two kinds). `total`: every job expected, for the progress bar. Completion order. A job
+    `saved` holds is taken from it (and its follow-ups added) without running."""
+    bar = _bar(total, progress, unit, "simulate serve")
     try:
         if jobs <= 1:
-            return _chain_serial(fn, first, follow, bar)
+            return _chain_serial(fn, first, follow, bar, saved)
         with worker_pool(jobs) as pool:
-            return _chain_pool(pool, fn, first, follow, bar)
+            return _chain_pool(pool, fn, first, follow, bar, saved)
     finally:
         if bar:
             bar.close()
 
 
-def _chain_serial(fn: Callable, first: list[Any], follow: Callable, bar: Any) -> list[Any]:
+def _chain_serial(fn: Callable, first: list[Any], follow: Callable, bar: Any, saved: Saved | None) -> list[Any]:
     out, todo = [], list(first)
     while todo:
-        r = fn(todo.pop(0))
+        a = todo.pop(0)
+        if saved and saved.key(a) in saved.checkpoint:
+            r = saved.checkpoint.get(saved.key(a))
+        else:
+            r = fn(a)
+            if saved:
+                saved.checkpoint.record(saved.key(a), r)
         out.append(r)
         todo.extend(follow(r))
         bar and bar.update(1)
     return out
 
 
-def _chain_pool(pool: Any, fn: Callable, first: list[Any], follow: Callable, bar: Any) -> list[Any]:
+def _chain_pool(pool: Any, fn: Callable, first: list[Any], follow: Callable, bar: Any,
+                saved: Saved | None) -> list[Any]:
     done: queue.SimpleQueue = queue.SimpleQueue()
     out: list[Any] = []
     pending = 0
+
+    def submit(a: Any) -> None:
+        if saved and saved.key(a) in saved.checkpoint:
+            done.put((a, saved.checkpoint.get(saved.key(a)), True))
+        else:
+            pool.apply_async(fn, (a,), callback=lambda r: done.put((a, r, False)), error_callback=done.put)
     for a in first:
-        pool.apply_async(fn, (a,), callback=done.put, error_callback=done.put)
+        submit(a)
         pending += 1
     while pending:
         try:
-            r = done.get(timeout=0.5)       # a timeout keeps the wait interruptible by Ctrl-C
+            item = done.get(timeout=0.5)       # a timeout keeps the wait interruptible by Ctrl-C
         except queue.Empty:
             continue
         pending -= 1
-        if isinstance(r, BaseException):
-            raise r
+        if isinstance(item, BaseException):
+            raise item
+        a, r, was_saved = item
+        if saved and not was_saved:
+            saved.checkpoint.record(saved.key(a), r)
         out.append(r)
         bar and bar.update(1)
-        for a in follow(r):
-            pool.apply_async(fn, (a,), callback=done.put, error_callback=done.put)
+        for b in follow(r):
+            submit(b)
             pending += 1
     return out
 
 
-def _bar(total: int, enabled: bool, unit: str) -> Any:
+def _bar(total: int, enabled: bool, unit: str, desc: str) -> Any:
     if not enabled:
         return None
     from kvlab.experiments.reporting.tables import progress_bar
-    return progress_bar(total=total, desc="simulate serve", unit=unit, leave=False)
+    return progress_bar(total=total, desc=desc, unit=unit, leave=False)
 
 
 def grouped(rows: Iterable[dict[str, Any]], *keys: str) -> dict[tuple, list[dict[str, Any]]]:
