@@ -164,6 +164,9 @@ def add_search_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-start", type=float, default=4.0, help="first rate the search tries")
     p.add_argument("--slo-tolerance", type=float, default=0.02, help="relative width at which bisection stops")
     p.add_argument("--jobs", type=int, default=2, help="worker processes")
-    p.add_argument("--out", metavar="DIR", help="results directory (default results/<timestamp>/)")
+    p.add_argument("--out", metavar="DIR", help="results directory (default results/<timestamp>/); every finished "
+                                                "point is kept there as it finishes (points.jsonl)")
+    p.add_argument("--resume", metavar="DIR", help="finish the interrupted run in DIR: its command line again, "
+                                                   "only the points it does not hold yet")
     p.add_argument("--no-save", action="store_true")
     p.add_argument("--no-progress", action="store_true")

@@ -14,16 +14,18 @@ from kvlab.common.limits import MAX_REQUESTS, MAX_SPAN_S
 from kvlab.common.validate import check_int, check_number
 from kvlab.experiments.cli import flags
 from kvlab.experiments.loadgen.sweep import parse_rates
+from kvlab.experiments.reporting.checkpoint import keeping
 from kvlab.experiments.reporting.tables import table
 from kvlab.experiments.sim.gpu_figures import LINKS, MEMORY_UTILIZATION, kv_budget_gb, link
 from kvlab.experiments.sim.pd.handoff import Handoff
 from kvlab.experiments.sim.pd.run import PdSpec, Setup, run_point
+from kvlab.experiments.sim.pool.cli import over_seeds
 from kvlab.experiments.sim.results import save
 from kvlab.experiments.sim.roofline import model_spec
 from kvlab.experiments.sim.serve import slo, summary
-from kvlab.experiments.sim.serve.cli import check_run_flags
+from kvlab.experiments.sim.serve.cli import check_run_flags, checked_goodput
 from kvlab.experiments.sim.serve.costs import PROFILES, profile
-from kvlab.experiments.sim.serve.grid import pool_map
+from kvlab.experiments.sim.serve.grid import Saved, pool_map, saved_points
 from kvlab.experiments.sim.serve.run import ServeSpec, parse_backends
 from kvlab.experiments.sim.serve.stats import spread
 
@@ -51,6 +53,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--driver-costs", default="cuda-a100", help=" | ".join(PROFILES))
     p.add_argument("--slo", type=flags.arg_type(slo.parse_slo), help="search the highest rate meeting e.g. "
                                                                     "p99_ttft_ms<=2000,p99_tpot_ms<=100")
+    p.add_argument("--goodput", nargs="+", metavar="NAME:MS", help="SLOs for goodput: ttft:MS tpot:MS e2el:MS "
+                                                                  "(as simulate serve and simulate pool)")
     flags.add_search_run_flags(p)
     p.set_defaults(run=run)
 
@@ -71,6 +75,8 @@ class PdSettings:
     progress: bool
     out: str | None
     save: bool
+    resume: str | None = None               # the results directory of an interrupted run to finish
+    argv: tuple[str, ...] = ()              # the command line, stored for --resume
 
 
 def settings_from(args: argparse.Namespace) -> PdSettings:
@@ -98,13 +104,13 @@ def settings_from(args: argparse.Namespace) -> PdSettings:
     serve = ServeSpec(dataset=args.dataset, num_requests=args.num_prompts, scale=args.scale, max_len=args.max_len,
                       input_len=args.input_len, output_len=args.output_len, burstiness=args.burstiness,
                       hardware=args.hardware, model=args.model, model_prefill=True, mfu=args.mfu,
-                      driver_profile=args.driver_costs)
+                      driver_profile=args.driver_costs, goodput=checked_goodput(args.goodput))
     setups = tuple(setups_of(parse_backends(list(args.backends), args.budget_gb, args.watermark), links,
                              args.driver_costs))
     return PdSettings(PdSpec(serve, args.prefill, args.decode), setups, links, args.budget_gb, rates,
                       tuple(range(args.seed, args.seed + args.seeds)), dict(args.slo), args.slo_start,
-                      args.slo_tolerance, args.handoff_table, args.jobs, not args.no_progress, args.out,
-                      not args.no_save)
+                      args.slo_tolerance, args.handoff_table, args.jobs, not args.no_progress, args.resume or args.out,
+                      not args.no_save, args.resume, tuple(getattr(args, "command_line", ())))
 
 
 def setups_of(cases: list[Any], links: tuple[str, ...], driver_costs: str) -> list[Setup]:
@@ -144,17 +150,20 @@ def simulate_pd(s: PdSettings) -> int:
         print(text)
         return 0
     labels = [x.label for x in s.setups]
-    if s.slo:
-        searches = pool_map(_search, [(x, s.spec, seed, s.slo, s.slo_start, s.slo_tolerance) for x in s.setups
-                                      for seed in s.seeds], s.jobs, s.progress, unit="search")
-        per = {label: [f["slo_rate"] for f in searches if f["setup"] == label] for label in labels}
-        result = {"slo": s.slo, **summary.slo_summary(per, labels[0]), "searches": searches}
-        text += "\n\n" + slo_table(result, searches, s)
-    else:
-        rows = pool_map(_point, [(x, s.spec, rate, seed) for x in s.setups for rate in s.rates
-                                 for seed in s.seeds], s.jobs, s.progress)
-        result = {"runs": rows}
-        text += "\n\n" + grid_table(rows, s)
+    saved = checkpoint_of(s)
+    s = dataclasses.replace(s, out=str(saved.checkpoint.out)) if saved else s      # save() writes there too
+    with keeping(saved and saved.checkpoint, "simulate pd"):
+        if s.slo:
+            searches = pool_map(_search, [(x, s.spec, seed, s.slo, s.slo_start, s.slo_tolerance) for x in s.setups
+                                          for seed in s.seeds], s.jobs, s.progress, "search", "simulate pd", saved)
+            per = {label: [f["slo_rate"] for f in searches if f["setup"] == label] for label in labels}
+            result = {"slo": s.slo, **summary.slo_summary(per, labels[0]), "searches": searches}
+            text += "\n\n" + slo_table(result, searches, s)
+        else:
+            rows = pool_map(_point, [(x, s.spec, rate, seed) for x in s.setups for rate in s.rates
+                                     for seed in s.seeds], s.jobs, s.progress, desc="simulate pd", saved=saved)
+            result = {"runs": rows}
+            text += "\n\n" + grid_table(rows, s)
     print(text)
     print(f"\n{time.perf_counter() - t0:.1f} s host time")
     if s.save:
@@ -162,6 +171,17 @@ def simulate_pd(s: PdSettings) -> int:
                 "seeds": list(s.seeds)}
         print(f"results in {save(s.out, 'simulate pd', 'sim_pd.json', meta, result, text)}/")
     return 0
+
+
+def checkpoint_of(s: PdSettings) -> Saved | None:
+    """Every finished point (a run, or a whole SLO search) kept as it finishes; None with --no-save."""
+    total = len(s.setups) * len(s.seeds) * (1 if s.slo else len(s.rates))
+    if s.slo:
+        return saved_points(s, total, lambda job: f"{job[0].label} seed {job[2]} search", RUN_ONLY)
+    return saved_points(s, total, lambda job: f"{job[0].label} rate {job[2]:g} seed {job[3]}", RUN_ONLY)
+
+
+RUN_ONLY = ("jobs", "progress", "out", "save", "resume", "argv")      # how to run and where, not what
 
 
 def handoff_table(s: PdSettings) -> str:
@@ -204,7 +224,7 @@ def cell(runs: list[dict[str, Any]], key: str) -> str:
 def grid_table(rows: list[dict[str, Any]], s: PdSettings) -> str:
     body = [[x.label, f"{rate:g}", *(cell([r for r in rows if r["setup"] == x.label and r["request_rate"] == rate],
                                           key) for key in FIGURES)] for x in s.setups for rate in s.rates]
-    return table(["setup", "rate", *FIGURES], body, setting_line(s) + " (mean ± std over seeds)")
+    return table(["setup", "rate", *FIGURES], body, setting_line(s) + over_seeds(s.seeds))
 
 
 def slo_table(result: dict[str, Any], searches: list[dict[str, Any]], s: PdSettings) -> str:

@@ -14,6 +14,7 @@ from kvlab.common.limits import MAX_REQUESTS
 from kvlab.common.validate import check_int, check_number
 from kvlab.experiments.cli import flags
 from kvlab.experiments.loadgen.sweep import parse_rates
+from kvlab.experiments.reporting.checkpoint import keeping
 from kvlab.experiments.sim.gpu_figures import MEMORY_UTILIZATION, kv_budget_gb
 from kvlab.experiments.sim.pool.onoff import OnOff
 from kvlab.experiments.sim.pool.run import Arrangement, PoolSpec, parse_arrangements, run_point
@@ -21,7 +22,7 @@ from kvlab.experiments.sim.results import save
 from kvlab.experiments.sim.serve import slo, summary
 from kvlab.experiments.sim.serve.cli import check_run_flags, checked_goodput
 from kvlab.experiments.sim.serve.costs import PROFILES, profile
-from kvlab.experiments.sim.serve.grid import pool_map
+from kvlab.experiments.sim.serve.grid import Saved, pool_map, saved_points
 from kvlab.experiments.sim.serve.run import ServeSpec
 from kvlab.experiments.sim.serve.stats import spread
 
@@ -70,6 +71,8 @@ class PoolSettings:
     progress: bool
     out: str | None
     save: bool
+    resume: str | None = None               # the results directory of an interrupted run to finish
+    argv: tuple[str, ...] = ()              # the command line, stored for --resume
 
 
 def settings_from(args: argparse.Namespace) -> PoolSettings:
@@ -96,8 +99,8 @@ def settings_from(args: argparse.Namespace) -> PoolSettings:
         profile(args.driver_costs, None, arr.case.options.get("page_size"))
     return PoolSettings(PoolSpec(serve, onoff, dict(args.slo)), arrangements, args.budget_gb,
                         tuple(parse_rates(list(args.total_rates))), tuple(range(args.seed, args.seed + args.seeds)),
-                        args.slo_start, args.slo_tolerance, args.jobs, not args.no_progress, args.out,
-                        not args.no_save)
+                        args.slo_start, args.slo_tolerance, args.jobs, not args.no_progress, args.resume or args.out,
+                        not args.no_save, args.resume, tuple(getattr(args, "command_line", ())))
 
 
 def check_onoff(args: argparse.Namespace) -> None:
@@ -133,17 +136,20 @@ def run(args: argparse.Namespace) -> int:
 def simulate_pool(s: PoolSettings) -> int:
     t0 = time.perf_counter()
     labels = [a.label for a in s.arrangements]
-    if s.spec.slo:
-        searches = pool_map(_search, [(a, s.spec, seed, s.slo_start, s.slo_tolerance) for a in s.arrangements
-                                      for seed in s.seeds], s.jobs, s.progress, unit="search")
-        per = {label: [f["slo_rate"] for f in searches if f["arrangement"] == label] for label in labels}
-        result = {"slo": s.spec.slo, **summary.slo_summary(per, labels[0]), "searches": searches}
-        text = slo_table(result, searches, s)
-    else:
-        rows = pool_map(_point, [(a, s.spec, rate, seed) for a in s.arrangements for rate in s.rates
-                                 for seed in s.seeds], s.jobs, s.progress)
-        result = {"runs": rows}
-        text = grid_table(rows, s)
+    saved = checkpoint_of(s)
+    s = dataclasses.replace(s, out=str(saved.checkpoint.out)) if saved else s      # save() writes there too
+    with keeping(saved and saved.checkpoint, "simulate pool"):
+        if s.spec.slo:
+            searches = pool_map(_search, [(a, s.spec, seed, s.slo_start, s.slo_tolerance) for a in s.arrangements
+                                          for seed in s.seeds], s.jobs, s.progress, "search", "simulate pool", saved)
+            per = {label: [f["slo_rate"] for f in searches if f["arrangement"] == label] for label in labels}
+            result = {"slo": s.spec.slo, **summary.slo_summary(per, labels[0]), "searches": searches}
+            text = slo_table(result, searches, s)
+        else:
+            rows = pool_map(_point, [(a, s.spec, rate, seed) for a in s.arrangements for rate in s.rates
+                                     for seed in s.seeds], s.jobs, s.progress, desc="simulate pool", saved=saved)
+            result = {"runs": rows}
+            text = grid_table(rows, s)
     print(text)
     print(f"\n{time.perf_counter() - t0:.1f} s host time")
     if s.save:
@@ -151,6 +157,17 @@ def simulate_pool(s: PoolSettings) -> int:
                 "seeds": list(s.seeds)}
         print(f"results in {save(s.out, 'simulate pool', 'sim_pool.json', meta, result, text)}/")
     return 0
+
+
+def checkpoint_of(s: PoolSettings) -> Saved | None:
+    """Every finished point (a run, or a whole SLO search) kept as it finishes; None with --no-save."""
+    total = len(s.arrangements) * len(s.seeds) * (1 if s.spec.slo else len(s.rates))
+    if s.spec.slo:
+        return saved_points(s, total, lambda job: f"{job[0].label} seed {job[2]} search", RUN_ONLY)
+    return saved_points(s, total, lambda job: f"{job[0].label} rate {job[2]:g} seed {job[3]}", RUN_ONLY)
+
+
+RUN_ONLY = ("jobs", "progress", "out", "save", "resume", "argv")      # how to run and where, not what
 
 
 def workload_line(s: PoolSettings) -> str:
@@ -171,7 +188,16 @@ def model_cells(runs: list[dict[str, Any]], model: int) -> list[str]:
 
 
 def pm(s: dict[str, float]) -> str:
-    return f"{s['mean']:.4g}" if s["n"] == 1 else f"{s['mean']:.4g} ± {s['std']:.2g}"
+    return plain(s["mean"]) if s["n"] == 1 else f"{plain(s['mean'])} ± {s['std']:.2g}"
+
+
+def plain(value: float) -> str:
+    """4 significant digits without an exponent: 11,840 rather than 1.184e+04."""
+    return f"{value:,.0f}" if abs(value) >= 1e4 else f"{value:.4g}"
+
+
+def over_seeds(seeds: tuple[int, ...]) -> str:
+    return " (mean ± std over seeds)" if len(seeds) > 1 else " (one seed: no spread)"
 
 
 def grid_table(rows: list[dict[str, Any]], s: PoolSettings) -> str:
@@ -182,7 +208,7 @@ def grid_table(rows: list[dict[str, Any]], s: PoolSettings) -> str:
             mine = [r for r in rows if r["arrangement"] == arr.label and r["total_rate"] == rate]
             body += [[arr.label, f"{rate:g}", f"model {m}", *model_cells(mine, m)] for m in range(s.spec.models)]
     return table(["arrangement", "total rate", "model", *MODEL_KEYS], body,
-                 workload_line(s) + " (mean ± std over seeds)")
+                 workload_line(s) + over_seeds(s.seeds))
 
 
 def slo_table(result: dict[str, Any], searches: list[dict[str, Any]], s: PoolSettings) -> str:
