@@ -48,3 +48,9 @@ def test_the_readme_command_list_names_every_subcommand():
     block = readme.split("### Command line", 1)[1].split("```", 2)[1]
     for name in COMMANDS:
         assert f"kvlab {name}" in block, f"README's command list omits kvlab {name}"
+
+
+def test_docs_experiments_table_names_every_subcommand():
+    text = (ROOT / "docs" / "experiments.md").read_text()
+    for name in COMMANDS:
+        assert f"| `kvlab {name}" in text, f"docs/experiments.md's table omits kvlab {name}"

@@ -21,7 +21,8 @@ def side_by_side(runs: list[dict[str, Any]]) -> str:
         ("output tok/s median [min-max]", timed("output_tokens_per_s")),
         ("  every run", lambda r: " ".join(f"{v:,.0f}" for v in r["repeats_output_tokens_per_s"])),
         ("mean batch (max)", lambda r: f"{r['mean_batch']:.1f} ({r['max_batch']})"),
-        ("KV utilisation", lambda r: pct(r["kv_utilization"])),
+        ("KV utilisation", lambda r: pct(r["kv_utilization"]) + (
+            " (shared slots)" if r["kv_utilization"] > 1 else "")),
         ("preemptions", lambda r: fmt(r["preemptions"])),
         ("TTFT p50 ms", timed("ttft_p50", ms)),
         ("TPOT p50 ms", timed("tpot_p50", ms)),
