@@ -33,3 +33,9 @@ def test_sentences_and_the_short_run_warning():
     assert sentence("vmm", "paged", SAME) == "vmm and paged are not distinguishable"
     assert short_run_warning(2000, 1000) is None
     assert "100 requests is a short run" in short_run_warning(100, 1000)
+
+
+def test_an_overloaded_server_is_said_to_be():
+    from kvlab.experiments.loadgen.sweep import overload_line
+    assert "overloaded: 0.8 req/s achieved of 4 offered" in overload_line(4.0, 0.8)
+    assert overload_line(4.0, 3.9) is None and overload_line(float("inf"), 0.1) is None

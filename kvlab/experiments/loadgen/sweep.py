@@ -107,10 +107,25 @@ def _sweep(spec: LoadSpec, backends: list[str], rates: list[float], out_dir: str
                 rows.append(row)
                 print(f"{backend:8} rate {rate:>6g}: {row['completed']} done, p99 TTFT {row['p99_ttft_ms']:.1f} ms, "
                       f"p99 TPOT {row['p99_tpot_ms']:.2f} ms, {row['output_throughput']:.0f} tok/s", flush=True)
+                warning = overload_line(rate, row.get("request_throughput"))
+                if warning:
+                    print(f"{backend:8} rate {rate:>6g}: {warning}", flush=True)
     sweep_s = time.perf_counter() - t0
     write(out, rows, sweep_s, spec, backends, sweep_record(spec, backends, rates, server_args))
     print(f"sweep: {len(backends)} backends x {len(rates)} rates in {sweep_s:.1f} s; wrote {out}")
     return 0 if all(r["completed"] for r in rows) else 1
+
+
+OVERLOADED = 0.5        # achieved / offered request rate below which the server could not keep up
+
+
+def overload_line(offered: float, achieved: float | None) -> str | None:
+    """Said when the server completed requests far slower than they were offered: its latencies then measure a
+    queue that grew for the whole run, not the server at that rate."""
+    if achieved is None or math.isinf(offered) or achieved >= OVERLOADED * offered:
+        return None
+    return (f"overloaded: {achieved:.3g} req/s achieved of {offered:g} offered; the queue grew all run, so the "
+            "latencies measure the queue (lower the rate or the prompt lengths)")
 
 
 def sweep_record(spec: LoadSpec, backends: list[str], rates: list[float], server_args: list[str]) -> dict[str, Any]:
