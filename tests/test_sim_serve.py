@@ -76,10 +76,10 @@ def test_slo_parse_rejects_bad_items():
 
 def test_cost_arithmetic_with_and_without_overlap():
     ops = StepOps(pages_mapped=3, map_calls=2, pages_unmapped=1)
-    driver = 3 * 1.45e-6 + 2 * 36e-6 + 25.6e-6
-    plain = CostLedger(CUDA_A100)
+    driver = 3 * 1.45e-6 + 2 * 36e-6 + 25.6e-6          # per-run: one cuMemSetAccess per mapped run
+    plain = CostLedger(CUDA_A100, set_access="per-run")
     assert plain.charge(ops, compute_s=50e-6) == pytest.approx(driver, abs=1e-15)
-    hidden = CostLedger(CUDA_A100, overlap=True)
+    hidden = CostLedger(CUDA_A100, overlap=True, set_access="per-run")
     assert hidden.charge(ops, compute_s=50e-6) == pytest.approx(driver - 50e-6, abs=1e-15)
     assert hidden.charge(ops, compute_s=200e-6) == 0.0
     assert hidden.driver_s == pytest.approx(2 * driver) and hidden.exposed_s == pytest.approx(driver - 50e-6)
@@ -89,12 +89,21 @@ def test_cost_arithmetic_with_and_without_overlap():
     assert CostLedger(ZERO).charge(ops, 0.0) == 0.0
 
 
+def test_set_access_per_page_is_the_default_and_charges_every_page():
+    ops = StepOps(pages_mapped=3, map_calls=2, pages_unmapped=1)
+    per_page = CostLedger(CUDA_A100)
+    assert per_page.set_access == "per-page"
+    assert per_page.charge(ops, 0.0) == pytest.approx(3 * 1.45e-6 + 3 * 36e-6 + 25.6e-6, abs=1e-15)
+    assert CostLedger(CUDA_A100, set_access="per-run").charge(ops, 0.0) < CostLedger(CUDA_A100).charge(ops, 0.0)
+
+
 def test_driver_costs_lengthen_vmm_steps_and_overlap_hides_them():
     case = SimCase("vmm", 6.0, page_size=2 * 2**20, watermark=0.05)
     base = ServeSpec(num_requests=60)
     zero = run_point(case, base, 8.0, 0)
-    on = run_point(case, ServeSpec(num_requests=60, driver_profile="cuda-a100"), 8.0, 0)
-    hid = run_point(case, ServeSpec(num_requests=60, driver_profile="cuda-a100", background_mapping=True), 8.0, 0)
+    on = run_point(case, ServeSpec(num_requests=60, driver_profile="cuda-a100", background_mapping=False), 8.0, 0)
+    hid = run_point(case, ServeSpec(num_requests=60, driver_profile="cuda-a100"), 8.0, 0)   # the default: on
+    assert hid["driver"]["background_mapping"] and not on["driver"]["background_mapping"]
     d = on["driver"]
     assert d["driver_seconds"] > 0 and d["driver_exposed_seconds"] == d["driver_seconds"]
     assert on["mean_tpot_ms"] > zero["mean_tpot_ms"]
