@@ -168,7 +168,8 @@ def test_an_unknown_profile_name_is_refused():
 # -- where step time goes ------------------------------------------------------------------------------------------
 def test_rows_split_step_time_into_attention_driver_and_the_rest():
     case = SimCase("vmm", 6.0, page_size=2 * 2**20, watermark=0.05)
-    spec = ServeSpec(num_requests=60, driver_profile="cuda-a100", kernel_costs="published", model_prefill=True)
+    spec = ServeSpec(num_requests=60, driver_profile="cuda-a100", kernel_costs="published", model_prefill=True,
+                     background_mapping=False)      # the no-overlap variant: its driver time lengthens steps
     r = run_point(case, spec, 8.0, 0)
     sim = r["sim"]
     assert sim["attention_share"] + sim["driver_share"] + sim["other_share"] == pytest.approx(1.0)

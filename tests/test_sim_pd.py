@@ -7,7 +7,7 @@ from kvlab.common.kv.seam import create_cache
 from kvlab.experiments.cli.main import main
 from kvlab.experiments.sim.gpu_figures import LINKS, Link
 from kvlab.experiments.sim.pd.handoff import Handoff, pages, tokens_per_page
-from kvlab.experiments.sim.pd.run import Channel, PdSpec, Setup, run_point
+from kvlab.experiments.sim.pd.run import SAME_DEVICE, Channel, PdSpec, Setup, make_handoff, run_point
 from kvlab.experiments.sim.roofline import model_spec
 from kvlab.experiments.sim.serve.costs import CUDA_A100
 from kvlab.experiments.sim.serve.run import ServeSpec, parse_backends
@@ -61,7 +61,7 @@ def test_disaggregated_runs_hand_every_multi_token_request_over():
     spec = PdSpec(SMALL, prefill=1, decode=1)
     colocated = run_point(Setup(paged), spec, 5.0, 0)
     copied = run_point(Setup(paged, "nvlink"), spec, 5.0, 0)
-    remapped = run_point(Setup(vmm, "remap"), spec, 5.0, 0)
+    remapped = run_point(Setup(vmm, "remap", arrangement=SAME_DEVICE), spec, 5.0, 0)
     for r in (colocated, copied, remapped):
         assert r["completed"] == 60 and r["failed"] == 0
     assert copied["total_output_tokens"] == colocated["total_output_tokens"]
@@ -88,9 +88,12 @@ COMMON = ["simulate", "pd", "--num-prompts", "40", "--dataset", "random", "--inp
 
 
 def test_cli_handoff_table_and_grid(capsys):
-    assert main(["simulate", "pd", "--handoff-table"]) == 0
+    assert main(["simulate", "pd", "--handoff-table", "--set-access", "per-run"]) == 0
     out = capsys.readouterr().out
     assert "32,768" in out and "9.54 ms / 4.29 GB" in out and "67.1 ms" in out and "5.27 ms / 0 GB" in out
+    # per-page cuMemSetAccess (the default): 2,048 pages x (1.45 + 36) us for a 32K-token prompt
+    assert main(["simulate", "pd", "--handoff-table"]) == 0
+    assert "76.7 ms / 0 GB" in capsys.readouterr().out
     assert main([*COMMON, "--request-rates", "4", "--no-save"]) == 0
     assert "pd copy/nvlink paged-16" in capsys.readouterr().out
 
@@ -104,7 +107,9 @@ def test_cli_search(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv,fragment", [
     (["--links", "infiniband"], "unknown link 'infiniband'"),
-    (["--backends", "reserve"], "compares paged (copy) and vmm (remap)"),
+    (["--backends", "reserve"], "compares paged (copy) and vmm (remap, copy, remote)"),
+    (["--arrangements", "same-device", "--decode", "2"], "--prefill = --decode"),
+    (["--vmm-handoffs", "teleport"], "unknown --vmm-handoffs"),
     (["--prefill", "0"], "--prefill"),
     (["--num-prompts", "0"], "--num-prompts"),
     (["--driver-costs", "host"], "unknown --driver-costs"),
@@ -113,3 +118,46 @@ def test_errors_are_one_line(argv, fragment, capsys):
     assert main(["simulate", "pd", "--no-save", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and fragment in err[0]
+
+
+def test_cross_device_copy_costs_scale_with_transfers():
+    paged, vmm = parse_backends(["paged-16", "vmm-2MiB"], 20.0, 0.05)
+    spec = PdSpec(SMALL, transfer_overhead_s=1e-6)
+    blocks, ranges = (make_handoff(Setup(c, "copy", "nvlink"), spec) for c in (paged, vmm))
+    assert blocks.transfers(1024) == 64 * 64 and ranges.transfers(1024) == 64      # 16-token blocks vs one range
+    assert blocks.bytes_copied(1024) == ranges.bytes_copied(1024)
+    by_bytes = 1024 * LLAMA.kv_bytes_per_token / 450e9
+    assert blocks.seconds(1024) == pytest.approx(by_bytes + 4096e-6)
+    assert ranges.seconds(1024) == pytest.approx(by_bytes + 64e-6)
+    assert blocks.seconds(2048) - by_bytes * 2 == pytest.approx(2 * (blocks.seconds(1024) - by_bytes))
+
+
+def test_same_device_remap_copies_nothing_and_background_mapping_hides_the_senders_driver_time():
+    vmm = parse_backends(["vmm-2MiB"], 20.0, 0.05)[0]
+    on = make_handoff(Setup(vmm, "remap", arrangement=SAME_DEVICE), PdSpec(SMALL))
+    off = make_handoff(Setup(vmm, "remap", arrangement=SAME_DEVICE),
+                       PdSpec(ServeSpec(driver_profile="cuda-a100", background_mapping=False)))
+    assert on.bytes_copied(4096) == 0 and on.transfers(4096) == 0
+    assert on.seconds(4096) == pytest.approx(4 * 64 * (1.45e-6 + 36e-6))              # per page: map + grant
+    assert on.sender_seconds(4096) == 0 and on.hidden_sender_seconds(4096) > 0
+    assert off.sender_seconds(4096) == pytest.approx(on.hidden_sender_seconds(4096))
+    with pytest.raises(ValueError, match="same-device"):
+        Setup(vmm, "remap")
+
+
+def test_cross_layer_halves_map_calls_and_more():
+    per, cross = parse_backends(["vmm-2MiB", "vmm-2MiB-crosslayer"], 20.0, 0.05)
+    assert cross.backend_label == "vmm-2MiB-crosslayer" and tokens_per_page(2 << 20, LLAMA, "cross-layer") == 32
+    p, c = (make_handoff(Setup(x, "remap", arrangement=SAME_DEVICE), PdSpec(SMALL)) for x in (per, cross))
+    # the same 1,024 tokens: 64 per-layer pages (one per tensor) or 2 x 32 cross-layer pages, all 2 MiB
+    assert p.units_moved(1024) == 64 and c.units_moved(1024) == 64
+    assert p.units_moved(32) == 64 and c.units_moved(32) == 2          # a short prompt strands far less
+
+
+def test_remote_pages_pay_link_reads_every_decode_step():
+    vmm = parse_backends(["vmm-2MiB"], 20.0, 0.05)[0]
+    spec = PdSpec(SMALL)
+    copied = run_point(Setup(vmm, "copy", "nvlink"), spec, 5.0, 0)
+    remote = run_point(Setup(vmm, "remote", "nvlink"), spec, 5.0, 0)
+    assert remote["handoff"]["remote_read_seconds"] > 0 and copied["handoff"]["remote_read_seconds"] == 0
+    assert remote["handoff"]["bytes_copied"] == 0 and remote["mean_tpot_ms"] > copied["mean_tpot_ms"]

@@ -15,7 +15,7 @@ from kvlab.experiments.sim.roofline import model_spec
 from kvlab.experiments.sim.serve.run import ServeSpec
 
 SMALL = ServeSpec(dataset="random", input_len=200, output_len=40, range_ratio=0.5, model_prefill=True,
-                  driver_profile="cuda-a100")
+                  driver_profile="cuda-a100", background_mapping=False)     # simulate pool's default
 SLO = {"p99_ttft_ms": 2000.0, "p99_tpot_ms": 100.0}
 
 

@@ -9,12 +9,8 @@ watermark; paged and vmm use the case's.
 """
 from __future__ import annotations
 
-import multiprocessing
-import signal
 import time
 from collections import deque
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -23,7 +19,17 @@ from kvlab.common.errors import ConfigError
 from kvlab.common.kv.registry import backend_names, get_backend
 from kvlab.common.metrics import RunMetrics
 from kvlab.experiments.sim.kernels import KernelTerm, kernel_profile
+from kvlab.experiments.sim.layouts import (
+    CROSS_LAYER,
+    LAYOUT_OPTION,
+    LayoutRunner,
+    check_layout,
+    check_penalty,
+    emulated_page,
+    layers_per_page,
+)
 from kvlab.experiments.sim.roofline import RooflineCost, RooflineRunner, hardware, model_spec
+from kvlab.experiments.sim.workers import worker_pool
 from kvlab.experiments.workloads.requests import Request, WorkloadSpec, build_workload, scaled
 
 ALIASES = {"oracle": ("reserve", {"reserve_mode": "oracle"})}   # policy -> (backend, its options)
@@ -68,10 +74,16 @@ class SimCase:
     def backend(self) -> str:
         return policy_backend(self.policy)
 
+    @property
+    def layout(self) -> str:
+        """vmm's KV layout (experiments/sim/layouts.py): per-layer unless the case says cross-layer."""
+        return self.options.get(LAYOUT_OPTION, "per-layer")
+
     def backend_options(self) -> Any:
-        """Its backend's options dataclass: the alias's fixed options, then the case's own."""
+        """Its backend's options dataclass: the alias's fixed options, then the case's own (less the simulator's
+        own option, the vmm layout)."""
         spec = get_backend(self.backend)
-        values = {**ALIASES.get(self.policy, (spec.name, {}))[1], **self.options}
+        values = {**ALIASES.get(self.policy, (spec.name, {}))[1], **backend_values(self.options)}
         unknown = sorted(set(values) - set(declared_options(self.policy, values)))
         if unknown:
             raise ConfigError(f"backend {spec.name!r} has no option {', '.join(unknown)} (policy {self.policy!r})")
@@ -79,8 +91,9 @@ class SimCase:
 
     @property
     def backend_label(self) -> str:
-        """The registered spec's label for these options (paged-16, vmm-2MiB, oracle)."""
-        return get_backend(self.backend).label(self.backend_options())
+        """The registered spec's label for these options (paged-16, vmm-2MiB, oracle; vmm-2MiB-crosslayer)."""
+        label = get_backend(self.backend).label(self.backend_options())
+        return f"{label}-crosslayer" if self.layout == CROSS_LAYER else label
 
     @property
     def label(self) -> str:
@@ -93,9 +106,19 @@ class SimCase:
 
 
 def declared_options(policy: str, values: dict[str, Any]) -> dict[str, Any]:
-    """Those of `values` (flat options, e.g. from the command line) that the policy's backend declares."""
+    """Those of `values` (flat options, e.g. from the command line) that the policy's backend declares (vmm: and
+    the simulator's layout option)."""
     declared = {f.name for f in fields(get_backend(policy_backend(policy)).options)}
+    if policy_backend(policy) == "vmm":
+        declared.add(LAYOUT_OPTION)
     return {k: v for k, v in values.items() if k in declared}
+
+
+def backend_values(options: dict[str, Any]) -> dict[str, Any]:
+    """A case's options less the simulator's own (the vmm layout): what the backend itself is given."""
+    if LAYOUT_OPTION in options:
+        check_layout(options[LAYOUT_OPTION])
+    return {k: v for k, v in options.items() if k != LAYOUT_OPTION}
 
 
 def case_key(policy: str, budget_gb: float, options: dict[str, Any], watermark: float) -> tuple:
@@ -123,6 +146,7 @@ class SimSettings:
     tensor_parallel_size: int = 1     # >1: the cache and the costs are one rank's shard; budgets are per GPU
     max_concurrency: int = 0          # serving: at most this many requests in flight at the client (0 = no limit)
     kernel_costs: str = "none"        # the kernel term's profile: none | published | cpu | measured:FILE (kernels.py)
+    layout_penalty: str = "none"      # a cross-layer vmm case's attention penalty: none | kvcached (layouts.py)
 
 
 # The row keys of the releases before the shared run record, kept one more release: old name -> canonical name
@@ -189,8 +213,24 @@ def case_config(case: SimCase, settings: SimSettings, requests: list[Request]) -
     values.update(settings.engine)
     values.update(backend=backend, kv_cache_bytes=int(case.budget_gb * 1e9), watermark=case.watermark)
     values.update(ALIASES.get(case.policy, (backend, {}))[1])
-    values.update(case.options)
+    values.update(backend_values(case.options))
+    if case.layout == CROSS_LAYER:
+        values["page_size"] = emulated_page(case.options["page_size"], sim_model(settings))
     return make_config(**values)
+
+
+def sim_model(settings: SimSettings) -> Any:
+    return model_spec(settings.model, settings.dtype, settings.engine.get("kv_cache_dtype", "auto"),
+                      settings.tensor_parallel_size)
+
+
+def make_runner(cost: RooflineCost, case: SimCase, settings: SimSettings, cache: Any) -> RooflineRunner:
+    """The case's roofline runner: its kernel term, and a cross-layer case's attention penalty when asked."""
+    kernel = kernel_term(settings.kernel_costs, cache)
+    penalty = check_penalty(settings.layout_penalty) if case.layout == CROSS_LAYER else 0.0
+    if penalty:
+        return LayoutRunner(cost, SAMPLED_TOKEN, kernel, penalty=penalty)
+    return RooflineRunner(cost, SAMPLED_TOKEN, kernel)
 
 
 def held_capacity(cache: Any, seq: Any, low: int, high: int) -> int:
@@ -262,21 +302,21 @@ class SimRun:
 
 
 def simulate(case: SimCase, settings: SimSettings, requests: list[Request], tap: Any = None) -> SimRun:
-    """One simulation. `tap`, when given, wraps the roofline runner (`tap.attach(runner, cache)`: the serving
+    """One simulation. `tap`, when given, wraps the roofline runner (`tap.attach(runner, cache, layers_per_page)`:
+    the serving
     simulator's token clock and driver costs), is bound to the engine (`tap.bind(engine)`), and gets `tap.added`
     and `tap.finished` = drive's (request id, request) pairs and RequestMetrics by request id."""
     from kvlab.common.engine import Engine
     from kvlab.common.kv.seam import create_cache
-    spec = model_spec(settings.model, settings.dtype, settings.engine.get("kv_cache_dtype", "auto"),
-                      settings.tensor_parallel_size)
+    spec = sim_model(settings)
     cost = RooflineCost(hardware(settings.hardware), spec, settings.model_prefill, settings.mfu)
     config = case_config(case, settings, requests)
     start = time.perf_counter()
     # tp > 1: the one cache the scheduler sees is one rank's (its KV heads, the per-GPU budget); every rank's
     # tables are identical (common/dist/), so its capacity in tokens is the cluster's
     cache = create_cache(config, spec.kv_shape(), accounting_only=True)
-    runner = RooflineRunner(cost, SAMPLED_TOKEN, kernel_term(settings.kernel_costs, cache))
-    inner = tap.attach(runner, cache) if tap is not None else runner
+    runner = make_runner(cost, case, settings, cache)
+    inner = tap.attach(runner, cache, layers_per_page(case.options, spec)) if tap is not None else runner
     probe = WasteProbe(inner, cache, config.max_model_len)
     engine = Engine(config, cache, probe, timeline_every=settings.timeline_every or 10**9)
     if tap is not None:
@@ -348,36 +388,6 @@ def run_cases(cases: list[SimCase], settings: SimSettings, jobs: int = 1, progre
     if bar:
         bar.close()
     return [done[c.key] for c in cases]
-
-
-def _ignore_sigint() -> None:
-    """Workers leave Ctrl-C to the parent, which terminates them (no KeyboardInterrupt trace per worker)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-@contextmanager
-def worker_pool(processes: int) -> Iterator[Any]:
-    """A process pool whose workers are terminated, not awaited, when the parent is interrupted or fails: a
-    Ctrl-C stops every worker at once and leaves no orphan behind."""
-    pool = _start_pool(processes)
-    try:
-        yield pool
-        pool.close()
-    except BaseException:
-        pool.terminate()
-        raise
-    finally:
-        pool.join()
-
-
-def _start_pool(processes: int) -> Any:
-    """Fork the workers with SIGINT held: a Ctrl-C that arrived during a fork would be raised inside an at-fork
-    hook, where Python drops it (the command then ran on). Held, it is raised here once the workers exist."""
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        return multiprocessing.get_context().Pool(processes, initializer=_ignore_sigint)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def _progress(total: int, enabled: bool):

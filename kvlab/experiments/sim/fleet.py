@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab.common.sampling_params import SamplingParams
-from kvlab.experiments.sim.core import PROMPT_TOKEN, SAMPLED_TOKEN, SimCase, SimSettings, case_config, kernel_term
+from kvlab.experiments.sim.core import PROMPT_TOKEN, SimCase, SimSettings, case_config, make_runner
+from kvlab.experiments.sim.layouts import layers_per_page
 from kvlab.experiments.sim.roofline import RooflineCost, RooflineRunner, hardware, model_spec
 from kvlab.experiments.sim.serve.costs import CostLedger
 from kvlab.experiments.sim.serve.tap import ServeTap
@@ -133,8 +134,8 @@ def build_engine(name: str, case: SimCase, settings: SimSettings, requests: list
         cache = create_cache(config, spec.kv_shape(), accounting_only=True)
     else:
         cache = make_cache(config, spec.kv_shape())
-    runner = RooflineRunner(cost, SAMPLED_TOKEN, kernel_term(settings.kernel_costs, cache))
-    tap = tap_type(runner, cache, ledger, watch)
+    runner = make_runner(cost, case, settings, cache)
+    tap = tap_type(runner, cache, ledger, watch, layers_per_page(case.options, spec))
     engine = Engine(config, cache, tap, timeline_every=10**9)
     tap.bind(engine)
     engine.reset_metrics()

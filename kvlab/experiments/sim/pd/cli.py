@@ -1,6 +1,8 @@
-"""`kvlab simulate pd`: prefill/decode disaggregation against colocated engines on as many GPUs, the KV handoff a
-copy over NVLink or PCIe (paged) or a remap (vmm); the handoff table by context length, figures at given rates,
-or an SLO search on the request rate with bootstrap intervals over seeds."""
+"""`kvlab simulate pd`: prefill/decode disaggregation against colocated engines on as many GPUs. Cross-device, the
+KV handoff is a copy over NVLink or PCIe (paged's blocks; vmm's contiguous ranges) or, for vmm, a map of the
+prefill GPU's pages read remotely every decode step; same-device (prefill and decode processes sharing one GPU), a
+zero-copy remap (vmm) or a device-to-device copy (paged). The handoff table by context length, figures at given
+rates, or an SLO search on the request rate with bootstrap intervals over seeds (docs/disaggregation.md)."""
 from __future__ import annotations
 
 import argparse
@@ -17,18 +19,19 @@ from kvlab.experiments.loadgen.sweep import parse_rates
 from kvlab.experiments.reporting.checkpoint import keeping
 from kvlab.experiments.reporting.tables import table
 from kvlab.experiments.sim.gpu_figures import LINKS, MEMORY_UTILIZATION, kv_budget_gb, link
-from kvlab.experiments.sim.pd.handoff import Handoff
-from kvlab.experiments.sim.pd.run import PdSpec, Setup, run_point
+from kvlab.experiments.sim.layouts import check_layout
+from kvlab.experiments.sim.pd.run import ARRANGEMENTS, SAME_DEVICE, PdSpec, Setup, make_handoff, run_point
 from kvlab.experiments.sim.pool.cli import over_seeds
 from kvlab.experiments.sim.results import save
 from kvlab.experiments.sim.roofline import model_spec
 from kvlab.experiments.sim.serve import slo, summary
-from kvlab.experiments.sim.serve.cli import check_run_flags, checked_goodput
-from kvlab.experiments.sim.serve.costs import PROFILES, profile
+from kvlab.experiments.sim.serve.cli import add_driver_axes, check_run_flags, checked_goodput
+from kvlab.experiments.sim.serve.costs import PROFILES, extrapolated, extrapolation_note, profile
 from kvlab.experiments.sim.serve.grid import Saved, pool_map, saved_points
 from kvlab.experiments.sim.serve.run import ServeSpec, parse_backends
 from kvlab.experiments.sim.serve.stats import spread
 
+VMM_CROSS = ("copy", "remote")
 CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768)
 FIGURES = ("p99_ttft_ms", "p99_tpot_ms", "output_throughput", "request_goodput")
 
@@ -43,6 +46,15 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--backends", type=flags.parse_list, default=["paged-16", "vmm-2MiB"],
                    help="comma list: paged-BLOCK (handoff: a copy over each --links), vmm-SIZE (handoff: remap)")
     p.add_argument("--links", type=flags.parse_list, default=list(LINKS), help=f"copy links: {', '.join(LINKS)}")
+    p.add_argument("--arrangements", type=flags.parse_list, default=list(ARRANGEMENTS),
+                   help="comma list: cross-device (one GPU per engine) and same-device (prefill i and decode i share "
+                        "GPU i's time and memory; needs --prefill = --decode)")
+    p.add_argument("--vmm-handoffs", type=flags.parse_list, default=list(VMM_CROSS),
+                   help="cross-device vmm handoffs, comma list: copy (contiguous ranges over the link), remote (map "
+                        "the prefill GPU's pages, read them over the link every decode step)")
+    p.add_argument("--transfer-overhead-us", type=float, default=0.0,
+                   help="fixed cost per copy issued, microseconds (default 0: bytes only; no source yet)")
+    add_driver_axes(p)
     p.add_argument("--handoff-table", action="store_true",
                    help="print the handoff time by context length and backend, and exit")
     p.add_argument("--budget-gb", type=float, help="KV GB per GPU (default: the GPU's memory x "
@@ -90,6 +102,7 @@ def settings_from(args: argparse.Namespace) -> PdSettings:
     if args.driver_costs not in PROFILES:
         raise ConfigError(f"unknown --driver-costs {args.driver_costs!r}; choose {', '.join(PROFILES)}")
     links = tuple(link(name).name for name in args.links)
+    check_pd_axes(args)
     args.budget_gb = kv_budget_gb(args.hardware, args.model, 1) if args.budget_gb is None else args.budget_gb
     args.slo = args.slo or {}
     check_run_flags(args)
@@ -104,27 +117,51 @@ def settings_from(args: argparse.Namespace) -> PdSettings:
     serve = ServeSpec(dataset=args.dataset, num_requests=args.num_prompts, scale=args.scale, max_len=args.max_len,
                       input_len=args.input_len, output_len=args.output_len, burstiness=args.burstiness,
                       hardware=args.hardware, model=args.model, model_prefill=True, mfu=args.mfu,
-                      driver_profile=args.driver_costs, goodput=checked_goodput(args.goodput))
-    setups = tuple(setups_of(parse_backends(list(args.backends), args.budget_gb, args.watermark), links,
-                             args.driver_costs))
-    return PdSettings(PdSpec(serve, args.prefill, args.decode), setups, links, args.budget_gb, rates,
+                      driver_profile=args.driver_costs, background_mapping=args.background_mapping,
+                      set_access=args.set_access, layout_penalty=args.layout_penalty,
+                      goodput=checked_goodput(args.goodput))
+    cases = parse_backends(list(args.backends), args.budget_gb, args.watermark, tuple(args.vmm_layout))
+    setups = tuple(setups_of(cases, links, args.driver_costs, tuple(args.arrangements), tuple(args.vmm_handoffs)))
+    spec = PdSpec(serve, args.prefill, args.decode, args.transfer_overhead_us * 1e-6)
+    return PdSettings(spec, setups, links, args.budget_gb, rates,
                       tuple(range(args.seed, args.seed + args.seeds)), dict(args.slo), args.slo_start,
                       args.slo_tolerance, args.handoff_table, args.jobs, not args.no_progress, args.resume or args.out,
                       not args.no_save, args.resume, tuple(getattr(args, "command_line", ())))
 
 
-def setups_of(cases: list[Any], links: tuple[str, ...], driver_costs: str) -> list[Setup]:
-    """Each backend colocated, then disaggregated: paged copied over every link, vmm remapped."""
+def check_pd_axes(args: argparse.Namespace) -> None:
+    for name in args.arrangements:
+        if name not in ARRANGEMENTS:
+            raise ConfigError(f"unknown --arrangements {name!r}; choose from {', '.join(ARRANGEMENTS)}")
+    for name in args.vmm_handoffs:
+        if name not in VMM_CROSS:
+            raise ConfigError(f"unknown --vmm-handoffs {name!r}; choose from {', '.join(VMM_CROSS)}")
+    for name in args.vmm_layout:
+        check_layout(name)
+    if SAME_DEVICE in args.arrangements and args.prefill != args.decode:
+        raise ConfigError("--arrangements same-device pairs prefill i with decode i on one GPU: give --prefill = "
+                          "--decode, or --arrangements cross-device")
+    check_number("--transfer-overhead-us", args.transfer_overhead_us, high=1e6, unit=" us")
+
+
+def setups_of(cases: list[Any], links: tuple[str, ...], driver_costs: str,
+              arrangements: tuple[str, ...] = ("cross-device",), vmm_cross: tuple[str, ...] = ("copy",)
+              ) -> list[Setup]:
+    """Each backend colocated, then disaggregated. Cross-device: paged copied over every link, vmm copied and/or
+    mapped remotely over every link. Same-device: vmm remapped, paged copied device to device."""
     out = []
     for case in cases:
         if case.policy not in ("paged", "vmm"):
-            raise ConfigError(f"--backends {case.backend_label}: simulate pd compares paged (copy) and vmm (remap)")
-        out.append(Setup(case))
-        if case.policy == "paged":
-            out += [Setup(case, name) for name in links]
-        else:
+            raise ConfigError(f"--backends {case.backend_label}: simulate pd compares paged (copy) and vmm "
+                              "(remap, copy, remote)")
+        if case.policy == "vmm":
             profile(driver_costs, None, case.options["page_size"])
-            out.append(Setup(case, "remap"))
+        out.append(Setup(case))
+        if "cross-device" in arrangements:
+            kinds = ("copy",) if case.policy == "paged" else vmm_cross
+            out += [Setup(case, kind, name) for kind in kinds for name in links]
+        if SAME_DEVICE in arrangements:
+            out.append(Setup(case, "remap" if case.policy == "vmm" else "copy", arrangement=SAME_DEVICE))
     return out
 
 
@@ -187,23 +224,23 @@ RUN_ONLY = ("jobs", "progress", "out", "save", "resume", "argv")      # how to r
 def handoff_table(s: PdSettings) -> str:
     """Handoff time (ms) and bytes copied by context length, for every setup's handoff."""
     model = model_spec(s.spec.serve.model)
-    columns = []
-    for x in s.setups:
-        if x.handoff == "remap":
-            page = x.case.options["page_size"]
-            columns.append((x.label, Handoff(model, page_size=page, costs=profile(s.spec.serve.driver_profile,
-                                                                                  None, page))))
-        elif x.handoff is not None:
-            columns.append((x.label, Handoff(model, link=link(x.handoff))))
-    body = [[f"{tokens:,}", f"{tokens * model.kv_bytes_per_token / 1e9:.3g}",
-             *(f"{h.seconds(tokens) * 1e3:.3g} ms / {h.bytes_copied(tokens) / 1e9:.3g} GB" for _, h in columns)]
-            for tokens in CONTEXTS]
-    sources = "; ".join(LINKS[name].source for name in s.links)
     costs = s.spec.serve.driver_profile
+    starred = {x.label for x in s.setups if x.kind in ("remap", "remote") and x.case.policy == "vmm"
+               and extrapolated(PROFILES[costs], x.case.options["page_size"])}
+    columns = [(x.label + (" *" if x.label in starred else ""), make_handoff(x, s.spec))
+               for x in s.setups if x.handoff is not None]
+    body = [[f"{tokens:,}", f"{tokens * model.kv_bytes_per_token / 1e9:.3g}",
+             *(f"{h.seconds(tokens) * 1e3:.3g} ms / {h.bytes_copied(tokens) / 1e9:.3g} GB / {h.transfers(tokens):,}"
+               for _, h in columns)] for tokens in CONTEXTS]
+    sources = "; ".join(LINKS[name].source for name in s.links)
+    note = extrapolation_note(PROFILES[costs], [(label, x.case.options["page_size"]) for x in s.setups
+                                                 for label in [x.label] if label in starred])
     return table(["context", "KV GB", *(label for label, _ in columns)], body,
-                 f"KV handoff per request, {model.name}: time / bytes copied. Copies at the link's one-way peak "
-                 f"({sources}); remaps at {costs} ({PROFILES[costs].source})"
-                 ": cuMemMap per page + cuMemSetAccess per tensor")
+                 f"KV handoff per request, {model.name}: time / bytes copied / copies issued (per copy "
+                 f"{s.spec.transfer_overhead_s * 1e6:g} us). Copies at the link's one-way peak ({sources}), "
+                 f"same-device copies at the memory bandwidth (read + write); remaps and remote maps at {costs} "
+                 f"({PROFILES[costs].source}): cuMemMap per page + cuMemSetAccess {s.spec.serve.set_access}"
+                 ) + ("\n" + note if note else "")
 
 
 def setting_line(s: PdSettings) -> str:

@@ -1,12 +1,13 @@
 """One run of prefill/decode disaggregation, or of colocated engines on as many GPUs, on the roofline clock.
 
-Every engine has a GPU of its own (fleet.py runs the GPUs in parallel). Colocated: E = P + D engines each serve
-whole requests, sent round robin. Disaggregated: P prefill engines compute each prompt and its first token (prefill
-charged at the MFU), then the KV goes to one of D decode engines (round robin) through that engine's handoff
-channel, one handoff at a time (handoff.py: a copy over the link, or a remap); the decode engine holds the prompt
-and the first token (its "prefill" costs only its KV reads: the roofline with prefill off) and generates the rest.
-A request's record joins its first token (prefill engine) to the rest (decode engine), so TTFT, TPOT and ITL are
-those a client of the pair would see, the handoff inside the first inter-token gap."""
+Cross-device, every engine has a GPU of its own (fleet.py runs the GPUs in parallel); same-device, prefill engine i
+and decode engine i share GPU i (its time, by time slicing, and its KV memory, half each). Colocated: E = P + D
+engines each serve whole requests, sent round robin. Disaggregated: P prefill engines compute each prompt and its
+first token (prefill charged at the MFU), then the KV goes to one of D decode engines (round robin) through that
+engine's handoff channel, one handoff at a time (handoff.py: a copy over the link, or a remap); the decode engine
+holds the prompt and the first token (its "prefill" costs only its KV reads: the roofline with prefill off) and
+generates the rest. A request's record joins its first token (prefill engine) to the rest (decode engine), so TTFT,
+TPOT and ITL are those a client of the pair would see, the handoff inside the first inter-token gap."""
 from __future__ import annotations
 
 import bisect
@@ -17,25 +18,47 @@ from kvlab.experiments.loadgen import latency
 from kvlab.experiments.loadgen.latency import RequestRecord
 from kvlab.experiments.sim.core import SimCase
 from kvlab.experiments.sim.fleet import SimEngine, SimGpu, build_engine, drive
-from kvlab.experiments.sim.gpu_figures import link
+from kvlab.experiments.sim.gpu_figures import LINKS, Link, link
 from kvlab.experiments.sim.pd.handoff import Handoff
-from kvlab.experiments.sim.roofline import model_spec
-from kvlab.experiments.sim.serve.costs import CostLedger, profile
+from kvlab.experiments.sim.roofline import hardware, model_spec
+from kvlab.experiments.sim.serve.costs import profile
 from kvlab.experiments.sim.serve.run import ServeSpec, plan
+from kvlab.experiments.sim.serve.tap import ServeTap
 from kvlab.experiments.workloads.requests import Request
+
+SAME_DEVICE = "same-device"
+ARRANGEMENTS = ("cross-device", SAME_DEVICE)
 
 
 @dataclass(frozen=True, slots=True)
 class Setup:
-    """colocated (handoff None) or disaggregated with a handoff: copy over `link`, or remap (link "")."""
+    """colocated (handoff None) or disaggregated: "remap" (same device, vmm), "copy" (over `link`; same device: a
+    device-to-device copy) or "remote" (cross-device vmm: map the prefill GPU's pages, read them over `link`).
+    A bare link name as `handoff` is a copy over it (the older form)."""
     case: SimCase
-    handoff: str | None = None        # None: colocated; "remap"; or a link name (nvlink, pcie): a copy
+    handoff: str | None = None
+    link: str = ""
+    arrangement: str = "cross-device"
+
+    def __post_init__(self) -> None:
+        if self.handoff == "remap" and self.arrangement != SAME_DEVICE:
+            raise ValueError("a zero-copy remap needs both processes on one device: arrangement='same-device'")
+
+    @property
+    def kind(self) -> str | None:
+        return "copy" if self.handoff in LINKS else self.handoff
+
+    @property
+    def link_name(self) -> str:
+        return self.handoff if self.handoff in LINKS else self.link
 
     @property
     def label(self) -> str:
-        how = "colocated" if self.handoff is None else "pd " + ("remap" if self.handoff == "remap"
-                                                               else f"copy/{self.handoff}")
-        return f"{how} {self.case.backend_label}"
+        if self.handoff is None:
+            return f"colocated {self.case.backend_label}"
+        where = self.link_name if self.arrangement != SAME_DEVICE else SAME_DEVICE
+        how = "remap" if self.kind == "remap" else f"{self.kind}/{where}"
+        return f"pd {how} {self.case.backend_label}"
 
 
 @dataclass(slots=True)
@@ -43,22 +66,43 @@ class PdSpec:
     serve: ServeSpec
     prefill: int = 1
     decode: int = 1
+    transfer_overhead_s: float = 0.0     # per copy issued (0: bytes only; docs/disaggregation.md)
 
 
 def make_handoff(setup: Setup, spec: PdSpec) -> Handoff:
-    model = model_spec(spec.serve.model)
-    if setup.handoff == "remap":
-        page = setup.case.options["page_size"]
-        return Handoff(model, page_size=page, costs=profile(spec.serve.driver_profile, None, page))
-    return Handoff(model, link=link(setup.handoff))
+    s = spec.serve
+    model = model_spec(s.model)
+    page = setup.case.options.get("page_size", 0)
+    if setup.kind == "remap":
+        over = None
+    else:
+        over = device_copy(s.hardware) if setup.arrangement == SAME_DEVICE else link(setup.link_name)
+    common = {"kind": setup.kind, "link": over, "layout": setup.case.layout,
+              "set_access": s.set_access, "background": s.background_mapping,
+              "transfer_overhead_s": spec.transfer_overhead_s}
+    if setup.case.policy == "vmm":
+        return Handoff(model, page_size=page, costs=profile(s.driver_profile, None, page), **common)
+    return Handoff(model, block_size=setup.case.options["block_size"], **common)
+
+
+def device_copy(hardware_name: str) -> Link:
+    """A device-to-device copy on one GPU: every byte read and written once, at the memory's bandwidth."""
+    bw = hardware(hardware_name).bandwidth
+    return Link(SAME_DEVICE, bw / 2, f"{hardware_name} memory bandwidth, read + write (roofline.py)")
 
 
 def engines(setup: Setup, spec: PdSpec, role: str, count: int, requests: list[Request], seed: int) -> list[SimEngine]:
     s = spec.serve
-    prof = profile(s.driver_profile, s.calibration, setup.case.options.get("page_size"))
+    case = setup.case
+    if setup.arrangement == SAME_DEVICE and setup.handoff is not None:     # two processes share a GPU's memory
+        case = SimCase(case.policy, case.budget_gb / 2, watermark=case.watermark, **case.options)
+    prof = profile(s.driver_profile, s.calibration, case.options.get("page_size"))
     prefill = role != "decode" and s.model_prefill
-    return [build_engine(f"{role}{i}", setup.case, s.settings(seed), requests, CostLedger(prof, s.background_mapping),
-                         prefill) for i in range(count)]
+    tap = ServeTap
+    if role == "decode" and setup.kind == "remote":
+        tap = remote_tap(link(setup.link_name).bytes_per_s)
+    return [build_engine(f"{role}{i}", case, s.settings(seed), requests, s.ledger(prof), prefill, tap_type=tap)
+            for i in range(count)]
 
 
 class Channel:
@@ -82,6 +126,32 @@ class Channel:
         return start + seconds
 
 
+def remote_tap(link_bytes_per_s: float) -> type:
+    class Remote(RemoteReadTap):
+        bytes_per_s = link_bytes_per_s
+    return Remote
+
+
+class RemoteReadTap(ServeTap):
+    """The decode engine of a remote handoff: every step also reads each sequence's prompt KV over the link (the
+    pages stay on the prefill GPU), instead of from its own memory: the difference is added to the step."""
+    bytes_per_s = 0.0
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.remote_read_s = 0.0
+
+    def execute(self, out: Any) -> dict[int, int]:
+        sampled = super().execute(out)
+        cost = self.runner.cost
+        remote = sum(min(item.seq.prompt_len, item.start + item.num_tokens) for item in out.items)
+        extra = remote * cost.model.kv_bytes_per_token * (1 / self.bytes_per_s - 1 / cost.hardware.bandwidth)
+        extra = max(extra, 0.0)
+        self.runner.now += extra
+        self.remote_read_s += extra
+        return sampled
+
+
 class PdRouter:
     """Sends arrivals to the prefill engines and, when a prompt is done, its KV on to a decode engine."""
 
@@ -90,7 +160,8 @@ class PdRouter:
         self.prefill, self.decode, self.handoff, self.requests = prefill, decode, handoff, requests
         self.channels = [Channel() for _ in decode]
         self.waits: list[float] = []         # per handoff: queueing + transfer, seconds
-        self.bytes_copied = self.units_moved = 0
+        self.bytes_copied = self.units_moved = self.transfers = 0
+        self.sender_hidden_s = 0.0
         for k, r in enumerate(requests):
             prefill[k % len(prefill)].send(Request(r.prompt_len, 1, r.arrival_s), r.arrival_s, k)
 
@@ -110,6 +181,8 @@ class PdRouter:
         self.waits.append(done - gpu.clock)
         self.bytes_copied += self.handoff.bytes_copied(tokens)
         self.units_moved += self.handoff.units_moved(tokens)
+        self.transfers += self.handoff.transfers(tokens)
+        self.sender_hidden_s += self.handoff.hidden_sender_seconds(tokens)
         gpu.charge(self.handoff.sender_seconds(tokens))
         self.decode[d].send(Request(tokens, r.output_len - 1, done), done, k)
 
@@ -157,19 +230,29 @@ def colocated(setup: Setup, spec: PdSpec, requests: list[Request], seed: int) ->
     return latency.summarize(records, end, spec.serve.goodput or None, percentiles=spec.serve.percentiles)
 
 
+def gpus(setup: Setup, prefill: list[SimEngine], decode: list[SimEngine]) -> list[SimGpu]:
+    """One GPU per engine; same-device, prefill i and decode i on one GPU."""
+    if setup.arrangement == SAME_DEVICE:
+        return [SimGpu([p, d]) for p, d in zip(prefill, decode)]
+    return [SimGpu([e]) for e in prefill + decode]
+
+
 def disaggregated(setup: Setup, spec: PdSpec, requests: list[Request], seed: int) -> dict[str, Any]:
     prefill = engines(setup, spec, "prefill", spec.prefill, requests, seed)
     decode = engines(setup, spec, "decode", spec.decode, requests, seed)
     try:
         router = PdRouter(prefill, decode, make_handoff(setup, spec), requests)
-        end = drive([SimGpu([e]) for e in prefill + decode], router.on_finished)
+        end = drive(gpus(setup, prefill, decode), router.on_finished)
         records = router.records()
+        remote_s = sum(getattr(e.tap, "remote_read_s", 0.0) for e in decode)
     finally:
         for e in prefill + decode:
             e.close()
     result = latency.summarize(records, end, spec.serve.goodput or None, percentiles=spec.serve.percentiles)
     waits = sorted(router.waits)
     result["handoff"] = {"count": len(waits), "bytes_copied": router.bytes_copied,
-                         "units_moved": router.units_moved, "seconds": sum(waits),
+                         "units_moved": router.units_moved, "transfers": router.transfers, "seconds": sum(waits),
+                         "sender_hidden_seconds": router.sender_hidden_s, "remote_read_seconds": remote_s,
+                         "arrangement": setup.arrangement,
                          "p99_ms": waits[int(0.99 * (len(waits) - 1))] * 1000 if waits else 0.0}
     return result

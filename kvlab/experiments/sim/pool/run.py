@@ -103,12 +103,14 @@ def build(arr: Arrangement, spec: PoolSpec, plans: list[list[Request]], seed: in
     settings = s.settings(seed)
     everything = [r for p in plans for r in p]        # sizes every engine's scheduler limits alike
     prof = profile(s.driver_profile, s.calibration, arr.case.options.get("page_size"))
+    # per-run cuMemSetAccess: simulate pool keeps its driver axes; simulate serve's per-page default is not its own
     case = arr.engine_case(spec.models)
     pool = SharedPages(int(case.budget_gb * 1e9) // case.options["page_size"]) if arr.kind != "split" else None
     engines = []
     try:
         for i, plan in enumerate(plans):
-            engines.append(build_engine(f"model{i}", case, settings, everything, CostLedger(prof, s.background_mapping),
+            engines.append(build_engine(f"model{i}", case, settings, everything,
+                                        CostLedger(prof, s.background_mapping, "per-run"),
                                         s.model_prefill, watch(stop, plan, settings) if plan else None,
                                         pooled_cache(pool, arr.kind == "aware"), PoolTap))
     except BaseException:

@@ -10,10 +10,11 @@ from kvlab.experiments.sim.serve.tap import ServeTap
 
 
 class PoolTap(ServeTap):
-    def __init__(self, runner: Any, cache: Any, ledger: CostLedger, watch: Any = None) -> None:
+    def __init__(self, runner: Any, cache: Any, ledger: CostLedger, watch: Any = None, layers_per_page: int = 1
+                 ) -> None:
         driver = getattr(cache.allocator, "driver", None)
         self.share = driver.budget if isinstance(driver, PooledAccountingMemory) else None
-        super().__init__(runner, cache, ledger, watch)
+        super().__init__(runner, cache, ledger, watch, layers_per_page)
 
     def _counters(self) -> tuple[int, int, int]:
         mapped, calls, unmapped = super()._counters()

@@ -21,9 +21,10 @@ from kvlab.experiments.loadgen.sweep import ROW_KEYS, parse_rates
 from kvlab.experiments.reporting.checkpoint import keeping
 from kvlab.experiments.sim.core import SimCase
 from kvlab.experiments.sim.kernels import CHOICES, kernel_profile
+from kvlab.experiments.sim.layouts import CROSS_LAYER, LAYOUTS, PENALTIES, check_layout, emulated_page
 from kvlab.experiments.sim.roofline import HARDWARE, hardware, model_spec
 from kvlab.experiments.sim.serve import slo, summary
-from kvlab.experiments.sim.serve.costs import PROFILES, profile
+from kvlab.experiments.sim.serve.costs import PROFILES, SET_ACCESS, profile
 from kvlab.experiments.sim.serve.grid import Saved, pool_chain, pool_map, saved_points
 from kvlab.experiments.sim.serve.run import (
     SHARE_KEYS,
@@ -31,9 +32,9 @@ from kvlab.experiments.sim.serve.run import (
     backend_label,
     parse_backends,
     plan,
-    rate_label,
     run_point,
 )
+from kvlab.experiments.sim.serve.tables import grid_table, slo_table
 
 WARM_STEP = 1.05  # a later seed's first bracket factor around the first seed's SLO rate; accounting-only paged
 PAGED_BYTES_PER_BLOCK = 160      # blocks keep ~160 B of books each (as `kvlab simulate`)
@@ -84,7 +85,7 @@ def add_parser(subparsers: Any) -> None:
                         "missed; its figures are then not reported)")
     p.add_argument("--driver-costs", default="zero", help=f"{' | '.join([*PROFILES, 'host'])}")
     p.add_argument("--calibration", help="host profile: `kvlab calibrate`'s JSON")
-    p.add_argument("--background-mapping", action="store_true", help="hide map/unmap behind the step's compute")
+    add_driver_axes(p)
     p.add_argument("--kernel-costs", default="none", metavar="PROFILE",
                    help=f"attention kernel speed by KV layout: {CHOICES} (docs/kernel-costs.md)")
     p.add_argument("--max-concurrency", type=int, default=0,
@@ -104,11 +105,28 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(run=run)
 
 
+def add_driver_axes(p: Any) -> None:
+    """The vmm driver and layout axes (docs/simulator-serving.md): overlap, set-access granularity, layout."""
+    p.add_argument("--background-mapping", action=argparse.BooleanOptionalAction, default=True,
+                   help="vmm maps ahead on a worker thread and reclaims lazily, hiding driver calls behind the "
+                        "step's compute, as vAttention's step_async (default on; --no-background-mapping: the "
+                        "no-overlap variant)")
+    p.add_argument("--set-access", choices=SET_ACCESS, default=SET_ACCESS[0],
+                   help="cuMemSetAccess once per page mapped (vAttention's code; default) or once per mapped run")
+    p.add_argument("--vmm-layout", type=flags.parse_list, default=["per-layer"],
+                   help=f"comma list of {', '.join(LAYOUTS)}: each vmm-SIZE runs in each (vmm-SIZE-crosslayer "
+                        "names one)")
+    p.add_argument("--layout-penalty", choices=list(PENALTIES), default="none",
+                   help="a cross-layer case's attention penalty: none (default) or kvcached (+56%%, kvcached's "
+                        "bench_layout on GB10; docs/evidence.md)")
+
+
 @dataclass(frozen=True)
 class ServeSettings:
     """What `kvlab simulate serve` was asked for, built once from its flags (settings_from)."""
     spec: ServeSpec
     backends: tuple[str, ...]
+    vmm_layouts: tuple[str, ...]
     budget_gb: float
     watermark: float
     seeds: tuple[int, ...]
@@ -127,6 +145,9 @@ class ServeSettings:
     resume: str | None = None               # the results directory of an interrupted run to finish
     argv: tuple[str, ...] = ()              # the command line, stored for --resume
 
+    def cases(self) -> list[SimCase]:
+        return parse_backends(list(self.backends), self.budget_gb, self.watermark, self.vmm_layouts)
+
 
 def settings_from(args: argparse.Namespace) -> ServeSettings:
     """The one place `kvlab simulate serve`'s flags are read; checked before anything is built."""
@@ -140,14 +161,14 @@ def settings_from(args: argparse.Namespace) -> ServeSettings:
                      model_prefill=not args.ignore_prefill, mfu=args.mfu, engine=engine,
                      goodput=checked_goodput(args.goodput), driver_profile=args.driver_costs,
                      calibration=args.calibration, background_mapping=args.background_mapping,
-                     kernel_costs=args.kernel_costs,
+                     set_access=args.set_access, layout_penalty=args.layout_penalty, kernel_costs=args.kernel_costs,
                      tensor_parallel_size=args.tensor_parallel_size, max_concurrency=args.max_concurrency)
-    settings = ServeSettings(spec, tuple(args.backends), args.budget_gb, args.watermark,
+    settings = ServeSettings(spec, tuple(args.backends), tuple(args.vmm_layout), args.budget_gb, args.watermark,
                              tuple(range(args.seed, args.seed + args.seeds)), tuple(args.request_rates), args.slo,
                              args.search, args.slo_start, args.slo_tolerance, args.independent_seeds,
                              not args.no_early_stop, args.jobs, not args.no_progress, args.resume or args.out,
                              not args.no_save, not args.no_plots, args.resume, tuple(getattr(args, "command_line", ())))
-    check_cases(settings, parse_backends(list(settings.backends), settings.budget_gb, settings.watermark))
+    check_cases(settings, settings.cases())
     plan(spec, 1.0, args.seed)          # the dataset: an unknown kind or a bad trace fails here, not in a worker
     return settings
 
@@ -159,6 +180,8 @@ def check_flags(args: argparse.Namespace) -> None:
     model_spec(args.model, tp=args.tensor_parallel_size)
     if args.driver_costs not in (*PROFILES, "host"):
         raise ConfigError(f"unknown --driver-costs {args.driver_costs!r}; choose {', '.join([*PROFILES, 'host'])}")
+    for layout in args.vmm_layout:
+        check_layout(layout)
     check_workload_flags(args)
     check_run_flags(args)
     if args.out is not None and not args.no_save:
@@ -207,8 +230,12 @@ def checked_goodput(items: list[str] | None) -> dict[str, float]:
 
 
 def check_cases(s: ServeSettings, cases: list[SimCase]) -> None:
-    """What the backends need: a driver profile for each page size, paged books that fit in RAM."""
+    """What the backends need: a driver profile for each page size, paged books that fit in RAM, a cross-layer
+    page that spreads evenly over the layers."""
+    model = model_spec(s.spec.model, tp=s.spec.tensor_parallel_size)
     for case in cases:
+        if case.layout == CROSS_LAYER:
+            emulated_page(case.options["page_size"], model)
         profile(s.spec.driver_profile, s.spec.calibration, case.options.get("page_size"))
         block_size = case.options.get("block_size")
         if case.policy == "paged":
@@ -279,7 +306,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def simulate_serve(s: ServeSettings) -> int:
-    cases = parse_backends(list(s.backends), s.budget_gb, s.watermark)
+    cases = s.cases()
     labels = [backend_label(c) for c in cases]
     t0 = time.perf_counter()
     meta = {"spec": dataclasses.asdict(s.spec), "backends": labels, "seeds": list(s.seeds),
@@ -320,7 +347,7 @@ def slo_search(s: ServeSettings, cases: list[SimCase], labels: list[str], meta: 
     per = {b: [found[key] for found in searches if found["backend"] == b] for b in labels}
     result = {"slo": s.slo, "axis": s.search, **summary.slo_summary(per, labels[0], key),
               "searches": [{k: v for k, v in found.items() if k != "runs"} for found in searches]}
-    return rows, result, slo_table(result, s.slo, s.spec)
+    return rows, result, slo_table(result, s.slo, s.spec, cases)
 
 
 def rate_grid(s: ServeSettings, cases: list[SimCase], labels: list[str], saved: Saved | None = None) -> tuple:
@@ -329,51 +356,7 @@ def rate_grid(s: ServeSettings, cases: list[SimCase], labels: list[str], saved: 
     jobs = [(c, s.spec, r, seed) for c in cases for r in rates for seed in s.seeds]
     rows = pool_map(_point, jobs, s.jobs, s.progress, saved=saved)
     result = {"figures": summary.fold(rows), "ratios": summary.ratios(rows, labels[0])}
-    return rows, result, grid_table(result["figures"], s.spec)
-
-
-def profile_line(spec: ServeSpec) -> str:
-    prof = PROFILES.get(spec.driver_profile)
-    src = prof.source if prof else "kvlab calibrate"
-    on = f"{spec.tensor_parallel_size} x {spec.hardware} (tensor parallel, GB per GPU)" \
-        if spec.tensor_parallel_size > 1 else spec.hardware
-    limit = f", max concurrency {spec.max_concurrency}" if spec.max_concurrency else ""
-    return (f"{spec.num_requests} requests ({spec.dataset}){limit}, {spec.model} on {on}, prefill "
-            f"{'modelled' if spec.model_prefill else 'ignored'}; driver costs {spec.driver_profile} ({src}), "
-            f"background mapping {'on' if spec.background_mapping else 'off'}; kernel costs {spec.kernel_costs}")
-
-
-def pm(s: dict[str, float] | None) -> str:
-    if not s:
-        return "-"
-    return f"{s['mean']:.4g}" if s["n"] == 1 else f"{s['mean']:.4g} ± {s['std']:.2g}"
-
-
-def grid_table(figures: list[dict[str, Any]], spec: ServeSpec) -> str:
-    from kvlab.experiments.reporting.tables import table
-    keys = ("p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "output_throughput", "request_goodput")
-    body = [[f["backend"], rate_label(f["request_rate"]), *(pm(f.get(k)) for k in keys)] for f in figures]
-    seeds = max((f[k]["n"] for f in figures for k in keys if f.get(k)), default=1)
-    over = " (mean ± std over seeds)" if seeds > 1 else " (one seed: no spread)"
-    return table(["backend", "rate", *keys], body, profile_line(spec) + over)
-
-
-def slo_table(result: dict[str, Any], target: dict[str, float], spec: ServeSpec) -> str:
-    from kvlab.experiments.reporting.tables import table
-    body = []
-    for backend, r in result["backends"].items():
-        ratio = result["ratios"].get(backend)
-        rel = f"{ratio['ratio']:.3f} [{ratio['ci95'][0]:.3f}, {ratio['ci95'][1]:.3f}]" if ratio else "1 (reference)"
-        value = r.get("slo_max_concurrency", r.get("slo_rate"))
-        body.append([backend, f"{value:.3g}", f"[{r['ci95'][0]:.3g}, {r['ci95'][1]:.3g}]",
-                     " ".join(f"{v:.3g}" for v in r["per_seed"]), rel])
-    goal = ", ".join(f"{k} <= {v:g}" for k, v in target.items())
-    if result.get("axis") == "max-concurrency":
-        head, what = "SLO max concurrency", "Highest max concurrency"
-    else:
-        head, what = "SLO rate (req/s)", "Highest rate"
-    return table(["backend", head, "95% CI", "per seed", "ratio [95% CI]"], body,
-                 f"{what} with {goal}; {profile_line(spec)}")
+    return rows, result, grid_table(result["figures"], s.spec, cases)
 
 
 RUN_ONLY = ("jobs", "progress", "out", "save", "plots", "resume", "argv")   # how to run and where, not what

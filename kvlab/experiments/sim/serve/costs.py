@@ -1,12 +1,19 @@
 """Driver costs on the simulated clock: per-operation latencies per device profile, charged in the step that
 issues them, or hidden behind that step's compute when background mapping overlaps them (vAttention).
 
-vmm: a step's cost is pages mapped x (cuMemMap) + map calls x (cuMemSetAccess, one per mapped run) + pages
-unmapped x (cuMemUnmap), from the counters the driver already keeps (kvlab's CUDA driver creates every physical
-page up front, so cuMemCreate is a start-up cost, reported apart). paged: one block-table upload per step
-(latency + table bytes over the host-to-device link) and the gather's extra KV reads as a fraction of the step's
-KV read time. Published figures: kvcached, ovg-project/kvcached benchmarks/bench_vmm/README.md (A100, 2 MiB
-pages): cuMemCreate 193 us, cuMemMap 1.45 us, cuMemSetAccess 36 us, cuMemUnmap 25.6 us.
+vmm: a step's cost is pages mapped x (cuMemMap) + access grants x (cuMemSetAccess) + pages unmapped x
+(cuMemUnmap), from the counters the driver already keeps (kvlab's CUDA driver creates every physical page up front,
+so cuMemCreate is a start-up cost, reported apart). Access grants are one per page mapped (`per-page`, the
+default: vAttention's code calls cuMemSetAccess after each page's cuMemMap) or one per mapped run of pages
+(`per-run`, what kvlab's own driver does: a labelled variant). Background mapping (vAttention's `step_async`:
+maps ahead on a worker thread, reclaims lazily) hides driver time behind the step's compute; it is on by default
+in `simulate serve`, and the no-overlap case is the labelled variant `--no-background-mapping`.
+paged: one block-table upload per step (latency + table bytes over the host-to-device link) and the gather's extra
+KV reads as a fraction of the step's KV read time. Published figures: kvcached, ovg-project/kvcached
+benchmarks/bench_vmm/README.md (A100, 2 MiB pages): cuMemCreate 193 us, cuMemMap 1.45 us, cuMemSetAccess 36 us,
+cuMemUnmap 25.6 us. They are figures for 2 MiB pages: stock CUDA creates no smaller page, so applied per page below
+2 MiB they are an extrapolation, and every table that uses them there says so (`extrapolation_note`). See
+docs/simulator-serving.md.
 """
 from __future__ import annotations
 
@@ -19,6 +26,8 @@ from kvlab.common.validate import check_number, shown
 
 KVCACHED_SOURCE = "ovg-project/kvcached benchmarks/bench_vmm/README.md (A100, 2 MiB pages)"
 DEFAULT_CALIBRATION = Path("results") / "calibrate" / "host.json"
+SET_ACCESS = ("per-page", "per-run")      # cuMemSetAccess granularity: the first is the default
+MEASURED_PAGE = 2 * 2**20                 # the page size the published per-call figures were measured at
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +36,7 @@ class DriverProfile:
     source: str = ""
     create_s: float = 0.0            # per physical page, at start-up
     map_s: float = 0.0               # per page mapped
-    set_access_s: float = 0.0        # per map call (one mapped run)
+    set_access_s: float = 0.0        # per access grant (one per page, or one per mapped run: CostLedger)
     unmap_s: float = 0.0             # per page unmapped
     table_latency_s: float = 0.0     # paged: per step, one block-table upload
     table_bytes_per_s: float = 0.0   # paged: host-to-device bandwidth for the table (0 = bytes are free)
@@ -66,6 +75,26 @@ def profile(name: str, calibration: str | Path | None = None, page_size: int | N
     return DriverProfile("host", f"kvlab calibrate ({path})", map_s=entry["map_s"], unmap_s=entry["unmap_s"])
 
 
+def check_set_access(granularity: str) -> str:
+    if granularity not in SET_ACCESS:
+        raise ConfigError(f"unknown cuMemSetAccess granularity {granularity!r}; choose one of: {', '.join(SET_ACCESS)}")
+    return granularity
+
+
+def extrapolated(prof: DriverProfile, page_size: int | None) -> bool:
+    """True when a published 2 MiB per-call figure is applied per page to pages smaller than 2 MiB."""
+    return bool(page_size) and page_size < MEASURED_PAGE and prof.name != "host" and not prof.is_zero
+
+
+def extrapolation_note(prof: DriverProfile, labels_and_pages: list[tuple[str, int | None]]) -> str:
+    """The footnote for a table whose vmm rows use `prof` below 2 MiB pages ('' when none does)."""
+    marked = [label for label, page in labels_and_pages if extrapolated(prof, page)]
+    if not marked:
+        return ""
+    return (f"* {', '.join(marked)}: {prof.name}'s per-call latencies were measured at 2 MiB pages; applied per "
+            "page here they are an extrapolation (stock CUDA has no page under 2 MiB)")
+
+
 def calibration_table(path: Path) -> dict[str, dict[str, float]]:
     """`kvlab calibrate`'s page_sizes table: {page size: {"map_s": s, "unmap_s": s}}, each a finite time >= 0."""
     try:
@@ -90,9 +119,11 @@ class StepOps:
 
 @dataclass(slots=True)
 class CostLedger:
-    """Accumulates driver time: `exposed` lengthens the step, `hidden` ran under compute."""
+    """Accumulates driver time: `exposed` lengthens the step, `hidden` ran under compute (with `overlap`,
+    background mapping). `set_access`: one cuMemSetAccess per page mapped, or one per mapped run."""
     profile: DriverProfile
     overlap: bool = False
+    set_access: str = "per-page"
     driver_s: float = 0.0
     exposed_s: float = 0.0
     hidden_s: float = 0.0
@@ -100,7 +131,8 @@ class CostLedger:
 
     def vmm_seconds(self, ops: StepOps) -> float:
         p = self.profile
-        return ops.pages_mapped * p.map_s + ops.map_calls * p.set_access_s + ops.pages_unmapped * p.unmap_s
+        grants = ops.pages_mapped if self.set_access == "per-page" else ops.map_calls
+        return ops.pages_mapped * p.map_s + grants * p.set_access_s + ops.pages_unmapped * p.unmap_s
 
     def paged_seconds(self, ops: StepOps) -> float:
         p = self.profile
@@ -122,6 +154,6 @@ class CostLedger:
 
     def to_json(self) -> dict:
         return {"driver_profile": self.profile.name, "driver_source": self.profile.source,
-                "background_mapping": self.overlap, "driver_seconds": self.driver_s,
+                "background_mapping": self.overlap, "set_access": self.set_access, "driver_seconds": self.driver_s,
                 "driver_exposed_seconds": self.exposed_s, "driver_hidden_seconds": self.hidden_s,
                 "paged_overhead_seconds": self.paged_s}

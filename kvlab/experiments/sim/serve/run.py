@@ -15,7 +15,7 @@ from kvlab.experiments.loadgen.arrivals import arrival_times
 from kvlab.experiments.loadgen.datasets import draw_lengths
 from kvlab.experiments.loadgen.load_run import attribution_totals, request_log
 from kvlab.experiments.sim.core import SimCase, SimSettings, format_page, run_case
-from kvlab.experiments.sim.serve.costs import CostLedger, profile
+from kvlab.experiments.sim.serve.costs import CostLedger, DriverProfile, profile
 from kvlab.experiments.sim.serve.early_stop import SloMissed, SloWatch, stopped_result
 from kvlab.experiments.sim.serve.tap import ServeTap
 from kvlab.experiments.workloads.requests import SEED_MAX_LEN, Request, WorkloadSpec
@@ -43,7 +43,9 @@ class ServeSpec:
     percentiles: tuple[float, ...] = latency.DEFAULT_PERCENTILES
     driver_profile: str = "zero"
     calibration: str | None = None
-    background_mapping: bool = False
+    background_mapping: bool = True    # vmm maps ahead on a worker thread (vAttention's step_async); False: none
+    set_access: str = "per-page"       # cuMemSetAccess per page mapped (vAttention's code) or per-run (costs.py)
+    layout_penalty: str = "none"       # a cross-layer vmm case's attention penalty: none | kvcached (layouts.py)
     tensor_parallel_size: int = 1      # budgets per GPU; costs and KV per rank (docs/tensor-parallel.md)
     max_concurrency: int = 0           # client-side limit on requests in flight (0 = none)
     kernel_costs: str = "none"         # the kernel term's profile (experiments/sim/kernels.py)
@@ -54,7 +56,11 @@ class ServeSpec:
         return SimSettings(workload=workload, hardware=self.hardware, model=self.model,
                            model_prefill=self.model_prefill, mfu=self.mfu, engine=dict(self.engine),
                            tensor_parallel_size=self.tensor_parallel_size, max_concurrency=limit,
-                           kernel_costs=self.kernel_costs)
+                           kernel_costs=self.kernel_costs, layout_penalty=self.layout_penalty)
+
+    def ledger(self, prof: DriverProfile) -> CostLedger:
+        """A driver-cost ledger for `prof` with this spec's driver axes: overlap and set-access granularity."""
+        return CostLedger(prof, self.background_mapping, self.set_access)
 
 
 def plan(spec: ServeSpec, rate: float, seed: int) -> list[Request]:
@@ -78,8 +84,8 @@ class TapFactory:
         self.added: list = []
         self.finished: dict[str, Any] = {}
 
-    def attach(self, runner: Any, cache: Any) -> ServeTap:
-        self.tap = ServeTap(runner, cache, self.ledger, self.watch)
+    def attach(self, runner: Any, cache: Any, layers_per_page: int = 1) -> ServeTap:
+        self.tap = ServeTap(runner, cache, self.ledger, self.watch, layers_per_page)
         return self.tap
 
     def bind(self, engine: Any) -> None:
@@ -97,7 +103,7 @@ def run_point(case: SimCase, spec: ServeSpec, rate: float, seed: int, max_concur
     requests = plan(spec, rate, seed)
     prof = profile(spec.driver_profile, spec.calibration, case.options.get("page_size"))
     settings = spec.settings(seed, max_concurrency)
-    factory = TapFactory(CostLedger(prof, spec.background_mapping), watch(stop_on_miss, requests, settings))
+    factory = TapFactory(spec.ledger(prof), watch(stop_on_miss, requests, settings))
     point = {"backend": backend_label(case), "request_rate": rate, "burstiness": spec.burstiness,
              "max_concurrency": settings.max_concurrency or None, "num_prompts": spec.num_requests,
              "dataset": spec.dataset, "seed": seed}
@@ -137,9 +143,10 @@ def pool_pages(case: SimCase, spec: ServeSpec) -> int:
     return int(case.budget_gb * 1e9) // page_size
 
 
-def parse_backends(items: list[str], budget_gb: float, watermark: float) -> list[SimCase]:
-    """reserve | oracle | paged-BLOCK | vmm-SIZE (e.g. paged-16, vmm-2MiB, vmm-64KiB)."""
-    from kvlab.experiments.cli.flags import parse_bytes
+def parse_backends(items: list[str], budget_gb: float, watermark: float,
+                   layouts: tuple[str, ...] = ("per-layer",)) -> list[SimCase]:
+    """reserve | oracle | paged-BLOCK | vmm-SIZE[-crosslayer] (e.g. paged-16, vmm-2MiB, vmm-2MiB-crosslayer). A
+    vmm-SIZE without a layout runs once in each of `layouts` (simulate serve's --vmm-layout)."""
     cases = []
     for item in items:
         name, _, size = item.partition("-")
@@ -148,15 +155,27 @@ def parse_backends(items: list[str], budget_gb: float, watermark: float) -> list
         elif name == "paged" and size.isdigit():
             cases.append(SimCase("paged", budget_gb, block_size=int(size), watermark=watermark))
         elif name == "vmm" and size:
-            try:
-                page = parse_bytes(size)
-            except Exception:
-                raise ConfigError(f"bad backend {item!r}: vmm-SIZE like vmm-2MiB or vmm-64KiB") from None
-            cases.append(SimCase("vmm", budget_gb, page_size=page, watermark=watermark))
+            cases += vmm_cases(item, size, budget_gb, watermark, layouts)
         else:
             raise ConfigError(f"bad backend {item!r}: use reserve, oracle, paged-BLOCK (paged-16) or vmm-SIZE "
-                              f"(vmm-2MiB)")
+                              f"(vmm-2MiB, vmm-2MiB-crosslayer)")
     return cases
+
+
+def vmm_cases(item: str, size: str, budget_gb: float, watermark: float, layouts: tuple[str, ...]) -> list[SimCase]:
+    from kvlab.experiments.cli.flags import parse_bytes
+    from kvlab.experiments.sim.layouts import CROSS_LAYER, LAYOUT_OPTION, check_layout
+    if size.endswith("-crosslayer"):
+        size, layouts = size.removesuffix("-crosslayer"), (CROSS_LAYER,)
+    try:
+        page = parse_bytes(size)
+    except Exception:
+        raise ConfigError(f"bad backend {item!r}: vmm-SIZE like vmm-2MiB or vmm-64KiB") from None
+    out = []
+    for layout in layouts:
+        extra = {LAYOUT_OPTION: CROSS_LAYER} if check_layout(layout) == CROSS_LAYER else {}
+        out.append(SimCase("vmm", budget_gb, page_size=page, watermark=watermark, **extra))
+    return out
 
 
 def rate_label(rate: float) -> str:

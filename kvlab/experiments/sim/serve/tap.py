@@ -20,9 +20,12 @@ TABLE_ENTRY_BYTES = 4          # one int32 block id per block in the uploaded ta
 
 
 class ServeTap:
-    def __init__(self, runner: RooflineRunner, cache: Any, ledger: CostLedger, watch: SloWatch | None = None
-                 ) -> None:
+    def __init__(self, runner: RooflineRunner, cache: Any, ledger: CostLedger, watch: SloWatch | None = None,
+                 layers_per_page: int = 1) -> None:
         self.runner, self.ledger = runner, ledger
+        # a cross-layer vmm case is booked on per-layer pages this many times smaller (sim/layouts.py): each
+        # real page, and each real map call, stands for this many of the booked ones
+        self.layers_per_page = layers_per_page
         self.watch = watch if watch is not None and watch.active else None   # raises SloMissed to stop the run
         allocator = cache.allocator
         self.driver_stats = getattr(getattr(allocator, "driver", None), "stats", None)   # vmm: the driver's counters
@@ -71,7 +74,7 @@ class ServeTap:
 
     def step_ops(self, out: Any) -> StepOps:
         counters = self._counters()
-        mapped, calls, unmapped = (a - b for a, b in zip(counters, self.last))
+        mapped, calls, unmapped = ((a - b) // self.layers_per_page for a, b in zip(counters, self.last))
         self.last = counters
         table = kv_read = 0.0
         if self.block_size:
