@@ -134,7 +134,8 @@ def test_every_library_folder_lives_under_kvlab():
     assert set(LINKED) <= packages and not any((ROOT / "kvlab" / name).is_symlink() for name in packages)
     for name in LINKED:
         link = ROOT / name
-        assert link.is_symlink() and link.resolve() == (ROOT / "kvlab" / name).resolve(), f"{name} must link to kvlab/{name}"
+        assert link.is_symlink() and link.resolve() == (ROOT / "kvlab" / name).resolve(), \
+            f"{name} must link to kvlab/{name}"
     stray = {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file() and not p.is_symlink()}
     assert stray <= {"kvlab", "tests"}, f"library code outside kvlab/: {sorted(stray - {'kvlab', 'tests'})}"
 
