@@ -1,6 +1,6 @@
 """The handoff of a backend that copies: the prefill side writes the sequence's K/V into a memfd in its own layout,
 the decode side allocates the sequence and copies the K/V in. A backend says what its layout is and how to read
-and write it (paged/handoff.py: blocks; common/reserve/handoff.py: a region's tokens)."""
+and write it (paged/handoff.py: blocks; reserve/handoff.py: a region's tokens)."""
 from __future__ import annotations
 
 import os
