@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvlab.common.errors import HandoffError
 from kvlab.common.handoff import shm
-from kvlab.common.handoff.seam import Export, HandoffError, HandoffRefused, HandoffReport
+from kvlab.common.handoff.seam import Export, HandoffRefused, HandoffReport
 
 if TYPE_CHECKING:
     from kvlab.common.kv.seam import KVCache

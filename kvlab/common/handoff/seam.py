@@ -12,15 +12,11 @@ import importlib
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvlab.common.errors import ConfigError, KvlabError
+from kvlab.common.errors import ConfigError, HandoffError
 
 if TYPE_CHECKING:
     from kvlab.common.kv.seam import KVCache
     from kvlab.common.sequence import Sequence
-
-
-class HandoffError(KvlabError):
-    """A pull failed: the request that needed it fails alone, with this one-line reason."""
 
 
 class HandoffRefused(HandoffError):

@@ -14,11 +14,11 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvlab.common.errors import ConfigError, KvlabError, RequestError
+from kvlab.common.errors import ConfigError, HandoffError, KvlabError, RequestError
 from kvlab.common.handoff import client
 from kvlab.common.handoff.book import HandoffStats, KeptBook
 from kvlab.common.handoff.params import check_decode, check_sampling, prefill_params
-from kvlab.common.handoff.seam import HandoffError, HandoffReport, load_handoff
+from kvlab.common.handoff.seam import HandoffReport, load_handoff
 from kvlab.common.handoff.server import HandoffServer
 from kvlab.common.handoff.wire import PREFIX
 
