@@ -30,6 +30,12 @@ class CopyHandoff(ABC):
         return {"unit": self.unit, "tokens_per_unit": self.allocator.tokens_per_unit, "num_layers": s.num_layers,
                 "num_kv_heads": s.num_kv_heads, "head_dim": s.head_dim, "cache_dtype": str(s.cache_dtype)}
 
+    def params(self) -> dict[str, Any]:
+        return {}                 # the layout check at the pull (check_peer) covers what a copy needs
+
+    def check_params(self, kv: dict[str, Any]) -> None:
+        return None
+
     def check_peer(self, layout: Any) -> None:
         mine = self.describe()
         if layout != mine:

@@ -82,7 +82,7 @@ class HandoffRole:
                                "colocated")
         if self.role == "prefill":
             return prefill_params(params, kv), True, None
-        check_decode(kv, prompt_len, self.config, self.vocab_size)
+        check_decode(kv, prompt_len, self.config, self.vocab_size, self.backend)
         check_sampling(params, "decode")
         return params, False, PendingImport(kv["first_token_ids"][0], dict(kv), self)
 
@@ -129,7 +129,7 @@ class HandoffRole:
         output.kv_transfer_params = {
             "do_remote_prefill": True, "handoff_id": handoff_id, "address": self.address,
             "num_tokens": seq.prompt_len, "first_token_ids": seq.output_token_ids[:1],
-            "backend": self.config.backend, "pool": self.config.kv_pool, "model": self.config.model}
+            "backend": self.config.backend, **self.backend.params(), "model": self.config.model}
 
     def poll(self) -> None:
         """Release the KV whose pull ended (taken, refused, or the peer gone) and the KV nobody pulled in time."""

@@ -90,6 +90,8 @@ def backend_flags() -> dict[str, dict[str, Any]]:
         for f in dataclasses.fields(spec.options):
             parse = parse_bytes if f.metadata.get("bytes") else parsers.get(str(f.type), str)
             flags[f.name] = {"type": parse, "help": f.metadata.get("help", f"{spec.name} option")}
+            if "metavar" in f.metadata:
+                flags[f.name]["metavar"] = f.metadata["metavar"]
     return flags
 
 
