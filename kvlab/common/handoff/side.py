@@ -50,8 +50,8 @@ class HandoffRole:
     def __init__(self, config: Any, cache: KVCache, scheduler: Scheduler, lock: threading.RLock,
                  vocab_size: int | None) -> None:
         self.role, self.config, self.cache, self.scheduler = config.kv_role, config, cache, scheduler
-        self.vocab_size = vocab_size
-        self.stats = HandoffStats()
+        self.vocab_size, self.lock, self.closed = vocab_size, lock, False
+        self.stats = HandoffStats()             # stats.to_dict(): the totals since the engine started
         self.backend = self.book = self.server = None
         if self.role == "colocated":
             return
@@ -155,8 +155,16 @@ class HandoffRole:
             self.scheduler.release_kept(seq)
         return time.perf_counter() - start
 
+    def poll_idle(self) -> None:
+        """`poll` for a serving loop with nothing to step (a prefill engine's kept KV is no unfinished work): it
+        takes the engine's lock, and does nothing once the engine is closed. step() polls by itself."""
+        with self.lock:
+            if not self.closed:
+                self.poll()
+
     def close(self) -> None:
         """Stop serving; what is still kept goes with the cache."""
+        self.closed = True
         if self.server is not None:
             self.server.close()
             for kept in self.book.drain():
