@@ -17,8 +17,9 @@ from kvlab.common.errors import ConfigError
 from kvlab.common.kv.options import check_choice, check_positive, check_types
 from kvlab.common.kv.registry import REGISTRY
 from kvlab.common.kv.types import KV_CACHE_DTYPES
-from kvlab.common.limits import MAX_MODEL_LEN, MAX_SEED, check_int_range, max_threads
-from kvlab.common.validate import check_number
+from kvlab.common.limits import MAX_MODEL_LEN, MAX_SEED
+from kvlab.common.machine import max_threads
+from kvlab.common.validate import check_int, check_number
 
 if TYPE_CHECKING:
     from kvlab.common.kv.registry import BackendSpec
@@ -121,11 +122,11 @@ def validate(cfg: EngineConfig) -> None:
         raise ConfigError(f"unknown device {cfg.device!r}; use cpu or cuda[:N]")
     if cfg.threads < 0:
         raise ConfigError(f"threads must be >= 0 (0 keeps torch's default), got {cfg.threads!r}")
-    check_int_range("threads", cfg.threads, 0, max_threads(), " (at most 4 per CPU)")
-    check_int_range("seed", cfg.seed, 0, MAX_SEED)
+    check_int("threads", cfg.threads, 0, max_threads(), " (at most 4 per CPU)")
+    check_int("seed", cfg.seed, 0, MAX_SEED)
     if cfg.max_model_len is not None:                 # None: set from the model once the rest is valid
         check_positive(cfg, "max_model_len")
-        check_int_range("max_model_len", cfg.max_model_len, 1, MAX_MODEL_LEN, " (tokens per sequence)")
+        check_int("max_model_len", cfg.max_model_len, 1, MAX_MODEL_LEN, " (tokens per sequence)")
     if cfg.max_num_batched_tokens < cfg.max_num_seqs:
         raise ConfigError(f"max_num_batched_tokens ({cfg.max_num_batched_tokens}) must be >= max_num_seqs "
                           f"({cfg.max_num_seqs}) so every running sequence can decode in one step")

@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 from kvlab.common.config import EngineConfig, make_config
 from kvlab.common.errors import ConfigError, KvlabError
 from kvlab.common.kv.registry import REGISTRY, backend_names
-from kvlab.common.limits import check_physical_budget
+from kvlab.common.machine import check_physical_budget
 from kvlab.common.validate import check_text, probe_writable, shown
 
 # CLI flag -> EngineConfig field; each is optional and, when given, overrides the TOML file. Backends' own

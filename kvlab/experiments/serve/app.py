@@ -20,8 +20,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from kvlab.common.limits import MAX_BODY_BYTES
 from kvlab.common.outputs import RequestOutput
+from kvlab.experiments.limits import MAX_BODY_BYTES
 from kvlab.experiments.serve import protocol
 from kvlab.experiments.serve.body_limit import BodyLimit
 from kvlab.experiments.serve.chat import renderer

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 import uvicorn
 
-from kvlab.common.limits import KEEP_ALIVE_S, MAX_HEADER_BYTES, MAX_PORT, MAX_REQUESTS
 from kvlab.common.validate import check_int
 from kvlab.experiments.cli import flags as cli
+from kvlab.experiments.limits import KEEP_ALIVE_S, MAX_HEADER_BYTES, MAX_PORT, MAX_REQUESTS
 from kvlab.experiments.serve.app import Server, create_app
 from kvlab.experiments.serve.engine_process import ProcessEngine
 from kvlab.experiments.serve.handles import EngineHandle, ThreadEngine, build_engine
