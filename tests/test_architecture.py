@@ -169,18 +169,9 @@ def backend_names_in_common(common: Path) -> list[str]:
 
 def test_common_names_no_backend():
     """common reaches backends only through the registry: no backend module path in its code (only BUILTIN, the
-    registry's list of kvlab's own), no `backend == "vmm"` switch. Pool options are vmm's options and reserve is
-    a package beside vmm and paged."""
-    found = backend_names_in_common(ROOT / "kvlab" / "common")
-    pending = [hit for hit in found if hit.startswith(STILL_IN_COMMON)]
-    assert [hit for hit in found if hit not in pending] == []
-    assert len(pending) <= 5, pending         # may only shrink
-
-
-# Not moved yet (issue 35): the paged kernels' "module:function" paths in the kernel declarations. Moving them to
-# the paged spec needs the dispatcher to collect declarations from the backend registry without an import cycle
-# (kv.registry -> kv.seam -> attention.dispatch, at type level).
-STILL_IN_COMMON = ("attention/declarations.py:",)
+    registry's list of kvlab's own), no `backend == "vmm"` switch. Pool options are vmm's options, paged's
+    kernels are declared by its spec (`BackendSpec.kernels`), and reserve is a package beside vmm and paged."""
+    assert backend_names_in_common(ROOT / "kvlab" / "common") == []
 
 
 def test_the_backend_name_check_finds_planted_names(tmp_path):

@@ -24,8 +24,8 @@ Rules and their sources (each library's own API and documentation; docs/fallback
 - torch SDPA (contiguous) and the torch gather reference (paged): any device, fp32/fp16/bf16, any head_dim.
 Every kernel needs num_q_heads % num_kv_heads == 0.
 
-fp8 KV cache (`kv_cache_dtype` fp8_e4m3 / fp8_e5m2, docs/kv-dtype-and-windows.md; values stored as uint8 bytes with per-layer
-k_scale/v_scale, common/attention/kv_quant.py):
+fp8 KV cache (`kv_cache_dtype` fp8_e4m3 / fp8_e5m2, docs/kv-dtype-and-windows.md; values stored as uint8 bytes
+with per-layer k_scale/v_scale, common/attention/kv_quant.py):
 - torch SDPA (contiguous) and the torch gather reference: both formats, any device (dequantised in torch after the
   read).
 - kvlab's Triton kernel: both formats, dequantised via fp32 inside the kernel (vLLM TRITON_ATTN does the same).
