@@ -3,9 +3,9 @@ scheduler and one model runner.
 
     from kvlab import LLM, SamplingParams, EngineConfig
 
-The subpackages `kvlab.common`, `kvlab.vmm`, `kvlab.paged` and `kvlab.experiments` live in this folder, so the one
-import name resolves by path for the interpreter and for tools alike; the repository's top-level common/, vmm/,
-paged/ and experiments/ are links to them, kept for the design's folder names.
+The subpackages `kvlab.common`, `kvlab.vmm`, `kvlab.paged`, `kvlab.reserve` and `kvlab.experiments` live in this
+folder, so the one import name resolves by path for the interpreter and for tools alike; the repository's top-level
+common/, vmm/, paged/, reserve/ and experiments/ are links to them, kept for the design's folder names.
 """
 from __future__ import annotations
 

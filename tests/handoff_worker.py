@@ -58,8 +58,8 @@ def pool_audit(engine: Engine) -> dict:
 
 
 def state(engine: Engine) -> dict:
-    engine.poll_handoffs()
-    return {"handoff": engine.handoff_stats(), "used_units": engine.cache_stats().used_units,
+    engine.handoff.poll_idle()
+    return {"handoff": engine.handoff.stats.to_dict(), "used_units": engine.cache_stats().used_units,
             "files": handoff_files(os.getpid()), "pool": pool_audit(engine), "pid": os.getpid()}
 
 
@@ -84,10 +84,10 @@ def serve(engine: Engine, request: dict) -> dict:
 
 def main() -> None:
     engine = Engine.from_config(make_config(**json.loads(sys.argv[1])))
-    print(json.dumps({"pid": os.getpid(), "address": engine.handoff_address}), flush=True)
+    print(json.dumps({"pid": os.getpid(), "address": engine.handoff.address}), flush=True)
     while True:
         ready, _, _ = select.select([sys.stdin], [], [], POLL_S)
-        engine.poll_handoffs()
+        engine.handoff.poll_idle()
         if not ready:
             continue
         line = sys.stdin.readline()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import re
 import subprocess
 import sys
 from importlib.metadata import EntryPoint
@@ -18,8 +19,8 @@ from kvlab.common.errors import ConfigError
 from kvlab.common.kv.registry import BUILTIN, ENTRY_POINTS, REGISTRY, Registry, load_spec
 
 ROOT = Path(__file__).resolve().parent.parent
-LINKED = ("common", "vmm", "paged", "experiments")   # top-level names kept for the design: links into kvlab/
-BACKEND_PACKAGES = ("kvlab.vmm", "kvlab.paged", "kvlab.common.reserve")
+LINKED = ("common", "vmm", "paged", "reserve", "experiments")   # top-level names kept for the design: links into kvlab/
+BACKEND_PACKAGES = ("kvlab.vmm", "kvlab.paged", "kvlab.reserve")
 
 
 def project_modules() -> dict[str, Path]:
@@ -122,9 +123,66 @@ def test_common_imports_no_backend():
     made only for type checking."""
     graph = import_graph(type_checking=True)
     for module, imports in graph.items():
-        if module.startswith("kvlab.common.") and not module.startswith("kvlab.common.reserve"):
+        if module.startswith("kvlab.common."):
             bad = sorted(i for i in imports if i.startswith(BACKEND_PACKAGES))
             assert not bad, f"{module} imports backend modules {bad}"
+
+
+BACKEND_NAMES = ("vmm", "paged", "reserve")
+# the one place common names kvlab's own backends: the registry's list of where their specs live
+NAMED_ON_PURPOSE = {("kv/registry.py", "BUILTIN")}
+
+
+def docstrings(tree: ast.AST) -> set[int]:
+    return {id(node.body[0].value) for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body
+            and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+
+
+def backend_names_in(path: Path, relative: str) -> list[str]:
+    """Where the code of one common/ module names a backend: a string naming a backend module ("kvlab.paged...")
+    or a comparison of something called backend with a backend's name (`cfg.backend != "vmm"`). Docstrings and
+    comments may name backends (they explain); the layout "paged" of the attention code is not a backend."""
+    tree = ast.parse(path.read_text())
+    skip = docstrings(tree) | {id(n) for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                               and any(isinstance(t, ast.Name) and (relative, t.id) in NAMED_ON_PURPOSE
+                                       for t in node.targets) for n in ast.walk(node)}
+    module = re.compile(rf"kvlab\.({'|'.join(BACKEND_NAMES)})(\.|:|$)")
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and module.match(node.value):
+            found.append(f"{relative}:{node.lineno} module path {node.value!r}")
+        elif isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            named = {n.value for side in sides for n in ast.walk(side)
+                     if isinstance(n, ast.Constant) and n.value in BACKEND_NAMES}
+            if named and "backend" in ast.unparse(node):
+                found.append(f"{relative}:{node.lineno} compares with backend name(s) {sorted(named)}")
+    return found
+
+
+def backend_names_in_common(common: Path) -> list[str]:
+    return [hit for f in sorted(common.rglob("*.py")) for hit in backend_names_in(f, str(f.relative_to(common)))]
+
+
+def test_common_names_no_backend():
+    """common reaches backends only through the registry: no backend module path in its code (only BUILTIN, the
+    registry's list of kvlab's own), no `backend == "vmm"` switch. Pool options are vmm's options, paged's
+    kernels are declared by its spec (`BackendSpec.kernels`), and reserve is a package beside vmm and paged."""
+    assert backend_names_in_common(ROOT / "kvlab" / "common") == []
+
+
+def test_the_backend_name_check_finds_planted_names(tmp_path):
+    (tmp_path / "a.py").write_text('"""Docs may say kvlab.vmm."""\nif cfg.backend != "vmm":\n    pass\n')
+    (tmp_path / "b.py").write_text('IMPL = "kvlab.paged.kernels.flex:paged_attention_flex"\nLAYOUT = "paged"\n')
+    (tmp_path / "kv").mkdir()
+    (tmp_path / "kv" / "registry.py").write_text('BUILTIN = {"reserve": "kvlab.reserve.spec"}\nX = "kvlab.reserve"\n')
+    assert backend_names_in_common(tmp_path) == [
+        "a.py:2 compares with backend name(s) ['vmm']",
+        "b.py:1 module path 'kvlab.paged.kernels.flex:paged_attention_flex'",
+        "kv/registry.py:2 module path 'kvlab.reserve'"]
 
 
 def test_every_library_folder_lives_under_kvlab():

@@ -8,6 +8,7 @@ import pytest
 import torch
 from invariants import SHAPE, backend_config, check_drained
 
+from kvlab.common.attention.declarations import kernels_for
 from kvlab.common.attention.metadata import BatchItem
 from kvlab.common.kv.registry import backend_names, get_backend
 from kvlab.common.kv.seam import KVCache, create_cache
@@ -47,7 +48,7 @@ def fill(cache: KVCache) -> list[Sequence]:
 
 def test_the_spec_is_complete(backend):
     spec = get_backend(backend)
-    assert spec.name == backend and spec.layout in ("paged", "contiguous") and spec.kernels()
+    assert spec.name == backend and spec.layout in ("paged", "contiguous") and kernels_for(spec.layout)
     assert spec.label(spec.default_options())
     assert set(spec.load_probe().test_options) <= {"kv_cache_bytes", *spec.options.__dataclass_fields__}
 

@@ -51,9 +51,9 @@ def run(e: Engine, prompt=PROMPT, params=GREEDY, kv=None):
 
 def settle(e: Engine, condition) -> dict:
     deadline = time.monotonic() + 30
-    while not condition(stats := e.handoff_stats()):
+    while not condition(stats := e.handoff.stats.to_dict()):
         assert time.monotonic() < deadline, stats
-        e.poll_handoffs()
+        e.handoff.poll_idle()
         time.sleep(0.01)
     return stats
 
@@ -63,9 +63,9 @@ def test_the_prefill_answer_carries_what_a_decode_engine_needs(engines):
     out = run(prefill, kv=REMOTE)
     kv = out.kv_transfer_params
     assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 1
-    assert kv["do_remote_prefill"] is True and kv["address"] == prefill.handoff_address
+    assert kv["do_remote_prefill"] is True and kv["address"] == prefill.handoff.address
     assert kv["num_tokens"] == len(PROMPT) and kv["first_token_ids"] == out.outputs[0].token_ids
-    assert kv["backend"] == "paged" and kv["pool"] is None and kv["handoff_id"]
+    assert kv["backend"] == "paged" and "pool" not in kv and kv["handoff_id"]     # paged adds no fields of its own
     assert out.handoff == {"seconds": 0.0, "bytes_copied": 0, "units_moved": 0, "unit": "block"}
     assert prefill.cache_stats().used_units == 2 and not prefill.has_unfinished()     # kept, not running
 
@@ -83,7 +83,7 @@ def test_decode_output_is_the_whole_completion(engines):
     assert out.handoff["unit"] == "block" and out.handoff["units_moved"] == 2
     assert out.handoff["bytes_copied"] == 2 * prefill.cache.storage.kv[:, :, 0].numel() * 4
     stats = settle(prefill, lambda s: s["count"] == 1)
-    assert stats == decode.handoff_stats() | {"seconds": stats["seconds"]}
+    assert stats == decode.handoff.stats.to_dict() | {"seconds": stats["seconds"]}
     assert prefill.cache_stats().used_units == 0
 
 
@@ -94,7 +94,7 @@ def test_kv_nobody_pulls_expires(engines):
     assert prefill.cache_stats().used_units == 0
     late = run(decode, kv=kv)
     assert late.outputs[0].finish_reason == "error" and "expired" in late.error and "\n" not in late.error
-    assert decode.handoff_stats()["failed"] == 1
+    assert decode.handoff.stats.to_dict()["failed"] == 1
 
 
 def test_a_decode_request_its_first_token_ends_declines_the_kv(engines):
@@ -167,7 +167,6 @@ def good_kv() -> dict:
     ({"first_token_ids": []}, "list of one token id"),
     ({"first_token_ids": [10**9]}, "outside the vocabulary"),
     ({"backend": "vmm"}, "same backend"),
-    ({"pool": "gpu0"}, "same kv_pool"),
     ({"model": "smollm2-135m"}, "same model"),
 ])
 def test_bad_decode_kv_transfer_params_are_one_line_errors(engines, change, match):
@@ -176,6 +175,19 @@ def test_bad_decode_kv_transfer_params_are_one_line_errors(engines, change, matc
         decode.add_request(PROMPT, GREEDY, kv_transfer_params=good_kv() | change)
     assert "\n" not in str(info.value)
     assert not decode.has_unfinished()
+
+
+def test_a_vmm_decode_request_from_another_pool_is_a_one_line_error(engines):
+    """vmm's own field of kv_transfer_params, its pool, is checked by vmm as the request arrives."""
+    with pool.create(f"handoff-{os.getpid()}-{uuid.uuid4().hex[:8]}", 8 << 20, page_size=4096) as holder:
+        vmm = {"backend": "vmm", "page_size": 4096, "kv_pool": holder.name}
+        prefill, decode = engines("prefill", **vmm), engines("decode", **vmm)
+        assert run(prefill, kv=REMOTE).kv_transfer_params["pool"] == holder.name
+        for pool_name in ("gpu0", None):
+            with pytest.raises(RequestError, match="same kv_pool") as info:
+                decode.add_request(PROMPT, GREEDY, kv_transfer_params=good_kv() | {"backend": "vmm", "pool": pool_name})
+            assert "\n" not in str(info.value)
+            assert not decode.has_unfinished()
 
 
 @pytest.mark.parametrize("role, kv, params, match", [

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlab import LLM, SamplingParams
+from kvlab.common import engine as engine_module
 from kvlab.common.config import make_config
 from kvlab.common.engine import Engine
 from kvlab.common.errors import ConfigError, KvlabError, RequestError
@@ -173,14 +174,14 @@ def test_a_bad_prompt_after_a_good_one_leaves_the_llm_usable(tiny_llm):
 
 
 def test_any_error_while_adding_prompts_is_cleaned_up(tiny_llm, monkeypatch):
-    real = tiny_llm.engine.tokenize
+    real = engine_module.prompt_tokens
 
-    def tokenize(prompt):
+    def tokenize(prompt, *args):
         if prompt == "boom":
             raise RuntimeError("tokenizer broke")
-        return real(prompt)
+        return real(prompt, *args)
 
-    monkeypatch.setattr(tiny_llm.engine, "tokenize", tokenize)
+    monkeypatch.setattr(engine_module, "prompt_tokens", tokenize)
     with pytest.raises(RuntimeError, match="tokenizer broke"):
         tiny_llm.generate(["ok", "fine", "boom"], GREEDY)
     assert not tiny_llm.engine.has_unfinished() and tiny_llm.cache_stats().used_units == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -145,6 +146,7 @@ class IdleEngine:
 
     def __init__(self) -> None:
         self.engine_bytes, self.steps = 8 * PAGE, 0
+        self.handoff = SimpleNamespace(stats=SimpleNamespace(to_dict=dict), poll_idle=lambda: None)   # no role
 
     def cache_stats(self) -> CacheStats:
         block = {"name": "p", "total_bytes": 64 * PAGE, "used_bytes": 8 * PAGE, "engine_bytes": self.engine_bytes,
@@ -160,12 +162,6 @@ class IdleEngine:
 
     def queue_depths(self) -> tuple[int, int, int]:
         return 0, 0, 0
-
-    def handoff_stats(self) -> dict:
-        return {}
-
-    def poll_handoffs(self) -> None:
-        pass
 
     def close(self) -> None:
         pass

@@ -12,10 +12,10 @@ from kvlab.common.config import make_config
 from kvlab.common.errors import OutOfKVCache
 from kvlab.common.kv.seam import KVCache
 from kvlab.common.kv.types import KVShape
-from kvlab.common.reserve.allocator import ReserveAllocator
-from kvlab.common.reserve.backend import build_reserve
-from kvlab.common.reserve.storage import ReserveStorage
 from kvlab.common.sequence import Sequence
+from kvlab.reserve.allocator import ReserveAllocator
+from kvlab.reserve.backend import build_reserve
+from kvlab.reserve.storage import ReserveStorage
 
 SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=8, num_q_heads=4)      # 256 bytes per token
 

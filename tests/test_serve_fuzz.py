@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_serve_server import LiveServer
 
-from kvlab.common.limits import MAX_N, MAX_TOKENS
+from kvlab.experiments.limits import MAX_N, MAX_TOKENS
 
 SIZES = ("n", "max_tokens", "max_completion_tokens")       # bounded in every case, so each case takes milliseconds
 SURROGATES = st.sampled_from(["a\ud800b", "\udfff", "\x00"])            # not valid UTF-8; NUL

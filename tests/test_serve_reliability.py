@@ -15,9 +15,9 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 from test_serve_server import LiveServer, wait_for
 
-from kvlab.common.limits import MAX_BODY_BYTES, MAX_N, MAX_STOP_CHARS
 from kvlab.common.tokenizer import ByteTokenizer
 from kvlab.experiments.cli.main import main
+from kvlab.experiments.limits import MAX_BODY_BYTES, MAX_N, MAX_STOP_CHARS
 from kvlab.experiments.serve import server
 from kvlab.experiments.serve.decoding import Decoding
 from kvlab.experiments.serve.stop_scan import StopScan, borders

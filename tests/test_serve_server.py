@@ -426,7 +426,7 @@ def test_a_known_engine_failure_is_one_log_line_not_a_traceback(caplog):
 
 
 def test_handoff_totals_are_counters_and_the_stats_block():
-    """Engine.handoff_stats() running totals -> kvlab_handoff*_total counters (advanced, not added up) and the
+    """Engine.handoff.stats.to_dict() running totals -> kvlab_handoff*_total counters (advanced, not added up) and the
     "handoff" block of GET /kvlab/stats; a finished request's handoff -> the latency histogram."""
     stats = CacheStats("vmm", "page", 16, total_units=10, used_units=0, free_units=10)
     totals = {"count": 2, "bytes_copied": 0, "units_moved": 6, "seconds": 0.25, "failed": 1, "expired": 0}

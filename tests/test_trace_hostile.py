@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from kvlab.common import limits
+from kvlab.common import machine
 from kvlab.common.errors import ConfigError
-from kvlab.common.limits import MAX_LINE_BYTES, MAX_MODEL_LEN, MAX_PROMPT_TOKENS
+from kvlab.common.limits import MAX_MODEL_LEN
 from kvlab.experiments.cli import main as cli
+from kvlab.experiments.limits import MAX_LINE_BYTES, MAX_PROMPT_TOKENS
 from kvlab.experiments.workloads import jsonl
 from kvlab.experiments.workloads import prefix as pw
 from kvlab.experiments.workloads.requests import Request, load_trace
@@ -210,7 +211,7 @@ def test_kvlab_prefix_refuses_a_bad_flag_before_any_work(capsys, argv, phrase):
 
 
 def test_kvlab_prefix_refuses_a_budget_whose_books_exceed_ram(capsys, monkeypatch):
-    monkeypatch.setattr(limits, "ram_bytes", lambda: 16 * 2**30)
+    monkeypatch.setattr(machine, "ram_bytes", lambda: 16 * 2**30)
     code = cli.main(["prefix", "--runs", "sim", "--workloads", "trace", "--quick", "--budget-gb", "100000"])
     out, err = capsys.readouterr()
     assert (code, out) == (2, "") and err.count("\n") == 1

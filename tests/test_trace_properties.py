@@ -16,8 +16,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from kvlab.common.errors import ConfigError
-from kvlab.common.limits import MAX_HASH_ID, MAX_LINE_BYTES, MAX_MODEL_LEN, MAX_SPAN_S
+from kvlab.common.limits import MAX_MODEL_LEN
 from kvlab.common.validate import shown
+from kvlab.experiments.limits import MAX_HASH_ID, MAX_LINE_BYTES, MAX_SPAN_S
 from kvlab.experiments.workloads import prefix as pw
 from kvlab.experiments.workloads.requests import load_trace
 

@@ -22,8 +22,8 @@ from kvlab.common.attention.metadata import BatchItem, ContiguousMetadata, base_
 from kvlab.common.config import make_config
 from kvlab.common.errors import RequestError
 from kvlab.common.kv.types import KVShape
-from kvlab.common.reserve.backend import build_reserve
 from kvlab.common.sequence import Sequence
+from kvlab.reserve.backend import build_reserve
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_CAP = 10**9

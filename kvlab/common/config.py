@@ -17,8 +17,9 @@ from kvlab.common.errors import ConfigError
 from kvlab.common.kv.options import check_choice, check_positive, check_types
 from kvlab.common.kv.registry import REGISTRY
 from kvlab.common.kv.types import KV_CACHE_DTYPES
-from kvlab.common.limits import MAX_MODEL_LEN, MAX_SEED, check_int_range, max_threads
-from kvlab.common.validate import check_number
+from kvlab.common.limits import MAX_MODEL_LEN, MAX_SEED
+from kvlab.common.machine import max_threads
+from kvlab.common.validate import check_int, check_number
 
 if TYPE_CHECKING:
     from kvlab.common.kv.registry import BackendSpec
@@ -56,8 +57,6 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     check_invariants: bool = False       # debug: verify mapped coverage before every kernel call
     tensor_parallel_size: int = 1        # ranks sharding the model and KV heads (common/dist/)
-    kv_pool: str | None = None           # vmm: draw KV pages from this machine-wide pool (docs/pool.md)
-    kv_pool_bytes: int | None = None     # create the pool with this budget if it does not exist yet
     kv_role: str = "colocated"           # colocated | prefill | decode: P/D disaggregation (common/handoff/)
     handoff_timeout_s: float = 30.0      # prefill role: kept KV nobody pulls within this is freed (expired)
     options: dict[str, Any] = field(default_factory=dict)   # backend name -> its options dataclass
@@ -123,20 +122,20 @@ def validate(cfg: EngineConfig) -> None:
         raise ConfigError(f"unknown device {cfg.device!r}; use cpu or cuda[:N]")
     if cfg.threads < 0:
         raise ConfigError(f"threads must be >= 0 (0 keeps torch's default), got {cfg.threads!r}")
-    check_int_range("threads", cfg.threads, 0, max_threads(), " (at most 4 per CPU)")
-    check_int_range("seed", cfg.seed, 0, MAX_SEED)
+    check_int("threads", cfg.threads, 0, max_threads(), " (at most 4 per CPU)")
+    check_int("seed", cfg.seed, 0, MAX_SEED)
     if cfg.max_model_len is not None:                 # None: set from the model once the rest is valid
         check_positive(cfg, "max_model_len")
-        check_int_range("max_model_len", cfg.max_model_len, 1, MAX_MODEL_LEN, " (tokens per sequence)")
+        check_int("max_model_len", cfg.max_model_len, 1, MAX_MODEL_LEN, " (tokens per sequence)")
     if cfg.max_num_batched_tokens < cfg.max_num_seqs:
         raise ConfigError(f"max_num_batched_tokens ({cfg.max_num_batched_tokens}) must be >= max_num_seqs "
                           f"({cfg.max_num_seqs}) so every running sequence can decode in one step")
-    check_kv_pool(cfg)
     check_choice("kv_role", cfg.kv_role, KV_ROLES)
     check_number("handoff_timeout_s", cfg.handoff_timeout_s, 0.01, 86400.0, unit=" seconds")
     for name, opts in cfg.options.items():
         opts.validate()
         check_types(opts, where=f"{name}.")    # also for a backend whose validate() forgets it
+        check_selected_only(name, opts, cfg.backend)
 
 
 def check_kv_cache_scale(scale: float, kv_cache_dtype: str) -> None:
@@ -150,11 +149,15 @@ def check_kv_cache_scale(scale: float, kv_cache_dtype: str) -> None:
                           "kv_cache_dtype is auto")
 
 
-def check_kv_pool(cfg: EngineConfig) -> None:
-    if cfg.kv_pool is not None and cfg.backend != "vmm":
-        raise ConfigError(f"kv_pool needs the vmm backend (pages mapped on demand), not {cfg.backend!r}")
-    if cfg.kv_pool_bytes is not None and (cfg.kv_pool is None or cfg.kv_pool_bytes <= 0):
-        raise ConfigError(f"kv_pool_bytes needs kv_pool and a positive size, got {cfg.kv_pool_bytes!r}")
+def check_selected_only(name: str, opts: Any, backend: str) -> None:
+    """A backend option whose field metadata says `selected_only` (why it needs that backend) is an error when
+    set away from its default while another backend is chosen."""
+    if name == backend:
+        return
+    for f in fields(opts):
+        why = f.metadata.get("selected_only")
+        if why and getattr(opts, f.name) != f.default:
+            raise ConfigError(f"{f.name} needs the {name} backend ({why}), not {backend!r}")
 
 
 def split_overrides(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:

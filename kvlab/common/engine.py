@@ -21,12 +21,13 @@ from kvlab.common.handoff.side import HandoffRole
 from kvlab.common.kv.seam import create_cache
 from kvlab.common.kv.types import CacheStats
 from kvlab.common.metrics import MetricsRecorder, RunMetrics
-from kvlab.common.outputs import RequestOutput, StepResult
+from kvlab.common.outputs import StepResult
 from kvlab.common.request import Request, SchedulerOutput, SchedulerStats
 from kvlab.common.sampling_params import SamplingParams
 from kvlab.common.sched.attribution import KVAttributor
 from kvlab.common.sched.scheduler import Scheduler
 from kvlab.common.stream import TokenStream, request_output
+from kvlab.common.tokenizer import prompt_tokens
 
 if TYPE_CHECKING:
     from kvlab.common.config import EngineConfig
@@ -43,7 +44,8 @@ class Runner(Protocol):
 class Engine:
     """The loop (add_request, step, abort) and what callers may see of it: the read-only views the LLM API, the
     server and the experiments need, so none reaches into the scheduler. What a step returns is built in
-    common/outputs.py."""
+    common/outputs.py. `handoff` is the engine's part in prefill/decode disaggregation (common/handoff/side.py:
+    its stats, its address, `poll()` while idle)."""
 
     def __init__(self, config: EngineConfig, cache: KVCache, runner: Runner, tokenizer: Any = None,
                  eos_token_ids: tuple[int, ...] = (), vocab_size: int | None = None,
@@ -61,7 +63,7 @@ class Engine:
         self._closed = False
         self.lock = threading.RLock()      # held by step and add_request; the handoff server's thread takes it too
         try:
-            self.kv = HandoffRole(config, cache, self.scheduler, self.lock, vocab_size)
+            self.handoff = HandoffRole(config, cache, self.scheduler, self.lock, vocab_size)
         except BaseException:              # a role this cache cannot take: release what was built for it
             self._release_parts()
             raise
@@ -97,7 +99,7 @@ class Engine:
         try:
             return self._add(prompt, params, request_id, arrival_time, kv_transfer_params)
         except RequestError:
-            self.kv.decline_refused(kv_transfer_params)     # a refused decode request never pulls its KV
+            self.handoff.decline_refused(kv_transfer_params)     # a refused decode request never pulls its KV
             raise
 
     def _add(self, prompt: str | list[int], params: SamplingParams | None, request_id: str | None,
@@ -105,33 +107,15 @@ class Engine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        text, token_ids = self.tokenize(prompt)
+        text, token_ids = prompt_tokens(prompt, self.tokenizer, self.vocab_size)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         arrival = self.runner.clock() if arrival_time is None else arrival_time
         with self.lock:
-            params, keep_kv, kv_import = self.kv.intake(params, kv_transfer_params, len(token_ids))
+            params, keep_kv, kv_import = self.handoff.intake(params, kv_transfer_params, len(token_ids))
             req = self.scheduler.add(request_id, token_ids, params, arrival, text, keep_kv, kv_import)
             self.attributor.on_arrival(req)
-            self.kv.release_unpulled(req)
+            self.handoff.release_unpulled(req)
         return request_id
-
-    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError("this model has no tokenizer: pass prompts as lists of token ids")
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                raise RequestError(f"the prompt is not valid Unicode text ({exc.reason} at character "
-                                   f"{exc.start}): remove lone surrogates") from None
-            return prompt, list(self.tokenizer.encode(prompt))
-        if not isinstance(prompt, (list, tuple)) or not _all_token_ids(prompt):
-            raise RequestError(f"a prompt must be a string or a list of token ids, "
-                               f"got {type(prompt).__name__}")
-        if self.vocab_size is not None and prompt and not (0 <= min(prompt) and max(prompt) < self.vocab_size):
-            bad = next(t for t in prompt if not 0 <= t < self.vocab_size)
-            raise RequestError(f"token id {bad} is outside the model's vocabulary [0, {self.vocab_size})")
-        return None, list(prompt)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request and free its KV; it produces no output. False if it is unknown or already finished."""
@@ -139,7 +123,7 @@ class Engine:
             self.stream.forget(str(request_id))
             req = self.scheduler.requests.get(str(request_id))
             aborted = self.scheduler.abort(str(request_id))
-            self.kv.release_unpulled(req)
+            self.handoff.release_unpulled(req)
             return aborted
 
     def abort_all(self, request_ids: Iterable[str]) -> None:
@@ -167,38 +151,18 @@ class Engine:
         """One iteration: each request's new tokens, and the requests that finished (or failed) in it."""
         self._check_open()
         with self.lock:
-            self.kv.poll()
+            self.handoff.poll()
             held, sampled, stats = self._advance()
             finished = self.scheduler.pop_finished()
             self.attributor.on_step_end(held, finished, stats.map_seconds + stats.unmap_seconds)
             outputs = []
+            decode = self.tokenizer.decode if self.tokenizer is not None else None
             for req in finished:
                 self.attributor.on_finished(req)
                 self.recorder.on_finished(req)
-                outputs.append(self._output(req))
+                outputs.append(request_output(req, decode))
+                self.handoff.finished(req, outputs[-1])
             return self.stream.step(sampled, outputs)
-
-    def _output(self, req: Request) -> RequestOutput:
-        output = request_output(req, self.tokenizer.decode if self.tokenizer is not None else None)
-        self.kv.finished(req, output)
-        return output
-
-    # -- prefill/decode handoff (common/handoff/) ------------------------------------------------------------
-    def poll_handoffs(self) -> None:
-        """Free the KV of finished handoffs and of kept KV that expired. step() does it; a serving loop with
-        nothing to step calls this while it waits (a prefill engine's kept KV is no unfinished work)."""
-        with self.lock:
-            if not self._closed:
-                self.kv.poll()
-
-    def handoff_stats(self) -> dict[str, Any]:
-        """{"count", "bytes_copied", "units_moved", "seconds", "failed", "expired"} summed since start."""
-        return self.kv.stats.to_dict()
-
-    @property
-    def handoff_address(self) -> str | None:
-        """Where this prefill engine serves pulls (None on other roles)."""
-        return self.kv.address
 
     def _advance(self) -> tuple[list[Sequence], list[Request], CacheStats]:
         """schedule -> execute -> update, timed and recorded. Returns the sequences holding KV during the step,
@@ -250,7 +214,7 @@ class Engine:
         if not self._closed:
             with self.lock:
                 self._closed = True
-                self.kv.close()
+                self.handoff.close()
             self._release_parts()
 
     def _release_parts(self) -> None:
@@ -259,8 +223,3 @@ class Engine:
         finally:
             if hasattr(self.runner, "close"):    # e.g. the tensor-parallel runner's ranks
                 self.runner.close()
-
-
-def _all_token_ids(prompt: list | tuple) -> bool:
-    """Every element an int and none a bool; the type-set test runs in C (simulated prompts are long)."""
-    return set(map(type, prompt)) <= {int} or all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)

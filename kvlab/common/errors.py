@@ -27,3 +27,8 @@ class KernelUnavailable(KvlabError):
 
 class DriverError(KvlabError, RuntimeError):
     """A virtual-memory driver call failed (host mmap/memfd or CUDA VMM)."""
+
+
+class HandoffError(KvlabError):
+    """A KV handoff between a prefill and a decode engine failed: the request that needed it fails alone, with this
+    one-line reason."""

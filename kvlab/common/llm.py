@@ -32,10 +32,10 @@ from kvlab.common.validate import shown
 
 class LLM:
     def __init__(self, model: str | None = None, backend: str | None = None, config_file: str | None = None,
-                 kv_pool: str | None = None, **config_overrides: Any) -> None:
-        """None keeps the TOML file's value (config_file), else EngineConfig's default (tiny, paged). `kv_pool`:
-        vmm draws its KV pages from that machine-wide pool (created if `kv_pool_bytes` is given; docs/pool.md)."""
-        self.config = make_config(config_file, model=model, backend=backend, kv_pool=kv_pool, **config_overrides)
+                 **config_overrides: Any) -> None:
+        """None keeps the TOML file's value (config_file), else EngineConfig's default (tiny, paged). Backend
+        options are given flat (`page_size=...`, `kv_pool=...`: each goes to the backend that declares it)."""
+        self.config = make_config(config_file, model=model, backend=backend, **config_overrides)
         if self.config.threads:
             torch.set_num_threads(self.config.threads)
         self.engine = Engine.from_config(self.config)

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
-from kvlab.common.errors import ModelLoadError
+from kvlab.common.errors import ModelLoadError, RequestError
 
 GGUF_CONTROL_TOKEN = 3    # llama.cpp token type of special tokens such as <|im_start|>
 
@@ -111,3 +111,28 @@ class BPETokenizer:
         special = [t for t, kind in zip(tokens, token_types or ()) if kind == GGUF_CONTROL_TOKEN]
         backend.add_special_tokens([tk.AddedToken(t, special=True, normalized=False) for t in special])
         return cls(backend, bos_token_id, eos_token_id, add_bos=add_bos)
+
+
+def prompt_tokens(prompt: Any, tokenizer: Tokenizer | None, vocab_size: int | None) -> tuple[str | None, list[int]]:
+    """A prompt's text (None when given as ids) and token ids; RequestError (one line) if it is not a string or
+    a list of token ids inside the vocabulary."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise RequestError("this model has no tokenizer: pass prompts as lists of token ids")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise RequestError(f"the prompt is not valid Unicode text ({exc.reason} at character "
+                               f"{exc.start}): remove lone surrogates") from None
+        return prompt, list(tokenizer.encode(prompt))
+    if not isinstance(prompt, (list, tuple)) or not _all_token_ids(prompt):
+        raise RequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+    if vocab_size is not None and prompt and not (0 <= min(prompt) and max(prompt) < vocab_size):
+        bad = next(t for t in prompt if not 0 <= t < vocab_size)
+        raise RequestError(f"token id {bad} is outside the model's vocabulary [0, {vocab_size})")
+    return None, list(prompt)
+
+
+def _all_token_ids(prompt: list | tuple) -> bool:
+    """Every element an int and none a bool; the type-set test runs in C (simulated prompts are long)."""
+    return set(map(type, prompt)) <= {int} or all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from kvlab.common.errors import ConfigError, ModelLoadError
-from kvlab.common.limits import fmt_bytes, ram_bytes
+from kvlab.common.machine import fmt_bytes, ram_bytes
 from kvlab.common.model import LlamaForCausalLM, ModelConfig
 
 log = logging.getLogger("kvlab.common.loader")

@@ -24,4 +24,5 @@ def build(config, shape, accounting_only):
 SPEC = BackendSpec(name="paged", unit="block", layout="paged", options=PagedOptions, build=build,
                    label=lambda o: f"paged-{o.block_size}",
                    handoff="kvlab.paged.handoff:make", probe="kvlab.paged.probe:PROBE", window_trim=True,
+                   kernels="kvlab.paged.kernel_declarations:declare",
                    help="PagedAttention: a block pool, per-sequence block tables, copy-on-write")

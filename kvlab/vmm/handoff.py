@@ -16,8 +16,9 @@ import time
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvlab.common.errors import ConfigError
+from kvlab.common.errors import ConfigError, RequestError
 from kvlab.common.handoff.seam import Export, HandoffError, HandoffRefused, HandoffReport
+from kvlab.common.validate import shown
 from kvlab.vmm.pool import PoolError
 from kvlab.vmm.pool.transfer import TransferRefused
 
@@ -60,6 +61,15 @@ class VMMHandoff:
         return {"unit": self.unit, "pool": self.member.name, "page_size": g.page_size,
                 "tokens_per_page": g.tokens_per_page, "num_tensors": g.num_tensors, "num_layers": s.num_layers,
                 "num_kv_heads": s.num_kv_heads, "head_dim": s.head_dim, "cache_dtype": str(s.cache_dtype)}
+
+    def params(self) -> dict[str, Any]:
+        return {"pool": self.member.name}
+
+    def check_params(self, kv: dict[str, Any]) -> None:
+        """The pool check, once, as the decode request arrives: the pages must live in this engine's pool."""
+        if kv.get("pool") != self.member.name:
+            raise RequestError(f"the KV lives in pool {shown(kv.get('pool'))} but this decode engine is on pool "
+                               f"{self.member.name!r}: run both roles on the same kv_pool")
 
     def check_peer(self, layout: Any) -> None:
         mine = self.describe()

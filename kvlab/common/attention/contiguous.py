@@ -24,7 +24,7 @@ from kvlab.common.attention.kv_quant import read_kv
 from kvlab.common.attention.metadata import ContiguousMetadata, kernel_workspace
 from kvlab.common.errors import RequestError
 
-log = logging.getLogger("kvlab.vmm")
+log = logging.getLogger("kvlab.kernels")
 
 PLAN_KEY = "torch_sdpa_contiguous"     # the step's plan in meta.plans (shared by every layer)
 RECOMPUTES_KEY = "torch_sdpa_contiguous.padding_recomputes"   # in the workspace: groups recomputed unpadded

@@ -2,6 +2,7 @@
 it needs and its rules (common/attention/rules.py). Declaring imports no optional library."""
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from kvlab.common.attention import rules
 from kvlab.common.attention.contiguous import contiguous_attention_sdpa
 from kvlab.common.attention.rules import HERE, Environment, package_available
 from kvlab.common.attention.spec import PHASES, AttentionSpec
+from kvlab.common.kv.registry import REGISTRY as BACKENDS
 
 Kernel = Callable[..., torch.Tensor]   # fn(q [T,H,D], k_cache, v_cache, meta, scale) -> out [T,H,D]
 
@@ -51,37 +53,43 @@ class KernelDecl:
 
 
 def registry(env: Environment = HERE) -> list[KernelDecl]:
-    """One declaration per kernel; `env` says which packages count as installed (None: this process).
+    """One declaration per kernel: the contiguous layout's, declared here, then each registered backend's own
+    (`BackendSpec.kernels`: the paged kernels live in the paged package, which common does not import); `env`
+    says which packages count as installed (None: this process).
 
     Implementations named by string are imported only when chosen: those that wrap an optional library
     (flash-attn, FlashInfer, Triton, FlexAttention) must cost nothing, and fall back, where it is missing or
-    broken; the paged kernels live in the paged package, which common does not import."""
+    broken."""
     installed = env.installed
-    return [
+    own = [
         KernelDecl("torch_sdpa_contiguous", "contiguous", contiguous_attention_sdpa, check=rules.torch_rules,
                    description="torch SDPA over per-slot views of the contiguous cache"),
         KernelDecl("flash_attn_contiguous", "contiguous",
                    "kvlab.common.attention.flash_attn_contiguous:contiguous_attention_flash_attn",
                    package="flash_attn", installed=installed, check=rules.flash_attn_rules,
                    description="flash_attn_with_kvcache(cache_batch_idx=..., block_table=None)"),
-        KernelDecl("torch_paged", "paged", "kvlab.paged.kernels.torch_ref:paged_attention_torch",
-                   description="gather by block table into a buffer, then SDPA", check=rules.torch_rules),
-        KernelDecl("triton_paged", "paged", "kvlab.paged.kernels.triton_paged:paged_attention_triton",
-                   package="triton", installed=installed, check=rules.triton_rules(env),
-                   phase_check=rules.triton_phase_rules,
-                   description="kvlab's Triton paged attention (decode and prefill with past context)"),
-        KernelDecl("flash_attn_paged", "paged", "kvlab.paged.kernels.flash_attn:paged_attention_flash_attn",
-                   package="flash_attn", installed=installed, check=rules.flash_attn_paged_rules,
-                   phase_check=rules.flash_attn_paged_phase_rules,
-                   description="flash_attn_with_kvcache / flash_attn_varlen_func with block_table"),
-        KernelDecl("flashinfer_paged", "paged", "kvlab.paged.kernels.flashinfer:paged_attention_flashinfer",
-                   package="flashinfer", installed=installed, check=rules.flashinfer_rules,
-                   description="FlashInfer BatchPrefill/BatchDecodeWithPagedKVCacheWrapper"),
-        KernelDecl("flex_paged", "paged", "kvlab.paged.kernels.flex:paged_attention_flex",
-                   package="torch.nn.attention.flex_attention", installed=installed, check=rules.flex_rules,
-                   description="torch FlexAttention with a paged BlockMask"),
     ]
+    return own + [decl for spec in BACKENDS.specs() if spec.kernels for decl in _load(spec.kernels)(env)]
 
 
-REGISTRY: list[KernelDecl] = registry()
-KERNEL_NAMES: tuple[str, ...] = tuple(d.name for d in REGISTRY)
+def _load(entry: str) -> Callable[[Environment], list[KernelDecl]]:
+    module, function = entry.split(":")
+    return getattr(importlib.import_module(module), function)
+
+
+@functools.cache
+def _here() -> list[KernelDecl]:
+    return registry()
+
+
+def kernels_for(layout: str) -> list[str]:
+    """The names of the kernels declared for a layout (whether they can run here is the dispatcher's call)."""
+    return [d.name for d in _here() if d.layout == layout]
+
+
+def __getattr__(name: str) -> list[KernelDecl]:
+    """REGISTRY: this process's declarations, made on first use (after the backends registered, since the
+    backends' specs declare their own kernels)."""
+    if name == "REGISTRY":
+        return _here()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

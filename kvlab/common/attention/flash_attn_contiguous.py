@@ -1,4 +1,4 @@
-"""flash-attn 2 over the contiguous cache, as vAttention runs it (anchors.md §1.5, gpu-apis.md §3.1):
+"""flash-attn 2 over the contiguous cache, as vAttention runs it (flash-attn 2's KV-cache entry point):
 `flash_attn_with_kvcache(q, K, V, cache_seqlens=..., cache_batch_idx=..., block_table=None, causal=True)`.
 K/V for this step are already in the cache, so `cache_seqlens` is each sequence's full context and the kernel
 reads only K[slot, :context_len] (bottom-right causal alignment = positions start..start+n-1)."""

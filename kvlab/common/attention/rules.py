@@ -1,31 +1,31 @@
 """The kernels' rules: what each kernel supports, transcribed from the library it wraps. Each rule returns the
 reasons a spec breaks it (empty: it can run), phrased like vLLM's.
 
-Rules and their sources (../shared/reference/gpu-apis.md):
-- flash-attn 2 upstream (§3): CUDA, compute capability >= 8.0, fp16/bf16, head_dim <= 256 (80 -> 96 and
+Rules and their sources (each library's own API and documentation; docs/fallbacks.md lists what the study found):
+- flash-attn 2 upstream: CUDA, compute capability >= 8.0, fp16/bf16, head_dim <= 256 (80 -> 96 and
   112 -> 128 kernels, i.e. padded), H % H_kv == 0; paged KV needs page_block_size % 256 == 0 and, for the
   varlen (prefill) entry point, head_dim % 8 == 0 (`flash_attn_with_kvcache`, used for decode and for the
   contiguous cache, pads any head_dim instead).
-- FlashInfer (§5): head dims 64/128/256, fp16/bf16, compute capability 8.0-12.1, any page size. Its CUDA-core
+- FlashInfer: head dims 64/128/256, fp16/bf16, compute capability 8.0-12.1, any page size. Its CUDA-core
   decode kernel supports GQA group sizes {1, 2, 3, 4, 6, 8} only ("Unsupported group_size"), but kvlab's
   adapter (paged/kernels/flashinfer.py) decodes other groups on tensor cores, as vLLM does: no refusal.
-- kvlab's Triton kernel (paged/kernels/triton_paged.py, the vLLM unified-attention design of §6):
+- kvlab's Triton kernel (paged/kernels/triton_paged.py, the design of vLLM's unified attention):
   fp32/fp16/bf16, any head_dim (padded to a power of two >= 16 and masked), any block size (keys are walked in
   tiles of 32 tokens, each key's block looked up in the table, so every `tl.dot` dimension stays >= 16
   whatever the block size). Compiled on CUDA it needs Triton's compute capability 8.0+; on CPU it runs only
-  in the interpreter (TRITON_INTERPRET=1), correct but about 5 ms per program and loop step (cpu-facts.md §3),
+  in the interpreter (TRITON_INTERPRET=1), correct but hundreds of times slower than compiled (docs/fallbacks.md),
   so it ranks below torch there. Compiled, its tiles must fit one thread block's shared memory (estimated in
   common/attention/triton_tiles.py against the device's opt-in limit): fp32 head_dim 512 prefill does not fit
   an H200's 232,448 B.
-- torch FlexAttention paged (§7; paged/kernels/flex.py): CUDA only, where it is torch.compile'd into a Triton
+- torch FlexAttention paged (paged/kernels/flex.py): CUDA only, where it is torch.compile'd into a Triton
   kernel (eager flex on CPU materialises scores over the whole block pool), fp16/bf16/fp32, any head_dim, any
   block size: kvlab's mask_mod maps every pool slot back to (sequence, position) under a 128-token BlockMask,
   so it does not need torch's experimental PagedAttention rule (BlockMask KV block == page size).
 - torch SDPA (contiguous) and the torch gather reference (paged): any device, fp32/fp16/bf16, any head_dim.
 Every kernel needs num_q_heads % num_kv_heads == 0.
 
-fp8 KV cache (`kv_cache_dtype` fp8_e4m3 / fp8_e5m2, gpu-apis.md §4-§9; values stored as uint8 bytes with per-layer
-k_scale/v_scale, common/attention/kv_quant.py):
+fp8 KV cache (`kv_cache_dtype` fp8_e4m3 / fp8_e5m2, docs/kv-dtype-and-windows.md; values stored as uint8 bytes
+with per-layer k_scale/v_scale, common/attention/kv_quant.py):
 - torch SDPA (contiguous) and the torch gather reference: both formats, any device (dequantised in torch after the
   read).
 - kvlab's Triton kernel: both formats, dequantised via fp32 inside the kernel (vLLM TRITON_ATTN does the same).

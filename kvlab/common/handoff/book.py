@@ -2,7 +2,7 @@
 and the handoff counters of either role.
 
 The engine's lock guards `kept` (the engine thread adds and releases, the server thread claims); outcomes cross
-threads through a queue, so every release happens on the engine thread (Engine.poll_handoffs, each step)."""
+threads through a queue, so every release happens on the engine thread (HandoffRole.poll: each step, and poll_idle)."""
 from __future__ import annotations
 
 import queue

@@ -6,7 +6,8 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvlab.common.handoff.seam import HandoffError, HandoffRefused
+from kvlab.common.errors import HandoffError
+from kvlab.common.handoff.seam import HandoffRefused
 from kvlab.common.handoff.wire import close_all, connect, receive, send
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """The handoff of a backend that copies: the prefill side writes the sequence's K/V into a memfd in its own layout,
 the decode side allocates the sequence and copies the K/V in. A backend says what its layout is and how to read
-and write it (paged/handoff.py: blocks; common/reserve/handoff.py: a region's tokens)."""
+and write it (paged/handoff.py: blocks; reserve/handoff.py: a region's tokens)."""
 from __future__ import annotations
 
 import os
@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvlab.common.errors import HandoffError
 from kvlab.common.handoff import shm
-from kvlab.common.handoff.seam import Export, HandoffError, HandoffRefused, HandoffReport
+from kvlab.common.handoff.seam import Export, HandoffRefused, HandoffReport
 
 if TYPE_CHECKING:
     from kvlab.common.kv.seam import KVCache
@@ -28,6 +29,12 @@ class CopyHandoff(ABC):
         s = self.shape
         return {"unit": self.unit, "tokens_per_unit": self.allocator.tokens_per_unit, "num_layers": s.num_layers,
                 "num_kv_heads": s.num_kv_heads, "head_dim": s.head_dim, "cache_dtype": str(s.cache_dtype)}
+
+    def params(self) -> dict[str, Any]:
+        return {}                 # the layout check at the pull (check_peer) covers what a copy needs
+
+    def check_params(self, kv: dict[str, Any]) -> None:
+        return None
 
     def check_peer(self, layout: Any) -> None:
         mine = self.describe()

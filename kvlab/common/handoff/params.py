@@ -3,14 +3,17 @@ answers and what a decode request brings. Everything a caller can get wrong is a
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvlab.common.errors import RequestError
 from kvlab.common.handoff.wire import PREFIX
 from kvlab.common.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from kvlab.common.handoff.seam import KVHandoff
+
 MAX_ADDRESS = 100
-DECODE_KEYS = ("handoff_id", "address", "num_tokens", "first_token_ids", "backend", "pool")
+DECODE_KEYS = ("handoff_id", "address", "num_tokens", "first_token_ids", "backend")
 
 
 def check_sampling(params: SamplingParams, role: str) -> None:
@@ -29,8 +32,9 @@ def prefill_params(params: SamplingParams, kv: Any) -> SamplingParams:
     return dataclasses.replace(params, max_tokens=1)
 
 
-def check_decode(kv: Any, prompt_len: int, config: Any, vocab_size: int | None) -> None:
-    """The fields a decode engine needs, each checked against this engine's config and the prompt."""
+def check_decode(kv: Any, prompt_len: int, config: Any, vocab_size: int | None, backend: KVHandoff) -> None:
+    """The fields a decode engine needs, each checked against this engine's config and the prompt; the backend's
+    own fields (`KVHandoff.params`) by the backend."""
     if not isinstance(kv, dict) or kv.get("do_remote_prefill") is not True:
         raise RequestError('a decode engine takes the prefill engine\'s kv_transfer_params (with '
                            f'"do_remote_prefill": true), got {_shown(kv)}')
@@ -48,9 +52,7 @@ def check_decode(kv: Any, prompt_len: int, config: Any, vocab_size: int | None) 
     if kv["backend"] != config.backend:
         raise RequestError(f"the KV comes from a {_shown(kv['backend'])} engine but this decode engine runs "
                            f"{config.backend!r}: run both roles on the same backend")
-    if kv["pool"] != config.kv_pool:
-        raise RequestError(f"the KV lives in pool {_shown(kv['pool'])} but this decode engine is on pool "
-                           f"{config.kv_pool!r}: run both roles on the same kv_pool")
+    backend.check_params(kv)
     if kv.get("model", config.model) != config.model:
         raise RequestError(f"the KV was computed by model {_shown(kv['model'])}, this decode engine runs "
                            f"{config.model!r}: run both roles on the same model")

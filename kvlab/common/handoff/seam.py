@@ -12,15 +12,11 @@ import importlib
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvlab.common.errors import ConfigError, KvlabError
+from kvlab.common.errors import ConfigError, HandoffError
 
 if TYPE_CHECKING:
     from kvlab.common.kv.seam import KVCache
     from kvlab.common.sequence import Sequence
-
-
-class HandoffError(KvlabError):
-    """A pull failed: the request that needed it fails alone, with this one-line reason."""
 
 
 class HandoffRefused(HandoffError):
@@ -56,6 +52,14 @@ class KVHandoff(Protocol):
 
     def describe(self) -> dict[str, Any]:
         """What the other side checks against its own (`check_peer`): the KV layout and unit size."""
+
+    def params(self) -> dict[str, Any]:
+        """The backend's own fields of a prefill answer's kv_transfer_params (vmm: its pool); common passes them
+        through without reading them."""
+
+    def check_params(self, kv: dict[str, Any]) -> None:
+        """Decode side, as a request arrives: raise RequestError (one line) if the backend's own fields of its
+        kv_transfer_params do not fit this engine."""
 
     def export(self, seq: Sequence, num_tokens: int) -> Export:
         """The first `num_tokens` tokens' KV of a held sequence, for another engine (prefill side, engine lock held)."""

@@ -12,8 +12,8 @@ import struct
 import threading
 from typing import TYPE_CHECKING, Any
 
+from kvlab.common.errors import HandoffError
 from kvlab.common.handoff.book import Outcome
-from kvlab.common.handoff.seam import HandoffError
 from kvlab.common.handoff.wire import PREFIX, close_all, receive, send, socket_address
 
 if TYPE_CHECKING:

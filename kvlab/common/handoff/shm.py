@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import torch
 
-from kvlab.common.handoff.seam import HandoffError
+from kvlab.common.errors import HandoffError
 
 
 def create(nbytes: int) -> int:

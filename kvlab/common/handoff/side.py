@@ -14,11 +14,11 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvlab.common.errors import ConfigError, KvlabError, RequestError
+from kvlab.common.errors import ConfigError, HandoffError, KvlabError, RequestError
 from kvlab.common.handoff import client
 from kvlab.common.handoff.book import HandoffStats, KeptBook
 from kvlab.common.handoff.params import check_decode, check_sampling, prefill_params
-from kvlab.common.handoff.seam import HandoffError, HandoffReport, load_handoff
+from kvlab.common.handoff.seam import HandoffReport, load_handoff
 from kvlab.common.handoff.server import HandoffServer
 from kvlab.common.handoff.wire import PREFIX
 
@@ -50,8 +50,8 @@ class HandoffRole:
     def __init__(self, config: Any, cache: KVCache, scheduler: Scheduler, lock: threading.RLock,
                  vocab_size: int | None) -> None:
         self.role, self.config, self.cache, self.scheduler = config.kv_role, config, cache, scheduler
-        self.vocab_size = vocab_size
-        self.stats = HandoffStats()
+        self.vocab_size, self.lock, self.closed = vocab_size, lock, False
+        self.stats = HandoffStats()             # stats.to_dict(): the totals since the engine started
         self.backend = self.book = self.server = None
         if self.role == "colocated":
             return
@@ -82,7 +82,7 @@ class HandoffRole:
                                "colocated")
         if self.role == "prefill":
             return prefill_params(params, kv), True, None
-        check_decode(kv, prompt_len, self.config, self.vocab_size)
+        check_decode(kv, prompt_len, self.config, self.vocab_size, self.backend)
         check_sampling(params, "decode")
         return params, False, PendingImport(kv["first_token_ids"][0], dict(kv), self)
 
@@ -129,7 +129,7 @@ class HandoffRole:
         output.kv_transfer_params = {
             "do_remote_prefill": True, "handoff_id": handoff_id, "address": self.address,
             "num_tokens": seq.prompt_len, "first_token_ids": seq.output_token_ids[:1],
-            "backend": self.config.backend, "pool": self.config.kv_pool, "model": self.config.model}
+            "backend": self.config.backend, **self.backend.params(), "model": self.config.model}
 
     def poll(self) -> None:
         """Release the KV whose pull ended (taken, refused, or the peer gone) and the KV nobody pulled in time."""
@@ -155,8 +155,16 @@ class HandoffRole:
             self.scheduler.release_kept(seq)
         return time.perf_counter() - start
 
+    def poll_idle(self) -> None:
+        """`poll` for a serving loop with nothing to step (a prefill engine's kept KV is no unfinished work): it
+        takes the engine's lock, and does nothing once the engine is closed. step() polls by itself."""
+        with self.lock:
+            if not self.closed:
+                self.poll()
+
     def close(self) -> None:
         """Stop serving; what is still kept goes with the cache."""
+        self.closed = True
         if self.server is not None:
             self.server.close()
             for kept in self.book.drain():

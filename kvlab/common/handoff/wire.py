@@ -8,7 +8,7 @@ import os
 import socket
 from typing import Any
 
-from kvlab.common.handoff.seam import HandoffError
+from kvlab.common.errors import HandoffError
 
 PREFIX = "kvlab-handoff-"
 LENGTH = 8

@@ -16,13 +16,17 @@ from kvlab.common.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
-    from kvlab.common.kv.seam import CacheConfig, KVCache
     from kvlab.common.kv.types import KVShape
     from kvlab.common.sequence import Sequence
 
+# common/kv/seam.py's KVCache and CacheConfig, named here as types only: the seam reaches the attention code, which
+# asks this registry for the backends' kernels (common/attention/declarations.py), so importing the seam here, even
+# for type checking, would close a loop
+KVCache = CacheConfig = Any
+
 ENTRY_POINTS = "kvlab.backends"    # the entry-point group through which installed packages offer backends
 # The backends kvlab ships: name -> module declaring SPEC (spec modules import nothing heavy).
-BUILTIN = {"paged": "kvlab.paged.spec", "vmm": "kvlab.vmm.spec", "reserve": "kvlab.common.reserve.spec"}
+BUILTIN = {"paged": "kvlab.paged.spec", "vmm": "kvlab.vmm.spec", "reserve": "kvlab.reserve.spec"}
 
 
 class BackendProbe(Protocol):
@@ -62,6 +66,7 @@ class BackendSpec:
     unit_option: str = ""                      # the options field setting tokens per unit; "": <unit>_size if any
     unit_multiple: int = 1                     # that field's values are multiples of this (vmm: the host page)
     handoff: str = ""                          # "module:attribute" of its KV handoff factory (common/handoff/)
+    kernels: str = ""                          # "module:function" declaring its own attention kernels (env -> list)
 
     def default_options(self) -> Any:
         return self.options()
@@ -94,11 +99,6 @@ class BackendSpec:
     def load_probe(self) -> BackendProbe:
         module, attr = self.probe.split(":")
         return getattr(importlib.import_module(module), attr)
-
-    def kernels(self) -> list[str]:
-        """The attention kernels declared for its layout (whether they can run here is the dispatcher's call)."""
-        from kvlab.common.attention.declarations import REGISTRY
-        return [d.name for d in REGISTRY if d.layout == self.layout]
 
 
 def fair_units(specs: Iterable[BackendSpec], tokens: int, token_bytes: int) -> dict[str, int]:

@@ -297,7 +297,7 @@ def create_cache(config: CacheConfig, shape: KVShape, accounting_only: bool = Fa
     """Build the backend named by `config.backend`, through its registered spec (no backend import here)."""
     if config.kv_cache_dtype != shape.kv_cache_dtype:   # the config's KV dtype decides what is stored
         shape = dataclasses.replace(shape, kv_cache_dtype=config.kv_cache_dtype)
-    from kvlab.common.limits import check_physical_budget
+    from kvlab.common.machine import check_physical_budget
     if not accounting_only:
         check_physical_budget(config.device, config.kv_cache_bytes)
     return config.spec.build(config, shape, accounting_only)

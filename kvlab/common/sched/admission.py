@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvlab.common.handoff.seam import HandoffError
+from kvlab.common.errors import HandoffError
 from kvlab.common.sched.groups import add_item
 
 if TYPE_CHECKING:

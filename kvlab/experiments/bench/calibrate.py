@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.common.errors import ConfigError
-from kvlab.common.limits import check_fits_in_ram, check_int_range, fmt_bytes
+from kvlab.common.machine import check_fits_in_ram, fmt_bytes
 from kvlab.common.validate import check_int
 from kvlab.experiments.bench.kernel_costs import Grid, measure_profile
 from kvlab.experiments.cli import flags
@@ -116,8 +116,8 @@ def calibrate_driver(args: argparse.Namespace) -> int:
 
 def kernel_grid(args: argparse.Namespace) -> Grid:
     ints = lambda flag, items: tuple(positive_int(flag, x) for x in items)    # noqa: E731
-    check_int_range("--batch", args.batch, 1, 1024)
-    check_int_range("--repeats", args.repeats, 1, 1000)
+    check_int("--batch", args.batch, 1, 1024)
+    check_int("--repeats", args.repeats, 1, 1000)
     return Grid(batch=args.batch, decode_contexts=ints("--contexts", args.contexts),
                 prefill_contexts=ints("--prefill-contexts", args.prefill_contexts),
                 block_sizes=ints("--block-sizes", args.block_sizes), repeats=args.repeats)
@@ -132,7 +132,7 @@ def positive_int(flag: str, text: str) -> int:
 def calibrate_kernels(args: argparse.Namespace) -> int:
     import torch
     grid = kernel_grid(args)
-    check_int_range("--threads", args.threads, 1, 256)
+    check_int("--threads", args.threads, 1, 256)
     torch.set_num_threads(args.threads)
     doc = measure_profile(grid, "cpu", "cpu", f"kvlab calibrate --kernels on {platform.processor() or 'cpu'}, "
                                               f"{args.threads} thread(s), {grid.dtype}")

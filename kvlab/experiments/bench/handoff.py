@@ -156,7 +156,7 @@ class EnginePair:
         from kvlab.common.sampling_params import SamplingParams
         prompt = [3 + i % 500 for i in range(context)]
         first = _finish(self.prefill, prompt, SamplingParams(max_tokens=1, ignore_eos=True), REMOTE)
-        before = self.prefill.handoff_stats()
+        before = self.prefill.handoff.stats.to_dict()
         done = _finish(self.decode, prompt, SamplingParams(max_tokens=2, ignore_eos=True), first.kv_transfer_params)
         if done.error is not None:
             raise RuntimeError(f"the handoff failed: {done.error}")
@@ -183,10 +183,10 @@ def _finish(engine: Any, prompt: list[int], params: Any, kv: dict[str, Any]) -> 
 def _settled(engine: Any, count: int) -> dict[str, Any]:
     """The prefill engine's stats once it released the KV of its handoff number `count + 1`."""
     deadline = time.monotonic() + SETTLE_S
-    while (stats := engine.handoff_stats())["count"] <= count:
+    while (stats := engine.handoff.stats.to_dict())["count"] <= count:
         if time.monotonic() > deadline:
             raise RuntimeError(f"the prefill engine did not release its KV within {SETTLE_S:.0f} s: {stats}")
-        engine.poll_handoffs()
+        engine.handoff.poll_idle()
         time.sleep(0.001)
     return stats
 

@@ -13,7 +13,8 @@ import importlib
 from typing import Any
 
 from kvlab.common.errors import ConfigError
-from kvlab.common.limits import check_seed, max_threads
+from kvlab.common.limits import check_seed
+from kvlab.common.machine import max_threads
 from kvlab.common.validate import check_int
 from kvlab.experiments.bench.plan import BenchSettings, check_model_lens, check_settings, describe, load, make_plan
 from kvlab.experiments.bench.report import agreement_note, side_by_side, write_results

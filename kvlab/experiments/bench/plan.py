@@ -12,9 +12,10 @@ from typing import Any
 
 from kvlab.common.config import EngineConfig
 from kvlab.common.errors import ConfigError
-from kvlab.common.limits import MAX_REQUESTS, check_int_range
+from kvlab.common.validate import check_int
 from kvlab.experiments.bench.units import fair_unit_defaults, rank_shape
 from kvlab.experiments.cli import flags
+from kvlab.experiments.limits import MAX_REQUESTS
 from kvlab.experiments.reporting.tables import results_dir, threads_label, workload_changes
 from kvlab.experiments.workloads.requests import Request, WorkloadSpec, build_workload, prompt_token_ids, scaled
 
@@ -68,8 +69,8 @@ def check_settings(settings: BenchSettings) -> None:
         raise ConfigError(f"--warmup must be >= 0, got {settings.warmup}")
     if settings.repeats < 1:
         raise ConfigError(f"--repeats must be >= 1, got {settings.repeats}")
-    check_int_range("--warmup", settings.warmup, 0, MAX_REQUESTS)
-    check_int_range("--repeats", settings.repeats, 1, 1000)
+    check_int("--warmup", settings.warmup, 0, MAX_REQUESTS)
+    check_int("--repeats", settings.repeats, 1, 1000)
     build_workload(workload_spec(settings))     # every length and arrival checked before the model loads
     flags.check_output_path(settings.out, "--out", directory=True)
 

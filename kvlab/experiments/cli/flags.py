@@ -13,7 +13,7 @@ from typing import Any
 from kvlab.common.config import EngineConfig, make_config
 from kvlab.common.errors import ConfigError, KvlabError
 from kvlab.common.kv.registry import REGISTRY, backend_names
-from kvlab.common.limits import check_physical_budget
+from kvlab.common.machine import check_physical_budget
 from kvlab.common.validate import check_text, probe_writable, shown
 from kvlab.experiments.cli.parser import KvlabParser, first_line  # noqa: F401 (re-exported for the commands)
 
@@ -84,6 +84,8 @@ def backend_flags() -> dict[str, dict[str, Any]]:
         for f in dataclasses.fields(spec.options):
             parse = parse_bytes if f.metadata.get("bytes") else parsers.get(str(f.type), str)
             flags[f.name] = {"type": parse, "help": f.metadata.get("help", f"{spec.name} option")}
+            if "metavar" in f.metadata:
+                flags[f.name]["metavar"] = f.metadata["metavar"]
     return flags
 
 

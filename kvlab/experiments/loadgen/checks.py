@@ -1,5 +1,5 @@
 """`kvlab bench serve`'s flags checked before any work or output, through the one validation layer
-(common/validate.py, common/limits.py): each bad value is one line naming the flag."""
+(common/validate.py, experiments/limits.py): each bad value is one line naming the flag."""
 from __future__ import annotations
 
 import argparse
@@ -9,8 +9,9 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from kvlab.common.errors import ConfigError
-from kvlab.common.limits import MAX_MODEL_LEN, MAX_PROMPT_TOKENS, MAX_REQUESTS, MAX_SPAN_S, MAX_VOCAB, check_seed
+from kvlab.common.limits import MAX_MODEL_LEN, check_seed
 from kvlab.common.validate import check_int, check_number, check_output_path, check_text, shown
+from kvlab.experiments.limits import MAX_PROMPT_TOKENS, MAX_REQUESTS, MAX_SPAN_S, MAX_VOCAB
 from kvlab.experiments.loadgen import latency
 from kvlab.experiments.loadgen.datasets import LOW_TOKEN
 

@@ -11,8 +11,8 @@ from typing import Any
 from tqdm import tqdm
 
 from kvlab.common.errors import ConfigError
-from kvlab.common.limits import MAX_SPAN_S
 from kvlab.common.validate import check_number
+from kvlab.experiments.limits import MAX_SPAN_S
 from kvlab.experiments.loadgen import datasets, latency, prompts
 from kvlab.experiments.loadgen.arrivals import arrival_times
 from kvlab.experiments.loadgen.client import Target, run_load

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.common.errors import ConfigError
-from kvlab.common.limits import MAX_PROMPT_TOKENS, MAX_REQUESTS, MAX_SPAN_S
 from kvlab.common.validate import check_int, check_number
 from kvlab.experiments.cli import flags
+from kvlab.experiments.limits import MAX_PROMPT_TOKENS, MAX_REQUESTS, MAX_SPAN_S
 from kvlab.experiments.loadgen import checks
 from kvlab.experiments.loadgen.client import Target, Timeouts, fetch_model
 from kvlab.experiments.loadgen.load_run import LoadSpec

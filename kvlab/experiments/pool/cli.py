@@ -11,7 +11,7 @@ import threading
 from typing import Any
 
 from kvlab.common.errors import ConfigError
-from kvlab.common.limits import check_fits_in_ram, fmt_bytes
+from kvlab.common.machine import check_fits_in_ram, fmt_bytes
 from kvlab.experiments.cli import flags as cli
 from kvlab.vmm import pool
 from kvlab.vmm.pool.engines import EngineRecord

@@ -20,8 +20,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from kvlab.common.limits import MAX_BODY_BYTES
 from kvlab.common.outputs import RequestOutput
+from kvlab.experiments.limits import MAX_BODY_BYTES
 from kvlab.experiments.serve import protocol
 from kvlab.experiments.serve.body_limit import BodyLimit
 from kvlab.experiments.serve.chat import renderer
@@ -176,13 +176,13 @@ async def generate(server: Server, request: Request, chat: bool) -> Response:
             raise EngineGone(first.message)
         raise ApiError(first.status, first.message, "prompt" if "prompt" in first.message else None)
     n_prompt = len(prompt) if isinstance(prompt, list) else 0
-    resp = Response_(server, sub, rid, n_prompt, events)
+    resp = CompletionReply(server, sub, rid, n_prompt, events)
     if sub.stream:
         return StreamingResponse(resp.stream(), media_type="text/event-stream")
     return JSONResponse(await resp.collect(request))
 
 
-class Response_:
+class CompletionReply:
     """One request's events -> OpenAI JSON or SSE chunks."""
 
     def __init__(self, server: Server, sub: Submission, rid: str, n_prompt: int, events: asyncio.Queue) -> None:

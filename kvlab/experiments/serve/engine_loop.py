@@ -41,7 +41,7 @@ class EngineLoop:
         self.waiting = 0                               # the scheduler's waiting queue after the last step
         self.stalled = False                           # the last step ran nothing: requests wait for memory
         self.sent_waiting = 0
-        self.handoffs = engine.handoff_stats()        # the totals last published
+        self.handoffs = engine.handoff.stats.to_dict()      # the totals last published
         self.stopping = threading.Event()
         self.failed = False
         self.thread = threading.Thread(target=self.run, name="kvlab-engine", daemon=True)
@@ -144,8 +144,8 @@ class EngineLoop:
     def _idle(self) -> None:
         """Nothing to step: a prefill engine still frees the KV its decode engines took (or let expire), and
         publishes the new totals."""
-        self.engine.poll_handoffs()
-        totals = self.engine.handoff_stats()
+        self.engine.handoff.poll_idle()
+        totals = self.engine.handoff.stats.to_dict()
         if totals != self.handoffs:
             self.handoffs = totals
             self.metrics.on_handoffs(totals)
@@ -154,7 +154,7 @@ class EngineLoop:
         running, waiting, swapped = self.engine.queue_depths()
         self.waiting = waiting
         self.stalled = not running and self.engine.has_unfinished()    # a pool's engine waiting for pages
-        self.handoffs = self.engine.handoff_stats()
+        self.handoffs = self.engine.handoff.stats.to_dict()
         self.metrics.on_step(self.engine, running, waiting, swapped, force=not self.engine.has_unfinished(),
                              handoffs=self.handoffs)
 

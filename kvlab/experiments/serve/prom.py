@@ -21,7 +21,7 @@ READ_EVERY_S = 0.2
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 COUNTED = ("preemptions", "recomputed_tokens", "num_steps")                  # RunMetrics, since the last reset
 CACHE_COUNTED = ("map_calls", "unmap_calls", "map_seconds", "unmap_seconds")  # CacheStats, since the start
-# Engine.handoff_stats() key -> its counter (since the start); GET /kvlab/stats has them under "handoff"
+# Engine.handoff.stats.to_dict() key -> its counter (since the start); GET /kvlab/stats has them under "handoff"
 HANDOFF_COUNTED = {"count": "handoffs", "bytes_copied": "handoff_bytes_copied", "units_moved": "handoff_units_moved",
                    "seconds": "handoff_seconds", "failed": "handoffs_failed", "expired": "handoffs_expired"}
 
@@ -130,7 +130,7 @@ class ServerMetrics:
 
     def on_step(self, engine: Any, running: int, waiting: int, swapped: int, force: bool = False,
                 handoffs: dict[str, float] | None = None) -> None:
-        """After a step; `handoffs`: the engine's handoff totals (Engine.handoff_stats), when it has a role."""
+        """After a step; `handoffs`: the engine's handoff totals (Engine.handoff.stats), when it has a role."""
         s = engine.cache_stats()
         gauges = {"running": running, "waiting": waiting, "swapped": swapped, "used_units": s.used_units,
                   "total_units": s.total_units, "mapped_bytes": s.mapped_bytes,
@@ -171,7 +171,7 @@ class ServerMetrics:
         self.latest["pool"] = dict(pool)
 
     def on_handoffs(self, totals: dict[str, float]) -> None:
-        """The engine's handoff totals (Engine.handoff_stats) -> the counters and GET /kvlab/stats' "handoff"."""
+        """The engine's handoff totals (Engine.handoff.stats) -> the counters and GET /kvlab/stats' "handoff"."""
         for key, name in HANDOFF_COUNTED.items():
             self._count_to(name, totals[key])
         self.latest["handoff"] = {key: totals[key] for key in HANDOFF_COUNTED}

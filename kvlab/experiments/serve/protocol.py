@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab.common.errors import RequestError
-from kvlab.common.limits import MAX_N, MAX_PROMPT_CHARS, MAX_SEED, MAX_STOP_CHARS, MAX_TOKENS, MAX_VOCAB
+from kvlab.common.limits import MAX_SEED
 from kvlab.common.sampling_params import MAX_LOGPROBS, SamplingParams
 from kvlab.common.validate import shown
+from kvlab.experiments.limits import MAX_N, MAX_PROMPT_CHARS, MAX_STOP_CHARS, MAX_TOKENS, MAX_VOCAB
 
 DEFAULT_MAX_TOKENS = 16
 MAX_STOP_STRINGS = 4

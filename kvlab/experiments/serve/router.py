@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kvlab.common.limits import MAX_BODY_BYTES
+from kvlab.experiments.limits import MAX_BODY_BYTES
 from kvlab.experiments.serve import protocol
 from kvlab.experiments.serve.app import DISCONNECT_POLL_S, read_json
 from kvlab.experiments.serve.body_limit import BodyLimit

@@ -13,7 +13,7 @@ from kvlab.experiments.serve.router import RouterSettings
 MAX_URL_CHARS = 2048
 DEFAULT_UPSTREAM_TIMEOUT_S = 300.0
 MAX_UPSTREAM_TIMEOUT_S = 24 * 3600.0
-ENGINE_ONLY = ("kv_pool", "kv_pool_bytes", "served_model_name", "engine_thread")
+ENGINE_ONLY = ("served_model_name", "engine_thread")
 
 
 def check_url(flag: str, text: str) -> str:

@@ -7,8 +7,9 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from kvlab.common.limits import MAX_N, MAX_SEED, MAX_STOP_CHARS, MAX_TOKENS, MAX_VOCAB
+from kvlab.common.limits import MAX_SEED
 from kvlab.common.sampling_params import MAX_LOGPROBS
+from kvlab.experiments.limits import MAX_N, MAX_STOP_CHARS, MAX_TOKENS, MAX_VOCAB
 from kvlab.experiments.serve.protocol import MAX_STOP_STRINGS
 
 NUMBER = {"type": "number"}

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 import uvicorn
 
-from kvlab.common.limits import KEEP_ALIVE_S, MAX_HEADER_BYTES, MAX_PORT, MAX_REQUESTS
 from kvlab.common.validate import check_int
 from kvlab.experiments.cli import flags as cli
+from kvlab.experiments.limits import KEEP_ALIVE_S, MAX_HEADER_BYTES, MAX_PORT, MAX_REQUESTS
 from kvlab.experiments.serve.app import Server, create_app
 from kvlab.experiments.serve.engine_process import ProcessEngine
 from kvlab.experiments.serve.handles import EngineHandle, ThreadEngine, build_engine
@@ -42,9 +42,6 @@ def add_parser(subparsers) -> None:
     p.add_argument("--engine-thread", action="store_true",
                    help="step the engine in a thread of the server process instead of a process of its own "
                         "(one GIL for both: slower when streaming; see docs/serving.md)")
-    p.add_argument("--kv-pool", metavar="NAME", help="vmm: draw KV pages from this machine-wide pool (docs/pool.md)")
-    p.add_argument("--kv-pool-bytes", metavar="BYTES", type=cli.parse_bytes,
-                   help="create the --kv-pool with this budget if no engine serves it yet, e.g. 8GiB")
     add_role_flags(p)
     cli.add_engine_flags(p)
     p.set_defaults(run=run)
@@ -107,8 +104,7 @@ def run(args: argparse.Namespace) -> int:
     if args.role == "router":
         return serve_router(router_settings(args), args.host, args.port)
     check_engine_role(args)
-    config = cli.engine_config(vars(args), kv_pool=args.kv_pool, kv_pool_bytes=args.kv_pool_bytes,
-                               kv_role=args.role)
+    config = cli.engine_config(vars(args), kv_role=args.role)
     engine, threads = start_engine(config, args.max_waiting, args.engine_thread)
     try:
         app = create_app(Server(engine, args.served_model_name or str(config.model)))

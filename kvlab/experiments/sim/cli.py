@@ -10,12 +10,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvlab.common import limits
+from kvlab.common import machine
 from kvlab.common.config import load_toml
 from kvlab.common.errors import ConfigError
 from kvlab.common.kv.registry import get_backend
-from kvlab.common.limits import MAX_BUDGET_GB, MAX_MODEL_LEN, check_finite, check_int_range
+from kvlab.common.limits import MAX_MODEL_LEN
+from kvlab.common.validate import check_int, check_number
 from kvlab.experiments.cli import flags
+from kvlab.experiments.limits import MAX_BUDGET_GB
 from kvlab.experiments.reporting.provenance import provenance, write_provenance
 from kvlab.experiments.reporting.tables import changes_line, results_dir
 from kvlab.experiments.sim.core import (
@@ -181,17 +183,17 @@ def cases_from(opts: SimulateOptions) -> list[SimCase]:
 
 def check_options(opts: SimulateOptions) -> None:
     """Every value bounded before a worker starts or a cache is sized; output paths writable before the run."""
-    check_finite("--budget-gb", opts.budget_gb, strict=True, high=MAX_BUDGET_GB)
-    check_finite("--watermark", opts.watermark, high=0.999)
-    check_finite("--mfu", opts.mfu, strict=True, high=1.0)
-    check_int_range("--jobs", opts.jobs, 1, limits.max_threads(), " (at most 4 per CPU)")
-    check_int_range("--seeds", opts.seeds, 1, 1000)
-    check_int_range("--block-size", opts.block_size, 1, MAX_MODEL_LEN)
-    check_int_range("--tensor-parallel-size", opts.tensor_parallel_size, 1, 1024)
+    check_number("--budget-gb", opts.budget_gb, strict=True, high=MAX_BUDGET_GB)
+    check_number("--watermark", opts.watermark, high=0.999)
+    check_number("--mfu", opts.mfu, strict=True, high=1.0)
+    check_int("--jobs", opts.jobs, 1, machine.max_threads(), " (at most 4 per CPU)")
+    check_int("--seeds", opts.seeds, 1, 1000)
+    check_int("--block-size", opts.block_size, 1, MAX_MODEL_LEN)
+    check_int("--tensor-parallel-size", opts.tensor_parallel_size, 1, 1024)
     for flag, value in (("--max-num-seqs", opts.max_num_seqs), ("--max-num-batched-tokens",
                                                                opts.max_num_batched_tokens)):
         if value is not None:
-            check_int_range(flag, value, 1, MAX_MODEL_LEN)
+            check_int(flag, value, 1, MAX_MODEL_LEN)
     if opts.preset is None:
         cases_from(opts)                                   # an unknown policy or option fails here
     check_paged_bookkeeping(opts)
@@ -208,7 +210,7 @@ def check_paged_bookkeeping(opts: SimulateOptions) -> None:
     block_size = 16 if opts.preset == "seed" else opts.block_size     # the seed tables' smallest block
     per_token = model_spec(opts.model, tp=opts.tensor_parallel_size).kv_shape().bytes_per_token
     blocks = opts.budget_gb * 1e9 / (block_size * per_token)
-    limits.check_fits_in_ram(f"--budget-gb {opts.budget_gb:g} ({blocks:.3g} paged blocks of {block_size} tokens)",
+    machine.check_fits_in_ram(f"--budget-gb {opts.budget_gb:g} ({blocks:.3g} paged blocks of {block_size} tokens)",
                       blocks * PAGED_BYTES_PER_BLOCK, "lower --budget-gb or raise --block-size")
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from kvlab.common.config import make_config
 from kvlab.common.kv.seam import Allocator, create_cache
@@ -111,7 +110,3 @@ def print_worked_example() -> None:
     print(table(["figure", "kvlab", "article", "same"], rows,
                 "Worked example (Llama 3 8B, 131,072 B/token, max length 4,096), by the backends' accounting"))
     print()
-
-
-def as_json() -> list[dict[str, Any]]:
-    return [{"name": f.name, "ours": f.ours, "article": f.article, "matches": f.matches} for f in worked_example()]

@@ -28,9 +28,11 @@ from typing import Any
 
 from kvlab.common.errors import ConfigError
 from kvlab.common.kv.options import check_choice
-from kvlab.common.limits import MAX_BUDGET_GB, check_fits_in_ram, check_seed
+from kvlab.common.limits import check_seed
+from kvlab.common.machine import check_fits_in_ram
 from kvlab.common.validate import check_number, check_output_path
 from kvlab.experiments.cli import flags as cli
+from kvlab.experiments.limits import MAX_BUDGET_GB
 from kvlab.experiments.reporting.provenance import provenance, write_provenance
 from kvlab.experiments.reporting.tables import results_dir
 from kvlab.experiments.workloads import prefix as pw

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.common.errors import ConfigError
-from kvlab.common.limits import MAX_LINE_BYTES, MAX_REQUESTS
 from kvlab.common.validate import as_int, check_group, check_int, check_number, shown
+from kvlab.experiments.limits import MAX_LINE_BYTES, MAX_REQUESTS
 
 
 @dataclass(frozen=True, slots=True)

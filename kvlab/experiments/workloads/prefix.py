@@ -17,8 +17,9 @@ from pathlib import Path
 import numpy as np
 
 from kvlab.common.errors import ConfigError
-from kvlab.common.limits import MAX_HASH_ID, MAX_MODEL_LEN, MAX_PROMPT_TOKENS, MAX_SPAN_S, MAX_VOCAB, check_seed
+from kvlab.common.limits import MAX_MODEL_LEN, check_seed
 from kvlab.common.validate import check_int, check_number, parse_int
+from kvlab.experiments.limits import MAX_HASH_ID, MAX_PROMPT_TOKENS, MAX_SPAN_S, MAX_VOCAB
 from kvlab.experiments.workloads.jsonl import TraceLine, request_lines
 from kvlab.experiments.workloads.requests import Request
 

@@ -10,8 +10,9 @@ from pathlib import Path
 import numpy as np
 
 from kvlab.common.errors import ConfigError
-from kvlab.common.limits import MAX_MODEL_LEN, MAX_REQUESTS, MAX_SPAN_S, check_seed
+from kvlab.common.limits import MAX_MODEL_LEN, check_seed
 from kvlab.common.validate import as_finite, check_int, check_number, shown
+from kvlab.experiments.limits import MAX_REQUESTS, MAX_SPAN_S
 from kvlab.experiments.workloads.jsonl import TraceLine, request_lines
 
 Z95 = 1.6448536269514722          # standard normal 95th percentile

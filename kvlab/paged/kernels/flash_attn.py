@@ -1,5 +1,5 @@
 """flash-attn 2 over the paged cache: `flash_attn_with_kvcache(block_table=...)` for decode and
-`flash_attn_varlen_func(block_table=...)` for prefill with past context (gpu-apis.md §3).
+`flash_attn_varlen_func(block_table=...)` for prefill with past context (flash-attn 2's two entry points).
 
 The library wants fp16/bf16, int32 tables and cu_seqlens, head_dim <= 256 and a page size divisible by 256
 (upstream; vLLM's fork allows 16): the registry declares those rules, the library enforces them. Imported

@@ -1,6 +1,6 @@
 """FlashInfer over the paged cache: BatchDecode/BatchPrefill paged wrappers fed a CSR page table
-(`kv_indptr`, `kv_indices`, `kv_last_page_len`, all int32) built from kvlab's block tables (anchors.md §4,
-gpu-apis.md §5). FlashInfer plans once per batch and runs per layer, so the adapter plans when it sees a new
+(`kv_indptr`, `kv_indices`, `kv_last_page_len`, all int32) built from kvlab's block tables (FlashInfer's
+paged-KV format). FlashInfer plans once per batch and runs per layer, so the adapter plans when it sees a new
 metadata object and reuses the plan for the other layers of the step. Imported lazily.
 
 Decode uses CUDA cores when FlashInfer has a kernel for the GQA group ({1, 2, 3, 4, 6, 8}) and tensor

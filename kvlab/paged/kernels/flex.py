@@ -1,6 +1,6 @@
 """torch FlexAttention over the paged cache: the whole pool is one long KV sequence and a mask_mod maps each
 physical slot back to (sequence, logical position) through an inverse block table, so a query sees exactly the
-slots of its own sequence at positions <= its own (gpu-apis.md §7).
+slots of its own sequence at positions <= its own (FlexAttention's mask_mod over the pool).
 
 The block mask is built once per step (metadata object) and reused by every layer. On CUDA the attention is
 torch.compile'd (a fused Triton kernel that skips masked KV tiles); on CPU it runs eagerly, which torch warns

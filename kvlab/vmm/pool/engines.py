@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvlab.common.limits import fmt_bytes
+from kvlab.common.machine import fmt_bytes
 from kvlab.vmm.pool.errors import LimitError, PoolError
 
 NAME_BYTES = 48

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvlab.common.errors import ConfigError
-from kvlab.common.limits import MAX_REQUESTS, MAX_SPAN_S
 from kvlab.common.validate import check_int, check_number
 from kvlab.experiments.cli import flags
+from kvlab.experiments.limits import MAX_REQUESTS, MAX_SPAN_S
 from kvlab.experiments.loadgen.sweep import parse_rates
 from kvlab.experiments.reporting.checkpoint import keeping
 from kvlab.experiments.reporting.tables import table

@@ -11,11 +11,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvlab.common import limits
+from kvlab.common import limits, machine
 from kvlab.common.errors import ConfigError
-from kvlab.common.limits import MAX_BUDGET_GB, MAX_MODEL_LEN, MAX_REQUESTS, MAX_SPAN_S, check_seed
+from kvlab.common.limits import MAX_MODEL_LEN, check_seed
 from kvlab.common.validate import check_int, check_number
 from kvlab.experiments.cli import flags
+from kvlab.experiments.limits import MAX_BUDGET_GB, MAX_REQUESTS, MAX_SPAN_S
 from kvlab.experiments.loadgen import latency
 from kvlab.experiments.loadgen.sweep import ROW_KEYS, parse_rates
 from kvlab.experiments.reporting.checkpoint import keeping
@@ -213,7 +214,7 @@ def check_run_flags(args: argparse.Namespace) -> None:
     check_number("--budget-gb", args.budget_gb, strict=True, high=MAX_BUDGET_GB)
     check_number("--watermark", args.watermark, high=0.999)
     check_number("--mfu", args.mfu, strict=True, high=1.0)
-    check_int("--jobs", args.jobs, 1, limits.max_threads(), " (at most 4 per CPU)")
+    check_int("--jobs", args.jobs, 1, machine.max_threads(), " (at most 4 per CPU)")
     check_number("--slo-start", args.slo_start, strict=True, high=1e9)
     check_number("--slo-tolerance", args.slo_tolerance, strict=True, high=1.0)
     for key in args.slo or {}:
@@ -242,7 +243,7 @@ def check_cases(s: ServeSettings, cases: list[SimCase]) -> None:
             check_int("paged-BLOCK", block_size, 1, MAX_MODEL_LEN)
             per_token = model_spec(s.spec.model, tp=s.spec.tensor_parallel_size).kv_shape().bytes_per_token
             blocks = s.budget_gb * 1e9 / (block_size * per_token)
-            limits.check_fits_in_ram(f"--budget-gb {s.budget_gb:g} ({blocks:.3g} paged blocks of {block_size} "
+            machine.check_fits_in_ram(f"--budget-gb {s.budget_gb:g} ({blocks:.3g} paged blocks of {block_size} "
                                      "tokens)", blocks * PAGED_BYTES_PER_BLOCK, "lower --budget-gb or raise BLOCK")
 
 

@@ -12,7 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvlab.common.limits import max_threads
+from kvlab.common.machine import max_threads
 from kvlab.common.validate import check_int
 from kvlab.experiments.cli.flags import check_output_path
 from kvlab.experiments.studies.fallbacks.grid import NUM_KV_HEADS, Grid, check_grid, default_scenarios, run_grid

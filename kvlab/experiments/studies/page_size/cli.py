@@ -5,9 +5,9 @@ import argparse
 from typing import Any
 
 from kvlab.common.errors import ConfigError
-from kvlab.common.limits import MAX_REQUESTS
 from kvlab.common.validate import check_int
 from kvlab.experiments.cli import flags
+from kvlab.experiments.limits import MAX_REQUESTS
 from kvlab.experiments.sim.kernels import CHOICES, kernel_profile
 from kvlab.experiments.sim.roofline import HARDWARE, hardware, model_spec
 from kvlab.experiments.sim.serve import slo

@@ -8,7 +8,8 @@ import sys
 from typing import Any
 
 from kvlab.common.errors import ConfigError
-from kvlab.common.limits import MAX_MODEL_LEN, check_fits_in_ram, check_seed
+from kvlab.common.limits import MAX_MODEL_LEN, check_seed
+from kvlab.common.machine import check_fits_in_ram
 from kvlab.common.validate import check_int, check_number, check_output_path
 from kvlab.experiments.cli import flags
 from kvlab.experiments.loadgen import checks, latency

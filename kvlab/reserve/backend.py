@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvlab.common.kv.seam import KVCache, NullStorage
-from kvlab.common.reserve.allocator import ReserveAllocator
-from kvlab.common.reserve.storage import ReserveStorage
+from kvlab.reserve.allocator import ReserveAllocator
+from kvlab.reserve.storage import ReserveStorage
 
 if TYPE_CHECKING:
     from kvlab.common.config import EngineConfig

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from kvlab.common.errors import OutOfKVCache
 from kvlab.common.kv.seam import Allocator, timed, timed_allocate
 from kvlab.common.kv.types import CacheStats, CopyKV, DropSavedKV, RestoreKV, SaveKV
-from kvlab.common.reserve.regions import Regions
+from kvlab.reserve.regions import Regions
 
 if TYPE_CHECKING:
     from kvlab.common.config import EngineConfig

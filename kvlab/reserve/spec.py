@@ -20,13 +20,13 @@ class ReserveOptions:
 
 
 def build(config, shape, accounting_only):
-    from kvlab.common.reserve.backend import build_reserve
+    from kvlab.reserve.backend import build_reserve
     return build_reserve(config, shape, accounting_only)
 
 
 # The baseline reserves each sequence's whole region at admission, so a growth watermark means nothing to it.
 SPEC = BackendSpec(name="reserve", unit="token", layout="contiguous", options=ReserveOptions, build=build,
                    label=lambda o: "reserve" if o.reserve_mode == "max" else "oracle",
-                   handoff="kvlab.common.reserve.handoff:make", probe="kvlab.common.reserve.probe:PROBE",
+                   handoff="kvlab.reserve.handoff:make", probe="kvlab.reserve.probe:PROBE",
                    watermark=False,
                    help="the pre-2023 baseline: one contiguous region per sequence, reserved at admission")

@@ -26,7 +26,7 @@ from kvlab.common.kv.seam import DataStorage
 if TYPE_CHECKING:
     from kvlab.common.config import EngineConfig
     from kvlab.common.kv.types import CacheStats, KVShape
-    from kvlab.common.reserve.allocator import ReserveAllocator
+    from kvlab.reserve.allocator import ReserveAllocator
 
 
 @dataclass(slots=True)
