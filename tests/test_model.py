@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from checkpoints import SMALL, randomized_save
+from helpers.checkpoints import SMALL, randomized_save
 
 from kvlab.common.attention.metadata import BatchItem
 from kvlab.common.loader import load_model

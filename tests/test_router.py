@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from test_serve_roles import ServeProcess, engine, router
+from helpers.servers import ServeProcess, engine, router
 
 from kvlab.experiments.cli.main import main
 from kvlab.experiments.serve import server

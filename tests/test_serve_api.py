@@ -7,7 +7,7 @@ import math
 
 import httpx
 import pytest
-from test_serve_server import LiveServer, greedy
+from helpers.servers import LiveServer, greedy
 
 from kvlab import LLM, SamplingParams
 

@@ -15,9 +15,9 @@ import sys
 import textwrap
 from pathlib import Path
 
-import checkpoints
 import pytest
 import torch
+from helpers import checkpoints
 
 from kvlab.common.attention.metadata import BatchItem
 from kvlab.common.config import make_config

@@ -9,9 +9,9 @@
 """
 from __future__ import annotations
 
-import checkpoints
 import pytest
 import torch
+from helpers import checkpoints
 
 from kvlab.common.attention.declarations import REGISTRY
 from kvlab.common.attention.dispatch import AttentionSpec
