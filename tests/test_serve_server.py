@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from helpers.lazy import LazyImport
 from helpers.processes import children
 from helpers.servers import CONFIG, LiveServer, greedy, wait_for
 
@@ -25,7 +26,7 @@ from kvlab.experiments.serve.decoding import Decoding
 from kvlab.experiments.serve.health import wait_healthy
 from kvlab.experiments.serve.prom import METRICS, ServerMetrics
 
-openai = pytest.importorskip("openai")       # a dev dependency (pyproject [dev])
+openai = LazyImport("openai")       # a dev dependency (pyproject [dev])
 ROOT = Path(__file__).resolve().parents[1]
 # 256 tokens of KV: 8 requests of 31 + 96 tokens must preempt one another
 TINY_BUDGET = {"kv_cache_bytes": 1 << 20, "page_size": 4096, "preemption_mode": "recompute"}
