@@ -1,6 +1,6 @@
 """Per-test CPU seconds, for judging the suite's speed on a loaded machine (wall time there says little):
-`PYTHONPATH=tests python -m pytest -p helpers.timing` prints the slowest tests and files by CPU seconds (this process, its
-threads and the children it waited for) beside their wall seconds, and the collection's; with
+`PYTHONPATH=tests python -m pytest -p helpers.timing` prints the slowest tests and files by CPU seconds (this
+process, its threads and the children it waited for) beside their wall seconds, and the collection's; with
 KVLAB_TEST_TIMES=FILE it also writes one JSON line per test to FILE."""
 from __future__ import annotations
 
