@@ -248,7 +248,7 @@ def slab_by_entry_point():
 
 
 def test_an_entry_point_backend_gets_cli_flags_a_toml_table_and_builds(slab_by_entry_point, tmp_path):
-    from invariants import SHAPE
+    from helpers.invariants import SHAPE
 
     from kvlab.common.kv.seam import create_cache
     from kvlab.experiments.cli.flags import add_engine_flags, engine_config

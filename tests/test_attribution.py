@@ -3,7 +3,7 @@ ticks 1.0 per step, so every wait is known exactly."""
 from __future__ import annotations
 
 import pytest
-from invariants import PAGE, SHAPE
+from helpers.invariants import PAGE, SHAPE
 
 from kvlab.common.config import make_config
 from kvlab.common.engine import Engine

@@ -17,7 +17,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from invariants import one_torch_thread  # noqa: F401 - module fixture
+from helpers.invariants import one_torch_thread  # noqa: F401 - module fixture
 from safetensors.torch import save_file
 
 from kvlab.common.config import make_config

@@ -97,7 +97,7 @@ def test_bench_budget_error_prints_nothing_before_it(capsys):
 
 
 def test_bench_records_provenance_per_request_rows_and_units(tiny_bench):
-    from provenance_check import read_back
+    from helpers.provenance_check import read_back
     _, out = tiny_bench
     config = read_back(out, "results.json", "bench")
     assert config["backends"] == ["vmm", "paged", "reserve"] and config["repeats"] == 1

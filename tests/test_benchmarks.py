@@ -141,6 +141,10 @@ def test_base_metadata_matches_the_per_token_reference():
 
 
 # -- the GPU check, dry run on this CPU --------------------------------------------------------------------------
+# Slow: every part in its own process, ~50 CPU s. The default suite keeps the same script, dry-run mode and part
+# runner in test_gpu_check.py's first-contact dry run, and the check-only parts' code in their own tests
+# (test_kernel_costs.py, test_pool_cuda.py, test_vmm_cuda.py, test_gpu.py's skips).
+@pytest.mark.slow
 def test_gpu_check_dry_run_runs_every_part_on_cpu(tmp_path):
     out = tmp_path / "gpu_check.json"
     env = dict(os.environ, PYTHON=sys.executable)

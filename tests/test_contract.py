@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from invariants import SHAPE, backend_config, check_drained
+from helpers.invariants import SHAPE, backend_config, check_drained
 
 from kvlab.common.attention.declarations import kernels_for
 from kvlab.common.attention.metadata import BatchItem

@@ -14,7 +14,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from invariants import one_torch_thread  # noqa: F401 - module fixture
+from helpers.invariants import one_torch_thread  # noqa: F401 - module fixture
 
 from kvlab.common.config import make_config
 from kvlab.common.errors import DriverError, OutOfKVCache
@@ -47,7 +47,7 @@ def describe(rc: int) -> str:
 # -- the invariant check stands between a corrupted page table and the kernel ------------------------------------
 CORRUPT = """
     import sys, torch
-    from invariants import SHAPE, backend_config
+    from helpers.invariants import SHAPE, backend_config
     from kvlab.common.attention.metadata import BatchItem
     from kvlab.common.kv.seam import create_cache
     from kvlab.common.sequence import Sequence
@@ -123,7 +123,7 @@ def test_without_the_check_the_same_corruption_kills_the_process():
 # -- random workloads in subprocesses ---------------------------------------------------------------------------
 CACHE_WORKLOAD = """
     import json
-    from invariants import random_workload
+    from helpers.invariants import random_workload
     for name, backend, seed, overrides in {runs!r}:
         ops = random_workload(backend, False, seed, {num_ops}, **overrides)
         print("OPS", name, json.dumps(ops))

@@ -1,7 +1,8 @@
 """Prefill and decode engines in two processes (issue 30): greedy outputs equal a colocated engine's on every
 backend; a decode engine killed between the ledger transfer and its ack, or a prefill engine killed after sending,
 fails only the requests involved and leaks no page, memfd or mapping (each process's /proc/PID/fd and maps, the
-pool's books). Workers are tests/handoff_worker.py; every read has a deadline and every test kills what it started."""
+pool's books). Workers are tests/helpers/handoff_worker.py; every read has a deadline and every test kills what it
+started."""
 from __future__ import annotations
 
 import json
@@ -35,7 +36,7 @@ def pool_name() -> str:
 
 class Worker:
     def __init__(self, **config) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(TESTS / "handoff_worker.py"), json.dumps(config)],
+        self.proc = subprocess.Popen([sys.executable, str(TESTS / "helpers" / "handoff_worker.py"), json.dumps(config)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         hello = self.read()
         self.pid, self.address = hello["pid"], hello["address"]

@@ -7,13 +7,14 @@ import json
 import numpy as np
 import pytest
 import torch
+from helpers.lazy import LazyImport
 from safetensors.torch import load_file, save_file
 
 from kvlab.common.errors import ModelLoadError
 from kvlab.common.loader import load_model
 from kvlab.common.tokenizer import BPETokenizer
 
-transformers = pytest.importorskip("transformers", reason="transformers (dev extra) writes the checkpoints")
+transformers = LazyImport("transformers", reason="transformers (dev extra) writes the checkpoints")
 gguf = pytest.importorskip("gguf")
 
 VOCAB = 320

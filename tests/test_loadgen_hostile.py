@@ -13,9 +13,9 @@ from contextlib import contextmanager
 import pytest
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
+from helpers.servers import serve_in_thread
 
 from kvlab.experiments.cli import main as cli
-from tests.test_loadgen_vllm import serve_in_thread
 
 UNUSED_URL = "http://127.0.0.1:9"          # the discard port: a case that connects fails, not hangs
 

@@ -8,11 +8,9 @@ import json
 import shlex
 import socket
 import threading
-import time
 from contextlib import contextmanager
 
 import pytest
-import uvicorn
 from aiohttp import web
 
 from kvlab.experiments.cli import main as cli
@@ -29,26 +27,6 @@ VLLM_SUMMARY = ("date", "endpoint_type", "backend", "label", "model_id", "tokeni
                 "request_rate", "burstiness", "max_concurrency", "duration", "completed", "failed",
                 "total_input_tokens", "total_output_tokens", "request_throughput", "request_goodput",
                 "output_throughput", "total_token_throughput", "max_concurrent_requests")
-
-
-@contextmanager
-def serve_in_thread(app):
-    """A uvicorn server on a free loopback port, in this process; yields its base URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
 
 
 MOCK_ANSWER = "A mocked answer, streamed five characters at a time."

@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 import torch
-from checkpoints import SMALL, randomized_save
+from helpers.checkpoints import SMALL, randomized_save
+from helpers.lazy import LazyImport
 
 from kvlab.common.attention.metadata import BatchItem
 from kvlab.common.loader import load_model
@@ -15,7 +16,7 @@ from kvlab.common.presets import TINY_CONFIG
 from kvlab.common.sequence import Sequence
 from kvlab.common.tokenizer import ByteTokenizer
 
-transformers = pytest.importorskip("transformers", reason="transformers (dev extra) is the ground truth")
+transformers = LazyImport("transformers", reason="transformers (dev extra) is the ground truth")
 
 TOL = 1e-4
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from test_pool_processes import leftovers
+from helpers.pool_workers import leftovers
 
 from kvlab.experiments.cli.main import main
 from kvlab.vmm import pool

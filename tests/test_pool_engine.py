@@ -3,38 +3,33 @@ before the mmap), a refused take preempts like a spent budget, idle engines give
 one, and a killed engine's pages come back. Outputs never change: greedy tokens equal a solo engine's."""
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
-import subprocess
-import sys
-import time
-import uuid
 
 import pytest
+from helpers.pool_engines import (
+    BASE,
+    DEADLINE_S,
+    LONGEST,
+    PAGE,
+    PARAMS,
+    PREFIX_PROMPTS,
+    PROMPTS,
+    pool_name,
+    read_line,
+    start_engine,
+    wait_for,
+)
 
-from kvlab import LLM, SamplingParams
+from kvlab import LLM
 from kvlab.common.errors import ConfigError
 from kvlab.common.kv.types import CacheStats
 from kvlab.common.metrics import RunMetrics
 from kvlab.experiments.serve.prom import ServerMetrics
 from kvlab.vmm import pool
 
-PROMPTS = [[1 + (7 * i + 3 * j) % 200 for j in range(5 + 9 * i)] for i in range(8)]
-SHARED = [1 + (5 * j) % 190 for j in range(40)]           # five whole 8-token pages every prompt below starts with
-PREFIX_PROMPTS = [SHARED + [1 + (7 * i + 3 * j) % 200 for j in range(3 + 5 * i)] for i in range(6)]
-PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)
-BASE = {"model": "tiny", "backend": "vmm", "max_model_len": 256, "page_size": 4096, "kv_cache_bytes": 16 << 20,
-        "max_num_seqs": 1}
-PAGE = 4096
-LONGEST = 96 * PAGE          # the pages the longest request maps (68 prompt + 24 output tokens)
 POOL_KEYS = {"name", "total_bytes", "used_bytes", "engine_bytes", "pages_given", "pages_taken"}
-DEADLINE_S = 60.0
-
-
-def pool_name() -> str:
-    return f"test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 def run(prompts: list[list[int]] = PROMPTS, **overrides) -> tuple[list[list[int]], dict, int]:
@@ -109,43 +104,7 @@ def test_pool_options_are_one_line_errors(overrides, match):
     assert "\n" not in str(e.value)
 
 
-# -- engines in other processes -------------------------------------------------------------------------------
-ENGINE_SCRIPT = """
-import json, sys
-from kvlab import LLM, SamplingParams
-from tests.test_pool_engine import BASE, PARAMS, PREFIX_PROMPTS, PROMPTS
-caching = sys.argv[2:] == ["prefix"]
-llm = LLM(**BASE, kv_pool=sys.argv[1], enable_prefix_caching=caching)
-tokens = [r.outputs[0].token_ids for r in llm.generate(PREFIX_PROMPTS if caching else PROMPTS, PARAMS)]
-extra = llm.cache_stats().extra
-print(json.dumps({"tokens": tokens, "pool": extra["pool"], "cached": extra.get("prefix_cached_pages", 0)}), flush=True)
-sys.stdin.readline()                   # idle, holding its freed slots' (and cached) pages, until the test says stop
-extra = llm.cache_stats().extra
-print(json.dumps({**extra["pool"], "prefix_evictions": extra.get("prefix_evictions", 0)}), flush=True)
-llm.close()
-"""
-
-
-def start_engine(name: str, *args: str) -> subprocess.Popen:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return subprocess.Popen([sys.executable, "-c", ENGINE_SCRIPT, name, *args], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, cwd=root)
-
-
-def read_line(proc: subprocess.Popen) -> dict:
-    line = proc.stdout.readline()
-    assert line, f"the engine process exited ({proc.wait(DEADLINE_S)})"
-    return json.loads(line)
-
-
-def wait_for(condition, what: str) -> float:
-    start = time.monotonic()
-    while not condition():
-        assert time.monotonic() - start < DEADLINE_S, f"timed out waiting for {what}"
-        time.sleep(0.01)
-    return time.monotonic() - start
-
-
+# -- engines in other processes (helpers.pool_engines.start_engine) -----------------------------------------
 def test_an_idle_engine_feeds_a_starved_one_and_outputs_stay_equal(solo):
     """Engine A runs and idles holding its freed slots' pages, most of the pool; engine B (this process) is
     refused, asks, and A's steward gives its spares back; both generate exactly what a solo engine does."""

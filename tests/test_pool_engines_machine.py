@@ -2,11 +2,11 @@
 forks, swaps and preemptions on both, and each engine's floor and ceiling changed mid-run. The pool is smaller
 than the two budgets together, so takes are refused and idle pages move between the engines (their stewards
 answer the ledger's `wanted` on their own threads, as in a server). After every step each engine passes the
-checks of tests/invariants.py (its books, and its K/V read back through the pool memfd at the pages the books
+checks of tests/helpers/invariants.py (its books, and its K/V read back through the pool memfd at the pages the books
 give it), the books say each engine holds exactly the pool pages its driver backs, the kernel maps into its
 ranges exactly those (check_pool), and the two engines' pages never overlap: neither can see the other's data.
 
-A second variant runs the other engine in its own process (tests/invariants.py's random workload, every check
+A second variant runs the other engine in its own process (tests/helpers/invariants.py's random workload, every check
 after every operation) while the machine drives this one."""
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ from pathlib import Path
 
 import hypothesis.strategies as st
 import pytest
+from helpers.invariants import MAX_LEN, OPS, PAGE, VOCAB, Workload, check_pool_books, one_torch_thread  # noqa: F401
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
-from invariants import MAX_LEN, OPS, PAGE, VOCAB, Workload, check_pool_books, one_torch_thread  # noqa: F401
 
 from kvlab.vmm import pool
 from kvlab.vmm.drivers import pooled
@@ -228,7 +228,7 @@ def test_two_engines_caching_prefixes_on_one_pool_keep_their_books_and_their_dat
 REMOTE = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
-from invariants import random_workload
+from helpers.invariants import random_workload
 from kvlab.vmm.drivers import pooled
 pooled.ANSWER_WAIT_S = 0.02
 ops = random_workload("vmm", False, int(sys.argv[3]), int(sys.argv[4]), kv_pool=sys.argv[2], check_invariants=True)

@@ -5,10 +5,10 @@ completes with the tokens it generates alone."""
 from __future__ import annotations
 
 import pytest
+from helpers.pool_engines import BASE, LONGEST, PAGE, PARAMS, PROMPTS, pool_name
 
 from kvlab import LLM
 from kvlab.vmm import pool
-from tests.test_pool_engine import BASE, LONGEST, PAGE, PARAMS, PROMPTS, pool_name
 
 STEPS_HELD = 40             # steps while the other engine holds the pool: each could re-admit and re-preempt
 MAX_STEPS = 500             # far more than the request's 24 tokens take, preemptions included

@@ -7,9 +7,9 @@ import os
 
 import hypothesis.strategies as st
 import pytest
+from helpers.pool_workers import PAGE, RemoteMember, books
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
-from test_pool_processes import PAGE, RemoteMember, books
 
 from kvlab.vmm import pool
 

@@ -1,7 +1,7 @@
 """Property-based tests (hypothesis, rule-based state machines): random admit / grow / fork / write / free /
 abort / swap / preempt sequences on every backend, in accounting and real mode, and random add / abort / step
 sequences through the real Scheduler and Engine. After every step the books are checked against an independent
-model (tests/invariants.py); after every run nothing may be left: units, tables, slots, mappings, host swap
+model (tests/helpers/invariants.py); after every run nothing may be left: units, tables, slots, mappings, host swap
 copies, background threads. Issue 17 adds a sliding-window machine (W drawn in 8..24, below MAX_LEN) for every
 backend whose BackendSpec says `window_trim`, in accounting and real mode, that counts the window's trims and
 asserts some ran, and an fp8_e4m3 machine on every backend (its budget holds exactly 2x bf16's tokens).
@@ -16,17 +16,7 @@ from collections import Counter
 from typing import ClassVar
 
 import pytest
-from hypothesis import HealthCheck, settings
-from hypothesis import strategies as st
-from hypothesis.stateful import (
-    RuleBasedStateMachine,
-    initialize,
-    invariant,
-    precondition,
-    rule,
-    run_state_machine_as_test,
-)
-from invariants import (
+from helpers.invariants import (
     EOS,
     MAX_LEN,
     OPS,
@@ -41,6 +31,16 @@ from invariants import (
     kvlab_threads,
     memfd_mappings,
     one_torch_thread,  # noqa: F401 - the fixture applies to this module
+)
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
 )
 
 from kvlab.common.config import make_config
@@ -258,6 +258,13 @@ def test_random_operations_keep_the_books(backend, capsys):
 def test_random_operations_keep_the_books_long(backend, capsys):
     total = run_backend(backend, 10, capsys)
     assert total >= 20000
+
+
+def test_the_state_machine_with_prefix_admissions_hits_and_keeps_the_books():
+    label, cls, _ = next(v for v in VARIANTS["vmm"] if v[0] == "real+prefix-caching")
+    cls.totals.clear()
+    run_machine(cls, 8)
+    assert cls.totals["prefix_hit_tokens"] > 0 and cls.totals["admit"] > 0
 
 
 # -- sliding window and fp8 KV (issue 17) ----------------------------------------------------------------------

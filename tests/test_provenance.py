@@ -1,5 +1,5 @@
 """experiments/reporting/provenance.py: what every results file records, and the sharing study's writer (the
-other writers' read-backs sit beside their own tests: test_bench, test_simulate, test_newcomer_outputs,
+other writers' read-backs sit beside their own tests: test_bench, test_simulate, test_results_dir,
 test_sim_serve, test_vmm_prefix_workloads, test_serve_bench)."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import dataclasses
 import json
 import re
 
-from provenance_check import check_provenance, read_back
+from helpers.provenance_check import check_provenance, read_back
 
 from kvlab.experiments.cli.main import main
 from kvlab.experiments.reporting.provenance import jsonable, provenance, read_provenance, source_revision

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from processes import alive, children
+from helpers.processes import alive, children
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,13 +10,14 @@ import time
 
 import httpx
 import pytest
-from test_serve_roles import ServeProcess, engine, router
+from helpers.lazy import LazyImport
+from helpers.servers import ServeProcess, engine, router
 
 from kvlab.experiments.cli.main import main
 from kvlab.experiments.serve import server
 from kvlab.experiments.serve.health import wait_healthy
 
-openai = pytest.importorskip("openai")
+openai = LazyImport("openai")
 BACKEND = "vmm"
 LONG = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
 

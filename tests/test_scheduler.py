@@ -4,7 +4,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from invariants import FakeClockRunner
+from helpers.invariants import FakeClockRunner
 
 from kvlab.common.config import make_config
 from kvlab.common.engine import Engine

@@ -7,11 +7,12 @@ import math
 
 import httpx
 import pytest
-from test_serve_server import LiveServer, greedy
+from helpers.lazy import LazyImport
+from helpers.servers import LiveServer, greedy
 
 from kvlab import LLM, SamplingParams
 
-openai = pytest.importorskip("openai")                    # dev dependencies (pyproject [dev])
+openai = LazyImport("openai")                    # dev dependencies (pyproject [dev])
 hf_hub = pytest.importorskip("huggingface_hub")
 PARTS = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]
 

@@ -154,7 +154,7 @@ def test_bench_serve_cli_against_stub(stub, tmp_path, capsys):
     assert rc == 0
     saved = json.loads(next(tmp_path.glob("*.json")).read_text())
     assert saved["completed"] == 4 and saved["request_goodput"] > 0 and "p99_itl_ms" in saved
-    from provenance_check import check_provenance
+    from helpers.provenance_check import check_provenance
     assert check_provenance(saved["provenance"], "bench serve")["base_url"] == stub
     assert re.search(r"completed\s+4", capsys.readouterr().out)
 
@@ -195,7 +195,7 @@ def test_paired_sweep_writes_results(tmp_path):
     assert {p.name for p in tmp_path.glob("serve_timeline_*.png")} == {"serve_timeline_vmm.png",
                                                                         "serve_timeline_paged.png"}
     assert (tmp_path / "serve_requests.csv").read_text().count("\n") == 9
-    from provenance_check import read_back
+    from helpers.provenance_check import read_back
     config = read_back(tmp_path, "serve.json", "bench serve")
     assert {b: e["backend"] for b, e in config["engine"].items()} == {"vmm": "vmm", "paged": "paged"}
     assert config["engine"]["paged"]["model"] == "tiny" and "paged" in config["engine"]["paged"]

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from processes import alive, children, command_line
-from test_serve_server import LiveServer, wait_for
+from helpers.processes import alive, children, command_line
+from helpers.servers import LiveServer, wait_for
 
 from kvlab.common.config import make_config
 from kvlab.common.errors import ModelLoadError

@@ -12,9 +12,9 @@ import json
 
 import httpx
 import pytest
+from helpers.servers import LiveServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_serve_server import LiveServer
 
 from kvlab.experiments.limits import MAX_N, MAX_TOKENS
 

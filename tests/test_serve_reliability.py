@@ -11,9 +11,9 @@ import time
 
 import httpx
 import pytest
+from helpers.servers import LiveServer, wait_for
 from hypothesis import assume, given
 from hypothesis import strategies as st
-from test_serve_server import LiveServer, wait_for
 
 from kvlab.common.tokenizer import ByteTokenizer
 from kvlab.experiments.cli.main import main

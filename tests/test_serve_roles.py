@@ -4,79 +4,19 @@ reported per request (`kvlab.handoff`), summed in /kvlab/stats and counted in /m
 from __future__ import annotations
 
 import json
-import os
 import re
-import select
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+from helpers.servers import ServeProcess, engine, router
 
 from kvlab.experiments.serve.health import wait_healthy
 from kvlab.experiments.serve.protocol import ApiError, parse
 
 ROOT = Path(__file__).resolve().parents[1]
-START_S = 120                  # a loaded machine starts the tiny model's server within this
-STOP_S = 30
 BACKENDS = ("vmm", "paged", "reserve")
-
-
-class ServeProcess:
-    """`kvlab serve ARGS --port 0` in a session of its own; its URL read from its start line within START_S;
-    stopped (SIGTERM to its group, then SIGKILL) by `stop`, always bounded."""
-
-    def __init__(self, *args: str) -> None:
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvlab.experiments.cli.main", "serve", "--port", "0",
-                                      *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, start_new_session=True)
-        try:
-            self.url = self._start_line()
-        except BaseException:
-            self.stop()
-            raise
-
-    def _start_line(self) -> str:
-        ready, _, _ = select.select([self.proc.stdout], [], [], START_S)
-        line = self.proc.stdout.readline() if ready else ""
-        found = re.search(r"http://\S+", line)
-        if found is None:
-            self.stop()
-            raise AssertionError(f"no start line within {START_S} s: {line!r}\n{self.proc.stderr.read()[-3000:]}")
-        return found.group(0)
-
-    def kill(self) -> None:
-        """SIGKILL to the server and its engine process: a crash, as the clients see it."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(STOP_S)
-
-    def stop(self) -> str:
-        """Stop it; its stderr."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(STOP_S)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        return self.proc.stderr.read()
-
-
-def engine(backend: str, role: str, *extra: str) -> ServeProcess:
-    """A tiny-model server; vmm's prefill and decode engines share a pool named after this test process (the
-    pages change owner in its ledger)."""
-    pool = ("--kv-pool", f"roles-test-{os.getpid()}", "--kv-pool-bytes", "256MiB")
-    shared = pool if backend == "vmm" and role != "colocated" else ()
-    return ServeProcess("--model", "tiny", "--backend", backend, "--role", role, "--engine-thread", *shared, *extra)
-
-
-def router(prefill: list[ServeProcess], decode: list[ServeProcess], *extra: str) -> ServeProcess:
-    return ServeProcess("--role", "router", "--prefill", *[p.url for p in prefill],
-                        "--decode", *[d.url for d in decode], *extra)
 
 
 class Cluster:

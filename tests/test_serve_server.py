@@ -5,81 +5,31 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
-from processes import children
+from helpers.lazy import LazyImport
+from helpers.processes import children
+from helpers.servers import CONFIG, LiveServer, greedy, wait_for
 
 from kvlab import LLM
-from kvlab.common.config import make_config
-from kvlab.common.engine import Engine
 from kvlab.common.kv.types import CacheStats
 from kvlab.common.metrics import RunMetrics
 from kvlab.common.outputs import CompletionOutput, RequestOutput
 from kvlab.common.sampling_params import SamplingParams
 from kvlab.common.tokenizer import ByteTokenizer
-from kvlab.experiments.serve.app import Server, create_app
 from kvlab.experiments.serve.decoding import Decoding
-from kvlab.experiments.serve.engine_process import ProcessEngine
-from kvlab.experiments.serve.handles import ThreadEngine
 from kvlab.experiments.serve.health import wait_healthy
 from kvlab.experiments.serve.prom import METRICS, ServerMetrics
 
-openai = pytest.importorskip("openai")       # a dev dependency (pyproject [dev])
+openai = LazyImport("openai")       # a dev dependency (pyproject [dev])
 ROOT = Path(__file__).resolve().parents[1]
-CONFIG = {"model": "tiny", "backend": "vmm"}
 # 256 tokens of KV: 8 requests of 31 + 96 tokens must preempt one another
 TINY_BUDGET = {"kv_cache_bytes": 1 << 20, "page_size": 4096, "preemption_mode": "recompute"}
-
-
-def start_engine(kind: str, max_waiting: int, config: dict | None):
-    """The engine stepping in a thread of this process, or in a process of its own (as `kvlab serve` runs it)."""
-    cfg = make_config(**CONFIG, **(config or {}))
-    if kind == "process":
-        return ProcessEngine(cfg, max_waiting)
-    engine = ThreadEngine(Engine.from_config(cfg), ServerMetrics("vmm"), max_waiting)
-    engine.start()
-    return engine
-
-
-class LiveServer:
-    """uvicorn in a thread on a free 127.0.0.1 port; always stopped (bounded) by the fixture."""
-
-    def __init__(self, max_waiting: int = 1024, config: dict | None = None, engine: str = "thread") -> None:
-        self.engine = start_engine(engine, max_waiting, config)
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        app = create_app(Server(self.engine, "tiny"))
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(15)
-        self.engine.stop()
-        self.sock.close()
-        assert not self.thread.is_alive()
-
-    def client(self):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", timeout=60, max_retries=0)
-
-    def metric(self, name: str) -> float:
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
 
 
 @pytest.fixture(scope="module", params=["thread", "process"])
@@ -94,10 +44,6 @@ def reference():
     llm = LLM(**CONFIG)
     yield llm
     llm.close()
-
-
-def greedy(max_tokens: int = 8) -> dict:
-    return {"max_tokens": max_tokens, "temperature": 0, "extra_body": {"ignore_eos": True}}
 
 
 def test_completion_chat_and_stream(live):
@@ -145,15 +91,6 @@ def test_stop_string_cuts_text_across_tokens():
     dec = Decoding(tok, 1, ["wor"])
     sent = [dec.add(0, [t])[1] for t in tok.encode("hello world")]
     assert "".join(sent) == "hello " and dec.samples[0].finish_reason == "stop" and dec.all_stopped()
-
-
-def wait_for(cond, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_client_disconnect_frees_kv(live):

@@ -130,7 +130,7 @@ def test_cli_grid_and_slo_search(tmp_path, capsys):
               "--jobs", "1", "--no-progress", "--seeds", "2"]
     assert main([*common, "--request-rates", "2,inf", "--out", str(tmp_path / "grid")]) == 0
     assert (tmp_path / "grid" / "sim_serve.csv").is_file() and (tmp_path / "grid" / "sim_pareto.png").is_file()
-    from provenance_check import read_back
+    from helpers.provenance_check import read_back
     config = read_back(tmp_path / "grid", "sim_serve.json", "simulate serve")
     assert config["cases"] == ["reserve", "paged-16"] and config["seeds"] and config["budget_gb"] == 6
     assert main([*common, "--slo", "p99_ttft_ms<=2000,p99_tpot_ms<=100", "--slo-tolerance", "0.2",
@@ -145,7 +145,7 @@ def test_calibrate_writes_the_host_profile(tmp_path):
     assert main(["calibrate", "--page-sizes", "64KiB", "--pages", "4", "--repeats", "1", "--out", str(path)]) == 0
     prof = profile("host", path, 64 * 2**10)
     assert prof.name == "host" and prof.map_s > 0 and prof.unmap_s > 0
-    from provenance_check import check_provenance
+    from helpers.provenance_check import check_provenance
     assert check_provenance(json.loads(path.read_text())["provenance"], "calibrate")["page_sizes"] == ["65536"]
     with pytest.raises(Exception, match="no entry for page size"):
         profile("host", path, 2 * 2**20)

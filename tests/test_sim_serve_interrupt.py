@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from processes import children
+from helpers.processes import children
 
 ROOT = Path(__file__).resolve().parents[1]
 BAR = re.compile(r"^simulate serve:\s+\d+%")

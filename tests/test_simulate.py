@@ -96,7 +96,7 @@ def test_cli_writes_json_rows_with_the_required_keys(tmp_path, capsys):
     assert rc == 0
     rows = json.loads(path.read_text())["rows"]
     assert [r["policy"] for r in rows] == ["reserve", "paged", "vmm"]
-    from provenance_check import check_provenance
+    from helpers.provenance_check import check_provenance
     assert check_provenance(json.loads(path.read_text())["provenance"], "simulate")["budget_gb"] == 2
     for r in rows:
         for key in ("policy", "budget_gb", "block_size", "page_size", "watermark", "mean_batch", "utilization",

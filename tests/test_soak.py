@@ -11,7 +11,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 import pytest
-from invariants import (
+from helpers.invariants import (
     SHAPE,
     CheapRunner,
     check_closed,

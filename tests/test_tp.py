@@ -9,7 +9,7 @@ import signal
 
 import pytest
 import torch
-from processes import alive, children
+from helpers.processes import alive, children
 
 from kvlab.common.config import make_config
 from kvlab.common.dist.message import Encoder, Mirror

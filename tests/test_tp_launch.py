@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from processes import alive, children, command_line
+from helpers.processes import alive, children, command_line
 
 from kvlab.common.dist.launch import WORKER_MODULE
 from kvlab.common.llm import LLM

@@ -90,7 +90,7 @@ def test_kvlab_prefix_writes_json_csv_report_and_plot(tmp_path):
         assert r["shareable_tokens"] == r["granularity_loss"] + r["missed_tokens"] + r["hit_tokens"]
     assert (tmp_path / "rows.csv").read_text().startswith("run,workload,backend")
     assert "ttft_p50_on_ms" in (tmp_path / "rows.csv").read_text().splitlines()[0]
-    from provenance_check import read_back
+    from helpers.provenance_check import read_back
     assert read_back(tmp_path, "rows.json", "prefix")["workloads"] == ["trace"]
     assert (tmp_path / "prefix.png").stat().st_size > 0 and (tmp_path / "report.txt").is_file()
 

@@ -15,9 +15,10 @@ import sys
 import textwrap
 from pathlib import Path
 
-import checkpoints
 import pytest
 import torch
+from helpers import checkpoints
+from helpers.lazy import LazyImport
 
 from kvlab.common.attention.metadata import BatchItem
 from kvlab.common.config import make_config
@@ -28,7 +29,7 @@ from kvlab.common.loader import load_model
 from kvlab.common.sampling_params import SamplingParams
 from kvlab.common.sequence import Sequence
 
-transformers = pytest.importorskip("transformers", reason="transformers (dev extra) builds the checkpoint")
+transformers = LazyImport("transformers", reason="transformers (dev extra) builds the checkpoint")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 ROOT = Path(__file__).resolve().parents[1]

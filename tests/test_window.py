@@ -9,9 +9,10 @@
 """
 from __future__ import annotations
 
-import checkpoints
 import pytest
 import torch
+from helpers import checkpoints
+from helpers.lazy import LazyImport
 
 from kvlab.common.attention.declarations import REGISTRY
 from kvlab.common.attention.dispatch import AttentionSpec
@@ -23,7 +24,7 @@ from kvlab.common.loader import load_model
 from kvlab.common.sampling_params import SamplingParams
 from kvlab.common.sequence import Sequence
 
-transformers = pytest.importorskip("transformers", reason="transformers (dev extra) is the ground truth")
+transformers = LazyImport("transformers", reason="transformers (dev extra) is the ground truth")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 TOL = 1e-4

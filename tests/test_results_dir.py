@@ -10,7 +10,7 @@ def test_simulate_writes_a_results_directory_by_default(tmp_path, monkeypatch, c
     assert main(["simulate", "--policies", "paged", "--num-requests", "20", "--no-progress", "--jobs", "1"]) == 0
     (out,) = (tmp_path / "results").iterdir()
     assert {p.name for p in out.iterdir()} == {"provenance.json", "rows.json", "batch.png", "report.txt"}
-    from provenance_check import read_back
+    from helpers.provenance_check import read_back
     config = read_back(out, "rows.json", "simulate")
     assert config["policies"] == ["paged"] and config["settings"]["workload"]["num_requests"] == 20
     assert f"results in {out.relative_to(tmp_path)}/" in capsys.readouterr().out

@@ -8,6 +8,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from helpers.pool_engines import BASE, LONGEST, PAGE, PARAMS, PROMPTS, Asks, pool_name, wait_for
 
 from kvlab import LLM
 from kvlab.common.kv.types import CacheStats
@@ -17,21 +18,8 @@ from kvlab.experiments.serve.prom import ServerMetrics
 from kvlab.vmm import pool
 from kvlab.vmm.drivers import pooled
 from kvlab.vmm.drivers.pooled import PooledVirtualMemory, PoolExhausted
-from tests.test_pool_engine import BASE, LONGEST, PAGE, PARAMS, PROMPTS, pool_name, wait_for
 
 TENSORS = 8                     # the tiny model's pages in one page group (4 layers, K and V)
-
-
-class Asks:
-    """Counts a member's asks (each one is a wait for other engines)."""
-
-    def __init__(self, member: pool.PoolMember) -> None:
-        self.count, self.ask = 0, member.ask
-        member.ask = self
-
-    def __call__(self, n: int) -> None:
-        self.count += 1
-        self.ask(n)
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """What a starved engine waits for an idle engine's give-back (docs/pool.md, the elastic protocol's step 2).
 
-    OMP_NUM_THREADS=1 taskset -c 0 .venv/bin/python tests/pool_wait_cost.py RUNS
+    OMP_NUM_THREADS=1 taskset -c 0 .venv/bin/python tests/helpers/pool_wait_cost.py RUNS
 
 Engine A (a child process) runs the test prompts and idles holding its freed slots' pages; engine B (this process)
 runs the same prompts on what is left of the pool: every refused take asks the others, and the time from the ask to
@@ -13,13 +13,14 @@ import statistics
 import sys
 import time
 import uuid
+from pathlib import Path
 
-sys.path.insert(0, os.getcwd())
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
 
+from helpers.pool_engines import BASE, LONGEST, PAGE, PARAMS, PROMPTS, read_line, start_engine  # noqa: E402
 from kvlab import LLM  # noqa: E402
 from kvlab.vmm import pool  # noqa: E402
 from kvlab.vmm.drivers import pooled  # noqa: E402
-from tests.test_pool_engine import BASE, LONGEST, PAGE, PARAMS, PROMPTS, read_line, start_engine  # noqa: E402
 
 
 def timed_asks(waits: list[float]) -> None:

@@ -1,8 +1,8 @@
 """What a starved engine waits for beside a busy one (docs/pool.md, the elastic protocol's step 2).
 
-    OMP_NUM_THREADS=1 taskset -c 0 .venv/bin/python tests/pool_ask_cost.py RUNS
+    OMP_NUM_THREADS=1 taskset -c 0 .venv/bin/python tests/helpers/pool_ask_cost.py RUNS
 
-A busy engine (tests/test_pool_ask.py's BusyEngine) holds the whole pool and gives exactly what is asked, from its
+A busy engine (helpers/pool_engines.py's BusyEngine) holds the whole pool and gives exactly what is asked, from its
 steward thread; an engine runs the longest test prompt beside it. Printed per run: the engine's asks (each one a
 wait for a steward round), the run's seconds, its map+unmap seconds (taking pool pages, waits included) and its
 preemptions. Not a test: a measurement.
@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
-sys.path.insert(0, os.getcwd())
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
 
-from tests.test_pool_ask import starved_run  # noqa: E402
+from helpers.pool_engines import starved_run  # noqa: E402
 
 
 def one_run() -> str:
