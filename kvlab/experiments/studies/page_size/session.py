@@ -76,10 +76,11 @@ def partial(s: StudySettings, journal: Journal, folder: Path | None, seconds: fl
             "interrupted": f"INTERRUPTED after {len(journal.done)} searches: a partial report{where}."}
 
 
-def finish(s: StudySettings, result: dict[str, Any], folder: Path | None, out: Any = sys.stdout) -> None:
+def finish(s: StudySettings, result: dict[str, Any], folder: Path | None, to_stderr: bool = False) -> None:
     from kvlab.experiments.studies.page_size.output import save
     from kvlab.experiments.studies.page_size.report import report
     text = report(s, result)
+    out = sys.stderr if to_stderr else sys.stdout
     print(text, file=out)
     if folder is not None:
         print(f"results in {save(s, result, text, folder)}/", file=out)
@@ -96,7 +97,7 @@ def run_session(args: argparse.Namespace, settings_from: Callable[[argparse.Name
         with sigterm_as_interrupt():
             result = run_study(s, journal)
     except KeyboardInterrupt:
-        finish(s, partial(s, journal, folder, time.perf_counter() - t0), folder, sys.stderr)
+        finish(s, partial(s, journal, folder, time.perf_counter() - t0), folder, True)
         raise
     finish(s, result, folder)
     return 0
