@@ -250,3 +250,25 @@ def test_ray_gives_the_pools_results():
     finally:
         ray.shutdown()
     assert on_ray["cells"] == pool["cells"] and on_ray["verdict"] == pool["verdict"]
+
+
+@pytest.mark.slow
+def test_sigterm_leaves_a_partial_report_and_exit_130(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    out = tmp_path / "study"
+    argv = [sys.executable, "-m", "kvlab.experiments.cli.main", *TINY[:-2], "--kernel-ratios", "1,2",
+            "--jobs", "1", "--out", str(out)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.getcwd()})
+    journal = out / "searches.jsonl"
+    deadline = time.monotonic() + 300
+    while not (journal.is_file() and journal.read_text().count("\n") >= 1) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "INTERRUPTED after" in (out / "report.txt").read_text() and "interrupted" in err.splitlines()[-1]
