@@ -261,7 +261,7 @@ def test_sigterm_leaves_a_partial_report_and_exit_130(tmp_path):
     import time
     out = tmp_path / "study"
     argv = [sys.executable, "-m", "kvlab.experiments.cli.main", *TINY[:-2], "--kernel-ratios", "1,2",
-            "--jobs", "1", "--out", str(out)]
+            "--jobs", "2", "--out", str(out)]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": os.getcwd()})
     journal = out / "searches.jsonl"
@@ -270,5 +270,5 @@ def test_sigterm_leaves_a_partial_report_and_exit_130(tmp_path):
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err
+    assert proc.returncode == 130 and "Traceback" not in err, err       # the pool's workers end quietly
     assert "INTERRUPTED after" in (out / "report.txt").read_text() and "interrupted" in err.splitlines()[-1]

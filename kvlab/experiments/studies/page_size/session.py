@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
 import time
@@ -41,9 +42,15 @@ def resumed_args(args: argparse.Namespace) -> argparse.Namespace:
 
 @contextlib.contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM raises KeyboardInterrupt here, so a killed study unwinds as a Ctrl-C does (workers stopped,
-    partial report written)."""
+    """SIGTERM raises KeyboardInterrupt in the study's process, so a killed study unwinds as a Ctrl-C does
+    (workers stopped, partial report written); a worker that inherited the handler just ends."""
+    study = os.getpid()
+
     def interrupt(signum: int, frame: Any) -> None:
+        if os.getpid() != study:            # a pool worker forked with this handler: die as SIGTERM says
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
         raise KeyboardInterrupt
     previous = signal.signal(signal.SIGTERM, interrupt)
     try:
