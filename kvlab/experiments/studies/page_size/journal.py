@@ -33,14 +33,15 @@ class Journal:
         path = folder / FILE
         if not path.is_file():
             raise ConfigError(f"nothing to resume in {folder}: no {FILE}")
-        for number, line in enumerate(path.read_text().splitlines(), 1):
+        lines = path.read_text().splitlines()
+        for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:
                 r = json.loads(line)
                 journal.done[result_key(r)] = r
             except (ValueError, KeyError, TypeError):
-                if number < len(path.read_text().splitlines()):   # only the last line may be cut short
+                if number < len(lines):            # only the last line may be cut short (killed mid-write)
                     raise ConfigError(f"{path} line {number} is not a search record") from None
         return journal
 
