@@ -71,6 +71,7 @@ BASE: dict[tuple[str, ...], list[str]] = {
     ("sharing",): ["--num-requests", "2", "--no-progress"],
     ("prefix",): ["--no-save"],
     ("fallbacks",): ["--no-plot"],
+    ("study", "page-size"): ["--no-save", "--no-progress"],      # it writes provenance.json before its searches
 }
 HOSTILE = ["nan", "-nan", "NaN", "inf", "-inf", "Infinity", "1e309", "-1e309", "1e300", "-1e300", "1e-300",
            "-1", "-5", "0", "-0", "0.0", "0.5", "1", "2", "3", "1000", "1000000000", "10000000", str(2**63),

@@ -1,5 +1,5 @@
 """The simulator's kernel term (issue 26.1): `none` is today's roofline exactly; attention grows with context and
-is in seconds; paged at block 16 costs at least the contiguous time under `published`; a measured profile
+is in seconds; paged at block 16 costs at least the contiguous time under `vattention-vs-vllm`; a measured profile
 round-trips through its file (calibrate, and the GPU check's dry run); a bad profile is one line, exit 2; every
 row reports where its step time went."""
 from __future__ import annotations
@@ -12,14 +12,15 @@ import pytest
 from kvlab.common.errors import ConfigError
 from kvlab.experiments.cli.main import main
 from kvlab.experiments.sim.core import SimCase, SimSettings, run_case
-from kvlab.experiments.sim.kernels import PUBLISHED, KernelTerm, kernel_profile, parse_profile, read_profile
+from kvlab.experiments.sim.kernel_evidence import VATTENTION_VS_VLLM
+from kvlab.experiments.sim.kernels import KernelTerm, kernel_profile, parse_profile, read_profile
 from kvlab.experiments.sim.roofline import RooflineCost, RooflineRunner, hardware, model_spec
 from kvlab.experiments.sim.serve.run import ServeSpec, run_point
 from kvlab.experiments.workloads.requests import WorkloadSpec
 
 COST = RooflineCost(hardware("h100"), model_spec("llama3-8b"), model_prefill=True)
-PAGED16 = KernelTerm(PUBLISHED, "paged", 16)
-CONTIGUOUS = KernelTerm(PUBLISHED, "contiguous")
+PAGED16 = KernelTerm(VATTENTION_VS_VLLM, "paged", 16)
+CONTIGUOUS = KernelTerm(VATTENTION_VS_VLLM, "contiguous")
 
 
 def step(*items: tuple[int, int]) -> SimpleNamespace:
@@ -46,19 +47,19 @@ def test_none_charges_exactly_the_roofline_step():
 
 
 def test_none_is_the_default_and_published_leaves_contiguous_decode_at_the_roofline():
-    """Without prefill, a contiguous backend's steps under `published` are the roofline's, to rounding."""
+    """Without prefill, a contiguous backend's steps under `vattention-vs-vllm` are the roofline's, to rounding."""
     workload = WorkloadSpec(num_requests=60, seed=0)
     case = SimCase("vmm", 6.0, page_size=2 * 2**20, watermark=0.05)
     default = run_case(case, SimSettings(workload=workload))
     explicit = run_case(case, SimSettings(workload=workload, kernel_costs="none"))
-    published = run_case(case, SimSettings(workload=workload, kernel_costs="published"))
+    published = run_case(case, SimSettings(workload=workload, kernel_costs="vattention-vs-vllm"))
     assert default.kernel_costs == "none" and default.sim_seconds == explicit.sim_seconds
     assert published.sim_seconds == pytest.approx(default.sim_seconds, rel=1e-9)
     assert published.num_steps == default.num_steps
 
 
 # -- monotonicity and units ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kernel", [PAGED16, CONTIGUOUS, KernelTerm(PUBLISHED, "paged", 128)],
+@pytest.mark.parametrize("kernel", [PAGED16, CONTIGUOUS, KernelTerm(VATTENTION_VS_VLLM, "paged", 128)],
                          ids=["paged-16", "contiguous", "paged-128"])
 def test_more_context_costs_more(kernel):
     for phase_items in (lambda c: [(c - 1, 1)], lambda c: [(c - 512, 512)]):
@@ -161,15 +162,40 @@ def test_a_bad_profile_is_one_line_and_exit_2(name, tmp_path, capsys):
 
 
 def test_an_unknown_profile_name_is_refused():
-    with pytest.raises(ConfigError, match="none | published | cpu | measured:FILE"):
+    with pytest.raises(ConfigError, match="unknown --kernel-costs 'fast'; choose none \\| central"):
         kernel_profile("fast")
+
+
+def test_each_published_profile_holds_its_sources_figures():
+    """docs/evidence.md: the figures as the sources give them, on the axes they give."""
+    central = kernel_profile("central")
+    assert central.ratio("decode", 16, 512) == central.ratio("decode", 16, 32768) == pytest.approx(1.23)
+    assert central.ratio("decode", 256, 4096) == 1.0 and central.ratio("prefill", 1024, 4096) == 1.0
+    assert central.ratio("decode", 64, 4096) == pytest.approx(1.115)          # halfway in log2(block size)
+    fa2 = kernel_profile("fa2-same-kernel")                                    # flash-attention#841, batch 32
+    assert fa2.ratio("decode", 256, 1024) == pytest.approx(1 / 1.0756, rel=1e-3)
+    assert fa2.ratio("decode", 256, 8192) == pytest.approx(1 / 1.3463, rel=1e-3)
+    fa4 = kernel_profile("fa4-blocks")                                         # PR #1999: 9.906 / 6.345 / 2.147 ms
+    assert fa4.ratio("decode", 1, 131072) == pytest.approx(4.614, rel=1e-3) and fa4.ratio("decode", 128, 1) == 1.0
+    assert kernel_profile("vllm-vs-ft").ratio("decode", 16, 4096) == pytest.approx(1.23)
+    cross = kernel_profile("vattention-vs-vllm")
+    assert (cross.ratio("decode", 16, 4096), cross.ratio("prefill", 128, 4096)) == (1.97, 1.45)
+    assert "cross-implementation" in cross.source and "docs/evidence.md" in central.source
+
+
+def test_old_names_warn_and_resolve():
+    from kvlab.experiments.sim.serve.costs import profile
+    with pytest.warns(FutureWarning, match="vattention-vs-vllm"):
+        assert kernel_profile("published") is kernel_profile("vattention-vs-vllm")
+    with pytest.warns(FutureWarning, match="A100 figures"):
+        assert profile("cuda-h200") is profile("cuda-a100")
 
 
 # -- where step time goes ------------------------------------------------------------------------------------------
 def test_rows_split_step_time_into_attention_driver_and_the_rest():
     case = SimCase("vmm", 6.0, page_size=2 * 2**20, watermark=0.05)
-    spec = ServeSpec(num_requests=60, driver_profile="cuda-a100", kernel_costs="published", model_prefill=True,
-                     background_mapping=False)      # the no-overlap variant: its driver time lengthens steps
+    spec = ServeSpec(num_requests=60, driver_profile="cuda-a100", kernel_costs="vattention-vs-vllm",
+                     model_prefill=True, background_mapping=False)      # no overlap: driver time lengthens steps
     r = run_point(case, spec, 8.0, 0)
     sim = r["sim"]
     assert sim["attention_share"] + sim["driver_share"] + sim["other_share"] == pytest.approx(1.0)

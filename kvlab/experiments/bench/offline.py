@@ -25,7 +25,7 @@ from kvlab.experiments.workloads.requests import parse_workload
 DEFAULT_BACKENDS = ["vmm", "paged", "reserve"]
 DEFAULT_REQUESTS = 256
 WARMUP_REQUESTS = 4
-DEFAULT_REPEATS = 3              # CPU timings are noisy (cpu-facts.md §10): interleave rounds, report medians
+DEFAULT_REPEATS = 3              # CPU timings are noisy (docs/experiments.md): interleave rounds, report medians
 
 
 def add_parser(subparsers: Any) -> None:

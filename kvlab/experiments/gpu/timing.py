@@ -66,7 +66,7 @@ def per_call_latency(call: Callable[..., Any], prop: Any, access: list, page: in
         timed("map", "cuMemMap", base + i * page, page, 0, h, 0)
         timed("set_access", "cuMemSetAccess", base + i * page, page, access, 1)
     seen["after_map"] = free()
-    call("cuCtxSynchronize")           # unmap does not wait for kernels (gpu-apis.md §1.7)
+    call("cuCtxSynchronize")           # unmap does not wait for kernels (CUDA driver API docs)
     for i in range(pages):
         timed("unmap", "cuMemUnmap", base + i * page, page)
     for h in handles:

@@ -6,10 +6,11 @@ Every item of a step has an ideal attention time on the roofline: its attended K
 head_dim, dtype and the batch's contexts enter there. A kernel profile multiplies it by the paged layout's
 slowdown over the contiguous one, `ratio(phase, block_size, context)`; the contiguous layout runs at the ideal.
 
-Profiles (`--kernel-costs`): `none` (no kernel term: today's roofline, exactly), `published` (the papers'
-figures, docs/kernel-costs.md), `cpu` (`kvlab calibrate --kernels` on this machine), `measured:FILE` (the same
-measurement from the GPU check: a kernel profile, or the gpu_check.json holding one). Between measured points
-the ratio is interpolated linearly in log2(context) and log2(block size), and held at the nearest end beyond.
+Profiles (`--kernel-costs`): `none` (no kernel term: today's roofline, exactly), the published ones, one per
+source and kernel family (sim/kernel_evidence.py; each figure's source in docs/evidence.md), `cpu` (`kvlab
+calibrate --kernels` on this machine), `measured:FILE` (the same measurement from the GPU check: a kernel
+profile, or the gpu_check.json holding one). Between measured points the ratio is interpolated linearly in
+log2(context) and log2(block size), and held at the nearest end beyond.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from kvlab.common.errors import ConfigError
 PHASES = ("decode", "prefill")
 DEFAULT_KERNEL_PROFILE = Path("results") / "calibrate" / "kernels.json"
 FORMAT = "kvlab-kernel-profile/1"
-CHOICES = "none | published | cpu | measured:FILE"
+CHOICES = "none | central | fa2-same-kernel | vllm-vs-ft | fa4-blocks | vattention-vs-vllm | cpu | measured:FILE"
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,21 +72,15 @@ def _between(xs: list[int], x: int, value: Any) -> float:
     return value(lo_x) * (1 - w) + value(hi_x) * w
 
 
-# Figures from the papers, each cited with its source and hardware in docs/kernel-costs.md. Neither paper gives
-# a slowdown as a function of context or of block size that kvlab could source, so each phase has one point, held
-# at every context and block size (an upper bound at short contexts: both are "up to" figures at long ones).
-VATTENTION = "vAttention, arXiv 2405.04437 (A100): "
-PUBLISHED = KernelProfile("published", VATTENTION + "decode up to 1.97x over vLLM's paged kernel; prefill up to "
-                          "1.45x over paged FlashInfer (docs/kernel-costs.md)",
-                          (Point("decode", 16, 16384, 1.97), Point("prefill", 16, 16384, 1.45)))
-
-
 def kernel_profile(spec: str) -> KernelProfile | None:
-    """none -> None (no kernel term); published; cpu (the default calibration file); measured:FILE."""
+    """none -> None (no kernel term); a published profile (sim/kernel_evidence.py, docs/evidence.md); cpu (the
+    default calibration file); measured:FILE."""
+    from kvlab.experiments.sim.kernel_evidence import published_profile
     if spec == "none":
         return None
-    if spec == "published":
-        return PUBLISHED
+    found = published_profile(spec)
+    if found is not None:
+        return found
     if spec == "cpu":
         return read_profile(DEFAULT_KERNEL_PROFILE, "cpu", "run `kvlab calibrate --kernels` first")
     kind, _, path = spec.partition(":")

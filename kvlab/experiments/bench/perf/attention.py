@@ -6,8 +6,8 @@ a PagedKVCache with 16-token blocks. The same logical K/V is written into both (
 each step is timed through `cache.attention`: write this step's K/V, then the dispatched kernel (the per-step
 `prepare` is not included), so the numbers are what one model layer pays. "uniform": every sequence at the same
 context; "mixed": contexts spread over [c/2, c], where the vmm kernel cannot batch sequences of different
-lengths. The Triton paged kernel runs under the interpreter on a tiny shape only (about 5 ms per program step,
-cpu-facts.md §3): a correctness check, not a speed.
+lengths. The Triton paged kernel runs under the interpreter on a tiny shape only (about 5 ms per program step
+here): a correctness check, not a speed.
 """
 from __future__ import annotations
 

@@ -18,7 +18,8 @@ docs/simulator-serving.md.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, replace
+import warnings
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kvlab.common.errors import ConfigError
@@ -54,13 +55,17 @@ class DriverProfile:
 ZERO = DriverProfile("zero", "no driver costs (today's simulator)")
 CUDA_A100 = DriverProfile("cuda-a100", KVCACHED_SOURCE, create_s=193e-6, map_s=1.45e-6, set_access_s=36e-6,
                           unmap_s=25.6e-6, table_latency_s=5e-6, table_bytes_per_s=25e9)
-# No GPU run has measured an H200 yet: the A100 figures, labelled as such.
-CUDA_H200 = replace(CUDA_A100, name="cuda-h200", source="A100 figures (no H200 measurement yet): " + KVCACHED_SOURCE)
-PROFILES = {p.name: p for p in (ZERO, CUDA_A100, CUDA_H200)}
+# Old names that warn and resolve: `cuda-h200` held the A100 figures (no H200 has been measured; docs/evidence.md).
+ALIASES = {"cuda-h200": "cuda-a100"}
+PROFILES = {p.name: p for p in (ZERO, CUDA_A100)}
+PROFILES |= {old: PROFILES[new] for old, new in ALIASES.items()}
 
 
 def profile(name: str, calibration: str | Path | None = None, page_size: int | None = None) -> DriverProfile:
-    """zero | cuda-a100 | cuda-h200 | host (from `kvlab calibrate`'s JSON, the entry for `page_size`)."""
+    """zero | cuda-a100 | host (from `kvlab calibrate`'s JSON, the entry for `page_size`); an old name warns."""
+    if name in ALIASES:
+        warnings.warn(f"driver profile {name!r} is {ALIASES[name]!r}: it holds A100 figures", FutureWarning,
+                      stacklevel=2)
     if name in PROFILES:
         return PROFILES[name]
     if name != "host":

@@ -46,8 +46,8 @@ class Scenario:
 
 
 def default_scenarios() -> list[Scenario]:
-    """This CPU as it is; an H200 (cc 9.0) with this machine's packages (the H200 of gpu-apis.md §0 has the
-    same: triton and torch's flex_attention, no flash-attn, no FlashInfer); the H200 with both installed."""
+    """This CPU as it is; an H200 (cc 9.0) with this machine's packages (the project's H200 has the same:
+    triton and torch's flex_attention, no flash-attn, no FlashInfer); the H200 with both installed."""
     here = simulated()
     gpu = simulated(triton_interpret=False)   # a GPU machine compiles Triton kernels
     return [

@@ -1,6 +1,6 @@
 """`kvlab study page-size`: which KV unit serves a model, hardware, workload and SLO best, paged blocks or vmm
-pages, and which unknowns (the contiguous kernel's advantage, the driver's latency) would change the answer.
+pages, as a curve over the one unknown that decides it (paged/contiguous attention time), with the break-even.
 
-settings (what was asked) -> point (one simulated run under turned costs) -> searches (SLO searches per
-backend and seed, on a process pool or Ray: executor) -> flips (break-even searches) -> verdict and output.
-docs/study.md describes the method."""
+settings (what was asked) -> point (one simulated run under turned costs) -> probe/journal (SLO searches per
+backend and seed, each once, on a process pool or Ray: executor) -> curve (vmm/paged against the kernel ratio,
+r*) -> verdict, report and files; session (provenance, interrupt, resume). docs/study.md describes the method."""

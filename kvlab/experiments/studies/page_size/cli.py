@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
 from kvlab.common.errors import ConfigError
@@ -16,6 +17,8 @@ from kvlab.experiments.sim.serve.run import ServeSpec
 from kvlab.experiments.studies.page_size.settings import Cell, StudySettings
 
 DEFAULT_SLO = "p99_ttft_ms<=2000,p99_tpot_ms<=100"
+DEFAULT_REQUESTS = 1000          # p99 is then the 10th-slowest request, not the slowest
+DEFAULT_RATIOS = "1,1.5,2"
 
 
 def add_study(which: Any) -> None:
@@ -28,7 +31,7 @@ def add_study(which: Any) -> None:
     p.add_argument("--hardware", default="h100", help=f"one of {', '.join(HARDWARE)}")
     p.add_argument("--dataset", default="seed", help="seed | random | trace:FILE.jsonl | prefix:system|multiturn|"
                                                      "fewshot")
-    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--num-prompts", type=int, default=DEFAULT_REQUESTS, help="requests a run")
     p.add_argument("--input-len", type=int, default=1024, help="random dataset")
     p.add_argument("--output-len", type=int, default=128, help="random dataset")
     p.add_argument("--slo", type=flags.arg_type(slo.parse_slo), default=slo.parse_slo(DEFAULT_SLO),
@@ -36,24 +39,43 @@ def add_study(which: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="first seed")
     p.add_argument("--seeds", type=int, default=3, help="paired seeds SEED..SEED+K-1")
     p.add_argument("--budget-gb", type=float, default=8.0, help="KV budget per GPU in GB (1e9 bytes)")
-    p.add_argument("--paged-blocks", type=flags.parse_list, default=["16", "32", "128"], help="tokens per block")
-    p.add_argument("--vmm-pages", type=parse_pages, default=[64 * 1024, 256 * 1024, 2 * 1024 ** 2],
-                   help="page sizes, comma list (default 64KiB,256KiB,2MiB)")
-    p.add_argument("--driver-costs", type=flags.parse_list, default=["cuda-h200"],
+    p.add_argument("--paged-blocks", type=flags.parse_list, default=["16", "128"],
+                   help="tokens per block, comma list (default 16,128)")
+    p.add_argument("--vmm-pages", type=parse_pages, default=[2 * 1024 ** 2],
+                   help="page sizes, comma list (default 2MiB: the only size stock CUDA maps and the driver "
+                        "figures were measured at; 64KiB,256KiB use them extrapolated, docs/evidence.md)")
+    p.add_argument("--driver-costs", type=flags.parse_list, default=["cuda-a100"],
                    help=f"driver profiles, comma list of {', '.join([*PROFILES, 'host'])}")
     p.add_argument("--calibration", help="host profile: `kvlab calibrate`'s JSON")
-    p.add_argument("--kernel-costs", type=flags.parse_list, default=["published"],
-                   help=f"kernel profiles, comma list of {CHOICES} (docs/kernel-costs.md)")
+    p.add_argument("--kernel-costs", type=flags.parse_list, default=["central"],
+                   help=f"kernel profiles, comma list of {CHOICES} (docs/evidence.md)")
+    p.add_argument("--kernel-ratios", type=parse_ratios, default=parse_ratios(DEFAULT_RATIOS),
+                   help="the curve's paged/contiguous decode kernel ratios at 16-token blocks (default "
+                        f"{DEFAULT_RATIOS})")
+    p.add_argument("--background-mapping", choices=("on", "off"), default="on",
+                   help="vmm maps on a background thread, overlapped with the step (vAttention's step_async)")
     p.add_argument("--prefix-caching", choices=("off", "on", "both"), default="off", help="an optional axis")
     p.add_argument("--tensor-parallel-sizes", type=flags.parse_list, default=["1"], help="an optional axis")
-    p.add_argument("--no-flips", action="store_true", help="skip the break-even searches")
+    p.add_argument("--no-flips", action="store_true", help="skip the kernel-ratio curve (the grid only)")
+    p.add_argument("--driver-flips", action="store_true", help="also search each vmm unit's driver-latency flip")
     p.add_argument("--jobs", type=int, default=2, help="worker processes (the local pool)")
     p.add_argument("--ray", metavar="ADDRESS", help="run the searches on a Ray cluster (`local`: start one here)")
     p.add_argument("--out", metavar="DIR", help="results directory (default results/<timestamp>/)")
+    p.add_argument("--resume", metavar="DIR", help="finish an interrupted study in DIR with its own settings")
     p.add_argument("--no-save", action="store_true")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(run=run)
+
+
+def parse_ratios(text: str) -> list[float]:
+    try:
+        ratios = sorted({float(item) for item in flags.parse_list(text)})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma list of numbers: {text[:80]!r}") from None
+    if not ratios or not all(math.isfinite(r) and 1.0 <= r <= 100.0 for r in ratios):
+        raise argparse.ArgumentTypeError("kernel ratios lie in [1, 100]")
+    return ratios
 
 
 def parse_pages(text: str) -> list[int]:
@@ -93,22 +115,16 @@ def settings_from(args: argparse.Namespace) -> StudySettings:
     """The one place the study's flags are read; checked before anything runs."""
     spec = ServeSpec(dataset=args.dataset, num_requests=args.num_prompts, input_len=args.input_len,
                      output_len=args.output_len, hardware=args.hardware, model=args.model, model_prefill=True,
-                     calibration=args.calibration)
+                     calibration=args.calibration, background_mapping=args.background_mapping == "on")
     checked_cells = cells(args)           # checks --seeds too: before the range of seeds is built
     return StudySettings(spec, args.slo, tuple(range(args.seed, args.seed + args.seeds)), checked_cells,
                          positive_ints("--paged-blocks", args.paged_blocks), tuple(args.vmm_pages), args.budget_gb,
-                         flips=not args.no_flips, jobs=args.jobs, ray=args.ray, progress=not args.no_progress,
-                         out=args.out, save=not args.no_save, plots=not args.no_plots)
+                         flips=not args.no_flips, kernel_ratios=tuple(args.kernel_ratios),
+                         driver_flips=args.driver_flips, jobs=args.jobs, ray=args.ray,
+                         progress=not args.no_progress, out=args.out, save=not args.no_save,
+                         plots=not args.no_plots)
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvlab.experiments.studies.page_size.output import save
-    from kvlab.experiments.studies.page_size.report import report
-    from kvlab.experiments.studies.page_size.study import run_study
-    s = settings_from(args)
-    result = run_study(s)
-    text = report(s, result)
-    print(text)
-    if s.save:
-        print(f"results in {save(s, result, text)}/")
-    return 0
+    from kvlab.experiments.studies.page_size.session import run_session
+    return run_session(args, settings_from)

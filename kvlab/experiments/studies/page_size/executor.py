@@ -1,6 +1,7 @@
-"""Where the searches run: `kvlab simulate serve`'s process pool (grid.pool_map), or a Ray cluster with
-`--ray ADDRESS` (`local` starts one on this machine). Results come back in the order of the jobs either way, so
-a study's output does not depend on where it ran."""
+"""Where the searches run: a local process pool (sim/core.py's worker_pool, as `kvlab simulate serve`'s), or a
+Ray cluster with `--ray ADDRESS` (`local` starts one on this machine). Each result is handed to `on_done` as it
+finishes (the study's journal), and all come back in the order of the jobs either way, so a study's output does
+not depend on where it ran."""
 from __future__ import annotations
 
 import socket
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvlab.common.errors import ConfigError
-from kvlab.experiments.sim.serve.grid import pool_map
+from kvlab.experiments.sim.core import worker_pool
 
 CONNECT_TIMEOUT_S = 5.0
 
@@ -20,10 +21,43 @@ class Executor:
     ray: str | None = None
     progress: bool = True
 
-    def map(self, fn: Callable[[Any], Any], jobs: list[Any]) -> list[Any]:
+    def map(self, fn: Callable[[Any], Any], jobs: list[Any], on_done: Callable[[Any], None] | None = None
+            ) -> list[Any]:
+        done = on_done or (lambda r: None)
+        if not jobs:
+            return []
         if self.ray is None:
-            return pool_map(fn, jobs, self.jobs, self.progress, unit="search")
-        return ray_map(fn, jobs, self.ray, self.progress)
+            return pool_map(fn, jobs, self.jobs, self.progress, done)
+        return ray_map(fn, jobs, self.ray, self.progress, done)
+
+
+def _indexed(pair: tuple[Callable[[Any], Any], int, Any]) -> tuple[int, Any]:
+    fn, index, job = pair
+    return index, fn(job)
+
+
+def pool_map(fn: Callable[[Any], Any], jobs: list[Any], processes: int, progress: bool,
+             on_done: Callable[[Any], None]) -> list[Any]:
+    """In the jobs' order; each result reaches `on_done` as soon as it finishes (completion order)."""
+    out: list[Any] = [None] * len(jobs)
+    bar = _bar(len(jobs), progress, "study page-size")
+    try:
+        if processes <= 1 or len(jobs) == 1:
+            finished = (_indexed((fn, i, job)) for i, job in enumerate(jobs))
+            for i, r in finished:
+                out[i] = r
+                on_done(r)
+                bar and bar.update(1)
+            return out
+        with worker_pool(min(processes, len(jobs))) as pool:
+            for i, r in pool.imap_unordered(_indexed, [(fn, i, job) for i, job in enumerate(jobs)]):
+                out[i] = r
+                on_done(r)
+                bar and bar.update(1)
+        return out
+    finally:
+        if bar:
+            bar.close()
 
 
 def check_reachable(address: str) -> None:
@@ -51,15 +85,18 @@ def connect(address: str) -> Any:
     return ray
 
 
-def ray_map(fn: Callable[[Any], Any], jobs: list[Any], address: str, progress: bool) -> list[Any]:
+def ray_map(fn: Callable[[Any], Any], jobs: list[Any], address: str, progress: bool,
+            on_done: Callable[[Any], None]) -> list[Any]:
     ray = connect(address)
     task = ray.remote(fn)
     refs = [task.remote(job) for job in jobs]
-    bar = _bar(len(refs), progress)
+    bar = _bar(len(refs), progress, "study page-size (ray)")
     pending = list(refs)
     try:
         while pending:
             done, pending = ray.wait(pending, num_returns=1, timeout=0.5)
+            for r in ray.get(done):
+                on_done(r)
             if bar and done:
                 bar.update(len(done))
         return ray.get(refs)
@@ -68,8 +105,8 @@ def ray_map(fn: Callable[[Any], Any], jobs: list[Any], address: str, progress: b
             bar.close()
 
 
-def _bar(total: int, enabled: bool) -> Any:
+def _bar(total: int, enabled: bool, desc: str) -> Any:
     if not enabled:
         return None
     from kvlab.experiments.reporting.tables import progress_bar
-    return progress_bar(total=total, desc="study page-size (ray)", unit="search", leave=False)
+    return progress_bar(total=total, desc=desc, unit="search", leave=False)

@@ -2,7 +2,7 @@
 
 The contiguous kernel's advantage is the simulator's kernel term (experiments/sim/kernels.py) scaled: every
 point of the cell's kernel profile, paged time / contiguous time = r, becomes 1 + kernel_scale x (r - 1) (FLAT,
-a 2x slowdown at every phase, context and block size, stands in for the `none` profile's shape). The scaled
+a 2x slowdown at every phase, context and block size, stands in for a profile that charges paged-16 nothing). The scaled
 profile reaches the simulator as `measured:FILE`, written where the search runs (a pool worker or a Ray node).
 The driver's latency is the profile's vmm calls (cuMemMap, cuMemSetAccess, cuMemUnmap) times `driver_scale`.
 Requests and arrivals come from sim/serve/run.py's `plan` (identical for every backend: paired seeds); the
@@ -41,13 +41,22 @@ def scaled(base: KernelProfile, k: float) -> KernelProfile:
     return KernelProfile(f"{base.name} x {k:g}", f"{base.source}, its slowdown scaled by {k:g}", points)
 
 
+def curve_shape(base: KernelProfile | None) -> KernelProfile:
+    """What the kernel scale multiplies: the cell's profile where it charges paged-16 decode anything (block size
+    and context stay its axes), else FLAT (`none`, or a profile where paging is free or faster at 16 tokens)."""
+    return base if base is not None and base.ratio("decode", 16, 4096) > 1 else FLAT
+
+
 def kernel_spec(spec: ServeSpec, base: KernelProfile | None, costs: Costs, folder: Path) -> ServeSpec:
     """The spec whose `kernel_costs` is the turned profile, written into `folder` (`none` as it is, untouched)."""
-    if base is None and costs.kernel_scale is None:
-        return replace(spec, kernel_costs="none")
-    k = 1.0 if costs.kernel_scale is None else costs.kernel_scale
+    if costs.kernel_scale is None:
+        if base is None:
+            return replace(spec, kernel_costs="none")
+        turned = base
+    else:
+        turned = scaled(curve_shape(base), costs.kernel_scale)
     path = folder / "kernel-profile.json"
-    path.write_text(json.dumps(scaled(base or FLAT, k).to_json()))
+    path.write_text(json.dumps(turned.to_json()))
     return replace(spec, kernel_costs=f"measured:{path}")
 
 

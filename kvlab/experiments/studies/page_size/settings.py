@@ -39,7 +39,9 @@ class StudySettings:
     watermark: float = 0.05
     slo_start: float = 4.0
     slo_tolerance: float = 0.02
-    flips: bool = True
+    flips: bool = True                    # the kernel-ratio curve
+    kernel_ratios: tuple[float, ...] = (1.0, 1.5, 2.0)
+    driver_flips: bool = False            # the driver-latency flip search (slow: sequential bisections)
     jobs: int = 2
     ray: str | None = None                # a Ray cluster's address; None: the local process pool
     progress: bool = True

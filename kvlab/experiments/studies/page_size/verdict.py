@@ -1,20 +1,17 @@
-"""The verdict paragraph, written from the numbers: who wins each cell and by how much, whether the intervals
-separate them, and how far each vmm page size is from a flip."""
+"""The verdict paragraph, written from the numbers: who wins each cell at the profile's own costs and whether
+the intervals separate them, then each vmm unit's break-even kernel ratio r* with its interval (curve.py), or
+"not distinguishable" where the 95% band holds the tie at every ratio tried."""
 from __future__ import annotations
 
 import math
 from typing import Any
 
 RATE_LIMIT = 1e5           # slo.search's default high limit: a rate above it passed everywhere
+R = "paged/contiguous decode kernel ratio"
 
 
 def ci(pair: list[float]) -> str:
     return f"[{pair[0]:.3g}, {pair[1]:.3g}]"
-
-
-def separated(ratio: dict[str, Any]) -> bool:
-    lo, hi = ratio["ci95"]
-    return lo > 1 or hi < 1
 
 
 def winner_sentence(label: str, cell: dict[str, Any]) -> str:
@@ -24,51 +21,65 @@ def winner_sentence(label: str, cell: dict[str, Any]) -> str:
     win = max(units, key=lambda u: units[u]["slo_rate"])
     w = units[win]
     others = [u for u in units if u != win]
+    if not others:
+        return f"Under {label}, only {win} has finished: {w['slo_rate']:.3g} req/s {ci(w['slo_rate_ci95'])}."
     runner = max(others, key=lambda u: units[u]["slo_rate"])
     gap = "beyond" if w["slo_rate_ci95"][0] > units[runner]["slo_rate_ci95"][1] else "within"
-    return (f"Under {label}, {win} ({w['tokens_per_unit']} tokens per unit) serves the highest rate meeting the "
-            f"SLO, {w['slo_rate']:.3g} req/s {ci(w['slo_rate_ci95'])} at {w['output_throughput']:.4g} output tok/s; "
-            f"the runner-up, {runner}, reaches {units[runner]['slo_rate']:.3g} req/s "
+    own = cell.get("kernel_ratio_today")
+    at = f" (its kernel profile charges paged-16 decode {own:.3g}x contiguous)" if own else ""
+    return (f"Under {label}{at}, {win} ({w['tokens_per_unit']} tokens per unit) serves the highest rate meeting "
+            f"the SLO, {w['slo_rate']:.3g} req/s {ci(w['slo_rate_ci95'])} at {w['output_throughput']:.4g} output "
+            f"tok/s; the runner-up, {runner}, reaches {units[runner]['slo_rate']:.3g} req/s "
             f"{ci(units[runner]['slo_rate_ci95'])}, {gap} the 95% intervals.")
 
 
-def kernel_clause(f: dict[str, Any]) -> str:
-    lo, hi = f["break_even_decode_slowdown"]
-    today = f"the profile's: {f['decode_slowdown_today']:.3g}x"
-    if f["break_even_kernel_scale"][0] == 0:
-        return "it leads even with paged kernels as fast as contiguous ones"
-    if math.isinf(hi):
-        return f"it does not overtake even with paged decode attention {lo:.3g}x as slow as contiguous ({today})"
-    verb = "it would lose the lead if" if f["leads_today"] else "it overtakes once"
-    return f"{verb} paged decode attention is {lo:.3g}-{hi:.3g}x as slow as contiguous ({today})"
+def end(value: float | None, lo: float, hi: float) -> str:
+    if value is None:
+        return f">{hi:g}"
+    return f"<={lo:g}" if value <= lo else f"{value:.3g}"
 
 
-def driver_clause(f: dict[str, Any]) -> str:
-    scale = f["driver_flip_scale"]
-    if scale is None:
-        return ""
-    lo, hi = scale
-    if math.isinf(hi):
-        return f"it keeps its lead with driver calls {lo:.4g}x the profile's latency"
-    if lo == 0:
-        return f"it trails even with driver calls {1 / hi:.4g}x faster than the profile's"
-    if f["leads_today"]:
-        return f"it loses the lead again once driver calls take {lo:.3g}-{hi:.3g}x the profile's latency"
-    return f"with the profile's kernels it would lead only with driver calls at {lo:.3g}-{hi:.3g}x its latency"
+def interval(b: dict[str, Any]) -> str:
+    lo, hi = b["range"]
+    return f"[{end(b['ci95'][0], lo, hi)}, {end(b['ci95'][1], lo, hi)}]"
 
 
-def flip_sentence(unit: str, cell: dict[str, Any]) -> str:
-    f, u = cell["flips"][unit], cell["units"][unit]
-    ratio = u["ratio_to_best_paged"]
-    head = (f"{unit} reaches {ratio['ratio']:.3f} {ci(ratio['ci95'])} of {cell['best_paged']}'s rate"
-            f"{'' if separated(ratio) else ' (no significant difference)'}")
-    clauses = [c for c in (kernel_clause(f), driver_clause(f)) if c]
-    return f"{head}; " + "; ".join(clauses) + "."
+def break_even_sentence(unit: str, b: dict[str, Any], points: list[dict[str, Any]]) -> str:
+    lo, hi = b["range"]
+    first, last = points[0]["vmm"][unit], points[-1]["vmm"][unit]
+    if b["status"] == "indistinguishable":
+        mean = f"; the means cross at r = {b['r_star']:.3g}" if b["r_star"] is not None else ""
+        return (f"{unit} is not distinguishable from the best paged block anywhere on r = {lo:g}-{hi:g}: its 95% "
+                f"band holds 1 at every ratio ({first['ratio']:.3f} {ci(first['ci95'])} at {lo:g}, "
+                f"{last['ratio']:.3f} {ci(last['ci95'])} at {hi:g}){mean}.")
+    if b["status"] == "leads":
+        return (f"{unit} leads the best paged block already at r = {lo:g}: {first['ratio']:.3f} "
+                f"{ci(first['ci95'])}; it leads for certain above r = {end(b['ci95'][1], lo, hi)}.")
+    if b["status"] == "trails":
+        return (f"{unit} trails the best paged block at every r up to {hi:g} ({last['ratio']:.3f} "
+                f"{ci(last['ci95'])} at {hi:g}); its break-even lies beyond the curve, if anywhere.")
+    return (f"{unit} leads the best paged block above r* = {b['r_star']:.3g} {interval(b)} ({R}; the interval "
+            f"runs from where the 95% band first reaches the tie to where it clears it).")
 
 
 def verdict(cells: dict[str, dict[str, Any]]) -> str:
     sentences = []
     for label, cell in cells.items():
         sentences.append(winner_sentence(label, cell))
-        sentences.extend(flip_sentence(u, cell) for u in cell.get("flips", {}))
+        c = cell.get("curve")
+        if c:
+            sentences.extend(break_even_sentence(u, b, c["points"]) for u, b in c["break_even"].items())
+        for unit, f in (cell.get("driver_flips") or {}).items():
+            sentences.append(driver_sentence(unit, f))
     return " ".join(sentences)
+
+
+def driver_sentence(unit: str, f: dict[str, Any]) -> str:
+    lo, hi = f["driver_flip_scale"]
+    if math.isinf(hi):
+        return f"{unit} keeps its lead with driver calls {lo:.4g}x the profile's latency (mean rates)."
+    if lo == 0:
+        return f"{unit} trails even with driver calls {1 / hi:.4g}x faster than the profile's (mean rates)."
+    if f["leads_today"]:
+        return f"{unit} loses the lead once driver calls take {lo:.3g}-{hi:.3g}x the profile's latency (mean rates)."
+    return f"{unit} would lead only with driver calls at {lo:.3g}-{hi:.3g}x the profile's latency (mean rates)."
