@@ -110,8 +110,8 @@ class GraphTimer:
         self.device, self.fn, self.inner = device, fn, inner
         self.graph = None
         self.fallback = ""
-        fn()                                  # compiles on first use
         if device == "cuda":
+            fn()                              # compiles on first use (the interpreter compiles nothing)
             self.graph = self._capture()
 
     def _capture(self) -> Any:
