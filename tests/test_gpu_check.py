@@ -232,3 +232,12 @@ def test_handoff_copy_dry_run():
     for row in result["rows"]:
         assert row["copy"]["blocks"] == row["bytes"] // result["block_bytes"]
         assert set(row["remap"]) >= {"export_us_median", "import_us_median", "map_and_set_access_us_median"}
+
+
+def test_a_measuring_part_past_its_deadline_says_what_it_did_not_measure(monkeypatch):
+    monkeypatch.setenv(harness.PART_TIMEOUT_ENV, "0")          # the deadline is now: no point is started
+    sizes = part_vmm_sizes(True)
+    assert sizes["sizes"] == [] and sizes["not_measured_time_budget"] == [1, 2, 4] and sizes["fake_leaks"] == {}
+    assert "no range size measured" in sizes["failed"]
+    handoff = part_handoff_copy(True)
+    assert all("not_measured" in row for row in handoff["rows"]) and handoff["fake_leaks"] == {}

@@ -50,6 +50,8 @@ def part_vmm_sizes(dry: bool) -> dict[str, Any]:
                            "driver_figures": figures(rows, page, dry)}
     if skipped:
         out["not_measured_time_budget"] = skipped
+    if not rows:
+        out["failed"] = "no range size measured within the part's time budget"
     if dry:
         out["fake_leaks"] = {k: str(v) for k, v in d.drv.leaks().items()}
     return out
@@ -84,7 +86,7 @@ def page_handles(d: Driver, handles: list[Any], page: int, reps: int) -> dict[st
     n, size = len(handles), len(handles) * page
     per_page: dict[str, list[float]] = {"map": [], "set_access": [], "unmap": []}
     per_run: dict[str, list[float]] = {"set_access": [], "unmap": []}
-    run_unmap_error = ""
+    errors: dict[str, str] = {}
     base = d.reserve(size)
     try:
         for _ in range(reps):
@@ -94,12 +96,15 @@ def page_handles(d: Driver, handles: list[Any], page: int, reps: int) -> dict[st
             d.call("cuCtxSynchronize")
             per_page["unmap"].append(unmap_pages(d, base, n, page))
             map_pages(d, base, handles, page)
-            per_run["set_access"].append(ns_call(lambda: d.call("cuMemSetAccess", base, size, d.access, 1))[1])
+            try:
+                per_run["set_access"].append(ns_call(lambda: d.call("cuMemSetAccess", base, size, d.access, 1))[1])
+            except DriverCallError as exc:          # one call over n mappings refused: the finding
+                errors["set_access_per_run_error"] = exc.result
             d.call("cuCtxSynchronize")
             try:
                 per_run["unmap"].append(ns_call(lambda: d.call("cuMemUnmap", base, size))[1])
             except DriverCallError as exc:
-                run_unmap_error = exc.result
+                errors["unmap_per_run_error"] = exc.result
                 unmap_pages(d, base, n, page)
     finally:
         d.call("cuMemAddressFree", base, size)
@@ -107,9 +112,7 @@ def page_handles(d: Driver, handles: list[Any], page: int, reps: int) -> dict[st
     out.update({f"{k}_per_run_us": median_us(v) for k, v in per_run.items() if v})
     out["map_us_per_call"] = out["map_per_page_total_us"] / n
     out["set_access_us_per_page_call"] = out["set_access_per_page_total_us"] / n
-    if run_unmap_error:
-        out["unmap_per_run_error"] = run_unmap_error
-    return out
+    return {**out, **errors}
 
 
 def map_pages(d: Driver, base: int, handles: list[Any], page: int) -> float:
