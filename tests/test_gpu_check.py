@@ -241,3 +241,4 @@ def test_a_measuring_part_past_its_deadline_says_what_it_did_not_measure(monkeyp
     assert "no range size measured" in sizes["failed"]
     handoff = part_handoff_copy(True)
     assert all("not_measured" in row for row in handoff["rows"]) and handoff["fake_leaks"] == {}
+    assert "no size measured" in handoff["failed"]

@@ -45,6 +45,8 @@ def part_handoff_copy(dry: bool) -> dict[str, Any]:
     finally:
         d.close()
     out: dict[str, Any] = {"device": device, "block_bytes": BLOCK_BYTES, "rows": rows}
+    if all("not_measured" in row for row in rows):
+        out["failed"] = "no size measured within the part's time budget"
     if dry:
         out["fake_leaks"] = {k: str(v) for k, v in d.drv.leaks().items()}
     return out

@@ -39,7 +39,9 @@ def part_layer_layout(dry: bool) -> dict[str, Any]:
         if d is not None:
             d.close()
     s = cfg["shape"]
-    return {"device": device, "memory": "host tensors (dry run)" if dry else "driver-mapped 2 MiB pages",
+    failed = {"failed": "no context measured within the part's time budget"} \
+        if all("not_measured" in row for row in rows) else {}
+    return {**failed, "device": device, "memory": "host tensors (dry run)" if dry else "driver-mapped 2 MiB pages",
             "pages_mapped": sum(o.pages for o in owners), "layers": cfg["layers"], "batch": cfg["batch"],
             "row_tokens": cfg["row"], "shape": [s.num_heads, s.num_kv_heads, s.head_dim, s.dtype], "rows": rows}
 
