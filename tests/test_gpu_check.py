@@ -13,8 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from kvlab.common.errors import ConfigError
 from kvlab.experiments.gpu import check as gpu_check
 from kvlab.experiments.gpu import detect, harness
+from kvlab.experiments.gpu.parts_handoff import part_handoff_copy
+from kvlab.experiments.gpu.parts_vmm_sizes import part_vmm_sizes
+from kvlab.experiments.sim.serve.costs import extrapolated, known_profile
+from kvlab.experiments.sim.serve.costs import profile as driver_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -130,8 +135,8 @@ def test_first_contact_dry_run_runs_every_part_on_cpu(tmp_path):
     parts = doc["parts"]
     assert proc.returncode == 0, {k: v.get("error") for k, v in parts.items()}
     assert doc["mode"] == "cpu-dry-run" and doc["selection"] == "first-contact"
-    assert list(parts) == ["environment", "unmapped_view", "vmm_round_trip", "vmm_latency", "vmm_cache",
-                           "triton_kernel", "unmapped_access"]
+    assert list(parts) == ["environment", "unmapped_view", "vmm_round_trip", "vmm_latency", "vmm_sizes",
+                           "vmm_cache", "triton_kernel", "unmapped_access"]
     versions = parts["environment"]["result"]
     assert versions["minimum_granularity"] == versions["recommended_granularity"] == 2 * 2**20
     assert {"torch", "triton", "numpy", "cuda.bindings", "driver"} <= set(versions)
@@ -143,6 +148,7 @@ def test_first_contact_dry_run_runs_every_part_on_cpu(tmp_path):
     assert all(c["ok"] and c["max_abs_err"] < 1e-4 for c in parts["triton_kernel"]["result"]["configs"])
     latency = parts["vmm_latency"]["result"]
     assert latency["pages"] == 16 and set(latency["us"]) == {"create", "map", "set_access", "unmap", "release"}
+    assert parts["vmm_sizes"]["result"]["driver_figures"]["format"] == "kvlab-driver-figures/1"
     assert parts["unmapped_access"]["result"]["ran"] is False
 
 
@@ -159,3 +165,80 @@ def test_an_unknown_part_is_one_line_and_runs_nothing(tmp_path, monkeypatch, cap
     assert gpu_check.main(["--dry-run-cpu", "--parts", "environment,nope", "--out", str(tmp_path / "g.json")]) == 2
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert len(err) == 1 and "unknown part(s) nope" in err[0] and "cuda_vmm" in err[0]
+
+
+# -- the measuring parts' dry runs and the driver figures they feed (measured:FILE) --------------------------------
+MiB = 2**20
+
+
+def figures_check(tmp_path, points, ok=True):
+    """A synthetic gpu_check.json whose vmm_sizes part holds `points`."""
+    doc = {"mode": "gpu", "parts": {"vmm_sizes": {"ok": ok, "result": {"driver_figures": {
+        "format": "kvlab-driver-figures/1", "page_bytes": 2 * MiB, "source": "synthetic", "points": points}}}}}
+    path = tmp_path / "gpu_check.json"
+    path.write_text(json.dumps(doc))
+    return f"measured:{path}"
+
+
+def point(mib, us):
+    return {"bytes": mib * MiB, "create_s": 4 * us * 1e-6, "map_s": us * 1e-6, "set_access_s": 2 * us * 1e-6,
+            "unmap_s": 3 * us * 1e-6}
+
+
+def test_measured_driver_figures_at_a_page_size(tmp_path):
+    spec = figures_check(tmp_path, [point(2, 1.0), point(8, 3.0), point(32, 10.0)])
+    assert known_profile(spec) and not known_profile("measured:") and not known_profile("bogus")
+    at_8 = driver_profile(spec, None, 8 * MiB)
+    assert (at_8.map_s, at_8.set_access_s, at_8.unmap_s, at_8.create_s) == pytest.approx((3e-6, 6e-6, 9e-6, 12e-6))
+    at_4 = driver_profile(spec, None, 4 * MiB)          # halfway between 2 and 8 MiB in log2(bytes)
+    assert at_4.map_s == pytest.approx(2e-6) and at_4.name == "measured" and "synthetic" in at_4.source
+    assert driver_profile(spec, None, 64 * MiB).map_s == pytest.approx(10e-6)        # held beyond the largest
+    small = driver_profile(spec, None, 256 * 1024)                                  # 2 MiB figures, marked
+    assert small.map_s == pytest.approx(1e-6) and extrapolated(small, 256 * 1024)
+    assert not extrapolated(at_4, 4 * MiB)
+
+
+@pytest.mark.parametrize("points, ok, why", [
+    ([point(2, 1.0)], False, "without a successful vmm_sizes part"),
+    ([], True, "without points"),
+    ([{**point(2, 1.0), "map_s": -1}], True, "map_s must be a non-negative number"),
+    ([{**point(2, 1.0), "bytes": 0}], True, "bytes must be a positive number"),
+])
+def test_bad_driver_figures_are_one_line(tmp_path, points, ok, why):
+    with pytest.raises(ConfigError, match=why) as err:
+        driver_profile(figures_check(tmp_path, points, ok), None, 2 * MiB)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="no driver figures at"):
+        driver_profile(f"measured:{tmp_path / 'missing.json'}", None, 2 * MiB)
+
+
+def test_vmm_sizes_dry_run_feeds_the_driver_profile(tmp_path):
+    result = part_vmm_sizes(True)
+    assert result["fake_leaks"] == {} and [r["pages"] for r in result["sizes"]] == [1, 2, 4]
+    for row in result["sizes"]:
+        handles = row["page_handles"]
+        assert set(row["one_handle"]) == {"create_us", "map_us", "set_access_us", "unmap_us"}
+        assert handles["set_access_per_run_us"] > 0 and handles["unmap_per_run_us"] > 0
+        assert handles["map_us_per_call"] == pytest.approx(handles["map_per_page_total_us"] / row["pages"])
+    doc = {"parts": {"vmm_sizes": {"ok": True, "result": result}}}
+    (tmp_path / "g.json").write_text(json.dumps(doc))
+    got = driver_profile(f"measured:{tmp_path / 'g.json'}", None, 4 * MiB)
+    assert got.unmap_s == pytest.approx(result["sizes"][1]["one_handle"]["unmap_us"] / 1e6)
+
+
+def test_handoff_copy_dry_run():
+    result = part_handoff_copy(True)
+    assert result["fake_leaks"] == {} and [r["pages"] for r in result["rows"]] == [1, 2]
+    for row in result["rows"]:
+        assert row["copy"]["blocks"] == row["bytes"] // result["block_bytes"]
+        assert set(row["remap"]) >= {"export_us_median", "import_us_median", "map_and_set_access_us_median"}
+
+
+def test_a_measuring_part_past_its_deadline_says_what_it_did_not_measure(monkeypatch):
+    monkeypatch.setenv(harness.PART_TIMEOUT_ENV, "0")          # the deadline is now: no point is started
+    sizes = part_vmm_sizes(True)
+    assert sizes["sizes"] == [] and sizes["not_measured_time_budget"] == [1, 2, 4] and sizes["fake_leaks"] == {}
+    assert "no range size measured" in sizes["failed"]
+    handoff = part_handoff_copy(True)
+    assert all("not_measured" in row for row in handoff["rows"]) and handoff["fake_leaks"] == {}
+    assert "no size measured" in handoff["failed"]

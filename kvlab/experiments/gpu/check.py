@@ -10,10 +10,16 @@ Two selections of the same parts: the check (default, under 8 minutes: gpu_check
   vmm_round_trip   map, write, unmap, remap at a new address, read back; a worker thread  (first contact)
   vmm_latency      per-call latency of the VMM calls, the driver used directly             (first contact)
   cuda_vmm         vmm/drivers/cuda.py: latency through its checked call, zero-copy views  (check)
+  vmm_sizes        map / set-access / unmap per call against range size, 1..512 x 2 MiB;  (both)
+                   set-access and unmap per page vs per run: the driver's measured:FILE
+  kernel_costs     kvlab's Triton kernel paged vs contiguous (same kernel), Llama-3-8B     (check)
+                   bf16, batch x context x block: the kernel term's measured:FILE
+  background_map   decode step time while a thread maps 2 MiB pages, and without          (check)
+  layer_layout     a step's attention, per-layer vs cross-layer layout on 2 MiB pages      (check)
+  handoff_copy     export/import/map per page vs device copies of scattered/contiguous KV (check)
   vmm_cache        one vmm cache's prefill and decode in fp16 and bf16 against fp32 SDPA   (first contact)
-  triton_vs_sdpa   the compiled Triton paged kernel against SDPA, timed beside it          (check)
+  triton_vs_sdpa   the compiled Triton paged kernel against SDPA, timed beside it (--parts)
   triton_kernel    the same kernel on first contact's three cases                          (first contact)
-  kernel_costs     contiguous SDPA vs the paged gather: the simulator's measured profile  (check)
   vmm_vs_paged     the tiny model through the LLM API on cuda                              (check)
   gpu_tests        pytest -m gpu                                                           (check)
   cuda_pool        the pool's CUDA chunks shared by two processes: export, import, map,    (check)
@@ -38,12 +44,16 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.experiments.gpu import (
+    parts_background,
     parts_driver,
     parts_engine,
+    parts_handoff,
     parts_kernels,
+    parts_layout,
     parts_pool,
     parts_pool_engines,
     parts_triton,
+    parts_vmm_sizes,
 )
 from kvlab.experiments.gpu.detect import detect_gpu
 from kvlab.experiments.gpu.harness import ROOT, CheckDoc, run_one, run_part
@@ -51,16 +61,20 @@ from kvlab.experiments.gpu.harness import ROOT, CheckDoc, run_one, run_part
 PARTS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "environment": parts_driver.part_environment, "unmapped_view": parts_driver.part_unmapped_view,
     "vmm_round_trip": parts_driver.part_vmm_round_trip, "vmm_latency": parts_driver.part_vmm_latency,
-    "cuda_vmm": parts_engine.part_cuda_vmm, "vmm_cache": parts_engine.part_vmm_cache,
+    "cuda_vmm": parts_engine.part_cuda_vmm, "vmm_sizes": parts_vmm_sizes.part_vmm_sizes,
+    "kernel_costs": parts_kernels.part_kernel_costs, "background_map": parts_background.part_background_map,
+    "layer_layout": parts_layout.part_layer_layout, "handoff_copy": parts_handoff.part_handoff_copy,
+    "vmm_cache": parts_engine.part_vmm_cache,
     "triton_vs_sdpa": parts_triton.part_triton_vs_sdpa, "triton_kernel": parts_triton.part_triton_kernel,
-    "kernel_costs": parts_kernels.part_kernel_costs,
     "vmm_vs_paged": parts_engine.part_vmm_vs_paged, "gpu_tests": parts_engine.part_gpu_tests,
     "cuda_pool": parts_pool.part_cuda_pool, "cuda_pool_engines": parts_pool_engines.part_cuda_pool_engines,
     "unmapped_access": parts_driver.part_unmapped_access,
 }
-# each part's own timeout; first compiles of the Triton kernel take tens of seconds each (cached on disk)
+# each part's own timeout; first compiles of the Triton kernel take tens of seconds each (cached on disk). The
+# measuring parts stop adding points at 75% of theirs (timing.part_deadline) and keep what they measured.
 PART_SECONDS = {"environment": 60, "unmapped_view": 15, "vmm_round_trip": 20, "vmm_latency": 20, "cuda_vmm": 45,
-                "vmm_cache": 30, "triton_vs_sdpa": 110, "triton_kernel": 60, "kernel_costs": 45, "vmm_vs_paged": 90,
+                "vmm_sizes": 40, "kernel_costs": 110, "background_map": 45, "layer_layout": 60, "handoff_copy": 40,
+                "vmm_cache": 30, "triton_vs_sdpa": 110, "triton_kernel": 60, "vmm_vs_paged": 90,
                 "gpu_tests": 150, "cuda_pool": 75, "cuda_pool_engines": 100,
                 "unmapped_access": 25}
 
@@ -73,11 +87,12 @@ class Selection:
     json_name: str
 
 
-CHECK = Selection("check", ("environment", "cuda_vmm", "triton_vs_sdpa", "kernel_costs", "vmm_vs_paged",
-                            "gpu_tests", "cuda_pool", "cuda_pool_engines", "unmapped_access"), 450,
-                  "gpu_check.json")
+# The parts that settle the simulator's unknowns run first, so a check cut at its budget keeps them.
+CHECK = Selection("check", ("environment", "cuda_vmm", "vmm_sizes", "kernel_costs", "background_map", "layer_layout",
+                            "handoff_copy", "vmm_vs_paged", "gpu_tests", "cuda_pool", "cuda_pool_engines",
+                            "unmapped_access"), 450, "gpu_check.json")
 FIRST_CONTACT = Selection("first-contact", ("environment", "unmapped_view", "vmm_round_trip", "vmm_latency",
-                                            "vmm_cache", "triton_kernel", "unmapped_access"), 150,
+                                            "vmm_sizes", "vmm_cache", "triton_kernel", "unmapped_access"), 150,
                           "first_contact.json")
 
 

@@ -82,3 +82,65 @@ def memory_seen(seen: dict[str, int | None]) -> dict[str, float]:
         return {}
     return {"created_mib_seen_by_mem_get_info": (seen["before_create"] - seen["after_create"]) / MiB,
             "mapped_mib_seen_by_mem_get_info": (seen["before_create"] - seen["after_map"]) / MiB}
+
+
+def part_deadline(share: float = 0.75) -> float:
+    """perf_counter time by which a part stops adding points: `share` of its own timeout (the harness passes
+    it in the environment), so it writes what it measured before the harness kills it."""
+    import os
+
+    from kvlab.experiments.gpu.harness import PART_TIMEOUT_ENV
+    return time.perf_counter() + share * float(os.environ.get(PART_TIMEOUT_ENV, "60"))
+
+
+def ns_call(fn: Callable[[], Any]) -> tuple[Any, float]:
+    """(value, seconds) of one host call, on the nanosecond counter (driver calls take about a microsecond)."""
+    t0 = time.perf_counter_ns()
+    value = fn()
+    return value, (time.perf_counter_ns() - t0) / 1e9
+
+
+class GraphTimer:
+    """GPU seconds per call of `fn`: on a GPU `inner` calls captured in one CUDA graph and replayed between two
+    events, so Python launch overhead (tens of microseconds for a Triton launch) does not hide a short kernel;
+    where capture fails, events around `inner` eager calls, with the reason kept in `fallback`. On the CPU,
+    perf_counter around the eager calls."""
+
+    def __init__(self, device: str, fn: Callable[[], Any], inner: int = 8) -> None:
+        self.device, self.fn, self.inner = device, fn, inner
+        self.graph = None
+        self.fallback = ""
+        if device == "cuda":
+            fn()                              # compiles on first use (the interpreter compiles nothing)
+            self.graph = self._capture()
+
+    def _capture(self) -> Any:
+        import torch
+        try:
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(self.inner):
+                    self.fn()
+            graph.replay()
+            torch.cuda.synchronize()
+            return graph
+        except Exception as exc:  # noqa: BLE001 - the fallback is recorded with its reason
+            self.fallback = f"CUDA graph capture failed, eager launches timed instead: {type(exc).__name__}: {exc}"
+            return None
+
+    def run(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            for _ in range(self.inner):
+                self.fn()
+
+    def seconds(self) -> float:
+        return one_call_seconds(self.device, self.run) / self.inner
+
+
+def paired_seconds(a: GraphTimer, b: GraphTimer, repeats: int) -> tuple[float, float]:
+    """Median seconds per call of each, their timings alternated so that drift falls on both alike."""
+    pairs = [(a.seconds(), b.seconds()) for _ in range(repeats)]
+    return statistics.median(x for x, _ in pairs), statistics.median(y for _, y in pairs)

@@ -25,7 +25,7 @@ from kvlab.experiments.sim.kernels import CHOICES, kernel_profile
 from kvlab.experiments.sim.layouts import CROSS_LAYER, LAYOUTS, PENALTIES, check_layout, emulated_page
 from kvlab.experiments.sim.roofline import HARDWARE, hardware, model_spec
 from kvlab.experiments.sim.serve import slo, summary
-from kvlab.experiments.sim.serve.costs import PROFILES, SET_ACCESS, profile
+from kvlab.experiments.sim.serve.costs import PROFILES, SET_ACCESS, known_profile, profile
 from kvlab.experiments.sim.serve.grid import Saved, pool_chain, pool_map, saved_points
 from kvlab.experiments.sim.serve.run import (
     SHARE_KEYS,
@@ -84,7 +84,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--no-early-stop", action="store_true",
                    help="SLO search: run every point to the end (default: stop a run once its SLO is certainly "
                         "missed; its figures are then not reported)")
-    p.add_argument("--driver-costs", default="zero", help=f"{' | '.join([*PROFILES, 'host'])}")
+    p.add_argument("--driver-costs", default="zero", help=f"{' | '.join([*PROFILES, 'host', 'measured:FILE'])}")
     p.add_argument("--calibration", help="host profile: `kvlab calibrate`'s JSON")
     add_driver_axes(p)
     p.add_argument("--kernel-costs", default="none", metavar="PROFILE",
@@ -179,8 +179,9 @@ def check_flags(args: argparse.Namespace) -> None:
     hardware(args.hardware)
     check_int("--tensor-parallel-size", args.tensor_parallel_size, 1, 1024)
     model_spec(args.model, tp=args.tensor_parallel_size)
-    if args.driver_costs not in (*PROFILES, "host"):
-        raise ConfigError(f"unknown --driver-costs {args.driver_costs!r}; choose {', '.join([*PROFILES, 'host'])}")
+    if not known_profile(args.driver_costs):
+        raise ConfigError(f"unknown --driver-costs {args.driver_costs!r}; choose "
+                          f"{', '.join([*PROFILES, 'host', 'measured:FILE'])}")
     for layout in args.vmm_layout:
         check_layout(layout)
     check_workload_flags(args)

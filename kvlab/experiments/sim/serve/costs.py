@@ -24,6 +24,7 @@ from pathlib import Path
 
 from kvlab.common.errors import ConfigError
 from kvlab.common.validate import check_number, shown
+from kvlab.experiments.sim.serve.measured_driver import at_size, is_measured, measured_figures
 
 KVCACHED_SOURCE = "ovg-project/kvcached benchmarks/bench_vmm/README.md (A100, 2 MiB pages)"
 DEFAULT_CALIBRATION = Path("results") / "calibrate" / "host.json"
@@ -62,14 +63,21 @@ PROFILES |= {old: PROFILES[new] for old, new in ALIASES.items()}
 
 
 def profile(name: str, calibration: str | Path | None = None, page_size: int | None = None) -> DriverProfile:
-    """zero | cuda-a100 | host (from `kvlab calibrate`'s JSON, the entry for `page_size`); an old name warns."""
+    """zero | cuda-a100 | host (from `kvlab calibrate`'s JSON, the entry for `page_size`) | measured:FILE (the GPU
+    check's per-call figures at `page_size`: sim/serve/measured_driver.py); an old name warns."""
     if name in ALIASES:
         warnings.warn(f"driver profile {name!r} is {ALIASES[name]!r}: it holds A100 figures", FutureWarning,
                       stacklevel=2)
     if name in PROFILES:
         return PROFILES[name]
+    if is_measured(name):
+        source, table = measured_figures(name)
+        at = at_size(table, page_size)
+        return DriverProfile("measured", source, create_s=at["create_s"], map_s=at["map_s"],
+                             set_access_s=at["set_access_s"], unmap_s=at["unmap_s"])
     if name != "host":
-        raise ConfigError(f"unknown driver profile {name!r}; choose one of: {', '.join([*PROFILES, 'host'])}")
+        raise ConfigError(f"unknown driver profile {name!r}; choose one of: {', '.join([*PROFILES, 'host'])}, "
+                          "measured:FILE")
     path = Path(calibration or DEFAULT_CALIBRATION)
     if not path.is_file():
         raise ConfigError(f"no host calibration at {path}: run `kvlab calibrate --out {path}` first")
@@ -78,6 +86,11 @@ def profile(name: str, calibration: str | Path | None = None, page_size: int | N
     if entry is None:
         raise ConfigError(f"{path} has no entry for page size {page_size}; calibrated: {', '.join(table)[:200]}")
     return DriverProfile("host", f"kvlab calibrate ({path})", map_s=entry["map_s"], unmap_s=entry["unmap_s"])
+
+
+def known_profile(name: str) -> bool:
+    """A name `profile` accepts (a measured:FILE is read when the profile is built)."""
+    return name in PROFILES or name == "host" or is_measured(name)
 
 
 def check_set_access(granularity: str) -> str:

@@ -6,12 +6,13 @@ from typing import Any
 
 from kvlab.experiments.sim.core import SimCase
 from kvlab.experiments.sim.serve.costs import PROFILES, extrapolated, extrapolation_note, profile
+from kvlab.experiments.sim.serve.measured_driver import is_measured
 from kvlab.experiments.sim.serve.run import ServeSpec, rate_label
 
 
 def extrapolation_footnote(spec: ServeSpec, cases: list[SimCase]) -> tuple[str, set[str]]:
     """('' or a line naming the rows whose driver latencies are extrapolated below 2 MiB, those rows' labels)."""
-    if spec.driver_profile not in PROFILES:
+    if spec.driver_profile not in PROFILES and not is_measured(spec.driver_profile):
         return "", set()
     prof = profile(spec.driver_profile)
     pages = [(c.backend_label, c.options.get("page_size")) for c in cases if c.policy == "vmm"]
@@ -25,7 +26,7 @@ def marked(label: str, labels: set[str]) -> str:
 
 
 def profile_line(spec: ServeSpec) -> str:
-    prof = PROFILES.get(spec.driver_profile)
+    prof = profile(spec.driver_profile) if is_measured(spec.driver_profile) else PROFILES.get(spec.driver_profile)
     src = prof.source if prof else "kvlab calibrate"
     on = f"{spec.tensor_parallel_size} x {spec.hardware} (tensor parallel, GB per GPU)" \
         if spec.tensor_parallel_size > 1 else spec.hardware

@@ -12,7 +12,7 @@ from kvlab.experiments.limits import MAX_REQUESTS
 from kvlab.experiments.sim.kernels import CHOICES, kernel_profile
 from kvlab.experiments.sim.roofline import HARDWARE, hardware, model_spec
 from kvlab.experiments.sim.serve import slo
-from kvlab.experiments.sim.serve.costs import PROFILES
+from kvlab.experiments.sim.serve.costs import PROFILES, known_profile
 from kvlab.experiments.sim.serve.run import ServeSpec
 from kvlab.experiments.studies.page_size.settings import Cell, StudySettings
 
@@ -107,7 +107,7 @@ def check_cell(hardware_name: str, model: str, tp: int, driver_costs: str) -> No
     hardware(hardware_name)
     check_int("--tensor-parallel-sizes", tp, 1, 1024)
     model_spec(model, tp=tp)
-    if driver_costs not in (*PROFILES, "host"):
+    if not known_profile(driver_costs):
         raise ConfigError(f"unknown --driver-costs {driver_costs!r}; choose {', '.join([*PROFILES, 'host'])}")
 
 
