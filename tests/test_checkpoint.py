@@ -73,8 +73,10 @@ def test_resume_reruns_the_stored_command_line_and_refuses_another_configuration
     assert without_resume(["a", "--resume", "d", "--resume=e", "b"]) == ["a", "b"]
     with pytest.raises(ConfigError, match="computed something else"):
         Checkpoint(tmp_path, ARGV, {"n": 11}, total=1, resume=True)
+    elsewhere = ["simulate", "serve", "--resume", str(tmp_path / "none")]
+    assert resumed_argv(elsewhere) == elsewhere            # left to the command: its own journal, or the error below
     with pytest.raises(ConfigError, match="no checkpoint.json"):
-        resumed_argv(["simulate", "serve", "--resume", str(tmp_path / "none")])
+        Checkpoint(tmp_path / "none", ARGV, {"n": 10}, total=1, resume=True)
 
 
 def test_a_line_cut_by_a_kill_is_dropped_and_that_point_runs_again(tmp_path):

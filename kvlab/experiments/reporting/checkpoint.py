@@ -27,13 +27,16 @@ SHOWN = ("request_rate", "seed", "slo_rate", "completed", "output_throughput", "
 
 def resumed_argv(argv: list[str]) -> list[str]:
     """`kvlab CMD --resume DIR [flags]` -> the command line DIR was started with, then the given flags, then
-    `--resume DIR` (argparse takes the last of a repeated flag). Anything without --resume is returned as is."""
+    `--resume DIR` (argparse takes the last of a repeated flag). Anything without --resume, or whose DIR holds no
+    checkpoint.json, is returned as is."""
     if "--resume" not in argv:
         return argv
     i = argv.index("--resume")
     if i + 1 >= len(argv):
         return argv                     # argparse reports the missing value
     where = Path(argv[i + 1])
+    if not (where / HEADER).exists():
+        return argv                     # a command that keeps its own journal (the study), or the command's error
     header = read_header(where)
     first_flag = next((k for k, a in enumerate(argv) if a.startswith("-")), i)
     return [*header["argv"], *argv[first_flag:i], *argv[i + 2:], "--resume", str(where)]
