@@ -29,7 +29,7 @@ from kvlab.common.loader import load_model
 from kvlab.common.sampling_params import SamplingParams
 from kvlab.experiments.cli.main import main
 from kvlab.experiments.workloads.requests import load_trace
-from kvlab.vmm.drivers.fake_cuda import FakeCudaDriver
+from fakes.fake_cuda import FakeCudaDriver
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_TOKEN_BYTES = 2 * 4 * 2 * 64 * 4          # the tiny preset: 4 layers, 2 KV heads, head_dim 64, fp32

@@ -14,7 +14,7 @@ import pytest
 
 from kvlab.common.errors import DriverError
 from kvlab.vmm.drivers.cuda_device import CudaDevice
-from kvlab.vmm.drivers.fake_cuda import INVALID_VALUE, OK, FakeCudaDriver
+from fakes.fake_cuda import INVALID_VALUE, OK, FakeCudaDriver
 from kvlab.vmm.pool.cuda_chunks import CudaChunks, exportable_prop
 from kvlab.vmm.pool.errors import LimitError
 
@@ -132,7 +132,7 @@ def test_pages_written_in_one_member_are_read_in_another_and_zeroed_when_given(f
 CHILD = """
 import ctypes, sys
 from kvlab.vmm.drivers.cuda_device import CudaDevice
-from kvlab.vmm.drivers.fake_cuda import FakeCudaDriver
+from fakes.fake_cuda import FakeCudaDriver
 from kvlab.vmm.pool.cuda_chunks import CudaChunks
 GRAN = 2 << 20
 cuda = CudaDevice(0, FakeCudaDriver(granularity=GRAN))

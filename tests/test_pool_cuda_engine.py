@@ -20,7 +20,7 @@ from kvlab.common.kv.types import KVShape
 from kvlab.common.sequence import Sequence
 from kvlab.vmm import pool
 from kvlab.vmm.build import build_vmm
-from kvlab.vmm.drivers.fake_cuda import FakeCudaDriver
+from fakes.fake_cuda import FakeCudaDriver
 from kvlab.vmm.drivers.pooled import PooledVirtualMemory
 from kvlab.vmm.drivers.pooled_cuda import create_cuda_pool
 from kvlab.vmm.pool import cuda_chunks
@@ -245,7 +245,7 @@ def test_a_failed_import_leaves_the_pool_and_holds_nothing(fakes, small_chunks):
 # -- another process ---------------------------------------------------------------------------------------
 CHILD = """
 import sys, time
-from kvlab.vmm.drivers.fake_cuda import FakeCudaDriver
+from fakes.fake_cuda import FakeCudaDriver
 from kvlab.vmm.drivers.pooled import PooledVirtualMemory
 from kvlab.vmm.drivers.pooled_cuda import create_cuda_pool
 GRAN = 2 << 20

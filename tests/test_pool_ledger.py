@@ -7,10 +7,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fakes.page_window import PageWindow
 
 from kvlab.vmm import pool
 from kvlab.vmm.pool.ledger import FREE, Ledger, ledger_bytes
-from kvlab.vmm.pool.memory import PageWindow, runs
+from kvlab.vmm.pool.memory import runs
 
 PAGE = 4096
 

@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 
 import pytest
+from fakes.page_window import PageWindow
 
 from kvlab.vmm import pool
-from kvlab.vmm.pool.memory import PageWindow
 from kvlab.vmm.pool.status import PoolStatus, read_status
 
 TESTS = Path(__file__).resolve().parent

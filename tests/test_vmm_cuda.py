@@ -13,7 +13,7 @@ from kvlab.common.kv.types import KVShape
 from kvlab.common.sequence import Sequence
 from kvlab.vmm.build import build_vmm
 from kvlab.vmm.drivers.cuda import CudaVirtualMemory
-from kvlab.vmm.drivers.fake_cuda import (
+from fakes.fake_cuda import (
     INVALID_CONTEXT,
     INVALID_VALUE,
     NOT_INITIALIZED,

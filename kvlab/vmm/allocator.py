@@ -1,15 +1,15 @@
-"""The vmm allocator (the scheduler's side): per layer, K and V are contiguous virtual tensors
-[max_seqs, max_len, H_kv, D]; physical pages are mapped into a sequence's row (its slot) as it grows, so
-unmodified contiguous kernels run on them (vmm/storage.py).
+"""The vmm allocator (the scheduler's side): per layer, K and V are contiguous virtual tensors [max_seqs, max_len, H_kv,
+D]; physical pages are mapped into a sequence's row (its slot) as it grows, so unmodified contiguous kernels run on
+them (vmm/storage.py).
 
 A unit is a page group: one page in each of the 2L tensors (vmm/geometry.py). This class is the front: the seam's
-calls under one lock, over the ranges (vmm/views.py), the pages (vmm/pages.py), the slots (vmm/slots.py), growing
-a slot (vmm/growth.py), prefix aliases (vmm/aliases.py), swap (vmm/swap.py) and the background mapper
-(vmm/mapper.py). It is bookkeeping only: the K/V bytes it decides to move (a page copied for copy-on-write, a
-sequence saved or restored for swap) are orders it emits (common/kv/types.py), carried out by the storage. Unlike
-vAttention (anchors.md §1.6) every error raises, a lock guards all page-table state, the background mapper is
-fenced and its errors reach the caller, pages can be shared between forks (copy-on-write) and swapped out. With
-the accounting driver and no storage (the simulator) the same code runs with no memory.
+calls under one lock, over the ranges (vmm/views.py), the pages (vmm/pages.py), the slots (vmm/slots.py), growing a
+slot (vmm/growth.py), prefix aliases (vmm/aliases.py), swap (vmm/swap.py) and the background mapper (vmm/mapper.py).
+It is bookkeeping only: the K/V bytes it decides to move (a page copied for copy-on-write, a sequence saved or
+restored for swap) are orders it emits (common/kv/types.py), carried out by the storage. Unlike vAttention (which
+drops some errors silently and runs an unlocked background thread) every error raises, a lock guards all page-table
+state, the background mapper is fenced and its errors reach the caller, pages can be shared between forks (copy-on-
+write) and swapped out. With the accounting driver and no storage (the simulator) the same code runs with no memory.
 """
 from __future__ import annotations
 

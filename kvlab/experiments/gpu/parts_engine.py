@@ -27,7 +27,7 @@ def part_cuda_vmm(dry: bool) -> dict[str, Any]:
     recommended = drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
     try:
         out: dict[str, Any] = {
-            "driver": "recording fake (vmm/drivers/fake_cuda.py)" if dry else "cuda.bindings.driver",
+            "driver": "recording fake (tests/fakes/fake_cuda.py)" if dry else "cuda.bindings.driver",
             "minimum_granularity": vm.granularity(),
             "recommended_granularity": int(vm.call("cuMemGetAllocationGranularity", allocation_prop(drv),
                                                    recommended)),

@@ -1,6 +1,6 @@
-"""One NVIDIA GPU through `cuda.bindings.driver` (gpu-apis.md §1): every driver call goes through `call`, which
-turns a raised exception and a non-zero CUresult alike into a DriverError naming the call; driver calls use the
-calling thread's current context, so each thread is given the device's primary context (torch's) on first use
+"""One NVIDIA GPU through `cuda.bindings.driver` (the CUDA driver API's VMM calls): every driver call goes through
+`call`, which turns a raised exception and a non-zero CUresult alike into a DriverError naming the call; driver calls
+use the calling thread's current context, so each thread is given the device's primary context (torch's) on first use
 (cuCtxCreate is never used: it would break torch interop). `PoolHandles` are the pool's physical pages, one
 cuMemCreate handle each, created up front and again after a discard.
 """
@@ -186,8 +186,9 @@ class PoolHandles:
         release_handles(self.cuda, handles)
 
     def close(self, pool_maps: Sequence[int]) -> None:
-        """Release every handle (a handle still mapped after a failed unmap is freed when that unmap happens,
-        gpu-apis.md §1.4, but only after a successful synchronise: §1.7)."""
+        """Release every handle (a handle still mapped after a failed unmap is freed when that unmap happens:
+        the driver frees a released handle's memory once no mapping uses it; only after a successful synchronise,
+        since kernels may still read it)."""
         handles, self.handles = self.handles, []
         mapped = {h for p, h in enumerate(handles) if h is not None and pool_maps[p]}
         failed: list[DriverError] = []

@@ -1,4 +1,4 @@
-"""Real virtual memory on the host (cpu-facts.md §6): the CPU analog of CUDA VMM.
+"""Real virtual memory on the host (Linux mmap over a memfd): the CPU analog of CUDA VMM.
 
 reserve  = mmap(PROT_NONE, MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE)      (cuMemAddressReserve)
 pool     = one memfd named "kvlab-kv", page i at file offset i * page     (cuMemCreate handles)

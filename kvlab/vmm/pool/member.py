@@ -120,11 +120,6 @@ class PoolMember:
         with self._usable().locked() as ledger:
             ledger.withdraw(n)
 
-    def others_above_floors(self) -> int:
-        """Pages the other engines hold above their floors (in use or not)."""
-        with self._usable().locked() as ledger:
-            return ledger.table.above_floors(exclude=self.slot)
-
     def others_givable(self) -> int:
         """Pages the other engines published they could give back if asked (within their floors)."""
         with self._usable().locked() as ledger:

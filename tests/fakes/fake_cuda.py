@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from cuda.bindings import driver as _real
 
-from kvlab.vmm.drivers.fake_cuda_state import POSIX_FD, CallLog, Contexts, DeviceMemory, Mapping
+from fakes.fake_cuda_state import POSIX_FD, CallLog, Contexts, DeviceMemory, Mapping
 
 CUresult = _real.CUresult
 CUdevice = _real.CUdevice
