@@ -11,10 +11,10 @@ import subprocess
 import sys
 
 import pytest
+from fakes.fake_cuda import INVALID_VALUE, OK, FakeCudaDriver
 
 from kvlab.common.errors import DriverError
 from kvlab.vmm.drivers.cuda_device import CudaDevice
-from fakes.fake_cuda import INVALID_VALUE, OK, FakeCudaDriver
 from kvlab.vmm.pool.cuda_chunks import CudaChunks, exportable_prop
 from kvlab.vmm.pool.errors import LimitError
 

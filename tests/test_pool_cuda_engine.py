@@ -12,6 +12,7 @@ import time
 import uuid
 
 import pytest
+from fakes.fake_cuda import FakeCudaDriver
 
 from kvlab import LLM
 from kvlab.common.config import make_config
@@ -20,7 +21,6 @@ from kvlab.common.kv.types import KVShape
 from kvlab.common.sequence import Sequence
 from kvlab.vmm import pool
 from kvlab.vmm.build import build_vmm
-from fakes.fake_cuda import FakeCudaDriver
 from kvlab.vmm.drivers.pooled import PooledVirtualMemory
 from kvlab.vmm.drivers.pooled_cuda import create_cuda_pool
 from kvlab.vmm.pool import cuda_chunks
@@ -100,7 +100,7 @@ def test_pages_move_between_engines_and_a_page_new_to_an_engine_reads_zeros(fake
             fa.write(ra.base + i * GRAN, PATTERN)
         assert a.member.record().held == 8
         a.unmap(ra, 0, 8)
-        assert a.give_spare(8) == 8 and a.member.record().held == 0
+        assert a.pool.give_spare(8) == 8 and a.member.record().held == 0
         rb = mapped(b, 8)
         assert b.member.record().held == 8 and fb.names().count("cuMemsetD8") == 8
         assert all(page_bytes(fb, rb, i) == bytes(GRAN) for i in range(8))
@@ -108,7 +108,7 @@ def test_pages_move_between_engines_and_a_page_new_to_an_engine_reads_zeros(fake
         b.map(rb, 0, 0, 8)                           # its own spares again: no zeroing, no take
         assert fb.names().count("cuMemsetD8") == 8 and b.member.record().taken == 8
         b.unmap(rb, 0, 8)
-        b.give_spare(8)
+        b.pool.give_spare(8)
         a.map(ra, 0, 0, 8)
         assert all(page_bytes(fa, ra, i) == bytes(GRAN) for i in range(8))
     finally:
@@ -140,12 +140,12 @@ def test_a_handoff_keeps_the_pages_data(fakes, small_chunks):
         ra = mapped(a, 2)
         fa.write(ra.base, PATTERN)
         fa.write(ra.base + GRAN, PATTERN[::-1])
-        pages = [a.os.pool_page(0), a.os.pool_page(1)]
+        pages = [a.pool.pool_page(0), a.pool.pool_page(1)]
         a.unmap(ra, 0, 2)
         b.member.receive(a.member.slot, os.getpid(), pages)
         b.create_pool(4)
-        b.os.adopt({2: pages[0], 3: pages[1]})
-        a.os.disown([0, 1])
+        b.pool.adopt({2: pages[0], 3: pages[1]})
+        a.pool.disown([0, 1])
         rb = b.reserve(2 * GRAN)
         b.map(rb, 0, 2, 2)
         assert page_bytes(fb, rb, 0) == PATTERN and page_bytes(fb, rb, 1) == PATTERN[::-1]

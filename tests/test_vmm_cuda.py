@@ -6,13 +6,6 @@ import threading
 
 import pytest
 import torch
-
-from kvlab.common.config import make_config
-from kvlab.common.errors import DriverError
-from kvlab.common.kv.types import KVShape
-from kvlab.common.sequence import Sequence
-from kvlab.vmm.build import build_vmm
-from kvlab.vmm.drivers.cuda import CudaVirtualMemory
 from fakes.fake_cuda import (
     INVALID_CONTEXT,
     INVALID_VALUE,
@@ -22,6 +15,13 @@ from fakes.fake_cuda import (
     FakeCudaDriver,
     torch_interop,
 )
+
+from kvlab.common.config import make_config
+from kvlab.common.errors import DriverError
+from kvlab.common.kv.types import KVShape
+from kvlab.common.sequence import Sequence
+from kvlab.vmm.build import build_vmm
+from kvlab.vmm.drivers.cuda import CudaVirtualMemory
 
 MiB = 1024**2
 GRAN = 2 * MiB

@@ -122,7 +122,7 @@ def test_a_direct_call_on_a_mirrored_range_falls_back_to_per_place_books(caplog)
     acct.map_mirrored(mirror, 0, 1, 2)
     with caplog.at_level(logging.INFO, logger="kvlab.vmm"):
         acct.unmap(spots[1][0], PAGE)                       # behind the mirror's back
-    assert "per place" in caplog.text and acct.per_place_fallbacks == 1 and mirror.ledger is None
+    assert "per place" in caplog.text and acct.stats.per_place_fallbacks == 1 and mirror.ledger is None
     assert spots[0][0].mapped == {0: 1, 1: 2} and spots[1][0].mapped == {0: 5}
     assert acct.stats.mapped_pages == 3 == sum(acct.pool_maps)
     with pytest.raises(DriverError, match="not mapped"):     # per place now: the hole is seen

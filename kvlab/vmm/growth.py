@@ -9,11 +9,10 @@ from typing import TYPE_CHECKING
 from kvlab.vmm.drivers.map_budget import MapBudgetExhausted
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from kvlab.common.kv.types import MoveSink
     from kvlab.common.sequence import Sequence
     from kvlab.vmm.aliases import PrefixAliases
+    from kvlab.vmm.drivers.machine_pool import MachinePool
     from kvlab.vmm.pages import SlotPages
     from kvlab.vmm.slots import Slot
     from kvlab.vmm.swap import SwapSpace
@@ -22,22 +21,21 @@ if TYPE_CHECKING:
 class SlotGrowth:
     """`window`: the model's sliding window (None: full attention, no page is ever unmapped below it)."""
 
-    def __init__(self, pages: SlotPages, prefix: PrefixAliases | None, swap: SwapSpace, window: int | None) -> None:
-        self.pages, self.prefix, self.swap, self.window = pages, prefix, swap, window
-        self.geo, self.table, self.pool = pages.geo, pages.table, pages.pool
-        self.room: Callable[[], int] | None = None    # a pool's driver: groups the pool can back now
+    def __init__(self, pages: SlotPages, prefix: PrefixAliases | None, swap: SwapSpace, window: int | None,
+                 pool: MachinePool) -> None:
+        self.pages, self.prefix, self.swap, self.window, self.pool = pages, prefix, swap, window, pool
+        self.geo, self.table, self.free_pages = pages.geo, pages.table, pages.free_pages
 
     # -- cost -----------------------------------------------------------------------------------------------
     def free_units(self) -> int:
         """Free groups, reclaimable mapped ones and idle cached ones: all can be taken."""
-        return self.pool.num_free + self.table.excess + self.pool.num_idle()
+        return self.free_pages.num_free + self.table.excess + self.free_pages.num_idle()
 
     def available_units(self) -> int:
-        """What can be taken now: free units, the unmapped ones only as far as the pool can back them (`room`,
-        a pool's driver: other engines hold the rest)."""
-        if self.room is None:
-            return self.free_units()
-        return self.table.excess + self.pool.num_idle() + min(self.pool.num_free, self.room())
+        """What can be taken now: free units, the unmapped ones only as far as the machine-wide pool can back them
+        (other engines hold the rest; with no pool its room is unbounded)."""
+        free = self.free_pages
+        return self.table.excess + free.num_idle() + min(free.num_free, self.pool.room_pages() // self.geo.num_tensors)
 
     def fits(self, seq: Sequence, num_tokens: int, reserve_units: int) -> bool:
         """Whether growing to `num_tokens` leaves `reserve_units` free (asked for every running sequence every
@@ -66,23 +64,19 @@ class SlotGrowth:
     def units_to_grow(self, slot: Slot, seq: Sequence, num_tokens: int) -> int:
         tpp = self.geo.tokens_per_page
         grow = -(-num_tokens // tpp) + slot.held // -tpp   # pages for num_tokens - pages for the held tokens
-        if self.pool.num_shared:
+        if self.free_pages.num_shared:
             return max(0, grow) + len(self.pages.shared_pages(slot, seq.num_computed_tokens, num_tokens))
         return max(0, grow)
 
     # -- growth ---------------------------------------------------------------------------------------------
-    def in_place(self, seq: Sequence, num_tokens: int) -> Slot | None:
-        """The per-step decode path (no shared page): the slot's mapped pages already cover `num_tokens`, so it
-        only holds more of them. None: take the full path."""
-        index = self.table.slot_of.get(seq.seq_id)
-        if index is None or self.pool.num_shared:
-            return None
-        slot = self.table.slots[index]
-        if num_tokens > len(slot.groups) * self.geo.tokens_per_page:   # (a slot maps at most max_len tokens)
-            return None
+    def in_place(self, slot: Slot | None, num_tokens: int) -> bool:
+        """The one fast path (a decode step's): the slot's mapped pages already cover `num_tokens` and none is
+        shared (no copy-on-write due), so the slot only holds more of them. False: take the full path."""
+        if slot is None or self.free_pages.num_shared or self.geo.pages_for(num_tokens) > len(slot.groups):
+            return False
         if num_tokens > slot.held:
             self.table.hold(slot, num_tokens)
-        return slot
+        return True
 
     def grow(self, seq: Sequence, num_tokens: int, emit: MoveSink) -> int | None:
         """Make the sequence hold `num_tokens`; returns the prefix-hit tokens, or None when out of OS mappings."""
@@ -91,15 +85,13 @@ class SlotGrowth:
             self.prefix.register(seq, slot)
         if slot is not None and self.window is not None:
             self._drop_below_window(slot, seq.num_computed_tokens)
-        if slot is not None and not self.pool.num_shared and self.geo.pages_for(num_tokens) <= len(slot.groups):
-            if num_tokens > slot.held:   # the per-step path: the pages are already mapped
-                self.table.hold(slot, num_tokens)
+        if self.in_place(slot, num_tokens):
             return 0
         return self._in_map_budget(seq, slot, num_tokens, emit)
 
     def _drop_below_window(self, slot: Slot, computed: int) -> None:
         """Sliding window: this step's queries start at `computed` (later steps' further on), so they read keys from
-        computed - W + 1 on; pages wholly below that are unmapped and go back to the pool. A sequence then maps at
+        computed - W + 1 on; pages wholly below that are unmapped and their groups freed. A sequence then maps at
         most ceil(W / tokens_per_page) + 1 pages during decode."""
         first_needed = max(min(computed, slot.held) - self.window + 1, 0)
         end = min(first_needed // self.geo.tokens_per_page, len(slot.groups))
@@ -124,9 +116,7 @@ class SlotGrowth:
     def drop_stale(self) -> None:
         """Unmap the parked pages of freed slots (kept for reuse): their mappings and memory go back."""
         for index in list(self.table.stale):
-            parked = self.table.slots[index]
-            with self.table.accounting(parked):
-                self.pages.drop_tail(parked, len(parked.groups))
+            self.pages.drop_all(self.table.slots[index])
 
     def _grow(self, seq: Sequence, slot: Slot | None, num_tokens: int, emit: MoveSink) -> int:
         claimed, hit = slot is None, 0
@@ -146,19 +136,22 @@ class SlotGrowth:
         return hit
 
     def _hold(self, slot: Slot, seq: Sequence, start: int, num_tokens: int) -> None:
-        """A shared pool's driver: take the pool pages of every map this growth makes (copies, new groups, each in
+        """A machine-wide pool: take the pool pages of every map this growth makes (copies, new groups, each in
         every tensor: one driver call per tensor) in one ledger step before the first. A refusal then comes before
         anything changed, and it asks the other engines for the growth's whole shortfall at once, not for one
         tensor's page (its one wait in the step got that page, and the next tensor's map was refused)."""
-        driver = self.pages.maps.driver
-        if not hasattr(driver, "hold"):
-            return
         new = max(0, self.geo.pages_for(num_tokens) - len(slot.groups))
         new += len(self.pages.shared_pages(slot, start, num_tokens))
-        unmapped = min(new, self.pool.num_free)      # the others come from parked or cached groups: already backed
-        if not unmapped:
-            return
-        driver.hold(unmapped * self.geo.num_tensors)
+        unmapped = min(new, self.free_pages.num_free)   # the others come from parked or cached groups: already backed
+        if unmapped:
+            self.pool.hold(unmapped * self.geo.num_tensors)
+
+    def retire(self, seq: Sequence, slot: Slot) -> None:
+        """The sequence gives its slot up (freed, swapped out): its computed pages stay findable (prefix caching)."""
+        if self.prefix is not None:
+            self.prefix.register(seq, slot)
+            self.prefix.forget(seq.seq_id)
+        self.pages.release(slot)
 
     def _claim(self, seq: Sequence, num_tokens: int) -> tuple[Slot, int]:
         """A slot for a first allocation (with its cached prefix pages aliased in); returns it and the hit tokens."""

@@ -1,13 +1,13 @@
-"""The pages of the vmm cache: moving page groups between the pool (vmm/page_pool.py) and slot rows, mapped in every
-tensor through the driver (vmm/slot_maps.py).
+"""The pages of the vmm cache: moving page groups between the free list (vmm/free_pages.py) and slot rows, mapped
+in every tensor through the driver (vmm/slot_maps.py).
 
-A slot grows by taking groups from the pool (contiguous after its last page when possible); a fork child maps
+A slot grows by taking groups from the free list (contiguous after its last page when possible); a fork child maps
 its parent's groups (shared, copy-on-write); a write to a shared page first gives the writer its own copy.
-When the pool runs short, pages no live token needs are reclaimed: parked pages of the oldest freed slots
+When the free list runs short, pages no live token needs are reclaimed: parked pages of the oldest freed slots
 first, then pages mapped ahead in live slots.
 
-Every change is all or nothing: a failed step undoes the steps before it (groups taken from the pool go back), so
-a DriverError leaves slots, pool and mappings as they were. Only if an undo fails too (`TornMirror`) does a slot
+Every change is all or nothing: a failed step undoes the steps before it (groups taken from the free list go back), so
+a DriverError leaves slots, free list and mappings as they were. Only if an undo fails too (`TornMirror`) does a slot
 list a page that is not mapped in every tensor; check_invariants reports it, and the cache must be closed. A
 copy-on-write remaps the page and orders the storage to copy its bytes (`CopyKV`, common/kv/types.py).
 """
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from kvlab.common.errors import OutOfKVCache
 from kvlab.common.kv.types import CopyKV
-from kvlab.vmm.page_pool import PageCounters
+from kvlab.vmm.free_pages import PageCounters
 from kvlab.vmm.slot_maps import SlotMaps
 from kvlab.vmm.slots import DROPPED
 
@@ -27,8 +27,8 @@ if TYPE_CHECKING:
     from kvlab.common.kv.types import MoveSink
     from kvlab.vmm.drivers.base import VirtualMemory
     from kvlab.vmm.drivers.types import Mirror
+    from kvlab.vmm.free_pages import FreePages
     from kvlab.vmm.geometry import Geometry
-    from kvlab.vmm.page_pool import PagePool
     from kvlab.vmm.slots import Slot, SlotTable
 
 log = logging.getLogger("kvlab.vmm")
@@ -37,18 +37,19 @@ log = logging.getLogger("kvlab.vmm")
 class SlotPages:
     """Moves of page groups; every map and unmap is one mirrored driver call for all 2L tensors (`maps`)."""
 
-    def __init__(self, geo: Geometry, driver: VirtualMemory, mirror: Mirror, pool: PagePool, table: SlotTable) -> None:
-        self.geo, self.pool, self.table = geo, pool, table
+    def __init__(self, geo: Geometry, driver: VirtualMemory, mirror: Mirror, free_pages: FreePages,
+                 table: SlotTable) -> None:
+        self.geo, self.free_pages, self.table = geo, free_pages, table
         self.counters = PageCounters()
-        self.maps = SlotMaps(geo, driver, mirror, pool, self.counters)
+        self.maps = SlotMaps(geo, driver, mirror, free_pages, self.counters)
 
     def shared_pages(self, slot: Slot, start: int, end: int) -> list[int]:
         """Pages of `slot` that writes to positions [start, end) touch and another slot also maps."""
-        if not self.pool.num_shared:   # no fork shares a page: the per-step path stops here
+        if not self.free_pages.num_shared:   # no fork shares a page: the per-step path stops here
             return []
         last = min(self.geo.pages_for(end), len(slot.groups))
         first = max(start // self.geo.tokens_per_page, slot.dropped)   # never below the window's unmapped pages
-        return [j for j in range(first, last) if self.pool.is_shared(slot.groups[j])]
+        return [j for j in range(first, last) if self.free_pages.is_shared(slot.groups[j])]
 
     def grow(self, slot: Slot, pages: int) -> None:
         missing = pages - len(slot.groups)
@@ -57,17 +58,17 @@ class SlotPages:
         self._extend(slot, self._obtain(missing, slot, keep=pages, prefer=_after_last(slot)))
 
     def map_ahead(self, index: int, seq_id: int, target: int) -> bool:
-        """Map pages the slot will need soon, from the free pool only (never reclaims). False if nothing
+        """Map pages the slot will need soon, from the free list only (never reclaims). False if nothing
         was mapped."""
         slot = self.table.slots[index]
         if slot.seq_id != seq_id or len(slot.groups) >= target:
             return False
-        count = min(target - len(slot.groups), self.pool.num_free)
+        count = min(target - len(slot.groups), self.free_pages.num_free)
         if count <= 0:
             self.counters.lookahead_skipped += 1
-            log.debug("background mapping skipped for slot %d: the pool is empty", index)
+            log.debug("background mapping skipped for slot %d: no page group is free", index)
             return False
-        self._extend(slot, self.pool.take(count, _after_last(slot)))
+        self._extend(slot, self.free_pages.take(count, _after_last(slot)))
         self.counters.lookahead_pages += count
         return True
 
@@ -103,7 +104,7 @@ class SlotPages:
         if count <= 0:
             return
         self.maps.unmap(slot, first, end)
-        self.pool.put_back(slot.groups[first:end])
+        self.free_pages.put_back(slot.groups[first:end])
         slot.groups[first:end] = [DROPPED] * count
         slot.dropped = end
         self.counters.window_dropped_pages += count
@@ -145,9 +146,9 @@ class SlotPages:
             self.table.vacate(slot)
             return
         drop = None
-        if self.pool.num_shared or self.pool.cache is not None:   # a free slot never maps a cached page either
-            drop = next((j for j, g in enumerate(slot.groups) if self.pool.is_shared(g) or self.pool.is_cached(g)),
-                        None)
+        free = self.free_pages
+        if free.num_shared or free.cache is not None:   # a free slot never maps a cached page either
+            drop = next((j for j, g in enumerate(slot.groups) if free.is_shared(g) or free.is_cached(g)), None)
         if self.maps.torn:
             drop = min((j for j in (drop, self.maps.first_torn(slot)) if j is not None), default=None)
         if drop is not None:   # keep the prefix before it only: a free slot never holds a shared or torn page
@@ -155,29 +156,48 @@ class SlotPages:
                 self.drop_tail(slot, len(slot.groups) - drop)
         self.table.vacate(slot)
 
+    def drop_all(self, slot: Slot) -> None:
+        """Unmap every page the slot maps (all or nothing) and put their groups back."""
+        with self.table.accounting(slot):
+            self.drop_tail(slot, len(slot.groups))
+
+    def fill_with(self, slot: Slot, count: int, tokens: int, back: Callable[[list[int]], None]) -> None:
+        """Fill a just-claimed slot (its stale pages go) with `count` groups that `back` gives their memory before
+        they are mapped (a handoff's received pages); the slot holds `tokens`."""
+        self.drop_all(slot)
+        groups = self._obtain(count, slot, keep=count, prefer=None)
+        try:
+            back(groups)
+        except BaseException:
+            self.free_pages.return_untaken(groups)
+            raise
+        with self.table.accounting(slot):
+            self.maps.append(slot, groups, shared=False)
+            slot.held = tokens
+
     def drop_tail(self, slot: Slot, count: int) -> None:
         """Unmap the slot's last `count` pages (all or nothing) and put their groups back."""
         if count <= 0:
             return
         first, end = len(slot.groups) - count, len(slot.groups)
         self.maps.unmap(slot, first, end)
-        self.pool.put_back(slot.groups[first:])
+        self.free_pages.put_back(slot.groups[first:])
         del slot.groups[first:]
 
-    # -- taking from the pool -----------------------------------------------------------------------------
+    # -- taking free groups ------------------------------------------------------------------------------
     def _extend(self, slot: Slot, new: list[int]) -> None:
         with self.table.accounting(slot):
             self.maps.append(slot, new, shared=False)
 
     def _obtain(self, count: int, requester: Slot, keep: int, prefer: int | None) -> list[int]:
-        """`count` groups from the pool, reclaiming pages no live token needs when the pool runs short."""
-        if self.pool.num_free < count:
-            self._reclaim(count - self.pool.num_free, requester, keep)
-        if self.pool.num_free < count:   # idle cached pages are evicted last, whole groups, oldest first
-            self.pool.evict(count - self.pool.num_free)
-        if self.pool.num_free < count:   # unreachable if callers checked num_free_units(); never map half
-            raise OutOfKVCache(f"need {count} pages, only {self.pool.num_free} could be freed")
-        return self.pool.take(count, prefer)
+        """`count` groups from the free list, reclaiming pages no live token needs when the free list runs short."""
+        if self.free_pages.num_free < count:
+            self._reclaim(count - self.free_pages.num_free, requester, keep)
+        if self.free_pages.num_free < count:   # idle cached pages are evicted last, whole groups, oldest first
+            self.free_pages.evict(count - self.free_pages.num_free)
+        if self.free_pages.num_free < count:   # unreachable if callers checked num_free_units(); never map half
+            raise OutOfKVCache(f"need {count} pages, only {self.free_pages.num_free} could be freed")
+        return self.free_pages.take(count, prefer)
 
     def _reclaim(self, count: int, requester: Slot, keep: int) -> None:
         """Unmap tail pages: oldest free (stale) slots first, then pages mapped ahead in live slots (by index),

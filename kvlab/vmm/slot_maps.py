@@ -14,8 +14,8 @@ from kvlab.vmm.drivers.types import TornMirror
 if TYPE_CHECKING:
     from kvlab.vmm.drivers.base import VirtualMemory
     from kvlab.vmm.drivers.types import Mirror
+    from kvlab.vmm.free_pages import FreePages, PageCounters
     from kvlab.vmm.geometry import Geometry
-    from kvlab.vmm.page_pool import PageCounters, PagePool
     from kvlab.vmm.slots import Slot
 
 log = logging.getLogger("kvlab.vmm")
@@ -23,11 +23,11 @@ log = logging.getLogger("kvlab.vmm")
 
 class SlotMaps:
     """The driver calls of the page moves (vmm/pages.py), addressed by (slot, page); mapping lists the groups in
-    the slot and counts them in the pool."""
+    the slot and counts them in the free list."""
 
-    def __init__(self, geo: Geometry, driver: VirtualMemory, mirror: Mirror, pool: PagePool,
+    def __init__(self, geo: Geometry, driver: VirtualMemory, mirror: Mirror, free_pages: FreePages,
                  counters: PageCounters) -> None:
-        self.driver, self.mirror, self.pool, self.counters = driver, mirror, pool, counters
+        self.driver, self.mirror, self.free_pages, self.counters = driver, mirror, free_pages, counters
         self.torn: set[tuple[int, int]] = set()   # (slot, page) maybe not mapped alike in every tensor (TornMirror)
         self._row_bytes, self._page_size = geo.row_bytes, geo.page_size
 
@@ -36,9 +36,9 @@ class SlotMaps:
         return slot * self._row_bytes + page * self._page_size
 
     def append(self, slot: Slot, groups: list[int], shared: bool) -> None:
-        """Map `groups` after the slot's last page (one call per run) and list them: owned (fresh from the pool) or
+        """Map `groups` after the slot's last page (one call per run) and list them: owned (fresh from the free list) or
         shared (a fork, a prefix hit). All or nothing: a failure unmaps the runs mapped so far and gives fresh
-        groups back to the pool. Should an undo fail too, what is still (partly) mapped stays listed."""
+        groups back to the free list. Should an undo fail too, what is still (partly) mapped stays listed."""
         first, mapped = len(slot.groups), 0
         try:
             for start, n in group_runs(groups):
@@ -57,10 +57,10 @@ class SlotMaps:
         kept = groups[:mapped]
         slot.groups.extend(kept)
         if shared:
-            self.pool.share(kept)
+            self.free_pages.share(kept)
         else:
-            self.pool.own(kept)
-            self.pool.return_untaken(groups[mapped:])
+            self.free_pages.own(kept)
+            self.free_pages.return_untaken(groups[mapped:])
 
     def _unmap_back(self, slot: Slot, first: int, groups: list[int], mapped: int) -> int:
         """Unmap the runs of groups[:mapped] (mapped at pages first..), last first; returns how many groups stay
@@ -99,7 +99,7 @@ class SlotMaps:
         try:
             self.driver.unmap_mirrored(self.mirror, at, 1)
         except BaseException as exc:
-            self.pool.return_untaken([new])   # the slot still lists `old`
+            self.free_pages.return_untaken([new])   # the slot still lists `old`
             if isinstance(exc, TornMirror):
                 self.mark_torn(slot, j, 1)
             raise
@@ -110,15 +110,15 @@ class SlotMaps:
             self.mark_torn(slot, j, 1)
             raise
         except BaseException as exc:
-            self.pool.return_untaken([new])
+            self.free_pages.return_untaken([new])
             self._map_back(slot, j, old, exc)
             raise
         self._take(slot, j, old, new)
 
     def _take(self, slot: Slot, j: int, old: int, new: int) -> None:
-        self.pool.unshare(old)
+        self.free_pages.unshare(old)
         slot.groups[j] = new
-        self.pool.own([new])
+        self.free_pages.own([new])
 
     def _map_back(self, slot: Slot, j: int, old: int, exc: BaseException) -> None:
         """Map the shared group `old` back at page j after its copy failed to map."""

@@ -22,12 +22,11 @@ class AccountingVirtualMemory(VirtualMemory):
 
     A mirror is booked once for all its places (vmm/drivers/ledger.py): its ranges' tables, mapping counts and the pool
     page counts are brought up to date when read. A direct map or unmap on one of its ranges ends that (logged,
-    counted in `per_place_fallbacks`): from then on the mirror is booked place by place."""
+    counted in `stats.per_place_fallbacks`): from then on the mirror is booked place by place."""
 
     def __init__(self, page_size: int, merges: bool = True, mapping_limit: int | None = None) -> None:
         self._ledgers: list[MirrorLedger] = []
         super().__init__(NoMemory(page_size, merges), page_size, mapping_limit)
-        self.per_place_fallbacks = 0
 
     @property
     def pool_maps(self) -> array:
@@ -120,7 +119,7 @@ class AccountingVirtualMemory(VirtualMemory):
         ledger.mirror.ledger = None
         self._ledgers.remove(ledger)
         if call is not None:
-            self.per_place_fallbacks += 1
+            self.stats.per_place_fallbacks += 1
             log.info("accounting driver: a direct %s on a mirrored range; booking that mirror per place from now "
                      "on (slower)", call)
 

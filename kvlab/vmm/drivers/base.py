@@ -24,6 +24,7 @@ import torch
 
 from kvlab.common.errors import DriverError
 from kvlab.vmm.drivers import checks
+from kvlab.vmm.drivers.machine_pool import NO_POOL, MachinePool
 from kvlab.vmm.drivers.map_budget import MapBudget, MappingCount
 from kvlab.vmm.drivers.mirror import MirrorRepair
 from kvlab.vmm.drivers.teardown import Teardown
@@ -40,7 +41,10 @@ class VirtualMemory:
     `mapping_limit`: the most mappings this driver may create (None: no limit). `budget`: the process-wide map
     budget this driver draws on with every other (vmm/drivers/map_budget.py); `mappings` checks and books both.
     The public calls all read and write the same books (page tables, pool map counts, stats); repairs after a
-    failed mirrored call and teardown are composed parts (`repair`, `teardown`)."""
+    failed mirrored call and teardown are composed parts (`repair`, `teardown`). `pool`: the machine-wide pool the
+    physical pages come from (vmm/drivers/machine_pool.py; none unless the driver is pooled)."""
+
+    pool: MachinePool = NO_POOL
 
     def __init__(self, os: OSMemory, page_size: int, mapping_limit: int | None = None,
                  budget: MapBudget | None = None) -> None:

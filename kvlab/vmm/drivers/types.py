@@ -77,6 +77,7 @@ class DriverStats:
     release_retries: int = 0     # unmaps tried again, page by page, after failing while releasing a range
     map_refusals: int = 0        # maps refused for lack of OS mappings (MapBudgetExhausted)
     deferred_releases: int = 0   # ranges close() left to be released when their last tensor view dies
+    per_place_fallbacks: int = 0  # accounting driver: mirrors booked place by place after a direct call
 
 
 class OSMemory(Protocol):
