@@ -158,8 +158,10 @@ def test_a_second_process_imports_the_chunks_and_shares_their_bytes(fake, cuda):
     fake.write(va, PATTERN[:16])
     fds = made.export()
     try:
+        tests = os.path.dirname(os.path.abspath(__file__))   # the child imports the fake from tests/fakes
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])))
         child = subprocess.run([sys.executable, "-c", CHILD, *map(str, fds)], pass_fds=fds, capture_output=True,
-                               text=True, timeout=120)
+                               text=True, timeout=120, env=env)
     finally:
         for fd in fds:
             os.close(fd)

@@ -268,7 +268,7 @@ def test_a_killed_engine_s_pages_come_back_and_read_zeros_to_the_next_owner(fake
     vm = engine(name, fake, 4 * GRAN)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     child = subprocess.Popen([sys.executable, "-c", CHILD, name], stdout=subprocess.PIPE, text=True,
-                             env=dict(os.environ, PYTHONPATH=root))
+                             env=dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests")])))
     try:
         assert child.stdout.readline().strip() == "mapped"
         assert pool.status(name).used == 4
