@@ -59,7 +59,7 @@ def engine(name: str, fake: FakeCudaDriver, pool_bytes: int | None = None) -> Po
 
 def mapped(vm: PooledVirtualMemory, pages: int):
     region = vm.reserve(pages * GRAN)
-    vm.create_pool(max(len(vm.pool_maps), pages))
+    vm.create_store(max(len(vm.store_maps), pages))
     vm.map(region, 0, 0, pages)
     return region
 
@@ -122,7 +122,7 @@ def test_a_full_pool_refuses_and_nothing_changes(fakes):
     try:
         mapped(a, 4)
         region = b.reserve(GRAN)
-        b.create_pool(1)
+        b.create_store(1)
         with pytest.raises(DriverError, match="refused"):
             b.map(region, 0, 0, 1)
         assert b.member.record().held == 0 and not fb.mappings
@@ -142,8 +142,8 @@ def test_a_handoff_keeps_the_pages_data(fakes, small_chunks):
         fa.write(ra.base + GRAN, PATTERN[::-1])
         pages = [a.pool.pool_page(0), a.pool.pool_page(1)]
         a.unmap(ra, 0, 2)
-        b.member.receive(a.member.slot, os.getpid(), pages)
-        b.create_pool(4)
+        b.member.receive(a.member.index, os.getpid(), pages)
+        b.create_store(4)
         b.pool.adopt({2: pages[0], 3: pages[1]})
         a.pool.disown([0, 1])
         rb = b.reserve(2 * GRAN)
@@ -252,7 +252,7 @@ GRAN = 2 << 20
 fake = FakeCudaDriver(granularity=GRAN)
 vm = PooledVirtualMemory(sys.argv[1], GRAN, device="cuda:0", driver=fake)
 region = vm.reserve(4 * GRAN)
-vm.create_pool(4)
+vm.create_store(4)
 vm.map(region, 0, 0, 4)
 for i in range(4):
     fake.write(region.base + i * GRAN, b"child" * (GRAN // 5))

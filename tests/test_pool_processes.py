@@ -71,7 +71,7 @@ class Engine:
         attachment = self.member._attachment
         with attachment.locked() as ledger, ledger.changing():
             free = ledger.owner == -1
-            ledger.owner[free.nonzero()[0][:3]] = self.member.slot
+            ledger.owner[free.nonzero()[0][:3]] = self.member.index
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -97,7 +97,7 @@ def worker_main() -> None:
     member = (pool.create(name, create_bytes, PAGE, engine=engine_name) if create_bytes
               else pool.join(name, engine=engine_name))
     engine = Engine(member)
-    print(json.dumps({"ok": [os.getpid(), member.slot]}), flush=True)
+    print(json.dumps({"ok": [os.getpid(), member.index]}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)
         if request["op"] == "exit":

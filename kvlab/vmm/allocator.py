@@ -66,7 +66,7 @@ class VMMAllocator(Allocator):
         try:
             geo = self.geo = make_geometry(config, shape, driver.page_size)
             self.ranges = Ranges.reserve(driver, geo, opts.vmm_single_range if single_range is None else single_range)
-            driver.create_pool(geo.num_tensors * geo.num_groups)
+            driver.create_store(geo.num_tensors * geo.num_groups)
         except BaseException:
             _close_quietly(driver)
             raise
@@ -85,7 +85,7 @@ class VMMAllocator(Allocator):
         self.give_back = GiveBack(self._lock, self.growth, self.free_pages, pool)
         pool.on_wanted(self.give_back)                   # other engines on the pool may ask for pages
         pool.report_givable(self.give_back.givable_pages)
-        self.exports = PageExports(self._lock, geo, self.pages, pool, self.ranges.mirror.pool_stride)
+        self.exports = PageExports(self._lock, geo, self.pages, pool, self.ranges.mirror.store_stride)
 
     # -- capacity -----------------------------------------------------------------------------------------
     def num_total_units(self) -> int:
@@ -260,7 +260,7 @@ class VMMAllocator(Allocator):
                 "reclaimable_units": self.table.excess,
                 "idle_cached": list(self.prefix.cache.idle) if self.prefix is not None else [],
                 "free_groups": self.free_pages.num_free,
-                "driver": {"mapped_pages": self.driver.stats.mapped_pages, "pool_maps": list(self.driver.pool_maps)},
+                "driver": {"mapped_pages": self.driver.stats.mapped_pages, "store_maps": list(self.driver.store_maps)},
             }
 
     def check_invariants(self) -> None:

@@ -52,7 +52,7 @@ class VMMHandoff:
         start = time.perf_counter()
         local, pages = self.exports.export(seq.seq_id, num_tokens)
         self.exported[seq.seq_id] = (local, pages)
-        header = {"num_tokens": num_tokens, "giver": self.member.slot, "giver_pid": os.getpid(), "pages": pages}
+        header = {"num_tokens": num_tokens, "giver": self.member.index, "giver_pid": os.getpid(), "pages": pages}
         return Export(header, [], HandoffReport(time.perf_counter() - start, 0, len(pages), self.unit))
 
     def release(self, seq: Sequence, taken: bool | None) -> None:

@@ -36,7 +36,7 @@ class Ranges:
         return cls(places, driver.mirror(places, geo.tensor_bytes, geo.num_groups))
 
     def check_mapped(self, driver: VirtualMemory, geo: Geometry, slots: list[Slot]) -> None:
-        """Every page the slots claim is mapped by the driver at the right pool page, and no other."""
+        """Every page the slots claim is mapped by the driver at the right store page, and no other."""
         total = 0
         for slot in slots:
             for j, g in enumerate(slot.groups[slot.dropped:], slot.dropped):

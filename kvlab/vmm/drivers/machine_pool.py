@@ -5,20 +5,27 @@ pools: every driver has a `pool` (vmm/drivers/base.py), the pooled driver's is i
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from kvlab.common.errors import ConfigError
 
-if TYPE_CHECKING:
-    from kvlab.vmm.pool import PoolMember
-
 UNBOUNDED = 1 << 62   # the room of memory no other engine shares: never the limit
+
+
+class Membership(Protocol):
+    """What the handoff asks of the engine's membership in the pool (vmm/pool/member.py's PoolMember)."""
+    name: str
+    index: int          # the engine's row in the pool's books
+
+    def receive(self, giver: int, giver_pid: int, pages: list[int]) -> None: ...
+
+    def still_holds(self, pages: list[int]) -> bool: ...
 
 
 class HandoffPages(Protocol):
     """What the KV handoff needs of a pool (vmm/handoff.py): the engine's membership and the pool page behind
     each local page; pages received from another engine are adopted, pages it took are disowned."""
-    member: PoolMember
+    member: Membership
 
     def pool_page(self, local: int) -> int: ...
 

@@ -48,7 +48,7 @@ class PoolPageMapper(Protocol):
     def gone(self, pool_pages: list[int]) -> None:
         """Pages no longer this engine's (given back, or taken by another engine in a handoff)."""
 
-    def close(self, pool_maps: Sequence[int]) -> None: ...
+    def close(self, store_maps: Sequence[int]) -> None: ...
 
 
 class PooledMemory:
@@ -74,7 +74,7 @@ class PooledMemory:
         """A host pool's memfd, for reading pages beside the mappings (vmm/probe.py), as the host driver's."""
         return self.member.page_fd
 
-    def pool_offset(self, page: int) -> int:
+    def page_offset(self, page: int) -> int:
         """The memfd offset of the pool page behind local page `page`."""
         return self.member.page_offset(self.backing[page])
 
@@ -92,7 +92,7 @@ class PooledMemory:
     def view(self, region: Region, offset: int, nbytes: int) -> tuple[Any, Any]:
         return self.pages.memory.view(region, offset, nbytes)
 
-    def resize_pool(self, old_pages: int, new_pages: int) -> None:
+    def resize_store(self, old_pages: int, new_pages: int) -> None:
         """Local pages cost nothing until mapped; cut ones (unmapped, checked by the driver) give their pages."""
         self.discard(new_pages, max(0, old_pages - new_pages))
 
@@ -200,9 +200,9 @@ class PooledMemory:
             self.member.give(pool_pages)
             self.pages.gone(pool_pages)
 
-    def close(self, pool_maps: Sequence[int]) -> None:
+    def close(self, store_maps: Sequence[int]) -> None:
         try:
-            self.pages.close(pool_maps)
+            self.pages.close(store_maps)
         finally:
             self.member.close()           # gives back every page still held
 

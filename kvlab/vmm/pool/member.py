@@ -25,8 +25,8 @@ from kvlab.vmm.pool.transfer import all_held, transfer
 class PoolMember:
     """One engine in a pool. Not inherited by fork: a forked child joins on its own."""
 
-    def __init__(self, attachment: Attachment, slot: int, engine: str, steward: Steward) -> None:
-        self._attachment, self.slot, self.engine, self._steward = attachment, slot, engine, steward
+    def __init__(self, attachment: Attachment, index: int, engine: str, steward: Steward) -> None:
+        self._attachment, self.index, self.engine, self._steward = attachment, index, engine, steward
         self.name, self.pid = attachment.name, os.getpid()
         self.page_size, self.total_pages = attachment.page_size, attachment.ledger.total
         self._held: set[int] = set()
@@ -73,9 +73,9 @@ class PoolMember:
             raise PoolError(f"take needs a positive page count, got {n!r}")
         attachment = self._usable()
         with attachment.locked() as ledger:
-            pages = ledger.take(self.slot, n)
-            if pages is None and attachment.reap(ledger, self.slot):
-                pages = ledger.take(self.slot, n)
+            pages = ledger.take(self.index, n)
+            if pages is None and attachment.reap(ledger, self.index):
+                pages = ledger.take(self.index, n)
         if pages is None:
             return None
         self._held.update(pages.tolist())
@@ -91,20 +91,21 @@ class PoolMember:
                             f"{sorted(set(pages) - self._held)[:8] or 'duplicates'} are not")
         attachment.scrub(pages)                                # still ours: no one else can map them yet
         with attachment.locked() as ledger:
-            ledger.give(self.slot, np.asarray(pages, dtype=np.int64))
+            ledger.give(self.index, np.asarray(pages, dtype=np.int64))
         self._held.difference_update(pages)
 
     def receive(self, giver: int, giver_pid: int, pages: list[int]) -> None:
-        """Pages another engine (pool slot `giver`) holds become this engine's, all or none (vmm/pool/transfer.py):
-        TransferRefused past this engine's ceiling, PoolError if the giver does not hold them all."""
+        """Pages another engine (index `giver` in the pool's books) holds become this engine's, all or none
+        (vmm/pool/transfer.py): TransferRefused past this engine's ceiling, PoolError if the giver does not hold
+        them all."""
         with self._usable().locked() as ledger:
-            transfer(ledger, giver, giver_pid, self.slot, np.asarray(pages, dtype=np.int64))
+            transfer(ledger, giver, giver_pid, self.index, np.asarray(pages, dtype=np.int64))
         self._held.update(pages)
 
     def still_holds(self, pages: list[int]) -> bool:
         """Whether every one of `pages` is still this engine's (not transferred or reaped away)."""
         with self._usable().locked() as ledger:
-            return all_held(ledger, self.slot, np.asarray(pages, dtype=np.int64))
+            return all_held(ledger, self.index, np.asarray(pages, dtype=np.int64))
 
     def forget(self, pages: list[int]) -> None:
         """Pages another engine took by transfer: no longer this engine's to give (the books say so already)."""
@@ -123,18 +124,18 @@ class PoolMember:
     def others_givable(self) -> int:
         """Pages the other engines published they could give back if asked (within their floors)."""
         with self._usable().locked() as ledger:
-            return ledger.table.givable(exclude=self.slot)
+            return ledger.table.givable(exclude=self.index)
 
     def room(self) -> int:
         """Pages this engine could get now (free, or given by others if asked), within its ceiling. Read without
         the lock: a capacity hint asked every step, never a promise (take decides)."""
         ledger = self._attachment.ledger
-        return ledger.table.room(self.slot, ledger.free)
+        return ledger.table.room(self.index, ledger.free)
 
     def publish(self, givable: int) -> None:
         """Tell askers how many pages this engine holds without need (spare, parked, idle cached)."""
         with self._usable().locked() as ledger:
-            ledger.publish(self.slot, givable)
+            ledger.publish(self.index, givable)
 
     def watch(self, answer: Callable[[int], None]) -> None:
         """Call `answer(pages)` from the steward thread, about every 0.1 s, while refused engines want pages."""
@@ -152,17 +153,17 @@ class PoolMember:
 
     def record(self) -> EngineRecord:
         with self._usable().locked() as ledger:
-            return ledger.table.record(self.slot)
+            return ledger.table.record(self.index)
 
     def books(self) -> tuple[int, EngineRecord]:
         """The pool's free pages and this engine's record, read in one locked step."""
         with self._usable().locked() as ledger:
-            return ledger.free, ledger.table.record(self.slot)
+            return ledger.free, ledger.table.record(self.index)
 
     def owned(self) -> list[int]:
         """The pages the books say this engine holds (the owner array, read under the lock)."""
         with self._usable().locked() as ledger:
-            return ledger.pages_of(self.slot).tolist()
+            return ledger.pages_of(self.index).tolist()
 
     def excess(self) -> int:
         """Pages held above the ceiling (after a limit was lowered): what the engine should give back."""
@@ -172,7 +173,7 @@ class PoolMember:
     def status(self) -> PoolStatus:
         attachment = self._usable()
         with attachment.locked() as ledger:
-            attachment.reap(ledger, self.slot)
+            attachment.reap(ledger, self.index)
             return read_status(self.name, ledger)
 
     def close(self) -> None:
@@ -183,9 +184,9 @@ class PoolMember:
         self._steward = None
         attachment = self._attachment
         with attachment.locked() as ledger:
-            attachment.scrub(ledger.pages_of(self.slot).tolist())
-            ledger.unregister(self.slot)
-            locks.unlock(attachment.lock_fd, liveness_byte(self.slot))
+            attachment.scrub(ledger.pages_of(self.index).tolist())
+            ledger.unregister(self.index)
+            locks.unlock(attachment.lock_fd, liveness_byte(self.index))
         attachment.close()
         self._held.clear()
 
