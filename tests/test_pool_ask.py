@@ -22,7 +22,7 @@ class BusyEngine:
     def __init__(self, member: pool.PoolMember) -> None:
         self.member, self.pages = member, member.take(member.total_pages)
         member.publish(len(self.pages))
-        member.watch(self.answer)
+        member.serve(self.answer)
 
     def answer(self, wanted: int) -> None:
         given, self.pages = self.pages[:wanted], self.pages[wanted:]

@@ -25,12 +25,12 @@ class Asks:
     """Counts a member's asks (each one is a wait for other engines)."""
 
     def __init__(self, member: pool.PoolMember) -> None:
-        self.count, self.ask = 0, member.ask
-        member.ask = self
+        self.count, self.asking = 0, member.asking
+        member.asking = self
 
-    def __call__(self, n: int) -> None:
+    def __call__(self, n: int):
         self.count += 1
-        self.ask(n)
+        return self.asking(n)
 
 
 @pytest.fixture

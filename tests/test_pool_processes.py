@@ -58,13 +58,13 @@ class Engine:
     def race(self, ops: int, seed: int, most: int, take_share: float) -> dict:
         rng, refused = random.Random(seed), 0
         for _ in range(ops):
-            held = self.member.held
+            held = sorted(self.member.held)
             if not held or rng.random() < take_share:
                 refused += self.take(rng.randint(1, most)) is None
             else:
                 self.give(rng.sample(held, rng.randint(1, len(held))))
-        self.check(self.member.held)
-        return {"refused": refused, "held": self.member.held}
+        self.check(sorted(self.member.held))
+        return {"refused": refused, "held": sorted(self.member.held)}
 
     def die_inside_a_change(self) -> None:
         """SIGKILL itself while holding the pool lock, halfway through marking free pages as its own."""
@@ -82,8 +82,8 @@ def serve(engine: Engine, request: dict) -> object:
     if op == "give":
         return engine.give(request["pages"])
     if op == "check":
-        engine.check(engine.member.held)
-        return engine.member.held
+        engine.check(sorted(engine.member.held))
+        return sorted(engine.member.held)
     if op == "race":
         return engine.race(**request)
     if op == "die_inside_a_change":

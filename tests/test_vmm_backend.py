@@ -25,8 +25,7 @@ from kvlab.common.kv.types import CopyKV, DropSavedKV, KVShape, RestoreKV, SaveK
 from kvlab.common.sequence import Sequence
 from kvlab.vmm.build import build_vmm
 from kvlab.vmm.drivers.host import HostMemory, HostVirtualMemory
-from kvlab.vmm.storage import VMMStorage
-from kvlab.vmm.views import KVViews
+from kvlab.vmm.storage import KVViews, VMMStorage
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = 4096

@@ -2,14 +2,21 @@
 D]; physical pages are mapped into a sequence's row (its slot) as it grows, so unmodified contiguous kernels run on
 them (vmm/storage.py).
 
+The backend is three rooms, each calling only the one below it (docs/architecture.md):
+- the allocator (this module, vmm/growth.py, vmm/swap.py, vmm/sharing.py): the books of which sequence holds which
+  pages, what a growth costs and its one fast path (`SlotGrowth.in_place`), prefix aliases, swap, the background
+  mapper, and what the engine does for other engines on a machine-wide pool (give back, hand off);
+- the pages (vmm/pages.py, vmm/free_pages.py, vmm/slots.py, vmm/prefix.py, vmm/geometry.py): page groups moved
+  between the free list and slot rows, mapped in every tensor in runs;
+- the memory (vmm/drivers/): a `VirtualMemory` driver (host, cuda, accounting, pooled) and its `MachinePool`.
+
 A unit is a page group: one page in each of the 2L tensors (vmm/geometry.py). This class is the front: the seam's
-calls under one lock, over the ranges (vmm/views.py), the pages (vmm/pages.py), the slots (vmm/slots.py), growing a
-slot (vmm/growth.py), prefix aliases (vmm/aliases.py), swap (vmm/swap.py) and the background mapper (vmm/mapper.py).
-It is bookkeeping only: the K/V bytes it decides to move (a page copied for copy-on-write, a sequence saved or
-restored for swap) are orders it emits (common/kv/types.py), carried out by the storage. Unlike vAttention (which
-drops some errors silently and runs an unlocked background thread) every error raises, a lock guards all page-table
-state, the background mapper is fenced and its errors reach the caller, pages can be shared between forks (copy-on-
-write) and swapped out. With the accounting driver and no storage (the simulator) the same code runs with no memory.
+calls under one lock. It is bookkeeping only: the K/V bytes it decides to move (a page copied for copy-on-write, a
+sequence saved or restored for swap) are orders it emits (common/kv/types.py), carried out by the storage. Unlike
+vAttention (which drops some errors silently and runs an unlocked background thread) every error raises, a lock
+guards all page-table state, the background mapper is fenced and its errors reach the caller, pages can be shared
+between forks (copy-on-write) and swapped out. With the accounting driver and no storage (the simulator) the same
+code runs with no memory.
 """
 from __future__ import annotations
 
@@ -23,17 +30,14 @@ from typing import TYPE_CHECKING, Any
 from kvlab.common.errors import ConfigError, OutOfKVCache, RequestError
 from kvlab.common.kv.seam import Allocator, timed, timed_allocate
 from kvlab.common.kv.types import CacheStats, KVShape
-from kvlab.vmm.aliases import PrefixAliases
 from kvlab.vmm.free_pages import FreePages
 from kvlab.vmm.geometry import make_geometry
-from kvlab.vmm.growth import SlotGrowth
-from kvlab.vmm.mapper import BackgroundMapper
+from kvlab.vmm.growth import BackgroundMapper, PrefixAliases, SlotGrowth
 from kvlab.vmm.pages import SlotPages
 from kvlab.vmm.prefix import KeptGroups, PagePrefixCache
 from kvlab.vmm.sharing import GiveBack, PageExports
-from kvlab.vmm.slots import SlotTable
+from kvlab.vmm.slots import Ranges, SlotTable
 from kvlab.vmm.swap import SwapSpace
-from kvlab.vmm.views import Ranges
 
 if TYPE_CHECKING:
     from kvlab.common.attention.metadata import BatchItem
@@ -83,8 +87,7 @@ class VMMAllocator(Allocator):
         self.plain = cache is None and window is None    # allocate's in-place path applies
         self.also_fits: Callable[[int], bool] = _any_units  # a further limit on the units a growth takes (what-ifs)
         self.give_back = GiveBack(self._lock, self.growth, self.free_pages, pool)
-        pool.on_wanted(self.give_back)                   # other engines on the pool may ask for pages
-        pool.report_givable(self.give_back.givable_pages)
+        pool.answer_asks(self.give_back, self.give_back.givable_pages)   # other engines on the pool may ask
         self.exports = PageExports(self._lock, geo, self.pages, pool, self.ranges.mirror.store_stride)
 
     # -- capacity -----------------------------------------------------------------------------------------

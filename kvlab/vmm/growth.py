@@ -1,21 +1,85 @@
-"""Growing a sequence's slot to hold a token count: what that costs in page groups, and getting them (a slot
-claimed with its prefix hits aliased in, shared pages copied before a write, pages below a sliding window
-unmapped, new pages mapped, retried once after unmapping parked pages when the OS mappings run out).
+"""Growing a sequence's slot to hold a token count (`SlotGrowth`): what that costs in page groups, and getting
+them (a slot claimed with its prefix hits aliased in, shared pages copied before a write, pages below a sliding
+window unmapped, new pages mapped, retried once after unmapping parked pages when the OS mappings run out). With
+prefix caching, which pages of the live sequences to register in the cache (vmm/prefix.py) and a new sequence's
+slot with its cached leading pages aliased in, mapped again at the same page indices: the fork path, copy-on-write
+if written (`PrefixAliases`). With background mapping, a worker thread maps the pages a slot will need soon, off
+the critical path (`BackgroundMapper`): it changes the cache's tables only under the cache's lock; before the cache
+touches a slot it fences that slot (waits for its job), and a worker error is re-raised there, in the caller.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 from kvlab.vmm.drivers.map_budget import MapBudgetExhausted
 
 if TYPE_CHECKING:
     from kvlab.common.kv.types import MoveSink
     from kvlab.common.sequence import Sequence
-    from kvlab.vmm.aliases import PrefixAliases
     from kvlab.vmm.drivers.machine_pool import MachinePool
+    from kvlab.vmm.geometry import Geometry
     from kvlab.vmm.pages import SlotPages
-    from kvlab.vmm.slots import Slot
+    from kvlab.vmm.prefix import PagePrefixCache
+    from kvlab.vmm.slots import Slot, SlotTable
     from kvlab.vmm.swap import SwapSpace
+
+LOOKAHEAD_FRACTION = 8   # background mapping starts when a sequence is within 1/8 page of its next page
+
+MapAhead = Callable[[int, int, int], bool]   # (slot index, owner seq_id, target pages) -> mapped anything
+
+
+class BackgroundMapper:
+    def __init__(self, geo: Geometry, lock: threading.RLock, map_ahead: MapAhead, enabled: bool) -> None:
+        self.geo = geo
+        self.lock = lock
+        self.seconds = 0.0                      # worker time spent mapping
+        self.pending: dict[int, Future] = {}    # slot index -> its in-flight job
+        self._map_ahead = map_ahead
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvlab-vmm-mapper") if enabled else None
+        self.enabled = enabled
+
+    def request(self, slot: Slot, tokens: int) -> None:
+        """Map ahead of a slot that now holds `tokens` tokens, if it is near its next page."""
+        if self._executor is None:
+            return
+        ahead = max(1, self.geo.tokens_per_page // LOOKAHEAD_FRACTION)
+        target = min(self.geo.pages_for(tokens + ahead), self.geo.pages_per_slot)
+        if target > len(slot.groups) and slot.index not in self.pending:
+            self.pending[slot.index] = self._executor.submit(self._run, slot.index, slot.seq_id, target)
+
+    def _run(self, index: int, seq_id: int, target: int) -> None:
+        with self.lock:
+            t0 = time.perf_counter()
+            if self._map_ahead(index, seq_id, target):
+                self.seconds += time.perf_counter() - t0
+
+    def fence(self, indices: list[int | None]) -> None:
+        """Wait for in-flight mapping of these slots; re-raise any background error here, in the caller."""
+        if not self.pending:
+            return
+        for index in indices:
+            future = self.pending.pop(index, None) if index is not None else None
+            if future is not None:
+                future.result()
+        for index, future in list(self.pending.items()):
+            if future.done():
+                del self.pending[index]
+                future.result()
+
+    def close(self) -> BaseException | None:
+        """Stop the worker; returns the first error a job left behind (the caller raises it)."""
+        error = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            for future in self.pending.values():
+                error = error or future.exception()
+            self.pending.clear()
+        return error
 
 
 class SlotGrowth:
@@ -166,3 +230,67 @@ class SlotGrowth:
         except MapBudgetExhausted:
             self.pages.counters.lookahead_skipped += 1
             return False
+
+
+class PrefixAliases:
+    """The cache, the live sequences whose computed pages it registers, and the tokens its hits saved."""
+
+    def __init__(self, cache: PagePrefixCache, table: SlotTable, pages: SlotPages) -> None:
+        self.cache, self.table, self.pages = cache, table, pages
+        self.owners: dict[int, Sequence] = {}   # the live sequences, to register their pages
+        self.hit_tokens = 0
+
+    def units_to_admit(self, seq: Sequence, num_tokens: int, need: int) -> int:
+        """`need` pages less the hits mapped in another slot (free); idle hits still cost a unit each."""
+        hits = self.match(seq, num_tokens)
+        return need - len(hits) + self.cache.idle_hits(hits)
+
+    def match(self, seq: Sequence, num_tokens: int) -> list[tuple[int, int]]:
+        """Cached leading pages of a new sequence, after registering what live sequences computed since their
+        last allocate (as paged does: a prompt admitted next to its twin still hits)."""
+        for owner in self.owners.values():
+            slot = self.table.of(owner.seq_id)
+            if slot is not None:
+                self.register(owner, slot)
+        return self.cache.match(seq, num_tokens)
+
+    def register(self, seq: Sequence, slot: Slot) -> None:
+        """Make the sequence's computed full pages findable by later prompts."""
+        self.cache.register(seq, slot.groups, min(seq.num_computed_tokens, slot.held, seq.num_tokens))
+
+    def claim(self, seq: Sequence, num_tokens: int) -> tuple[Slot, int]:
+        """A slot for a first allocation, with its cached prefix pages aliased in; returns it and the hit tokens."""
+        hits = self.match(seq, num_tokens)
+        self.owners[seq.seq_id] = seq
+        if not hits:
+            return self.table.claim(seq.seq_id, num_tokens), 0
+        tokens = len(hits) * self.cache.tokens_per_page
+        alias = partial(self.pages.alias, groups=[g for g, _ in hits], tokens=tokens)
+        try:
+            slot = self.pages.new_slot(seq.seq_id, num_tokens, alias, fewest_pages=True)
+        except BaseException:
+            self.forget(seq.seq_id)
+            raise
+        self.cache.adopt(seq.seq_id, [h for _, h in hits])
+        self.hit_tokens += tokens
+        return slot, tokens
+
+    def track(self, seq: Sequence) -> None:
+        """A sequence holds a slot again (swapped in): register its pages from now on."""
+        self.owners[seq.seq_id] = seq
+
+    def fork(self, parent: Sequence, source: Slot, child: Sequence) -> None:
+        """The child maps the parent's pages: it starts with the parent's registered chain."""
+        self.register(parent, source)
+        self.cache.adopt(child.seq_id, self.cache.chains.get(parent.seq_id, []))
+        self.owners[child.seq_id] = child
+
+    def forget(self, seq_id: int) -> None:
+        """The sequence no longer maps its pages (freed, swapped out)."""
+        self.cache.forget(seq_id)
+        self.owners.pop(seq_id, None)
+
+    def stats(self) -> dict[str, Any]:
+        cache = self.cache
+        return {"prefix_caching": "on", "prefix_cached_pages": len(cache), "prefix_idle_pages": len(cache.idle),
+                "prefix_evictions": cache.evictions, "prefix_hash_collisions": cache.collisions}

@@ -69,11 +69,9 @@ class MachinePool(Protocol):
     def give_spare(self, limit: int) -> int:
         """Give back up to `limit` spare pages, never below the floor; returns how many went."""
 
-    def on_wanted(self, answer: Callable[[int], None]) -> None:
-        """Call `answer(pages)` (from the pool's steward thread) while other engines want pages."""
-
-    def report_givable(self, givable: Callable[[], int]) -> None:
-        """Publish `givable()` (the pages the engine could give if asked) each steward round."""
+    def answer_asks(self, give_back: Callable[[int], None], givable: Callable[[], int]) -> None:
+        """While other engines want pages call `give_back(pages)` (from the pool's steward thread), and each steward
+        round publish `givable()` (the pages the engine could give if asked)."""
 
     def stats(self) -> dict[str, Any]:
         """The pool block of the cache stats ({} when there is no pool)."""
@@ -113,10 +111,7 @@ class NoPool:
     def give_spare(self, limit: int) -> int:
         return 0
 
-    def on_wanted(self, answer: Callable[[int], None]) -> None:
-        pass
-
-    def report_givable(self, givable: Callable[[], int]) -> None:
+    def answer_asks(self, give_back: Callable[[int], None], givable: Callable[[], int]) -> None:
         pass
 
     def stats(self) -> dict[str, Any]:

@@ -146,8 +146,7 @@ class PooledMemory:
         if not self.may_wait or not self.member.others_givable():
             raise PoolExhausted(f"pool {self.member.name!r} refused {need} pages")
         self.may_wait = False
-        self.member.ask(need)
-        try:
+        with self.member.asking(need):   # on leaving, others stop giving (and evicting cached pages) for this ask
             deadline = time.monotonic() + ANSWER_WAIT_S
             while time.monotonic() < deadline:
                 time.sleep(ANSWER_POLL_S)
@@ -155,8 +154,6 @@ class PooledMemory:
                     return taken
                 if not self.member.others_givable():      # they gave all they could, to others or to the pool
                     break
-        finally:          # waiting no more: others stop giving (and evicting cached pages) for this ask
-            self.member.withdraw(need)
         raise PoolExhausted(f"pool {self.member.name!r} refused {need} pages")
 
     def oldest_idle(self) -> int:
@@ -263,11 +260,8 @@ class PoolAccount:
         memory.give(loose + [memory.backing.pop(p) for p in pages])
         return len(loose) + len(pages)
 
-    def on_wanted(self, answer: Callable[[int], None]) -> None:
-        self.member.watch(answer)
-
-    def report_givable(self, givable: Callable[[], int]) -> None:
-        self.member.report(givable)
+    def answer_asks(self, give_back: Callable[[int], None], givable: Callable[[], int]) -> None:
+        self.member.serve(give_back, givable)
 
     def stats(self) -> dict[str, Any]:
         """The pool's size and use, this engine's share and its page moves."""

@@ -111,8 +111,8 @@ class SimulatedPool(NoPool):
     def __init__(self, share: PoolShare) -> None:
         self.share = share
 
-    def on_wanted(self, answer: Callable[[int], None]) -> None:
-        self.share.answer = answer
+    def answer_asks(self, give_back: Callable[[int], None], givable: Callable[[], int]) -> None:
+        self.share.answer = give_back
 
     def above_floor(self) -> int:
         return self.share.held
