@@ -86,7 +86,7 @@ class VMMAllocator(Allocator):
         self.closed = False
         self.plain = cache is None and window is None    # allocate's in-place path applies
         self.also_fits: Callable[[int], bool] = _any_units  # a further limit on the units a growth takes (what-ifs)
-        self.give_back = GiveBack(self._lock, self.growth, self.free_pages, pool)
+        self.give_back = GiveBack(self._lock, self.pages, pool, self.growth.drop_stale)
         pool.answer_asks(self.give_back, self.give_back.givable_pages)   # other engines on the pool may ask
         self.exports = PageExports(self._lock, geo, self.pages, pool, self.ranges.mirror.store_stride)
 

@@ -13,9 +13,7 @@ from kvlab.common.handoff.seam import HandoffError, HandoffRefused
 
 if TYPE_CHECKING:
     from kvlab.vmm.drivers.machine_pool import MachinePool
-    from kvlab.vmm.free_pages import FreePages
     from kvlab.vmm.geometry import Geometry
-    from kvlab.vmm.growth import SlotGrowth
     from kvlab.vmm.pages import SlotPages
     from kvlab.vmm.slots import Slot
 
@@ -24,9 +22,11 @@ class GiveBack:
     """The engine's answer when other engines on the pool want pages. `closed`: the allocator closed (answer
     nothing)."""
 
-    def __init__(self, lock: threading.RLock, growth: SlotGrowth, free_pages: FreePages, pool: MachinePool) -> None:
-        self.lock, self.growth, self.free_pages, self.pool = lock, growth, free_pages, pool
-        self.table, self.tensors = growth.table, growth.geo.num_tensors
+    def __init__(self, lock: threading.RLock, pages: SlotPages, pool: MachinePool,
+                 drop_stale: Callable[[], None]) -> None:
+        """`drop_stale`: unmap the parked pages of freed slots (the allocator's growth does it)."""
+        self.lock, self.free_pages, self.pool, self.drop_stale = lock, pages.free_pages, pool, drop_stale
+        self.table, self.tensors = pages.table, pages.geo.num_tensors
         self.closed = False
 
     def givable_pages(self) -> int:
@@ -49,7 +49,7 @@ class GiveBack:
                 return
             running_nothing = not self.table.slot_of
             if self.table.stale and (running_nothing or self.pool.spare_pages() < wanted):
-                self.growth.drop_stale()
+                self.drop_stale()
             given = self.pool.give_spare(self.pool.spare_pages() if running_nothing else wanted)
             tensors = self.tensors
             groups = min(-(-(wanted - given) // tensors), self.pool.above_floor() // tensors)

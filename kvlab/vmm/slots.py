@@ -15,13 +15,12 @@ from bisect import bisect_left, insort
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvlab.common.errors import RequestError
 
 if TYPE_CHECKING:
-    from kvlab.vmm.drivers.base import VirtualMemory
-    from kvlab.vmm.drivers.types import Mirror, Region
+    from kvlab.vmm.drivers.types import DriverStats, Mirror, Region
     from kvlab.vmm.geometry import Geometry
 
 DROPPED = -1   # a page the sliding window left behind: unmapped, its group back in the pool (slot.groups[:dropped])
@@ -43,6 +42,15 @@ class Slot:
         return self.groups[self.dropped:]
 
 
+class AddressSpace(Protocol):
+    """What the ranges need of a driver (vmm/drivers/base.py's VirtualMemory)."""
+    stats: DriverStats
+
+    def reserve(self, nbytes: int) -> Region: ...
+
+    def mirror(self, places: list[tuple[Region, int]], span: int, store_stride: int) -> Mirror: ...
+
+
 @dataclass(slots=True)
 class Ranges:
     """Where the 2L tensors live, and the mirror that maps a page group in all of them with one call."""
@@ -50,7 +58,7 @@ class Ranges:
     mirror: Mirror
 
     @classmethod
-    def reserve(cls, driver: VirtualMemory, geo: Geometry, single_range: bool) -> Ranges:
+    def reserve(cls, driver: AddressSpace, geo: Geometry, single_range: bool) -> Ranges:
         if single_range:
             whole = driver.reserve(geo.num_tensors * geo.tensor_bytes)
             places = [(whole, t * geo.tensor_bytes) for t in range(geo.num_tensors)]
@@ -58,7 +66,7 @@ class Ranges:
             places = [(driver.reserve(geo.tensor_bytes), 0) for _ in range(geo.num_tensors)]
         return cls(places, driver.mirror(places, geo.tensor_bytes, geo.num_groups))
 
-    def check_mapped(self, driver: VirtualMemory, geo: Geometry, slots: list[Slot]) -> None:
+    def check_mapped(self, driver: AddressSpace, geo: Geometry, slots: list[Slot]) -> None:
         """Every page the slots claim is mapped by the driver at the right store page, and no other."""
         total = 0
         for slot in slots:
