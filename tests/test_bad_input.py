@@ -17,6 +17,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from fakes.fake_cuda import FakeCudaDriver
 from helpers.invariants import one_torch_thread  # noqa: F401 - module fixture
 from safetensors.torch import save_file
 
@@ -29,7 +30,6 @@ from kvlab.common.loader import load_model
 from kvlab.common.sampling_params import SamplingParams
 from kvlab.experiments.cli.main import main
 from kvlab.experiments.workloads.requests import load_trace
-from kvlab.vmm.drivers.fake_cuda import FakeCudaDriver
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_TOKEN_BYTES = 2 * 4 * 2 * 64 * 4          # the tiny preset: 4 layers, 2 KV heads, head_dim 64, fp32

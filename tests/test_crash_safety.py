@@ -14,6 +14,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from fakes.fake_cuda import INVALID_VALUE, FakeCudaDriver
+from fakes.fake_cuda_state import CallLog
 from helpers.invariants import one_torch_thread  # noqa: F401 - module fixture
 
 from kvlab.common.config import make_config
@@ -22,8 +24,6 @@ from kvlab.common.kv.types import KVShape
 from kvlab.common.sequence import Sequence
 from kvlab.vmm.build import build_vmm
 from kvlab.vmm.drivers.cuda import CudaVirtualMemory
-from kvlab.vmm.drivers.fake_cuda import INVALID_VALUE, FakeCudaDriver
-from kvlab.vmm.drivers.fake_cuda_state import CallLog
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", "TRITON_INTERPRET": "1",

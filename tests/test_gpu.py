@@ -42,7 +42,7 @@ def test_cuda_vmm_maps_real_memory_zero_copy(cuda_vm):
     vm, page = cuda_vm, cuda_vm.page_size
     assert page % vm.granularity() == 0
     region = vm.reserve(3 * page)
-    vm.create_pool(2)
+    vm.create_store(2)
     vm.map(region, 0, 1, 1)                       # pool page 1 at VA page 0, pool page 0 at VA page 1
     vm.map(region, page, 0, 1)
     view = vm.tensor_view(region, torch.float32, (2 * page // 4,))
@@ -65,10 +65,10 @@ def test_cuda_vmm_maps_real_memory_zero_copy(cuda_vm):
 def test_mapping_consumes_device_memory_reported_by_mem_get_info(cuda_vm):
     vm, pages = cuda_vm, 16
     free_before = torch.cuda.mem_get_info()[0]
-    vm.create_pool(pages)                          # cuMemCreate allocates physical memory up front
+    vm.create_store(pages)                          # cuMemCreate allocates physical memory up front
     taken = free_before - torch.cuda.mem_get_info()[0]
     assert taken >= pages * vm.page_size * 0.99
-    vm.resize_pool(0)                              # cuMemRelease gives it back
+    vm.resize_store(0)                              # cuMemRelease gives it back
     assert torch.cuda.mem_get_info()[0] >= free_before - vm.page_size
 
 

@@ -265,14 +265,14 @@ def two_members():
 def test_a_transfer_moves_ownership_all_or_nothing(two_members):
     giver, taker = two_members
     pages = giver.take(6)
-    taker.receive(giver.slot, os.getpid(), pages[:4])
+    taker.receive(giver.index, os.getpid(), pages[:4])
     giver.forget(pages[:4])
     assert taker.still_holds(pages[:4]) and not giver.still_holds(pages[:4]) and giver.still_holds(pages[4:])
     before = giver.status()
     with pytest.raises(PoolError, match="no longer holds"):
-        taker.receive(giver.slot, os.getpid(), pages[2:])          # two of them are the taker's already
+        taker.receive(giver.index, os.getpid(), pages[2:])          # two of them are the taker's already
     with pytest.raises(PoolError, match="has left"):
-        taker.receive(giver.slot, os.getpid() + 1, pages[4:])      # the giver's slot, another process
+        taker.receive(giver.index, os.getpid() + 1, pages[4:])      # the giver's slot, another process
     assert giver.status().engines == before.engines
     records = {e.name: e for e in before.engines}
     assert records["taker"].held == 4 == records["taker"].taken and records["giver"].given == 4
@@ -283,7 +283,7 @@ def test_a_transfer_past_the_takers_ceiling_is_refused_and_changes_nothing(two_m
     pages = giver.take(9)
     before = giver.status()
     with pytest.raises(TransferRefused, match="ceiling"):
-        taker.receive(giver.slot, os.getpid(), pages)
+        taker.receive(giver.index, os.getpid(), pages)
     assert giver.status() == before and giver.still_holds(pages)
 
 
@@ -291,4 +291,4 @@ def test_transfer_checks_page_ids(two_members):
     giver, taker = two_members
     attachment = giver._attachment
     with attachment.locked() as ledger, pytest.raises(PoolError, match="distinct page ids"):
-        transfer(ledger, giver.slot, os.getpid(), taker.slot, np.array([1, 1]))
+        transfer(ledger, giver.index, os.getpid(), taker.index, np.array([1, 1]))

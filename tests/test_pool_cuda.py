@@ -11,10 +11,10 @@ import subprocess
 import sys
 
 import pytest
+from fakes.fake_cuda import INVALID_VALUE, OK, FakeCudaDriver
 
 from kvlab.common.errors import DriverError
 from kvlab.vmm.drivers.cuda_device import CudaDevice
-from kvlab.vmm.drivers.fake_cuda import INVALID_VALUE, OK, FakeCudaDriver
 from kvlab.vmm.pool.cuda_chunks import CudaChunks, exportable_prop
 from kvlab.vmm.pool.errors import LimitError
 
@@ -132,7 +132,7 @@ def test_pages_written_in_one_member_are_read_in_another_and_zeroed_when_given(f
 CHILD = """
 import ctypes, sys
 from kvlab.vmm.drivers.cuda_device import CudaDevice
-from kvlab.vmm.drivers.fake_cuda import FakeCudaDriver
+from fakes.fake_cuda import FakeCudaDriver
 from kvlab.vmm.pool.cuda_chunks import CudaChunks
 GRAN = 2 << 20
 cuda = CudaDevice(0, FakeCudaDriver(granularity=GRAN))
@@ -158,8 +158,10 @@ def test_a_second_process_imports_the_chunks_and_shares_their_bytes(fake, cuda):
     fake.write(va, PATTERN[:16])
     fds = made.export()
     try:
+        tests = os.path.dirname(os.path.abspath(__file__))   # the child imports the fake from tests/fakes
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])))
         child = subprocess.run([sys.executable, "-c", CHILD, *map(str, fds)], pass_fds=fds, capture_output=True,
-                               text=True, timeout=120)
+                               text=True, timeout=120, env=env)
     finally:
         for fd in fds:
             os.close(fd)

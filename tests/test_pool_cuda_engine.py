@@ -12,6 +12,7 @@ import time
 import uuid
 
 import pytest
+from fakes.fake_cuda import FakeCudaDriver
 
 from kvlab import LLM
 from kvlab.common.config import make_config
@@ -20,7 +21,6 @@ from kvlab.common.kv.types import KVShape
 from kvlab.common.sequence import Sequence
 from kvlab.vmm import pool
 from kvlab.vmm.build import build_vmm
-from kvlab.vmm.drivers.fake_cuda import FakeCudaDriver
 from kvlab.vmm.drivers.pooled import PooledVirtualMemory
 from kvlab.vmm.drivers.pooled_cuda import create_cuda_pool
 from kvlab.vmm.pool import cuda_chunks
@@ -59,7 +59,7 @@ def engine(name: str, fake: FakeCudaDriver, pool_bytes: int | None = None) -> Po
 
 def mapped(vm: PooledVirtualMemory, pages: int):
     region = vm.reserve(pages * GRAN)
-    vm.create_pool(max(len(vm.pool_maps), pages))
+    vm.create_store(max(len(vm.store_maps), pages))
     vm.map(region, 0, 0, pages)
     return region
 
@@ -100,7 +100,7 @@ def test_pages_move_between_engines_and_a_page_new_to_an_engine_reads_zeros(fake
             fa.write(ra.base + i * GRAN, PATTERN)
         assert a.member.record().held == 8
         a.unmap(ra, 0, 8)
-        assert a.give_spare(8) == 8 and a.member.record().held == 0
+        assert a.pool.give_spare(8) == 8 and a.member.record().held == 0
         rb = mapped(b, 8)
         assert b.member.record().held == 8 and fb.names().count("cuMemsetD8") == 8
         assert all(page_bytes(fb, rb, i) == bytes(GRAN) for i in range(8))
@@ -108,7 +108,7 @@ def test_pages_move_between_engines_and_a_page_new_to_an_engine_reads_zeros(fake
         b.map(rb, 0, 0, 8)                           # its own spares again: no zeroing, no take
         assert fb.names().count("cuMemsetD8") == 8 and b.member.record().taken == 8
         b.unmap(rb, 0, 8)
-        b.give_spare(8)
+        b.pool.give_spare(8)
         a.map(ra, 0, 0, 8)
         assert all(page_bytes(fa, ra, i) == bytes(GRAN) for i in range(8))
     finally:
@@ -122,7 +122,7 @@ def test_a_full_pool_refuses_and_nothing_changes(fakes):
     try:
         mapped(a, 4)
         region = b.reserve(GRAN)
-        b.create_pool(1)
+        b.create_store(1)
         with pytest.raises(DriverError, match="refused"):
             b.map(region, 0, 0, 1)
         assert b.member.record().held == 0 and not fb.mappings
@@ -140,12 +140,12 @@ def test_a_handoff_keeps_the_pages_data(fakes, small_chunks):
         ra = mapped(a, 2)
         fa.write(ra.base, PATTERN)
         fa.write(ra.base + GRAN, PATTERN[::-1])
-        pages = [a.os.pool_page(0), a.os.pool_page(1)]
+        pages = [a.pool.pool_page(0), a.pool.pool_page(1)]
         a.unmap(ra, 0, 2)
-        b.member.receive(a.member.slot, os.getpid(), pages)
-        b.create_pool(4)
-        b.os.adopt({2: pages[0], 3: pages[1]})
-        a.os.disown([0, 1])
+        b.member.receive(a.member.index, os.getpid(), pages)
+        b.create_store(4)
+        b.pool.adopt({2: pages[0], 3: pages[1]})
+        a.pool.disown([0, 1])
         rb = b.reserve(2 * GRAN)
         b.map(rb, 0, 2, 2)
         assert page_bytes(fb, rb, 0) == PATTERN and page_bytes(fb, rb, 1) == PATTERN[::-1]
@@ -245,14 +245,14 @@ def test_a_failed_import_leaves_the_pool_and_holds_nothing(fakes, small_chunks):
 # -- another process ---------------------------------------------------------------------------------------
 CHILD = """
 import sys, time
-from kvlab.vmm.drivers.fake_cuda import FakeCudaDriver
+from fakes.fake_cuda import FakeCudaDriver
 from kvlab.vmm.drivers.pooled import PooledVirtualMemory
 from kvlab.vmm.drivers.pooled_cuda import create_cuda_pool
 GRAN = 2 << 20
 fake = FakeCudaDriver(granularity=GRAN)
 vm = PooledVirtualMemory(sys.argv[1], GRAN, device="cuda:0", driver=fake)
 region = vm.reserve(4 * GRAN)
-vm.create_pool(4)
+vm.create_store(4)
 vm.map(region, 0, 0, 4)
 for i in range(4):
     fake.write(region.base + i * GRAN, b"child" * (GRAN // 5))
@@ -268,7 +268,7 @@ def test_a_killed_engine_s_pages_come_back_and_read_zeros_to_the_next_owner(fake
     vm = engine(name, fake, 4 * GRAN)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     child = subprocess.Popen([sys.executable, "-c", CHILD, name], stdout=subprocess.PIPE, text=True,
-                             env=dict(os.environ, PYTHONPATH=root))
+                             env=dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests")])))
     try:
         assert child.stdout.readline().strip() == "mapped"
         assert pool.status(name).used == 4

@@ -34,16 +34,16 @@ def test_a_refused_take_waits_only_for_pages_others_can_give_and_once_a_step(sho
             asks = Asks(vm.member)
             assert busy.take(64) is not None         # every page in use by the other engine: nothing to give
             with pytest.raises(PoolExhausted):
-                vm.hold(1)
+                vm.pool.hold(1)
             assert asks.count == 0                   # refused at once, no wait
             busy.publish(4)                          # it says it could give 4 (but never answers)
             for _ in range(2):
                 with pytest.raises(PoolExhausted):
-                    vm.hold(1)
+                    vm.pool.hold(1)
             assert asks.count == 1                   # one wait this step, then refusals at once
-            vm.begin_step()
+            vm.pool.begin_step()
             with pytest.raises(PoolExhausted):
-                vm.hold(1)
+                vm.pool.hold(1)
             assert asks.count == 2
         finally:
             vm.close()

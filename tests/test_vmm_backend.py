@@ -25,8 +25,7 @@ from kvlab.common.kv.types import CopyKV, DropSavedKV, KVShape, RestoreKV, SaveK
 from kvlab.common.sequence import Sequence
 from kvlab.vmm.build import build_vmm
 from kvlab.vmm.drivers.host import HostMemory, HostVirtualMemory
-from kvlab.vmm.storage import VMMStorage
-from kvlab.vmm.views import KVViews
+from kvlab.vmm.storage import KVViews, VMMStorage
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = 4096
@@ -92,7 +91,7 @@ def pool_page(cache: KVCache, tensor: int, slot: int, page: int) -> bytes:
     """The bytes of a slot's page read straight from the memfd (not through any mapping)."""
     group = slots(cache)[slot].groups[page]
     driver = cache.allocator.driver
-    return os.pread(driver.os.fd, PAGE, driver.os.pool_offset(tensor * cache.allocator.geo.num_groups + group))
+    return os.pread(driver.os.fd, PAGE, driver.os.page_offset(tensor * cache.allocator.geo.num_groups + group))
 
 
 def as_tokens(raw: bytes, shape: KVShape = SHAPE) -> torch.Tensor:
@@ -118,7 +117,7 @@ def test_garbage_in_fresh_pages_never_reaches_the_output(make_cache):
     prefill and padded decode groups still match a reference that reads only the written tokens."""
     cache = make_cache()
     driver = cache.allocator.driver
-    os.pwrite(driver.os.fd, b"\xff" * (driver.stats.pool_pages * PAGE), 0)   # 0xffffffff: a float32 NaN
+    os.pwrite(driver.os.fd, b"\xff" * (driver.stats.store_pages * PAGE), 0)   # 0xffffffff: a float32 NaN
     a, b, c, d = seq(0, 40), seq(1, 5), seq(2, 33), seq(3, 20)
     meta, q, *_, out = step(cache, [BatchItem(a, 0, 40), BatchItem(b, 0, 5), BatchItem(c, 0, 33),
                                     BatchItem(d, 0, 20)])
@@ -257,7 +256,7 @@ def test_a_failed_mapping_leaves_the_books_balanced(make_cache):
                 self.fail_at -= 1
                 if self.fail_at < 0:
                     self.fail_at = None
-                    raise DriverError("mmap (map pool pages) failed: injected")
+                    raise DriverError("mmap (map store pages) failed: injected")
             return super().map(addr, first_page, num_pages)
     driver = HostVirtualMemory(memory=FailingHost(PAGE))
     cache = make_cache(driver=driver)
@@ -392,7 +391,7 @@ def test_a_background_mapping_error_reaches_the_caller(make_cache):
     class WorkerFails(HostMemory):
         def map(self, addr, first_page, num_pages):
             if threading.current_thread().name.startswith("kvlab-vmm-mapper"):
-                raise DriverError("mmap (map pool pages) failed: injected in the worker")
+                raise DriverError("mmap (map store pages) failed: injected in the worker")
             return super().map(addr, first_page, num_pages)
     cache = make_cache(driver=HostVirtualMemory(memory=WorkerFails(PAGE)), background_mapping=True)
     s = seq(0, TPP - 1)
@@ -444,7 +443,7 @@ def test_accounting_mode_books_a_page_group_once_not_per_tensor(make_cache):
     cache.allocator.free(seq(0, 50))
     cache.allocator.allocate(seq(3, 120), 120)                                  # reclaims the stale slot's pages
     regions = [region for region, _ in cache.allocator.ranges.places]
-    assert cache.allocator.ranges.mirror.ledger is not None and all(not r.pages for r in regions)
+    assert cache.allocator.ranges.mirror.books is not None and all(not r.pages for r in regions)
     assert cache.stats().mapped_bytes == 8 * TENSORS * PAGE              # every count is kept all the same
     assert sum(len(r.mapped) for r in regions) == 8 * TENSORS            # read: written out now
     cache.check_invariants()

@@ -6,14 +6,7 @@ import threading
 
 import pytest
 import torch
-
-from kvlab.common.config import make_config
-from kvlab.common.errors import DriverError
-from kvlab.common.kv.types import KVShape
-from kvlab.common.sequence import Sequence
-from kvlab.vmm.build import build_vmm
-from kvlab.vmm.drivers.cuda import CudaVirtualMemory
-from kvlab.vmm.drivers.fake_cuda import (
+from fakes.fake_cuda import (
     INVALID_CONTEXT,
     INVALID_VALUE,
     NOT_INITIALIZED,
@@ -22,6 +15,13 @@ from kvlab.vmm.drivers.fake_cuda import (
     FakeCudaDriver,
     torch_interop,
 )
+
+from kvlab.common.config import make_config
+from kvlab.common.errors import DriverError
+from kvlab.common.kv.types import KVShape
+from kvlab.common.sequence import Sequence
+from kvlab.vmm.build import build_vmm
+from kvlab.vmm.drivers.cuda import CudaVirtualMemory
 
 MiB = 1024**2
 GRAN = 2 * MiB
@@ -105,7 +105,7 @@ def test_reservations_round_up_to_whole_pages(vm, fake):
 def test_call_order(fake):
     vm = CudaVirtualMemory(0, driver=fake)
     region = vm.reserve(4 * GRAN)
-    vm.create_pool(3)
+    vm.create_store(3)
     vm.map(region, 0, 0, 2)
     vm.map(region, 3 * GRAN, 2)
     vm.unmap(region, 0, 2)
@@ -130,7 +130,7 @@ def test_call_order(fake):
 
 def test_every_thread_gets_the_primary_context(vm, fake):
     region = vm.reserve(2 * GRAN)
-    vm.create_pool(2)
+    vm.create_store(2)
     errors = []
 
     def worker():
@@ -199,9 +199,9 @@ def test_reserve_failure_acquires_nothing(vm, fake):
 def test_pool_creation_failure_releases_the_pages_created(vm, fake, kind):
     fake.fail("cuMemCreate", OUT_OF_MEMORY, after=2, exc=RuntimeError("boom") if kind == "exception" else None)
     with pytest.raises(DriverError, match="cuMemCreate"):
-        vm.create_pool(4)
-    assert fake.handles == {} and vm.stats.pool_pages == 0
-    vm.create_pool(4)
+        vm.create_store(4)
+    assert fake.handles == {} and vm.stats.store_pages == 0
+    vm.create_store(4)
     assert len(fake.handles) == 4
 
 
@@ -209,7 +209,7 @@ def test_out_of_device_memory_is_a_clear_error(fake):
     fake.memory_bytes = 3 * GRAN
     vm = CudaVirtualMemory(0, driver=fake)
     with pytest.raises(DriverError, match="cuMemCreate failed with CUDA_ERROR_OUT_OF_MEMORY"):
-        vm.create_pool(4)
+        vm.create_store(4)
     vm.close()
     assert fake.leaks() == {}
 
@@ -217,7 +217,7 @@ def test_out_of_device_memory_is_a_clear_error(fake):
 @pytest.mark.parametrize("call,after", [("cuMemMap", 0), ("cuMemMap", 2), ("cuMemSetAccess", 0)])
 def test_map_failure_undoes_the_partial_mapping(vm, fake, call, after):
     region = vm.reserve(4 * GRAN)
-    vm.create_pool(4)
+    vm.create_store(4)
     fake.fail(call, INVALID_VALUE, after=after)
     with pytest.raises(DriverError, match=call):
         vm.map(region, 0, 0, 3)
@@ -228,7 +228,7 @@ def test_map_failure_undoes_the_partial_mapping(vm, fake, call, after):
 
 def test_unmap_failure_names_the_call(vm, fake):
     region = vm.reserve(GRAN)
-    vm.create_pool(1)
+    vm.create_store(1)
     vm.map(region, 0, 0)
     fake.fail("cuCtxSynchronize", INVALID_VALUE)
     with pytest.raises(DriverError, match="cuCtxSynchronize failed"):
@@ -243,19 +243,19 @@ def test_unmap_failure_names_the_call(vm, fake):
 def test_an_unmap_failing_partway_through_a_run_books_the_pages_it_unmapped(vm, fake):
     """Reported: page 0 of a 2-page run was unmapped on the device but still booked, so close() leaked."""
     region = vm.reserve(2 * GRAN)
-    vm.create_pool(2)
+    vm.create_store(2)
     vm.map(region, 0, 0, 2)
     fake.fail("cuMemUnmap", INVALID_VALUE, after=1)
     with pytest.raises(DriverError, match=r"cuMemUnmap failed .* \(after unmapping 1 of 2 pages\)"):
         vm.unmap(region, 0, 2)
     assert region.mapped == {1: 1} and set(fake.mappings) == {region.base + GRAN}
-    assert vm.stats.mapped_pages == 1 and vm.stats.num_mappings == 1 and list(vm.pool_maps) == [0, 1]
+    assert vm.stats.mapped_pages == 1 and vm.stats.num_mappings == 1 and list(vm.store_maps) == [0, 1]
     # the fixture's close unmaps page 1 and frees everything
 
 
 def test_a_map_whose_undo_fails_books_what_stays_mapped(vm, fake):
     region = vm.reserve(4 * GRAN)
-    vm.create_pool(4)
+    vm.create_store(4)
     fake.fail("cuMemSetAccess", INVALID_VALUE)
     fake.fail("cuMemUnmap", INVALID_VALUE, after=1)              # the undo unmaps page 2, then page 1 fails
     with pytest.raises(DriverError, match="cuMemSetAccess failed .* left 2 mapped"):
@@ -266,7 +266,7 @@ def test_a_map_whose_undo_fails_books_what_stays_mapped(vm, fake):
 
 def test_a_mirrored_unmap_failing_in_the_second_tensor_maps_the_first_back(vm, fake):
     places = [(vm.reserve(2 * GRAN), 0), (vm.reserve(2 * GRAN), 0)]
-    vm.create_pool(4)
+    vm.create_store(4)
     mirror = vm.mirror(places, 2 * GRAN, 2)
     vm.map_mirrored(mirror, 0, 0, 2)
     fake.launch()
@@ -285,7 +285,7 @@ def test_a_mirrored_unmap_failing_in_the_second_tensor_maps_the_first_back(vm, f
 def test_a_page_that_never_unmaps_keeps_only_itself_and_its_range(fake):
     vm = CudaVirtualMemory(0, driver=fake)
     a, b = vm.reserve(2 * GRAN), vm.reserve(GRAN)
-    vm.create_pool(3)
+    vm.create_store(3)
     vm.map(a, 0, 0, 2)
     vm.map(b, 0, 2)
     fake.fail("cuMemUnmap", INVALID_VALUE)                       # a's run, then the retry of its page 0
@@ -303,7 +303,7 @@ def test_close_releases_no_mapped_handle_without_a_synchronise(fake):
     cuCtxSynchronize; when that fails too it stays, and the error says so."""
     vm = CudaVirtualMemory(0, driver=fake)
     region = vm.reserve(2 * GRAN)
-    vm.create_pool(2)
+    vm.create_store(2)
     vm.map(region, 0, 0, 2)
     fake.fail("cuMemUnmap", INVALID_VALUE)
     fake.fail("cuMemUnmap", INVALID_VALUE)
@@ -316,7 +316,7 @@ def test_close_releases_no_mapped_handle_without_a_synchronise(fake):
 def test_close_releases_everything_even_after_a_failure(fake):
     vm = CudaVirtualMemory(0, driver=fake)
     region = vm.reserve(2 * GRAN)
-    vm.create_pool(3)
+    vm.create_store(3)
     vm.map(region, 0, 0, 2)
     fake.fail("cuMemRelease", INVALID_VALUE, after=1)
     with pytest.raises(DriverError, match="cuMemRelease"):
@@ -328,7 +328,7 @@ def test_close_releases_everything_even_after_a_failure(fake):
 
 def test_discarded_pages_are_created_again_when_mapped(vm, fake):
     region = vm.reserve(2 * GRAN)
-    vm.create_pool(2)
+    vm.create_store(2)
     vm.discard(0, 2)
     assert fake.handles == {}
     vm.map(region, 0, 0, 2)
@@ -387,7 +387,7 @@ def test_dlpack_views_share_memory_and_keep_their_holder_until_the_last_view_goe
 def test_fresh_device_pages_are_garbage_not_zeros(vm, fake):
     """cuMemCreate memory is not zeroed (issue 18): neither a new page nor one created again after a discard."""
     region = vm.reserve(GRAN)
-    vm.create_pool(1)
+    vm.create_store(1)
     vm.map(region, 0, 0)
     first = fake.read(region.base, 64)
     assert first != bytes(64)

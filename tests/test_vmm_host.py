@@ -50,7 +50,7 @@ def test_reserve_costs_no_resident_memory_and_mapping_does(vm):
     region = vm.reserve(32 * GiB)
     assert region.nbytes == 32 * GiB
     assert status_kib("VmRSS") - rss0 < 8 * 1024          # 32 GiB reserved, < 8 MiB resident
-    vm.create_pool(256)
+    vm.create_store(256)
     assert status_kib("RssShmem") - shmem0 < 1024         # an empty pool holds nothing either
     view = vm.tensor_view(region, torch.uint8, (16 * MiB,))
     vm.map(region, 8 * GiB, 0, 256)                        # 16 MiB somewhere in the middle
@@ -65,7 +65,7 @@ def test_reserve_costs_no_resident_memory_and_mapping_does(vm):
 
 def test_memfd_pool_is_named_in_proc_maps(vm):
     region = vm.reserve(4 * vm.page_size)
-    vm.create_pool(4)
+    vm.create_store(4)
     vm.map(region, 0, 2, 1)
     maps = Path("/proc/self/maps").read_text()
     lines = [ln for ln in maps.splitlines() if f"memfd:{POOL_NAME}" in ln]
@@ -79,13 +79,13 @@ def test_writes_through_the_view_land_in_the_pool_pages_mapped(vm):
     """Pool pages 5, 3, 7 at VA pages 0, 1, 2; read the pool back through independent paths."""
     page = vm.page_size
     region = vm.reserve(3 * page)
-    vm.create_pool(8)
+    vm.create_store(8)
     for va, pool in enumerate((5, 3, 7)):
         vm.map(region, va * page, pool)
     view = vm.tensor_view(region, torch.int32, (3, page // 4))
     view.copy_(torch.arange(3 * page // 4, dtype=torch.int32).reshape(3, -1))
     for va, pool in enumerate((5, 3, 7)):
-        raw = os.pread(vm.os.fd, page, vm.os.pool_offset(pool))           # syscall read of the memfd
+        raw = os.pread(vm.os.fd, page, vm.os.page_offset(pool))           # syscall read of the memfd
         assert torch.equal(torch.frombuffer(bytearray(raw), dtype=torch.int32), view[va])
     fd = os.open(f"/proc/self/fd/{vm.os.fd}", os.O_RDONLY)                # a second open file, a second mapping
     try:
@@ -101,7 +101,7 @@ def test_writes_through_the_view_land_in_the_pool_pages_mapped(vm):
 
 def test_discard_and_shrink_give_memory_back(vm):
     region = vm.reserve(8 * vm.page_size)
-    vm.create_pool(8)
+    vm.create_store(8)
     vm.map(region, 0, 0, 8)
     view = vm.tensor_view(region, torch.uint8, (8 * vm.page_size,))
     view.fill_(1)
@@ -115,7 +115,7 @@ def test_discard_and_shrink_give_memory_back(vm):
     vm.unmap(region, 0, 2)
     vm.discard(0, 4)
     assert os.fstat(vm.os.fd).st_blocks * 512 == full - 4 * vm.page_size
-    vm.resize_pool(2)                                               # cut pages 2..7: punched as well
+    vm.resize_store(2)                                               # cut pages 2..7: punched as well
     assert os.fstat(vm.os.fd).st_blocks == 0
     assert vm.stats.discarded_pages == 4 + 6
     del view
@@ -128,7 +128,7 @@ def test_unmapped_pages_really_are_unmapped():
         from kvlab.vmm.drivers.host import HostVirtualMemory
         vm = HostVirtualMemory(page_size=65536)
         region = vm.reserve(4 * 65536)
-        vm.create_pool(4)
+        vm.create_store(4)
         vm.map(region, 0, 0, 2)
         view = vm.tensor_view(region, torch.float32, (4, 16384))
         view[:2] = 1.0
@@ -155,7 +155,7 @@ def test_mapping_count_model_matches_the_kernel(page_size):
     vm = HostVirtualMemory(page_size=page_size)
     pages = 128
     region = vm.reserve(pages * page_size)
-    vm.create_pool(2 * pages)
+    vm.create_store(2 * pages)
     rng = random.Random(page_size)
     free = list(range(2 * pages))
     for _ in range(300):
@@ -177,7 +177,7 @@ def test_mapping_count_model_matches_the_kernel(page_size):
 
 def test_in_order_pages_merge_into_one_mapping(vm):
     region = vm.reserve(64 * vm.page_size)
-    vm.create_pool(128)
+    vm.create_store(128)
     for i in range(64):
         vm.map(region, i * vm.page_size, 10 + i)
     assert region.segments == 1 == vmas_in(region.base, region.nbytes)
@@ -191,7 +191,7 @@ def test_mapping_limit_refuses_before_the_kernel_does():
     assert max_map_count() > 1000
     vm = HostVirtualMemory(page_size=4 * KiB, mapping_limit=20)
     region = vm.reserve(64 * vm.page_size)
-    vm.create_pool(64)
+    vm.create_store(64)
     with pytest.raises(DriverError, match=r"vm\.max_map_count.*page_size"):
         for i in range(0, 64, 2):                         # scattered: every page is 2 VMAs
             vm.map(region, i * vm.page_size, 63 - i)
@@ -204,7 +204,7 @@ def test_mapping_limit_refuses_before_the_kernel_does():
 
 def test_misuse_raises_driver_errors(vm):
     region = vm.reserve(vm.page_size * 4)
-    vm.create_pool(4)
+    vm.create_store(4)
     vm.map(region, 0, 0)
     with pytest.raises(DriverError, match="already mapped"):
         vm.map(region, 0, 1)
@@ -212,10 +212,10 @@ def test_misuse_raises_driver_errors(vm):
         vm.unmap(region, vm.page_size)
     with pytest.raises(DriverError, match="page-aligned"):
         vm.map(region, 100, 1)
-    with pytest.raises(DriverError, match="outside the pool"):
+    with pytest.raises(DriverError, match="outside the page store"):
         vm.map(region, vm.page_size, 4)
     with pytest.raises(DriverError, match="still mapped"):
-        vm.resize_pool(0)
+        vm.resize_store(0)
     with pytest.raises(DriverError, match="multiple of the OS page"):
         HostVirtualMemory(page_size=1000)
 
@@ -223,7 +223,7 @@ def test_misuse_raises_driver_errors(vm):
 def test_release_refuses_and_close_defers_while_views_live():
     vm = HostVirtualMemory(page_size=64 * KiB)
     region = vm.reserve(vm.page_size)
-    vm.create_pool(1)
+    vm.create_store(1)
     vm.map(region, 0, 0)
     view = vm.tensor_view(region, torch.float32, (4, 4))
     row = view[1]                                        # a view of the view keeps the memory alive too
@@ -265,7 +265,7 @@ def test_accounting_driver_counts_like_the_host(vm):
     rng = random.Random(1)
     regions = [d.reserve(32 * vm.page_size) for d in (vm, acct)]
     for d in (vm, acct):
-        d.create_pool(64)
+        d.create_store(64)
     for _ in range(100):
         i, pool = rng.randrange(32), rng.randrange(64)
         for d, r in zip((vm, acct), regions):
@@ -290,7 +290,7 @@ def test_a_driver_dropped_without_close_frees_its_memory_but_never_under_a_live_
     for i in range(3):
         vm = HostVirtualMemory(page_size=64 * KiB)
         region = vm.reserve(GiB)
-        vm.create_pool(2)
+        vm.create_store(2)
         vm.map(region, 0, 0)
         view = vm.tensor_view(region, torch.float32, (16,))
         kept = view if i == 0 else kept
@@ -347,7 +347,7 @@ def kernel_pages(region, page_size: int) -> dict[int, int]:
 
 def three_places(vm: HostVirtualMemory, pages: int = 4):
     spots = [(vm.reserve(pages * vm.page_size), 0) for _ in range(3)]
-    vm.create_pool(3 * pages)
+    vm.create_store(3 * pages)
     return spots, vm.mirror(spots, pages * vm.page_size, pages)
 
 
@@ -355,7 +355,7 @@ def assert_books_are_the_kernels(vm, spots) -> None:
     for region, _ in spots:
         assert region.mapped == kernel_pages(region, vm.page_size)
         assert region.segments == vmas_in(region.base, region.nbytes)
-    assert vm.stats.mapped_pages == sum(len(r.mapped) for r, _ in spots) == sum(vm.pool_maps)
+    assert vm.stats.mapped_pages == sum(len(r.mapped) for r, _ in spots) == sum(vm.store_maps)
 
 
 def test_a_mirrored_unmap_failing_in_a_later_place_maps_the_earlier_ones_back():
@@ -412,7 +412,7 @@ def test_when_the_undo_fails_too_the_places_are_torn_and_the_books_exact():
 def test_release_and_close_go_on_past_failed_unmaps():
     vm = HostVirtualMemory(memory=FlakyMemory(64 * KiB))
     a, b = vm.reserve(4 * vm.page_size), vm.reserve(2 * vm.page_size)
-    vm.create_pool(8)
+    vm.create_store(8)
     vm.map(a, 0, 0)
     vm.map(a, 2 * vm.page_size, 5, 2)
     vm.map(b, 0, 1, 2)
@@ -425,14 +425,14 @@ def test_release_and_close_go_on_past_failed_unmaps():
 
     vm = HostVirtualMemory(memory=FlakyMemory(64 * KiB))   # every unmap fails: munmap frees the range anyway
     region = vm.reserve(4 * vm.page_size)
-    vm.create_pool(4)
+    vm.create_store(4)
     vm.map(region, 0, 0, 2)
     vm.map(region, 3 * vm.page_size, 3)
     vm.os.fail_next("unmap", *range(10))
     with pytest.raises(DriverError, match=r"5 driver call\(s\) failed .* the range was released in the end"):
         vm.release(region)
     assert region.released and region.mapped == {} and kernel_pages(region, vm.page_size) == {}
-    assert vm.stats.mapped_pages == 0 == sum(vm.pool_maps) and vm.stats.num_mappings == 0
+    assert vm.stats.mapped_pages == 0 == sum(vm.store_maps) and vm.stats.num_mappings == 0
     vm.close()
 
 

@@ -25,7 +25,7 @@ SCRIPT = """
     prompts = [[rng.randrange(3, 1000) for _ in range(rng.randint(1, 40))] for _ in range(6)]
     params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
 
-    def pool_maps():
+    def store_maps():
         with open("/proc/self/maps") as f:
             return sum("kvlab-kv" in line for line in f)
 
@@ -58,7 +58,7 @@ SCRIPT = """
             fd_target = os.readlink(f"/proc/self/fd/{{fd}}")
         except FileNotFoundError:
             fd_target = None
-        print("RESULT", json.dumps(dict(interrupted=interrupted, pool_maps=pool_maps(), fd=fd_target,
+        print("RESULT", json.dumps(dict(interrupted=interrupted, store_maps=store_maps(), fd=fd_target,
                                         regions=len(driver.regions), closed=driver.closed,
                                         deferred=driver.stats.deferred_releases)))
     else:
@@ -100,5 +100,5 @@ def test_ctrl_c_in_process_releases_every_mapping_and_the_memfd(seed):
     result = json.loads(line[len("RESULT "):])
     assert result["interrupted"]
     assert result["closed"] and result["regions"] == 0
-    assert result["pool_maps"] == 0
+    assert result["store_maps"] == 0
     assert result["fd"] is None or "kvlab-kv" not in result["fd"]

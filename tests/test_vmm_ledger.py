@@ -19,8 +19,8 @@ STATS = ("mapped_pages", "num_mappings", "map_calls", "unmap_calls", "pages_mapp
 class PerPlace(AccountingVirtualMemory):
     """The accounting driver without its ledger: every mirrored call goes place by place (the reference)."""
 
-    def mirror(self, places, span, pool_stride):
-        return VirtualMemory.mirror(self, places, span, pool_stride)
+    def mirror(self, places, span, store_stride):
+        return VirtualMemory.mirror(self, places, span, store_stride)
 
 
 def layout(driver: VirtualMemory, kind: str, places: int, size: int) -> list:
@@ -37,7 +37,7 @@ def layout(driver: VirtualMemory, kind: str, places: int, size: int) -> list:
 def books(driver: VirtualMemory, places: list) -> tuple:
     regions = list({id(r): r for r, _ in places}.values())
     return (tuple(getattr(driver.stats, name) for name in STATS), [sorted(r.mapped.items()) for r in regions],
-            [r.segments for r in regions], list(driver.pool_maps))
+            [r.segments for r in regions], list(driver.store_maps))
 
 
 @pytest.mark.parametrize("kind", ["separate", "single", "gapped"])
@@ -48,10 +48,10 @@ def test_mirrored_books_match_per_place_books(kind, merges):
     drivers = [AccountingVirtualMemory(PAGE, merges=merges), PerPlace(PAGE, merges=merges)]
     mirrors = []
     for d in drivers:
-        d.create_pool(places * groups)
+        d.create_store(places * groups)
         spots = layout(d, kind, places, size)
         mirrors.append((d.mirror(spots, size * PAGE, groups), spots))
-    assert mirrors[0][0].ledger is not None and mirrors[1][0].ledger is None
+    assert mirrors[0][0].books is not None and mirrors[1][0].books is None
     rows: dict[int, int] = {}
     joined = 0                                               # steps where neighbouring places could merge
     for step in range(400):
@@ -97,7 +97,7 @@ def test_the_ledger_counts_what_the_kernel_maps():
     host, acct = HostVirtualMemory(PAGE), AccountingVirtualMemory(PAGE)
     mirrors = []
     for d in (host, acct):
-        d.create_pool(places * groups)
+        d.create_store(places * groups)
         spots = layout(d, "single", places, size)
         mirrors.append(d.mirror(spots, size * PAGE, groups))
     script = [("map", 0, 0, 3), ("unmap", 1, 0, 1), ("map", 1, 1, 1), ("unmap", 0, 0, 3), ("map", 2, 0, 1),
@@ -116,15 +116,15 @@ def test_the_ledger_counts_what_the_kernel_maps():
 
 def test_a_direct_call_on_a_mirrored_range_falls_back_to_per_place_books(caplog):
     acct = AccountingVirtualMemory(PAGE)
-    acct.create_pool(8)
+    acct.create_store(8)
     spots = layout(acct, "separate", 2, 4)
     mirror = acct.mirror(spots, 4 * PAGE, 4)
     acct.map_mirrored(mirror, 0, 1, 2)
     with caplog.at_level(logging.INFO, logger="kvlab.vmm"):
         acct.unmap(spots[1][0], PAGE)                       # behind the mirror's back
-    assert "per place" in caplog.text and acct.per_place_fallbacks == 1 and mirror.ledger is None
+    assert "per place" in caplog.text and acct.stats.per_place_fallbacks == 1 and mirror.books is None
     assert spots[0][0].mapped == {0: 1, 1: 2} and spots[1][0].mapped == {0: 5}
-    assert acct.stats.mapped_pages == 3 == sum(acct.pool_maps)
+    assert acct.stats.mapped_pages == 3 == sum(acct.store_maps)
     with pytest.raises(DriverError, match="not mapped"):     # per place now: the hole is seen
         acct.unmap_mirrored(mirror, PAGE)
     acct.close()
@@ -133,7 +133,7 @@ def test_a_direct_call_on_a_mirrored_range_falls_back_to_per_place_books(caplog)
 
 @pytest.mark.parametrize("driver", [AccountingVirtualMemory(PAGE), PerPlace(PAGE)], ids=["ledger", "per-place"])
 def test_mirrored_misuse_raises_and_changes_nothing(driver):
-    driver.create_pool(8)
+    driver.create_store(8)
     spots = layout(driver, "separate", 2, 4)
     with pytest.raises(DriverError, match="overlap"):
         driver.mirror([spots[0], (spots[0][0], PAGE)], 2 * PAGE, 4)
@@ -146,7 +146,7 @@ def test_mirrored_misuse_raises_and_changes_nothing(driver):
         driver.unmap_mirrored(mirror, 0, 2)
     with pytest.raises(DriverError, match="page-aligned"):
         driver.map_mirrored(mirror, 3 * PAGE, 2, 2)        # past the end of a place
-    with pytest.raises(DriverError, match="outside the pool"):
+    with pytest.raises(DriverError, match="outside the page store"):
         driver.map_mirrored(mirror, 0, 4, 1)                # place 1 would map pool page 8
     assert books(driver, spots) == before
     driver.close()

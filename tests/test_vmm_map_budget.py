@@ -31,8 +31,8 @@ def test_drivers_sharing_a_budget_see_each_others_growth():
     shared = budget(cap=5)
     a, b = (HostVirtualMemory(4 * KiB, budget=shared) for _ in range(2))
     ra, rb = a.reserve(64 * a.page_size), b.reserve(64 * b.page_size)
-    a.create_pool(64)
-    b.create_pool(64)
+    a.create_store(64)
+    b.create_store(64)
     a.map(ra, 4 * a.page_size, 0)          # a range: 1 VMA; a page inside it: +2
     assert shared.held == 3 + 1            # a's range and page, b's bare range
     with pytest.raises(MapBudgetExhausted, match="map budget of 5"):
@@ -51,7 +51,7 @@ def test_the_room_follows_the_rest_of_the_process():
     shared = MapBudget(None, margin=10, limit=lambda: 120, count=lambda: others[0] + shared.held)
     vm = HostVirtualMemory(4 * KiB, budget=shared)
     region = vm.reserve(64 * vm.page_size)   # room: 120 - 100 - 10 = 10
-    vm.create_pool(64)
+    vm.create_store(64)
     for i in range(4):                        # +2 each: 9 held
         vm.map(region, (2 * i + 1) * vm.page_size, i)
     others[0] = 105                           # torch, threads: the room shrinks to 5

@@ -71,7 +71,7 @@ def test_hand_made_trace_on_paged_block_16_and_without_the_cache():
 def _pool_offsets(w: Workload, sid: int) -> list[int]:
     snap, driver = w.cache.snapshot(), w.cache.driver
     groups = snap["slots"][snap["slot_of"][sid]]["groups"]
-    return [driver.os.pool_offset(g) for g in groups]   # tensor 0 (layer 0's K)
+    return [driver.os.page_offset(g) for g in groups]   # tensor 0 (layer 0's K)
 
 
 def test_a_hit_maps_the_same_pool_pages_and_a_write_after_copy_on_write_splits_them():

@@ -1,44 +1,50 @@
-"""The vmm allocator (the scheduler's side): per layer, K and V are contiguous virtual tensors
-[max_seqs, max_len, H_kv, D]; physical pages are mapped into a sequence's row (its slot) as it grows, so
-unmodified contiguous kernels run on them (vmm/storage.py).
+"""The vmm allocator (the scheduler's side): per layer, K and V are contiguous virtual tensors [max_seqs, max_len, H_kv,
+D]; physical pages are mapped into a sequence's row (its slot) as it grows, so unmodified contiguous kernels run on
+them (vmm/storage.py).
+
+The backend is three rooms, each calling only the one below it (docs/architecture.md):
+- the allocator (this module, vmm/growth.py, vmm/swap.py, vmm/sharing.py): the books of which sequence holds which
+  pages, what a growth costs and its one fast path (`SlotGrowth.in_place`), prefix aliases, swap, the background
+  mapper, and what the engine does for other engines on a machine-wide pool (give back, hand off);
+- the pages (vmm/pages.py, vmm/free_pages.py, vmm/slots.py, vmm/prefix.py, vmm/geometry.py): page groups moved
+  between the free list and slot rows, mapped in every tensor in runs;
+- the memory (vmm/drivers/): a `VirtualMemory` driver (host, cuda, accounting, pooled) and its `MachinePool`.
 
 A unit is a page group: one page in each of the 2L tensors (vmm/geometry.py). This class is the front: the seam's
-calls under one lock, over the ranges (vmm/views.py), the pages (vmm/pages.py), the slots (vmm/slots.py), growing
-a slot (vmm/growth.py), prefix aliases (vmm/aliases.py), swap (vmm/swap.py) and the background mapper
-(vmm/mapper.py). It is bookkeeping only: the K/V bytes it decides to move (a page copied for copy-on-write, a
+calls under one lock. It is bookkeeping only: the K/V bytes it decides to move (a page copied for copy-on-write, a
 sequence saved or restored for swap) are orders it emits (common/kv/types.py), carried out by the storage. Unlike
-vAttention (anchors.md §1.6) every error raises, a lock guards all page-table state, the background mapper is
-fenced and its errors reach the caller, pages can be shared between forks (copy-on-write) and swapped out. With
-the accounting driver and no storage (the simulator) the same code runs with no memory.
+vAttention (which drops some errors silently and runs an unlocked background thread) every error raises, a lock
+guards all page-table state, the background mapper is fenced and its errors reach the caller, pages can be shared
+between forks (copy-on-write) and swapped out. With the accounting driver and no storage (the simulator) the same
+code runs with no memory.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import threading
+from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from kvlab.common.errors import ConfigError, OutOfKVCache, RequestError
 from kvlab.common.kv.seam import Allocator, timed, timed_allocate
 from kvlab.common.kv.types import CacheStats, KVShape
-from kvlab.vmm.aliases import PrefixAliases
+from kvlab.vmm.free_pages import FreePages
 from kvlab.vmm.geometry import make_geometry
-from kvlab.vmm.growth import SlotGrowth
-from kvlab.vmm.mapper import BackgroundMapper
-from kvlab.vmm.page_pool import PagePool
+from kvlab.vmm.growth import BackgroundMapper, PrefixAliases, SlotGrowth
 from kvlab.vmm.pages import SlotPages
 from kvlab.vmm.prefix import KeptGroups, PagePrefixCache
-from kvlab.vmm.slots import SlotTable
+from kvlab.vmm.sharing import GiveBack, PageExports
+from kvlab.vmm.slots import Ranges, SlotTable
 from kvlab.vmm.swap import SwapSpace
-from kvlab.vmm.views import Ranges
 
 if TYPE_CHECKING:
     from kvlab.common.attention.metadata import BatchItem
     from kvlab.common.config import EngineConfig
     from kvlab.common.sequence import Sequence
     from kvlab.vmm.drivers.base import VirtualMemory
-    from kvlab.vmm.slots import Slot
+    from kvlab.vmm.drivers.machine_pool import MachinePool
 
 log = logging.getLogger("kvlab.vmm")
 
@@ -50,9 +56,12 @@ class VMMAllocator(Allocator):
     unit_name = "page"
 
     def __init__(self, config: EngineConfig, shape: KVShape, driver: VirtualMemory,
-                 single_range: bool | None = None) -> None:
+                 single_range: bool | None = None, pool: MachinePool | None = None) -> None:
+        """`pool`: the machine-wide pool the driver's pages come from (default: the driver's own, none unless it
+        is a pooled driver)."""
         opts = config.options_of("vmm")
         self.config, self.shape, self.driver = config, shape, driver
+        self.pool = pool = driver.pool if pool is None else pool
         window = shape.sliding_window
         if window is not None and config.enable_prefix_caching:
             raise ConfigError("vmm: prefix caching with a sliding-window model is not supported (the window unmaps "
@@ -61,27 +70,25 @@ class VMMAllocator(Allocator):
         try:
             geo = self.geo = make_geometry(config, shape, driver.page_size)
             self.ranges = Ranges.reserve(driver, geo, opts.vmm_single_range if single_range is None else single_range)
-            driver.create_pool(geo.num_tensors * geo.num_groups)
+            driver.create_store(geo.num_tensors * geo.num_groups)
         except BaseException:
             _close_quietly(driver)
             raise
         self.tokens_per_unit = geo.tokens_per_page
-        keeper = KeptGroups(driver, geo.num_groups, geo.num_tensors) if hasattr(driver, "keep") else None
+        keeper = KeptGroups(pool, geo.num_groups, geo.num_tensors)
         cache = PagePrefixCache(geo.tokens_per_page, keeper=keeper) if config.enable_prefix_caching else None
-        self.pool, self.table = PagePool(geo.num_groups, cache), SlotTable(geo)
-        self.pages = SlotPages(geo, driver, self.ranges.mirror, self.pool, self.table)
+        self.free_pages, self.table = FreePages(geo.num_groups, cache), SlotTable(geo)
+        self.pages = SlotPages(geo, driver, self.ranges.mirror, self.free_pages, self.table)
         self.prefix = PrefixAliases(cache, self.table, self.pages) if cache is not None else None
         self.swap = SwapSpace(self.pages, shape.bytes_per_token)
-        self.growth = SlotGrowth(self.pages, self.prefix, self.swap, window)
+        self.growth = SlotGrowth(self.pages, self.prefix, self.swap, window, pool)
         self.mapper = BackgroundMapper(geo, self._lock, self.growth.map_ahead, opts.background_mapping)
         self.closed = False
         self.plain = cache is None and window is None    # allocate's in-place path applies
-        if hasattr(driver, "on_wanted"):                 # a pool's driver: other engines may ask for pages
-            driver.on_wanted(self.give_back)
-        self.pooled = hasattr(driver, "room_pages")      # a machine-wide pool's: capacity is what it can give now
-        if self.pooled:
-            self.growth.room = lambda: driver.room_pages() // geo.num_tensors
-            driver.report_givable(self.givable_pages)
+        self.also_fits: Callable[[int], bool] = _any_units  # a further limit on the units a growth takes (what-ifs)
+        self.give_back = GiveBack(self._lock, self.pages, pool, self.growth.drop_stale)
+        pool.answer_asks(self.give_back, self.give_back.givable_pages)   # other engines on the pool may ask
+        self.exports = PageExports(self._lock, geo, self.pages, pool, self.ranges.mirror.store_stride)
 
     # -- capacity -----------------------------------------------------------------------------------------
     def num_total_units(self) -> int:
@@ -93,15 +100,14 @@ class VMMAllocator(Allocator):
             return self.growth.available_units()
 
     def begin_step(self) -> None:
-        if self.pooled:
-            self.driver.begin_step()
+        self.pool.begin_step()
 
     def shortage_is_transient(self, seq: Sequence, num_tokens: int) -> bool:
         """On a pool other engines hold memory that comes back: a sequence within this engine's ceiling fits
         once they give it."""
-        if not self.pooled or num_tokens > self.geo.max_len:
+        if not self.pool.elastic or num_tokens > self.geo.max_len:
             return False
-        ceiling = min(self.geo.num_groups, self.driver.ceiling_pages() // self.geo.num_tensors)
+        ceiling = min(self.geo.num_groups, self.pool.ceiling_pages() // self.geo.num_tensors)
         return self.geo.pages_for(num_tokens) <= ceiling
 
     def max_tokens_per_seq(self) -> int:
@@ -116,7 +122,9 @@ class VMMAllocator(Allocator):
 
     def _fits(self, seq: Sequence, num_tokens: int, reserve_units: int) -> bool:
         with self._lock:
-            return self.growth.fits(seq, num_tokens, reserve_units)
+            if not self.growth.fits(seq, num_tokens, reserve_units):
+                return False
+        return self.also_fits is _any_units or self.also_fits(self.units_needed(seq, num_tokens) + reserve_units)
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     def holds(self, seq: Sequence) -> bool:
@@ -124,10 +132,10 @@ class VMMAllocator(Allocator):
 
     @timed_allocate
     def allocate(self, seq: Sequence, num_tokens: int, reserve_units: int = 0) -> int | None:
-        if self.plain and not reserve_units:
-            with self._lock:   # the per-step decode path: the mapped pages already cover num_tokens
-                slot = None if self.mapper.pending else self.growth.in_place(seq, num_tokens)
-                if slot is not None:
+        if self.plain and not reserve_units and not self.mapper.pending:
+            with self._lock:   # the per-step decode path (growth.in_place, the one fast path)
+                slot = self.table.of(seq.seq_id)
+                if self.growth.in_place(slot, num_tokens):
                     if self.mapper.enabled:
                         self.mapper.request(slot, num_tokens)
                     return 0
@@ -143,13 +151,6 @@ class VMMAllocator(Allocator):
                 self.mapper.request(self.table.of(seq.seq_id), num_tokens)
             return hit
 
-    def _retire(self, seq: Sequence, slot: Slot) -> None:
-        """The sequence gives its slot up (freed, swapped out): its computed pages stay findable (prefix caching)."""
-        if self.prefix is not None:
-            self.prefix.register(seq, slot)
-            self.prefix.forget(seq.seq_id)
-        self.pages.release(slot)
-
     @timed
     def free(self, seq: Sequence) -> None:
         try:
@@ -159,7 +160,7 @@ class VMMAllocator(Allocator):
                 self.swap.drop(seq.seq_id, self.emit)
                 slot = self.table.of(seq.seq_id)
                 if slot is not None:
-                    self._retire(seq, slot)
+                    self.growth.retire(seq, slot)
 
     @timed
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -180,7 +181,7 @@ class VMMAllocator(Allocator):
         with self._lock:
             slot = self.table.owned(seq.seq_id, "cannot swap out sequence")
             self.swap.save(seq, slot, self.emit)   # the storage copies the K/V out before the pages go
-            self._retire(seq, slot)
+            self.growth.retire(seq, slot)
 
     @timed
     def swap_in(self, seq: Sequence, reserve_units: int = 0) -> bool:
@@ -217,7 +218,7 @@ class VMMAllocator(Allocator):
         with self._lock:
             geo, d, table, counters = self.geo, self.driver.stats, self.table, self.pages.counters
             free = self.growth.free_units()
-            used, mapped_groups = geo.num_groups - free, geo.num_groups - self.pool.num_free
+            used, mapped_groups = geo.num_groups - free, geo.num_groups - self.free_pages.num_free
             return CacheStats(
                 backend=self.name, unit_name=self.unit_name, tokens_per_unit=geo.tokens_per_page,
                 total_units=geo.num_groups, used_units=used, free_units=free, live_tokens=table.live_tokens,
@@ -234,10 +235,10 @@ class VMMAllocator(Allocator):
                        "pages_unmapped": d.pages_unmapped, "mapping_limit": self.driver.mapping_limit,
                        "reclaimable_units": table.excess, "live_slots": len(table.slot_of),
                        "stale_slots": len(table.stale), "background_seconds": self.mapper.seconds,
-                       "per_place_fallbacks": getattr(self.driver, "per_place_fallbacks", 0),
+                       "per_place_fallbacks": d.per_place_fallbacks,
                        "map_refusals": d.map_refusals, "deferred_releases": d.deferred_releases,
                        **(self.prefix.stats() if self.prefix is not None else {"prefix_caching": "off"}),
-                       **({"pool": self.driver.pool_stats()} if hasattr(self.driver, "pool_stats") else {}),
+                       **({"pool": pool} if (pool := self.pool.stats()) else {}),
                        **{k: v for k, v in dataclasses.asdict(counters).items() if k not in CacheStats.__slots__}})
 
     def snapshot(self) -> dict[str, Any]:
@@ -254,53 +255,26 @@ class VMMAllocator(Allocator):
                        "dropped": s.dropped}
                           for s in self.table.slots],
                 "slot_of": dict(self.table.slot_of),
-                "refs": list(self.pool.refs),
+                "refs": list(self.free_pages.refs),
                 "swapped": {sid: kv.tokens for sid, kv in self.swap.swapped.items()},
                 "pending": sorted(self.mapper.pending),
                 "places": [{"offset": offset, "mapped": dict(region.mapped)}   # no addresses: ranks compare it
                            for region, offset in self.ranges.places],
                 "reclaimable_units": self.table.excess,
                 "idle_cached": list(self.prefix.cache.idle) if self.prefix is not None else [],
-                "free_groups": self.pool.num_free,
-                "driver": {"mapped_pages": self.driver.stats.mapped_pages, "pool_maps": list(self.driver.pool_maps)},
+                "free_groups": self.free_pages.num_free,
+                "driver": {"mapped_pages": self.driver.stats.mapped_pages, "store_maps": list(self.driver.store_maps)},
             }
 
     def check_invariants(self) -> None:
         with self._lock:
-            self.pool.check(self.table.slots)
-            self.table.check(self.pool.is_shared)
+            self.free_pages.check(self.table.slots)
+            self.table.check(self.free_pages.is_shared)
             needed = {g for s in self.table.live() for g in s.groups[s.dropped:self.geo.pages_for(s.held)]}
-            assert self.pool.num_free + len(needed) + self.table.excess + self.pool.num_idle() == self.geo.num_groups, \
+            free = self.free_pages
+            assert free.num_free + len(needed) + self.table.excess + free.num_idle() == self.geo.num_groups, \
                 "free + used + reclaimable + idle cached != total pages"
             self.ranges.check_mapped(self.driver, self.geo, self.table.slots)
-
-    # -- the pool -----------------------------------------------------------------------------------------
-    def givable_pages(self) -> int:
-        """Pages a give-back could return now: spares, freed slots' parked pages, idle cached groups' pages
-        (published to the pool each steward round, so askers wait only when something can come)."""
-        with self._lock:
-            if self.closed:
-                return 0
-            parked = sum(len(self.table.slots[i].groups) for i in self.table.stale)
-            return self.driver.spare_pages() + (parked + self.pool.num_idle()) * self.geo.num_tensors
-
-    def give_back(self, wanted: int) -> None:
-        """Other engines on the pool want pages: give spare ones back, unmapping freed slots' parked pages first if
-        the spares fall short; then evict idle prefix-cache groups (whole groups, least recent first) and give
-        theirs; never below the engine's floor (called from the pool's steward thread). An engine running nothing
-        gives every spare and parked page at once, not only what is wanted: the asker's next takes then find them
-        free instead of waiting a steward round each (kvcached #359: an idle engine pins nothing)."""
-        with self._lock:
-            if self.closed:
-                return
-            running_nothing = not self.table.slot_of
-            if self.table.stale and (running_nothing or self.driver.spare_pages() < wanted):
-                self.growth.drop_stale()
-            given = self.driver.give_spare(self.driver.spare_pages() if running_nothing else wanted)
-            tensors = self.geo.num_tensors
-            groups = min(-(-(wanted - given) // tensors), self.driver.above_floor() // tensors)
-            if groups > 0 and self.pool.evict(groups):
-                self.driver.give_spare(wanted - given)
 
     def close(self) -> None:
         """Stop the mapper and release the driver (a range a view still reads is released when that view dies)."""
@@ -308,11 +282,15 @@ class VMMAllocator(Allocator):
             return
         error = self.mapper.close()
         with self._lock:                 # a give-back running on the pool's steward thread finishes first
-            self.closed = True
+            self.closed = self.give_back.closed = True
         self.driver.close()
         if error is not None:
             raise error
 
+
+
+def _any_units(units: int) -> bool:
+    return True
 
 
 def _close_quietly(driver: VirtualMemory) -> None:

@@ -9,8 +9,7 @@ from kvlab.common.kv.seam import KVCache, NullStorage
 from kvlab.common.kv.types import KVShape
 from kvlab.vmm.allocator import VMMAllocator
 from kvlab.vmm.drivers.factory import make_driver
-from kvlab.vmm.storage import VMMStorage
-from kvlab.vmm.views import KVViews
+from kvlab.vmm.storage import KVViews, VMMStorage
 
 if TYPE_CHECKING:
     from kvlab.common.config import EngineConfig

@@ -1,43 +1,105 @@
-"""Growing a sequence's slot to hold a token count: what that costs in page groups, and getting them (a slot
-claimed with its prefix hits aliased in, shared pages copied before a write, pages below a sliding window
-unmapped, new pages mapped, retried once after unmapping parked pages when the OS mappings run out).
+"""Growing a sequence's slot to hold a token count (`SlotGrowth`): what that costs in page groups, and getting
+them (a slot claimed with its prefix hits aliased in, shared pages copied before a write, pages below a sliding
+window unmapped, new pages mapped, retried once after unmapping parked pages when the OS mappings run out). With
+prefix caching, which pages of the live sequences to register in the cache (vmm/prefix.py) and a new sequence's
+slot with its cached leading pages aliased in, mapped again at the same page indices: the fork path, copy-on-write
+if written (`PrefixAliases`). With background mapping, a worker thread maps the pages a slot will need soon, off
+the critical path (`BackgroundMapper`): it changes the cache's tables only under the cache's lock; before the cache
+touches a slot it fences that slot (waits for its job), and a worker error is re-raised there, in the caller.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 from kvlab.vmm.drivers.map_budget import MapBudgetExhausted
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from kvlab.common.kv.types import MoveSink
     from kvlab.common.sequence import Sequence
-    from kvlab.vmm.aliases import PrefixAliases
+    from kvlab.vmm.drivers.machine_pool import MachinePool
+    from kvlab.vmm.geometry import Geometry
     from kvlab.vmm.pages import SlotPages
-    from kvlab.vmm.slots import Slot
+    from kvlab.vmm.prefix import PagePrefixCache
+    from kvlab.vmm.slots import Slot, SlotTable
     from kvlab.vmm.swap import SwapSpace
+
+LOOKAHEAD_FRACTION = 8   # background mapping starts when a sequence is within 1/8 page of its next page
+
+MapAhead = Callable[[int, int, int], bool]   # (slot index, owner seq_id, target pages) -> mapped anything
+
+
+class BackgroundMapper:
+    def __init__(self, geo: Geometry, lock: threading.RLock, map_ahead: MapAhead, enabled: bool) -> None:
+        self.geo = geo
+        self.lock = lock
+        self.seconds = 0.0                      # worker time spent mapping
+        self.pending: dict[int, Future] = {}    # slot index -> its in-flight job
+        self._map_ahead = map_ahead
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvlab-vmm-mapper") if enabled else None
+        self.enabled = enabled
+
+    def request(self, slot: Slot, tokens: int) -> None:
+        """Map ahead of a slot that now holds `tokens` tokens, if it is near its next page."""
+        if self._executor is None:
+            return
+        ahead = max(1, self.geo.tokens_per_page // LOOKAHEAD_FRACTION)
+        target = min(self.geo.pages_for(tokens + ahead), self.geo.pages_per_slot)
+        if target > len(slot.groups) and slot.index not in self.pending:
+            self.pending[slot.index] = self._executor.submit(self._run, slot.index, slot.seq_id, target)
+
+    def _run(self, index: int, seq_id: int, target: int) -> None:
+        with self.lock:
+            t0 = time.perf_counter()
+            if self._map_ahead(index, seq_id, target):
+                self.seconds += time.perf_counter() - t0
+
+    def fence(self, indices: list[int | None]) -> None:
+        """Wait for in-flight mapping of these slots; re-raise any background error here, in the caller."""
+        if not self.pending:
+            return
+        for index in indices:
+            future = self.pending.pop(index, None) if index is not None else None
+            if future is not None:
+                future.result()
+        for index, future in list(self.pending.items()):
+            if future.done():
+                del self.pending[index]
+                future.result()
+
+    def close(self) -> BaseException | None:
+        """Stop the worker; returns the first error a job left behind (the caller raises it)."""
+        error = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            for future in self.pending.values():
+                error = error or future.exception()
+            self.pending.clear()
+        return error
 
 
 class SlotGrowth:
     """`window`: the model's sliding window (None: full attention, no page is ever unmapped below it)."""
 
-    def __init__(self, pages: SlotPages, prefix: PrefixAliases | None, swap: SwapSpace, window: int | None) -> None:
-        self.pages, self.prefix, self.swap, self.window = pages, prefix, swap, window
-        self.geo, self.table, self.pool = pages.geo, pages.table, pages.pool
-        self.room: Callable[[], int] | None = None    # a pool's driver: groups the pool can back now
+    def __init__(self, pages: SlotPages, prefix: PrefixAliases | None, swap: SwapSpace, window: int | None,
+                 pool: MachinePool) -> None:
+        self.pages, self.prefix, self.swap, self.window, self.pool = pages, prefix, swap, window, pool
+        self.geo, self.table, self.free_pages = pages.geo, pages.table, pages.free_pages
 
     # -- cost -----------------------------------------------------------------------------------------------
     def free_units(self) -> int:
         """Free groups, reclaimable mapped ones and idle cached ones: all can be taken."""
-        return self.pool.num_free + self.table.excess + self.pool.num_idle()
+        return self.free_pages.num_free + self.table.excess + self.free_pages.num_idle()
 
     def available_units(self) -> int:
-        """What can be taken now: free units, the unmapped ones only as far as the pool can back them (`room`,
-        a pool's driver: other engines hold the rest)."""
-        if self.room is None:
-            return self.free_units()
-        return self.table.excess + self.pool.num_idle() + min(self.pool.num_free, self.room())
+        """What can be taken now: free units, the unmapped ones only as far as the machine-wide pool can back them
+        (other engines hold the rest; with no pool its room is unbounded)."""
+        free = self.free_pages
+        return self.table.excess + free.num_idle() + min(free.num_free, self.pool.room_pages() // self.geo.num_tensors)
 
     def fits(self, seq: Sequence, num_tokens: int, reserve_units: int) -> bool:
         """Whether growing to `num_tokens` leaves `reserve_units` free (asked for every running sequence every
@@ -66,23 +128,19 @@ class SlotGrowth:
     def units_to_grow(self, slot: Slot, seq: Sequence, num_tokens: int) -> int:
         tpp = self.geo.tokens_per_page
         grow = -(-num_tokens // tpp) + slot.held // -tpp   # pages for num_tokens - pages for the held tokens
-        if self.pool.num_shared:
+        if self.free_pages.num_shared:
             return max(0, grow) + len(self.pages.shared_pages(slot, seq.num_computed_tokens, num_tokens))
         return max(0, grow)
 
     # -- growth ---------------------------------------------------------------------------------------------
-    def in_place(self, seq: Sequence, num_tokens: int) -> Slot | None:
-        """The per-step decode path (no shared page): the slot's mapped pages already cover `num_tokens`, so it
-        only holds more of them. None: take the full path."""
-        index = self.table.slot_of.get(seq.seq_id)
-        if index is None or self.pool.num_shared:
-            return None
-        slot = self.table.slots[index]
-        if num_tokens > len(slot.groups) * self.geo.tokens_per_page:   # (a slot maps at most max_len tokens)
-            return None
+    def in_place(self, slot: Slot | None, num_tokens: int) -> bool:
+        """The one fast path (a decode step's): the slot's mapped pages already cover `num_tokens` and none is
+        shared (no copy-on-write due), so the slot only holds more of them. False: take the full path."""
+        if slot is None or self.free_pages.num_shared or self.geo.pages_for(num_tokens) > len(slot.groups):
+            return False
         if num_tokens > slot.held:
             self.table.hold(slot, num_tokens)
-        return slot
+        return True
 
     def grow(self, seq: Sequence, num_tokens: int, emit: MoveSink) -> int | None:
         """Make the sequence hold `num_tokens`; returns the prefix-hit tokens, or None when out of OS mappings."""
@@ -91,15 +149,13 @@ class SlotGrowth:
             self.prefix.register(seq, slot)
         if slot is not None and self.window is not None:
             self._drop_below_window(slot, seq.num_computed_tokens)
-        if slot is not None and not self.pool.num_shared and self.geo.pages_for(num_tokens) <= len(slot.groups):
-            if num_tokens > slot.held:   # the per-step path: the pages are already mapped
-                self.table.hold(slot, num_tokens)
+        if self.in_place(slot, num_tokens):
             return 0
         return self._in_map_budget(seq, slot, num_tokens, emit)
 
     def _drop_below_window(self, slot: Slot, computed: int) -> None:
         """Sliding window: this step's queries start at `computed` (later steps' further on), so they read keys from
-        computed - W + 1 on; pages wholly below that are unmapped and go back to the pool. A sequence then maps at
+        computed - W + 1 on; pages wholly below that are unmapped and their groups freed. A sequence then maps at
         most ceil(W / tokens_per_page) + 1 pages during decode."""
         first_needed = max(min(computed, slot.held) - self.window + 1, 0)
         end = min(first_needed // self.geo.tokens_per_page, len(slot.groups))
@@ -124,9 +180,7 @@ class SlotGrowth:
     def drop_stale(self) -> None:
         """Unmap the parked pages of freed slots (kept for reuse): their mappings and memory go back."""
         for index in list(self.table.stale):
-            parked = self.table.slots[index]
-            with self.table.accounting(parked):
-                self.pages.drop_tail(parked, len(parked.groups))
+            self.pages.drop_all(self.table.slots[index])
 
     def _grow(self, seq: Sequence, slot: Slot | None, num_tokens: int, emit: MoveSink) -> int:
         claimed, hit = slot is None, 0
@@ -146,19 +200,22 @@ class SlotGrowth:
         return hit
 
     def _hold(self, slot: Slot, seq: Sequence, start: int, num_tokens: int) -> None:
-        """A shared pool's driver: take the pool pages of every map this growth makes (copies, new groups, each in
+        """A machine-wide pool: take the pool pages of every map this growth makes (copies, new groups, each in
         every tensor: one driver call per tensor) in one ledger step before the first. A refusal then comes before
         anything changed, and it asks the other engines for the growth's whole shortfall at once, not for one
         tensor's page (its one wait in the step got that page, and the next tensor's map was refused)."""
-        driver = self.pages.maps.driver
-        if not hasattr(driver, "hold"):
-            return
         new = max(0, self.geo.pages_for(num_tokens) - len(slot.groups))
         new += len(self.pages.shared_pages(slot, start, num_tokens))
-        unmapped = min(new, self.pool.num_free)      # the others come from parked or cached groups: already backed
-        if not unmapped:
-            return
-        driver.hold(unmapped * self.geo.num_tensors)
+        unmapped = min(new, self.free_pages.num_free)   # the others come from parked or cached groups: already backed
+        if unmapped:
+            self.pool.hold(unmapped * self.geo.num_tensors)
+
+    def retire(self, seq: Sequence, slot: Slot) -> None:
+        """The sequence gives its slot up (freed, swapped out): its computed pages stay findable (prefix caching)."""
+        if self.prefix is not None:
+            self.prefix.register(seq, slot)
+            self.prefix.forget(seq.seq_id)
+        self.pages.release(slot)
 
     def _claim(self, seq: Sequence, num_tokens: int) -> tuple[Slot, int]:
         """A slot for a first allocation (with its cached prefix pages aliased in); returns it and the hit tokens."""
@@ -173,3 +230,67 @@ class SlotGrowth:
         except MapBudgetExhausted:
             self.pages.counters.lookahead_skipped += 1
             return False
+
+
+class PrefixAliases:
+    """The cache, the live sequences whose computed pages it registers, and the tokens its hits saved."""
+
+    def __init__(self, cache: PagePrefixCache, table: SlotTable, pages: SlotPages) -> None:
+        self.cache, self.table, self.pages = cache, table, pages
+        self.owners: dict[int, Sequence] = {}   # the live sequences, to register their pages
+        self.hit_tokens = 0
+
+    def units_to_admit(self, seq: Sequence, num_tokens: int, need: int) -> int:
+        """`need` pages less the hits mapped in another slot (free); idle hits still cost a unit each."""
+        hits = self.match(seq, num_tokens)
+        return need - len(hits) + self.cache.idle_hits(hits)
+
+    def match(self, seq: Sequence, num_tokens: int) -> list[tuple[int, int]]:
+        """Cached leading pages of a new sequence, after registering what live sequences computed since their
+        last allocate (as paged does: a prompt admitted next to its twin still hits)."""
+        for owner in self.owners.values():
+            slot = self.table.of(owner.seq_id)
+            if slot is not None:
+                self.register(owner, slot)
+        return self.cache.match(seq, num_tokens)
+
+    def register(self, seq: Sequence, slot: Slot) -> None:
+        """Make the sequence's computed full pages findable by later prompts."""
+        self.cache.register(seq, slot.groups, min(seq.num_computed_tokens, slot.held, seq.num_tokens))
+
+    def claim(self, seq: Sequence, num_tokens: int) -> tuple[Slot, int]:
+        """A slot for a first allocation, with its cached prefix pages aliased in; returns it and the hit tokens."""
+        hits = self.match(seq, num_tokens)
+        self.owners[seq.seq_id] = seq
+        if not hits:
+            return self.table.claim(seq.seq_id, num_tokens), 0
+        tokens = len(hits) * self.cache.tokens_per_page
+        alias = partial(self.pages.alias, groups=[g for g, _ in hits], tokens=tokens)
+        try:
+            slot = self.pages.new_slot(seq.seq_id, num_tokens, alias, fewest_pages=True)
+        except BaseException:
+            self.forget(seq.seq_id)
+            raise
+        self.cache.adopt(seq.seq_id, [h for _, h in hits])
+        self.hit_tokens += tokens
+        return slot, tokens
+
+    def track(self, seq: Sequence) -> None:
+        """A sequence holds a slot again (swapped in): register its pages from now on."""
+        self.owners[seq.seq_id] = seq
+
+    def fork(self, parent: Sequence, source: Slot, child: Sequence) -> None:
+        """The child maps the parent's pages: it starts with the parent's registered chain."""
+        self.register(parent, source)
+        self.cache.adopt(child.seq_id, self.cache.chains.get(parent.seq_id, []))
+        self.owners[child.seq_id] = child
+
+    def forget(self, seq_id: int) -> None:
+        """The sequence no longer maps its pages (freed, swapped out)."""
+        self.cache.forget(seq_id)
+        self.owners.pop(seq_id, None)
+
+    def stats(self) -> dict[str, Any]:
+        cache = self.cache
+        return {"prefix_caching": "on", "prefix_cached_pages": len(cache), "prefix_idle_pages": len(cache.idle),
+                "prefix_evictions": cache.evictions, "prefix_hash_collisions": cache.collisions}

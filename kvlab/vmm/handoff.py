@@ -6,17 +6,16 @@ then does the prefill engine unmap them, without giving them to the pool: they a
 transfer leaves them with the prefill engine, which frees the sequence as usual; whatever happened (a decode
 engine killed between transfer and ack included) the prefill side reads the owner from the ledger.
 
-The driver's pooled OS layer offers the page interface used here (`PooledPages`: pool_page, adopt, disown, and the
-pool membership); a CUDA pooled memory plugs in by offering the same.
+The pages move through the allocator's handoff API (`allocator.exports`, vmm/exports.py) and the machine-wide pool's
+interface (`MachinePool.handoff_pages`, vmm/drivers/machine_pool.py): this module is the wire side, no books.
 """
 from __future__ import annotations
 
 import os
 import time
-from functools import partial
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from kvlab.common.errors import ConfigError, RequestError
+from kvlab.common.errors import RequestError
 from kvlab.common.handoff.seam import Export, HandoffError, HandoffRefused, HandoffReport
 from kvlab.common.validate import shown
 from kvlab.vmm.pool import PoolError
@@ -26,20 +25,6 @@ if TYPE_CHECKING:
     from kvlab.common.kv.seam import KVCache
     from kvlab.common.sequence import Sequence
     from kvlab.vmm.allocator import VMMAllocator
-    from kvlab.vmm.pool import PoolMember
-    from kvlab.vmm.slots import Slot
-
-
-class PooledPages(Protocol):
-    """What the handoff needs of a pooled driver's OS layer (vmm/drivers/pooled.py)."""
-    member: PoolMember
-    backing: dict[int, int]          # local page -> the pool page behind it
-
-    def pool_page(self, local: int) -> int: ...
-
-    def adopt(self, pages: dict[int, int]) -> None: ...
-
-    def disown(self, locals_: list[int]) -> None: ...
 
 
 class VMMHandoff:
@@ -47,16 +32,12 @@ class VMMHandoff:
 
     def __init__(self, cache: KVCache, config: Any) -> None:
         allocator: VMMAllocator = cache.allocator
-        if not hasattr(allocator.driver, "member"):
-            raise ConfigError("kv_role prefill/decode on vmm moves pages between engines through a shared pool: "
-                              "give both engines the same kv_pool")
-        self.allocator, self.geo, self.shape = allocator, allocator.geo, cache.shape
-        self.os: PooledPages = allocator.driver.os
-        self.member = self.os.member
-        self.stride = allocator.ranges.mirror.pool_stride
+        self.member = allocator.pool.handoff_pages().member   # ConfigError without a shared pool
+        self.allocator, self.exports, self.geo, self.shape = allocator, allocator.exports, allocator.geo, cache.shape
         self.exported: dict[int, tuple[list[int], list[int]]] = {}   # seq_id -> (local pages, pool pages)
 
     def describe(self) -> dict[str, Any]:
+        """The layout both engines must share; the pool's name is checked here, once (check_peer)."""
         s, g = self.shape, self.geo
         return {"unit": self.unit, "pool": self.member.name, "page_size": g.page_size,
                 "tokens_per_page": g.tokens_per_page, "num_tensors": g.num_tensors, "num_layers": s.num_layers,
@@ -77,33 +58,20 @@ class VMMHandoff:
             raise HandoffError(f"the decode engine's KV layout {layout} differs from this engine's {mine}: run "
                                "both roles with the same model, KV dtype, page size and pool")
 
-    def _locals(self, groups: list[int]) -> list[int]:
-        """The local pages of these groups in every tensor, tensor by tensor (the order pages travel in)."""
-        return [g + i * self.stride for i in range(self.geo.num_tensors) for g in groups]
-
     # -- prefill side ---------------------------------------------------------------------------------------
     def export(self, seq: Sequence, num_tokens: int) -> Export:
         start = time.perf_counter()
-        with self.allocator._lock:
-            slot = self.allocator.table.of(seq.seq_id)
-            if slot.dropped:
-                raise HandoffError("a sliding window unmapped this sequence's first pages: it cannot be handed off")
-            locals_ = self._locals(slot.groups[:self.geo.pages_for(num_tokens)])
-            pages = [self.os.pool_page(p) for p in locals_]
-        self.exported[seq.seq_id] = (locals_, pages)
-        header = {"num_tokens": num_tokens, "giver": self.member.slot, "giver_pid": os.getpid(), "pages": pages}
+        local, pages = self.exports.export(seq.seq_id, num_tokens)
+        self.exported[seq.seq_id] = (local, pages)
+        header = {"num_tokens": num_tokens, "giver": self.member.index, "giver_pid": os.getpid(), "pages": pages}
         return Export(header, [], HandoffReport(time.perf_counter() - start, 0, len(pages), self.unit))
 
     def release(self, seq: Sequence, taken: bool | None) -> None:
         """Pages still this engine's (refused, never transferred) are freed as usual; transferred ones are
         unmapped and forgotten. The ledger says which, whatever the ack said."""
-        locals_, pages = self.exported.pop(seq.seq_id, ([], []))
+        local, pages = self.exported.pop(seq.seq_id, ([], []))
         if pages and not self.member.still_holds(pages):
-            with self.allocator._lock:
-                slot = self.allocator.table.of(seq.seq_id)
-                with self.allocator.table.accounting(slot):
-                    self.allocator.pages.drop_tail(slot, len(slot.groups))
-                self.os.disown(locals_)
+            self.exports.let_go(seq.seq_id, local)
         self.allocator.free(seq)
 
     # -- decode side ----------------------------------------------------------------------------------------
@@ -113,44 +81,17 @@ class VMMHandoff:
         if len(pages) != groups * self.geo.num_tensors:
             raise HandoffError(f"{len(pages)} pages arrived for {num_tokens} tokens, "
                                f"{groups * self.geo.num_tensors} expected")
-        with self.allocator._lock:
-            if not self.allocator.table.has_free():
-                raise HandoffRefused("no free vmm slot for the imported KV")
-            self._receive(giver, giver_pid, pages)
-            fill = partial(self._map_received, groups, pages, num_tokens)
-            try:
-                self.allocator.pages.new_slot(seq.seq_id, num_tokens, fill, fewest_pages=True)
-            except BaseException:
-                self._give_unadopted(pages)
-                raise
+        self.exports.receive(seq.seq_id, num_tokens, pages, lambda: self._transfer(giver, giver_pid, pages))
         return HandoffReport(0.0, 0, len(pages), self.unit)
 
-    def _give_unadopted(self, pages: list[int]) -> None:
-        """After a failed import: received pages no local page adopted go back to the pool (adopted ones are this
-        engine's idle spares, given back as any spare is)."""
-        adopted = set(self.os.backing.values())
-        if unadopted := [p for p in pages if p not in adopted]:
-            self.member.give(unadopted)
-
-    def _receive(self, giver: int, giver_pid: int, pages: list[int]) -> None:
+    def _transfer(self, giver: int, giver_pid: int, pages: list[int]) -> None:
+        """The giver's pages become this engine's in the pool's ledger, all or nothing (vmm/pool/transfer.py)."""
         try:
             self.member.receive(giver, giver_pid, pages)
         except TransferRefused as exc:
             raise HandoffRefused(str(exc)) from None
         except PoolError as exc:
             raise HandoffError(str(exc)) from None
-
-    def _map_received(self, count: int, pages: list[int], num_tokens: int, slot: Slot) -> None:
-        """Fill a just-claimed slot: its stale pages go, `count` page groups are taken and backed by the received
-        pool pages, then mapped (the slot's first pages hold the prompt's K/V as the prefill engine wrote them)."""
-        table, slot_pages = self.allocator.table, self.allocator.pages
-        with table.accounting(slot):
-            slot_pages.drop_tail(slot, len(slot.groups))
-        groups = slot_pages._obtain(count, slot, keep=count, prefer=None)
-        self.os.adopt(dict(zip(self._locals(groups), pages)))
-        with table.accounting(slot):
-            slot_pages.maps.append(slot, groups, shared=False)
-            slot.held = num_tokens
 
 
 def _read_header(header: Any, fds: list[int]) -> tuple[int, int, int, list[int]]:

@@ -8,7 +8,7 @@ copy-on-write if written), and computes only the rest.
 The cache holds no mapping of its own. A cached group that no slot maps any more keeps its physical pages
 (unmapped, out of the free pool) and waits in an LRU of idle groups; idle groups count as free capacity, and
 the allocator evicts them, oldest first and a whole group at a time, when the pool runs short. On a shared pool
-(docs/pool.md) the driver is told which pages hold cached data (`KeptGroups`): unmapped, they are not spares to
+(docs/pool.md) the pool is told which pages hold cached data (`KeptGroups`): unmapped, they are not spares to
 reuse or give back; an eviction lets them go.
 """
 from __future__ import annotations
@@ -23,26 +23,27 @@ if TYPE_CHECKING:
 
 
 class PageKeeper(Protocol):
-    """A driver that must know which pages hold cached data (a shared pool's: vmm/drivers/pooled.py)."""
+    """The machine-wide pool, which must know which pages hold cached data (vmm/drivers/machine_pool.py; with no
+    pool it does nothing)."""
 
     def keep(self, pages: list[int]) -> None: ...
     def let_go(self, pages: list[int]) -> None: ...
 
 
 class KeptGroups:
-    """Cached page groups told to the driver as its pages: group g is page t * num_groups + g of each tensor t."""
+    """Cached page groups told to the pool as driver pages: group g is page t * num_groups + g of each tensor t."""
 
-    def __init__(self, driver: PageKeeper, num_groups: int, num_tensors: int) -> None:
-        self.driver, self.num_groups, self.num_tensors = driver, num_groups, num_tensors
+    def __init__(self, pool: PageKeeper, num_groups: int, num_tensors: int) -> None:
+        self.pool, self.num_groups, self.num_tensors = pool, num_groups, num_tensors
 
     def pages(self, groups: list[int]) -> list[int]:
         return [t * self.num_groups + g for g in groups for t in range(self.num_tensors)]
 
     def keep(self, groups: list[int]) -> None:
-        self.driver.keep(self.pages(groups))
+        self.pool.keep(self.pages(groups))
 
     def let_go(self, groups: list[int]) -> None:
-        self.driver.let_go(self.pages(groups))
+        self.pool.let_go(self.pages(groups))
 
 
 class PagePrefixCache:

@@ -1,6 +1,6 @@
 """The vmm backend's probe for the invariant tests (common/kv/registry.py `BackendProbe`): it reads only the
 allocator's `snapshot()` and `stats()` and the driver's public API, and reads K/V back through a second path
-(the memfd pool pages under the mappings, with pread: no virtual mapping is touched)."""
+(the memfd store pages under the mappings, with pread: no virtual mapping is touched)."""
 from __future__ import annotations
 
 import os
@@ -22,14 +22,14 @@ class VMMProbe:
     test_options: dict[str, Any] = {"page_size": PAGE, "kv_cache_bytes": 8 * 2 * 2 * PAGE}
 
     def read(self, cache: KVCache, seq: Sequence, n: int) -> torch.Tensor:
-        """[L, 2, n, H_kv, D]: the slot's pool pages read from the memfd."""
+        """[L, 2, n, H_kv, D]: the slot's store pages read from the memfd."""
         s, snap, driver = cache.shape, cache.allocator.snapshot(), cache.allocator.driver
         geo = snap["geometry"]
         groups = snap["slots"][snap["slot_of"][seq.seq_id]]["groups"]
         pages = -(-(n * s.bytes_per_token_per_layer) // geo["page_size"])
         per_tensor = []
         for t in range(geo["num_tensors"]):
-            raw = b"".join(os.pread(driver.os.fd, geo["page_size"], driver.os.pool_offset(t * geo["num_groups"] + g))
+            raw = b"".join(os.pread(driver.os.fd, geo["page_size"], driver.os.page_offset(t * geo["num_groups"] + g))
                            if g >= 0 else bytes(geo["page_size"])   # below a sliding window: unmapped, zeros
                            for g in groups[:pages])
             flat = torch.frombuffer(bytearray(raw), dtype=s.torch_dtype) if raw else torch.zeros(0)
@@ -48,13 +48,13 @@ class VMMProbe:
         assert all(g == -1 for s in slots for g in s["groups"][:s["dropped"]]), "a window-dropped page is listed"
         assert all(snap["refs"][g] == slot_refs.get(g, 0) for g in range(geo["num_groups"])), "group refcounts drift"
         mappers = _mappers(snap)
-        pool_maps = snap["driver"]["pool_maps"]
+        store_maps = snap["driver"]["store_maps"]
         total = sum(len(place["mapped"]) for place in snap["places"])
-        assert snap["driver"]["mapped_pages"] == total == sum(pool_maps), "driver mapping counts drift"
-        for pool_page, where in mappers.items():
-            assert pool_maps[pool_page] == len(where)
+        assert snap["driver"]["mapped_pages"] == total == sum(store_maps), "driver mapping counts drift"
+        for store_page, where in mappers.items():
+            assert store_maps[store_page] == len(where)
             if len(where) > 1:
-                _check_shared(pool_page, where, slots, may_share)
+                _check_shared(store_page, where, slots, may_share)
         for sid, seq in live.items():
             _check_backed(snap, owners[sid], seq, cache.shape.bytes_per_token_per_layer)
         stale = sum(len(s["groups"]) for s in slots if s["seq_id"] is None)
@@ -84,13 +84,13 @@ class VMMProbe:
 
 def _check_idle(snap: dict[str, Any]) -> None:
     """Cached pages no slot owns (prefix caching) are whole page groups, mapped nowhere, and neither free nor
-    in a stale slot: with the free pool and the stale pages they account for every group (no leak)."""
+    in a stale slot: with the free list and the stale pages they account for every group (no leak)."""
     geo, idle = snap["geometry"], snap["idle_cached"]
     groups = geo["num_groups"]
     assert len(set(idle)) == len(idle) and all(snap["refs"][g] == 0 for g in idle), "an idle cached page is mapped"
     assert not set(idle) & {g for s in snap["slots"] for g in s["groups"]}, "an idle cached page sits in a slot"
-    pool_maps = snap["driver"]["pool_maps"]
-    assert all(pool_maps[t * groups + g] == 0 for g in idle for t in range(geo["num_tensors"])), \
+    store_maps = snap["driver"]["store_maps"]
+    assert all(store_maps[t * groups + g] == 0 for g in idle for t in range(geo["num_tensors"])), \
         "an idle cached page is mapped in some tensor"
     stale = sum(len(s["groups"]) - s["dropped"] for s in snap["slots"])
     assert snap["free_groups"] + stale + len(idle) == groups, "pages leaked: free + stale + idle != total"
@@ -101,21 +101,21 @@ def _mappers(snap: dict[str, Any]) -> dict[int, list[tuple[int, int]]]:
     geo = snap["geometry"]
     mappers: dict[int, list[tuple[int, int]]] = defaultdict(list)
     for place in snap["places"]:
-        for va, pool_page in place["mapped"].items():
+        for va, store_page in place["mapped"].items():
             rel = va * geo["page_size"] - place["offset"]
             if 0 <= rel < geo["tensor_bytes"]:
-                mappers[pool_page].append((rel // geo["row_bytes"], rel % geo["row_bytes"] // geo["page_size"]))
+                mappers[store_page].append((rel // geo["row_bytes"], rel % geo["row_bytes"] // geo["page_size"]))
     return mappers
 
 
-def _check_shared(pool_page: int, where: list[tuple[int, int]], slots: list[dict[str, Any]],
+def _check_shared(store_page: int, where: list[tuple[int, int]], slots: list[dict[str, Any]],
                   may_share: Callable[[int, int, int], bool]) -> None:
     owners = [slots[i]["seq_id"] for i, _ in where]
-    assert all(o is not None for o in owners), f"pool page {pool_page} shared by a free slot"
-    assert len({j for _, j in where}) == 1, f"pool page {pool_page} at different pages {where}"
+    assert all(o is not None for o in owners), f"store page {store_page} shared by a free slot"
+    assert len({j for _, j in where}) == 1, f"store page {store_page} at different pages {where}"
     page = where[0][1]
     assert all(may_share(owners[0], o, page) for o in owners[1:]), \
-        f"pool page {pool_page} mapped by unrelated slots {where}"
+        f"store page {store_page} mapped by unrelated slots {where}"
 
 
 def _check_backed(snap: dict[str, Any], slot: dict[str, Any], seq: Sequence, token_bytes: int) -> None:

@@ -1,4 +1,8 @@
-"""Slots: one row of every virtual tensor per sequence, and which sequence owns each.
+"""Slots: one row of every virtual tensor per sequence, and which sequence owns each; where the 2L virtual tensors
+(K_0..K_{L-1}, then V_0..V_{L-1}) live (`Ranges`).
+
+Tensor t lives at `places[t] = (region, offset)`: its own reserved range, or one slice of a single range shared by
+all (`single_range`). Slot s, page j of tensor t is the page at offset + s * row_bytes + j * page_size.
 
 A freed slot keeps its exclusive pages mapped (parked) so a later owner can reuse them without new maps; pages
 that no live token needs (parked ones, and pages mapped ahead in live slots) are counted as reclaimable.
@@ -11,11 +15,12 @@ from bisect import bisect_left, insort
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvlab.common.errors import RequestError
 
 if TYPE_CHECKING:
+    from kvlab.vmm.drivers.types import DriverStats, Mirror, Region
     from kvlab.vmm.geometry import Geometry
 
 DROPPED = -1   # a page the sliding window left behind: unmapped, its group back in the pool (slot.groups[:dropped])
@@ -35,6 +40,43 @@ class Slot:
     def live_groups(self) -> list[int]:
         """The groups the slot maps (without the window's DROPPED entries)."""
         return self.groups[self.dropped:]
+
+
+class AddressSpace(Protocol):
+    """What the ranges need of a driver (vmm/drivers/base.py's VirtualMemory)."""
+    stats: DriverStats
+
+    def reserve(self, nbytes: int) -> Region: ...
+
+    def mirror(self, places: list[tuple[Region, int]], span: int, store_stride: int) -> Mirror: ...
+
+
+@dataclass(slots=True)
+class Ranges:
+    """Where the 2L tensors live, and the mirror that maps a page group in all of them with one call."""
+    places: list[tuple[Region, int]]
+    mirror: Mirror
+
+    @classmethod
+    def reserve(cls, driver: AddressSpace, geo: Geometry, single_range: bool) -> Ranges:
+        if single_range:
+            whole = driver.reserve(geo.num_tensors * geo.tensor_bytes)
+            places = [(whole, t * geo.tensor_bytes) for t in range(geo.num_tensors)]
+        else:
+            places = [(driver.reserve(geo.tensor_bytes), 0) for _ in range(geo.num_tensors)]
+        return cls(places, driver.mirror(places, geo.tensor_bytes, geo.num_groups))
+
+    def check_mapped(self, driver: AddressSpace, geo: Geometry, slots: list[Slot]) -> None:
+        """Every page the slots claim is mapped by the driver at the right store page, and no other."""
+        total = 0
+        for slot in slots:
+            for j, g in enumerate(slot.groups[slot.dropped:], slot.dropped):
+                for t, (region, offset) in enumerate(self.places):
+                    va = (offset + slot.index * geo.row_bytes + j * geo.page_size) // geo.page_size
+                    assert region.mapped.get(va) == t * geo.num_groups + g, \
+                        f"slot {slot.index} page {j} tensor {t} is not mapped to group {g}"
+            total += (len(slot.groups) - slot.dropped) * geo.num_tensors
+        assert driver.stats.mapped_pages == total, "the driver maps pages no slot accounts for"
 
 
 class FreeSlots:

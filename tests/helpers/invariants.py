@@ -152,7 +152,7 @@ def probe_of(cache: KVCache):
 
 def own_free_units(cache: Allocator) -> int:
     """The cache's own free units: on a pool, before what the pool can give now (which other engines change)."""
-    return cache.growth.free_units() if getattr(cache, "pooled", False) else cache.num_free_units()
+    return cache.growth.free_units() if cache.name == "vmm" and cache.pool.elastic else cache.num_free_units()
 
 
 def check_capacity(cache: Allocator) -> None:

@@ -72,12 +72,12 @@ class Asks:
     """Counts a member's asks (each one is a wait for other engines)."""
 
     def __init__(self, member: pool.PoolMember) -> None:
-        self.count, self.ask = 0, member.ask
-        member.ask = self
+        self.count, self.asking = 0, member.asking
+        member.asking = self
 
-    def __call__(self, n: int) -> None:
+    def __call__(self, n: int):
         self.count += 1
-        self.ask(n)
+        return self.asking(n)
 
 
 class BusyEngine:
@@ -87,7 +87,7 @@ class BusyEngine:
     def __init__(self, member: pool.PoolMember) -> None:
         self.member, self.pages = member, member.take(member.total_pages)
         member.publish(len(self.pages))
-        member.watch(self.answer)
+        member.serve(self.answer)
 
     def answer(self, wanted: int) -> None:
         given, self.pages = self.pages[:wanted], self.pages[wanted:]

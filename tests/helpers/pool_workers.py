@@ -12,8 +12,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from fakes.page_window import PageWindow
+
 from kvlab.vmm import pool
-from kvlab.vmm.pool.memory import PageWindow
 from kvlab.vmm.pool.status import PoolStatus, read_status
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -52,20 +53,20 @@ class Engine:
     def race(self, ops: int, seed: int, most: int, take_share: float) -> dict:
         rng, refused = random.Random(seed), 0
         for _ in range(ops):
-            held = self.member.held
+            held = sorted(self.member.held)
             if not held or rng.random() < take_share:
                 refused += self.take(rng.randint(1, most)) is None
             else:
                 self.give(rng.sample(held, rng.randint(1, len(held))))
-        self.check(self.member.held)
-        return {"refused": refused, "held": self.member.held}
+        self.check(sorted(self.member.held))
+        return {"refused": refused, "held": sorted(self.member.held)}
 
     def die_inside_a_change(self) -> None:
         """SIGKILL itself while holding the pool lock, halfway through marking free pages as its own."""
         attachment = self.member._attachment
         with attachment.locked() as ledger, ledger.changing():
             free = ledger.owner == -1
-            ledger.owner[free.nonzero()[0][:3]] = self.member.slot
+            ledger.owner[free.nonzero()[0][:3]] = self.member.index
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -76,8 +77,8 @@ def serve(engine: Engine, request: dict) -> object:
     if op == "give":
         return engine.give(request["pages"])
     if op == "check":
-        engine.check(engine.member.held)
-        return engine.member.held
+        engine.check(sorted(engine.member.held))
+        return sorted(engine.member.held)
     if op == "race":
         return engine.race(**request)
     if op == "die_inside_a_change":
@@ -91,7 +92,7 @@ def worker_main() -> None:
     member = (pool.create(name, create_bytes, PAGE, engine=engine_name) if create_bytes
               else pool.join(name, engine=engine_name))
     engine = Engine(member)
-    print(json.dumps({"ok": [os.getpid(), member.slot]}), flush=True)
+    print(json.dumps({"ok": [os.getpid(), member.index]}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)
         if request["op"] == "exit":

@@ -73,7 +73,7 @@ def measure(page_size: int, pages: int, repeats: int) -> dict[str, float]:
     vm = HostVirtualMemory(page_size)
     maps, unmaps = [], []
     try:
-        vm.create_pool(pages)
+        vm.create_store(pages)
         region = vm.reserve(pages * page_size)
         for _ in range(repeats):
             t0 = time.perf_counter()

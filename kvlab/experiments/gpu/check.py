@@ -30,7 +30,7 @@ Two selections of the same parts: the check (default, under 8 minutes: gpu_check
 
 Whether a GPU is present is decided before any part runs (experiments/gpu/detect.py), never by a part's
 result. Without a GPU the check fails loudly (exit 2) unless --dry-run-cpu asks for the dry run: every part as
-far as a CPU allows, the driver calls against the recording fake (vmm/drivers/fake_cuda.py), the Triton kernel
+far as a CPU allows, the driver calls against the recording fake (tests/fakes/fake_cuda.py), the Triton kernel
 in its interpreter on tiny shapes, the bench on cpu. Numbers from a dry run check the plumbing, not a GPU.
 """
 from __future__ import annotations

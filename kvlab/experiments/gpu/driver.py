@@ -1,10 +1,15 @@
 """The CUDA driver as the GPU check uses it: cuda.bindings.driver, or in a CPU dry run the recording fake
-(vmm/drivers/fake_cuda.py), with checked calls and the primary context (the one torch uses) current on the
-creating thread. Used directly, not through vmm's internals, so a reorganisation of vmm does not break it."""
+(tests/fakes/fake_cuda.py, loaded from the source tree: the library holds no test code), with checked calls and
+the primary context (the one torch uses) current on the creating thread.
+Used directly, not through vmm's internals, so a reorganisation of vmm does not break it."""
 from __future__ import annotations
 
 import importlib
+import sys
+from pathlib import Path
 from typing import Any
+
+from kvlab.common.errors import ConfigError
 
 MiB = 2**20
 
@@ -12,9 +17,20 @@ MiB = 2**20
 def driver_module(dry: bool) -> Any:
     """The real cuda.bindings.driver, or a fresh recording fake of it for the dry run."""
     if dry:
-        from kvlab.vmm.drivers.fake_cuda import FakeCudaDriver
-        return FakeCudaDriver()
+        return fake_driver()
     return importlib.import_module("cuda.bindings.driver")
+
+
+def fake_driver() -> Any:
+    """A fresh recording fake of cuda.bindings.driver from the source tree's tests/fakes/ (the dry run is a check of
+    a checkout, like the tests; an installed kvlab has no tests and says so)."""
+    tests = Path(__file__).resolve().parents[3] / "tests"
+    if not (tests / "fakes" / "fake_cuda.py").is_file():
+        raise ConfigError(f"--dry-run-cpu needs the recording fake driver of a source checkout ({tests}/fakes/"
+                          "fake_cuda.py is missing); run it from a kvlab checkout")
+    if str(tests) not in sys.path:
+        sys.path.append(str(tests))
+    return importlib.import_module("fakes.fake_cuda").FakeCudaDriver()
 
 
 def allocation_prop(drv: Any) -> Any:

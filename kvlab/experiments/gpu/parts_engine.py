@@ -27,7 +27,7 @@ def part_cuda_vmm(dry: bool) -> dict[str, Any]:
     recommended = drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
     try:
         out: dict[str, Any] = {
-            "driver": "recording fake (vmm/drivers/fake_cuda.py)" if dry else "cuda.bindings.driver",
+            "driver": "recording fake (tests/fakes/fake_cuda.py)" if dry else "cuda.bindings.driver",
             "minimum_granularity": vm.granularity(),
             "recommended_granularity": int(vm.call("cuMemGetAllocationGranularity", allocation_prop(drv),
                                                    recommended)),
@@ -55,7 +55,7 @@ def view_round_trip(vm: Any) -> dict[str, Any]:
     """Reserve 4 pages, map 2, a zero-copy fp16 view, write on the GPU, read back; then release."""
     page = vm.page_size
     region = vm.reserve(4 * page)
-    vm.create_pool(2)
+    vm.create_store(2)
     vm.map(region, 0, 1, 1)                # pool page 1 at VA page 0, pool page 0 at VA page 1
     vm.map(region, page, 0, 1)
     out: dict[str, Any] = {"mapped_pages": 2, "reserved_pages": 4}

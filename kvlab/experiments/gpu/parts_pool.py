@@ -25,8 +25,8 @@ CHILD = "import sys; from kvlab.experiments.gpu.parts_pool import child_main; sy
 
 def device(dry: bool) -> CudaDevice:
     if dry:
-        from kvlab.vmm.drivers.fake_cuda import FakeCudaDriver
-        return CudaDevice(0, FakeCudaDriver())
+        from kvlab.experiments.gpu.driver import fake_driver
+        return CudaDevice(0, fake_driver())
     return CudaDevice(0)
 
 

@@ -11,7 +11,7 @@ import torch
 from kvlab.common.errors import DriverError
 from kvlab.vmm.drivers import checks
 from kvlab.vmm.drivers.base import VirtualMemory
-from kvlab.vmm.drivers.ledger import MirrorLedger
+from kvlab.vmm.drivers.mirror_books import MirrorBooks
 from kvlab.vmm.drivers.types import Mirror, Region
 
 log = logging.getLogger("kvlab.vmm")
@@ -20,67 +20,66 @@ log = logging.getLogger("kvlab.vmm")
 class AccountingVirtualMemory(VirtualMemory):
     """Same bookkeeping over `NoMemory`: addresses are invented, maps cost nothing, views are refused.
 
-    A mirror is booked once for all its places (vmm/drivers/ledger.py): its ranges' tables, mapping counts and the pool
-    page counts are brought up to date when read. A direct map or unmap on one of its ranges ends that (logged,
-    counted in `per_place_fallbacks`): from then on the mirror is booked place by place."""
+    A mirror is booked once for all its places (vmm/drivers/mirror_books.py): its ranges' tables, mapping counts and
+    the store page counts are brought up to date when read. A direct map or unmap on one of its ranges ends that
+    (logged, counted in `stats.per_place_fallbacks`): from then on the mirror is booked place by place."""
 
     def __init__(self, page_size: int, merges: bool = True, mapping_limit: int | None = None) -> None:
-        self._ledgers: list[MirrorLedger] = []
+        self._books: list[MirrorBooks] = []
         super().__init__(NoMemory(page_size, merges), page_size, mapping_limit)
-        self.per_place_fallbacks = 0
 
     @property
-    def pool_maps(self) -> array:
-        for ledger in self._ledgers:
-            ledger.sync()
-        return self._pool_maps
+    def store_maps(self) -> array:
+        for books in self._books:
+            books.sync()
+        return self._store_maps
 
-    @pool_maps.setter
-    def pool_maps(self, value: array) -> None:
-        self._pool_maps = value
+    @store_maps.setter
+    def store_maps(self, value: array) -> None:
+        self._store_maps = value
 
-    def mirror(self, places: list[tuple[Region, int]], span: int, pool_stride: int) -> Mirror:
-        mirror = super().mirror(places, span, pool_stride)
+    def mirror(self, places: list[tuple[Region, int]], span: int, store_stride: int) -> Mirror:
+        mirror = super().mirror(places, span, store_stride)
         regions = {id(r): r for r, _ in mirror.places}.values()
         if any(r.pages or r.pending is not None for r in regions):   # booked elsewhere already: per place
             return mirror
-        ledger = mirror.ledger = MirrorLedger(mirror, self.page_size, self.merges, self._pool_maps)
-        self._ledgers.append(ledger)
+        books = mirror.books = MirrorBooks(mirror, self.page_size, self.merges, self._store_maps)
+        self._books.append(books)
         for region in regions:
-            region.pending = ledger.sync
+            region.pending = books.sync
         return mirror
 
     def map_mirrored(self, mirror: Mirror, offset: int, page: int, num_pages: int = 1) -> None:
-        ledger = mirror.ledger
-        if ledger is None:
+        books = mirror.books
+        if books is None:
             return super().map_mirrored(mirror, offset, page, num_pages)
         self._check_open()
         checks.mirror_offset(mirror, offset, num_pages, self.page_size)
-        checks.pool_pages(page, num_pages + (ledger.width - 1) * mirror.pool_stride, len(self._pool_maps))
+        checks.store_pages(page, num_pages + (books.width - 1) * mirror.store_stride, len(self._store_maps))
         first = offset // self.page_size
-        ledger.check_unmapped(first, num_pages)
-        delta = ledger.map_delta(first, num_pages, page)
+        books.check_unmapped(first, num_pages)
+        delta = books.map_delta(first, num_pages, page)
         self.mappings.check(delta, "map")
-        ledger.map(first, num_pages, page, delta)
-        st, pages = self.stats, ledger.width * num_pages
-        st.map_calls += ledger.width
+        books.map(first, num_pages, page, delta)
+        st, pages = self.stats, books.width * num_pages
+        st.map_calls += books.width
         st.pages_mapped += pages
         st.mapped_pages += pages
         st.num_mappings += delta
 
     def unmap_mirrored(self, mirror: Mirror, offset: int, num_pages: int = 1) -> None:
-        ledger = mirror.ledger
-        if ledger is None:
+        books = mirror.books
+        if books is None:
             return super().unmap_mirrored(mirror, offset, num_pages)
         self._check_open()
         checks.mirror_offset(mirror, offset, num_pages, self.page_size)
         first = offset // self.page_size
-        ledger.check_mapped(first, num_pages)
-        delta = ledger.unmap_delta(first, num_pages)
+        books.check_mapped(first, num_pages)
+        delta = books.unmap_delta(first, num_pages)
         self.mappings.check(delta, "unmap")
-        ledger.unmap(first, num_pages, delta)
-        st, pages = self.stats, ledger.width * num_pages
-        st.unmap_calls += ledger.width
+        books.unmap(first, num_pages, delta)
+        st, pages = self.stats, books.width * num_pages
+        st.unmap_calls += books.width
         st.pages_unmapped += pages
         st.mapped_pages -= pages
         st.num_mappings += delta
@@ -100,8 +99,8 @@ class AccountingVirtualMemory(VirtualMemory):
     def close(self) -> None:
         """As the base class, but a mirror's pages are unmapped in its books at once, not range by range."""
         if not self.closed and not self.live_views():
-            for ledger in self._ledgers:
-                calls, pages, delta = ledger.unmap_all()
+            for books in self._books:
+                calls, pages, delta = books.unmap_all()
                 st = self.stats
                 st.unmap_calls += calls
                 st.pages_unmapped += pages
@@ -113,14 +112,14 @@ class AccountingVirtualMemory(VirtualMemory):
         """Before a call on one range of a mirror booked once: write the books out and keep them per place."""
         if region.pending is None:
             return
-        ledger = next(ledger for ledger in self._ledgers if any(r is region for r, _ in ledger.mirror.places))
-        ledger.sync()
-        for r, _ in ledger.mirror.places:
+        books = next(books for books in self._books if any(r is region for r, _ in books.mirror.places))
+        books.sync()
+        for r, _ in books.mirror.places:
             r.pending = None
-        ledger.mirror.ledger = None
-        self._ledgers.remove(ledger)
+        books.mirror.books = None
+        self._books.remove(books)
         if call is not None:
-            self.per_place_fallbacks += 1
+            self.stats.per_place_fallbacks += 1
             log.info("accounting driver: a direct %s on a mirrored range; booking that mirror per place from now "
                      "on (slower)", call)
 
@@ -144,7 +143,7 @@ class NoMemory:
     def release(self, region: Region) -> None:
         pass
 
-    def resize_pool(self, old_pages: int, new_pages: int) -> None:
+    def resize_store(self, old_pages: int, new_pages: int) -> None:
         pass
 
     def map(self, addr: int, first_page: int, num_pages: int) -> int:
@@ -159,5 +158,5 @@ class NoMemory:
     def view(self, region: Region, offset: int, nbytes: int) -> tuple[torch.Tensor, Any]:
         raise DriverError("the accounting-only driver has no memory to view; use a real device driver")
 
-    def close(self, pool_maps: Sequence[int]) -> None:
+    def close(self, store_maps: Sequence[int]) -> None:
         pass

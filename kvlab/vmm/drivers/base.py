@@ -1,4 +1,4 @@
-"""The virtual-memory seam: reserve address space, map physical pool pages into it, view it as a tensor.
+"""The virtual-memory seam: reserve address space, map physical store pages into it, view it as a tensor.
 
 `VirtualMemory` keeps every piece of bookkeeping (what is mapped where, mapping counts, limits, timings) and
 validates each request before the OS/driver sees it (vmm/drivers/checks.py); a composed `OSMemory`
@@ -24,6 +24,7 @@ import torch
 
 from kvlab.common.errors import DriverError
 from kvlab.vmm.drivers import checks
+from kvlab.vmm.drivers.machine_pool import NO_POOL, MachinePool
 from kvlab.vmm.drivers.map_budget import MapBudget, MappingCount
 from kvlab.vmm.drivers.mirror import MirrorRepair
 from kvlab.vmm.drivers.teardown import Teardown
@@ -34,13 +35,16 @@ __all__ = ["DriverStats", "Mirror", "OSMemory", "PartialCall", "Region", "Virtua
 
 
 class VirtualMemory:
-    """Reserve -> create pool -> map/unmap pool pages at page-aligned offsets -> tensor views -> release/close,
+    """Reserve -> create store -> map/unmap store pages at page-aligned offsets -> tensor views -> release/close,
     over the OS calls of `os` (host, cuda, accounting: vmm/drivers/host.py, cuda.py, accounting.py).
 
     `mapping_limit`: the most mappings this driver may create (None: no limit). `budget`: the process-wide map
     budget this driver draws on with every other (vmm/drivers/map_budget.py); `mappings` checks and books both.
-    The public calls all read and write the same books (page tables, pool map counts, stats); repairs after a
-    failed mirrored call and teardown are composed parts (`repair`, `teardown`)."""
+    The public calls all read and write the same books (page tables, store map counts, stats); repairs after a
+    failed mirrored call and teardown are composed parts (`repair`, `teardown`). `pool`: the machine-wide pool the
+    physical pages come from (vmm/drivers/machine_pool.py; none unless the driver is pooled)."""
+
+    pool: MachinePool = NO_POOL
 
     def __init__(self, os: OSMemory, page_size: int, mapping_limit: int | None = None,
                  budget: MapBudget | None = None) -> None:
@@ -51,7 +55,7 @@ class VirtualMemory:
         self.stats = DriverStats()
         self.mappings = MappingCount(self.stats, mapping_limit, budget)
         self.regions: list[Region] = []
-        self.pool_maps = array("i")          # VA mappings of each pool page
+        self.store_maps = array("i")          # VA mappings of each store page
         self.closed = False
         self.repair = MirrorRepair(self)
         self.teardown = Teardown(self)
@@ -71,29 +75,29 @@ class VirtualMemory:
         self.mappings.add(region.vmas)
         return region
 
-    def create_pool(self, num_pages: int) -> None:
-        """Create (or resize) the physical page pool: pages 0 .. num_pages-1."""
-        self.resize_pool(num_pages)
+    def create_store(self, num_pages: int) -> None:
+        """Create (or resize) the physical page store: pages 0 .. num_pages-1."""
+        self.resize_store(num_pages)
 
-    def resize_pool(self, num_pages: int) -> None:
-        """Grow the pool, or shrink it and give the cut pages' memory back (they must be unmapped)."""
+    def resize_store(self, num_pages: int) -> None:
+        """Grow the page store, or shrink it and give the cut pages' memory back (they must be unmapped)."""
         self._check_open()
-        old = len(self.pool_maps)
-        if num_pages < old and any(self.pool_maps[num_pages:]):
-            raise DriverError(f"cannot shrink the page pool to {num_pages} pages: pages above it are still mapped")
-        self.os.resize_pool(old, num_pages)
+        old = len(self.store_maps)
+        if num_pages < old and any(self.store_maps[num_pages:]):
+            raise DriverError(f"cannot shrink the page store to {num_pages} pages: pages above it are still mapped")
+        self.os.resize_store(old, num_pages)
         if num_pages > old:
-            self.pool_maps.extend([0] * (num_pages - old))
+            self.store_maps.extend([0] * (num_pages - old))
         else:
-            del self.pool_maps[num_pages:]
+            del self.store_maps[num_pages:]
             self.stats.discarded_pages += old - num_pages
-        self.stats.pool_pages = num_pages
+        self.stats.store_pages = num_pages
 
     def map(self, region: Region, offset: int, page: int, num_pages: int = 1) -> None:
-        """Map pool pages [page, page + num_pages) at region offset `offset` (read-write)."""
+        """Map store pages [page, page + num_pages) at region offset `offset` (read-write)."""
         self._check_open()
         first = checks.va_page(region, offset, num_pages, self.page_size)
-        checks.pool_pages(page, num_pages, len(self.pool_maps))
+        checks.store_pages(page, num_pages, len(self.store_maps))
         checks.unmapped(region, first, num_pages)
         delta = region_map_delta(region, first, num_pages, page, self.page_size, self.merges)
         self.mappings.check(delta, "map")
@@ -111,7 +115,7 @@ class VirtualMemory:
         self._book_map(region, first, page, num_pages, delta)
 
     def unmap(self, region: Region, offset: int, num_pages: int = 1) -> None:
-        """Unmap [offset, + num_pages pages): the range stays reserved, the pool pages stay allocated."""
+        """Unmap [offset, + num_pages pages): the range stays reserved, the store pages stay allocated."""
         self._check_open()
         self._unmap(region, offset, num_pages)
 
@@ -134,24 +138,24 @@ class VirtualMemory:
         self._book_unmap(region, first, num_pages, delta)
 
     # -- places mapped in lockstep (the cache's 2L tensors) -------------------------------------------------
-    def mirror(self, places: list[tuple[Region, int]], span: int, pool_stride: int) -> Mirror:
+    def mirror(self, places: list[tuple[Region, int]], span: int, store_stride: int) -> Mirror:
         """Declare places (range, offset) of `span` bytes each that are always mapped in lockstep."""
         self._check_open()
-        if span <= 0 or span % self.page_size or pool_stride < 0:
+        if span <= 0 or span % self.page_size or store_stride < 0:
             raise DriverError(f"a mirror needs a whole number of pages per place, not {span} bytes")
         for region, offset in places:
             checks.va_page(region, offset, span // self.page_size, self.page_size)
         spans = sorted((id(r), off) for r, off in places)
         if any(a == c and d < b + span for (a, b), (c, d) in pairwise(spans)):
             raise DriverError("mirrored places overlap; give each its own span")
-        return Mirror(tuple(places), span, pool_stride)
+        return Mirror(tuple(places), span, store_stride)
 
     def map_mirrored(self, mirror: Mirror, offset: int, page: int, num_pages: int = 1) -> None:
-        """Map pool pages [page + i * stride, +num_pages) at `offset` of every place i; all or nothing (a failure
+        """Map store pages [page + i * stride, +num_pages) at `offset` of every place i; all or nothing (a failure
         unmaps the places already mapped)."""
         self._check_open()
         checks.mirror_offset(mirror, offset, num_pages, self.page_size)
-        checks.pool_pages(page, num_pages + (len(mirror.places) - 1) * mirror.pool_stride, len(self.pool_maps))
+        checks.store_pages(page, num_pages + (len(mirror.places) - 1) * mirror.store_stride, len(self.store_maps))
         before = []
         for region, base in mirror.places:   # refuse before any place changes
             va = checks.va_page(region, base + offset, num_pages, self.page_size)
@@ -159,14 +163,14 @@ class VirtualMemory:
             before.append((region, va, {}))
         try:
             for i, (region, base) in enumerate(mirror.places):
-                self.map(region, base + offset, page + i * mirror.pool_stride, num_pages)
+                self.map(region, base + offset, page + i * mirror.store_stride, num_pages)
         except BaseException as exc:
             self.repair.undo(exc, "map", offset, num_pages, before)
             raise
 
     def unmap_mirrored(self, mirror: Mirror, offset: int, num_pages: int = 1) -> None:
         """Unmap [offset, + num_pages pages) of every place; all or nothing (a failure maps the places already
-        unmapped again: the pool pages kept their data)."""
+        unmapped again: the store pages kept their data)."""
         self._check_open()
         checks.mirror_offset(mirror, offset, num_pages, self.page_size)
         before = []
@@ -196,15 +200,15 @@ class VirtualMemory:
         self.teardown.release(region)
 
     def close(self) -> None:
-        """Release every range and the pool. Idempotent; always completes (a range a view still reads is released
+        """Release every range and the page store. Idempotent; always completes (a range a view still reads is released
         when its last view dies)."""
         self.teardown.close()
 
     def _book_map(self, region: Region, first: int, page: int, num_pages: int, delta: int) -> None:
         region.pages.update(zip(range(first, first + num_pages), range(page, page + num_pages)))
-        pool_maps = self.pool_maps
+        store_maps = self.store_maps
         for p in range(page, page + num_pages):
-            pool_maps[p] += 1
+            store_maps[p] += 1
         region.vmas += delta
         self.mappings.add(delta)
         st = self.stats
@@ -212,23 +216,23 @@ class VirtualMemory:
         st.pages_mapped += num_pages
 
     def _book_unmap(self, region: Region, first: int, num_pages: int, delta: int) -> None:
-        pages, pool_maps = region.pages, self.pool_maps
+        pages, store_maps = region.pages, self.store_maps
         for i in range(first, first + num_pages):
-            pool_maps[pages.pop(i)] -= 1
+            store_maps[pages.pop(i)] -= 1
         region.vmas += delta
         self.mappings.add(delta)
         st = self.stats
         st.mapped_pages -= num_pages
         st.pages_unmapped += num_pages
 
-    # -- pool memory and views ----------------------------------------------------------------------------
+    # -- store memory and views ---------------------------------------------------------------------------
     def discard(self, page: int, num_pages: int = 1) -> None:
-        """Give the memory of unmapped pool pages back to the OS/driver. Their contents are undefined when mapped
+        """Give the memory of unmapped store pages back to the OS/driver. Their contents are undefined when mapped
         again: the host's memfd happens to give zeros, CUDA's cuMemCreate does not zero. Nothing may rely on it:
         kernels read only up to each sequence's written length."""
         self._check_open()
-        if any(self.pool_maps[page:page + num_pages]):
-            raise DriverError(f"cannot discard pool pages [{page}, {page + num_pages}): some are mapped")
+        if any(self.store_maps[page:page + num_pages]):
+            raise DriverError(f"cannot discard store pages [{page}, {page + num_pages}): some are mapped")
         self.os.discard(page, num_pages)
         self.stats.discarded_pages += num_pages
 

@@ -22,9 +22,9 @@ def mirror_offset(mirror: Mirror, offset: int, num_pages: int, page_size: int) -
                           f"inside a {mirror.span}-byte mirrored place")
 
 
-def pool_pages(page: int, num_pages: int, pool_size: int) -> None:
-    if page < 0 or page + num_pages > pool_size:
-        raise DriverError(f"pool pages [{page}, {page + num_pages}) are outside the pool of {pool_size} pages")
+def store_pages(page: int, num_pages: int, store_size: int) -> None:
+    if page < 0 or page + num_pages > store_size:
+        raise DriverError(f"store pages [{page}, {page + num_pages}) are outside the page store of {store_size} pages")
 
 
 def unmapped(region: Region, first: int, num_pages: int) -> None:

@@ -1,12 +1,13 @@
-"""Real virtual memory on an NVIDIA GPU through `cuda.bindings.driver` (gpu-apis.md §1).
+"""Real virtual memory on an NVIDIA GPU through `cuda.bindings.driver` (the CUDA driver API's VMM calls).
 
-reserve = cuMemAddressReserve; pool = one cuMemCreate handle (pinned device memory) per page, created up front;
+reserve = cuMemAddressReserve; store = one cuMemCreate handle (pinned device memory) per page, created up front;
 map = cuMemMap per page + one cuMemSetAccess per mapped run; unmap = cuCtxSynchronize, then cuMemUnmap per page;
 discard = cuMemRelease (the page is created again when next mapped); release = cuMemAddressFree.
 A map that fails undoes its pages (last first); an unmap that fails partway, or an undo that does, reports the
 pages that did change (`PartialCall`) so the books stay exact. A range is freed only once nothing is mapped in it,
-and close() releases a still-mapped handle only after a successful cuCtxSynchronize (gpu-apis.md §1.4, §1.7).
-The device, its checked calls and the pool's handles are vmm/drivers/cuda_device.py.
+and close() releases a still-mapped handle only after a successful cuCtxSynchronize (the driver
+frees a released handle's memory once nothing maps it; before the synchronise kernels may still read it).
+The device, its checked calls and the store's handles are vmm/drivers/cuda_device.py.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 
 from kvlab.common.errors import DriverError
 from kvlab.vmm.drivers.base import VirtualMemory
-from kvlab.vmm.drivers.cuda_device import CudaDevice, PoolHandles, as_int, import_driver
+from kvlab.vmm.drivers.cuda_device import CudaDevice, PageHandles, as_int, import_driver
 from kvlab.vmm.drivers.dlpack import byte_tensor
 from kvlab.vmm.drivers.types import PartialCall, Region
 
@@ -46,7 +47,7 @@ class CudaMemory:
     def __init__(self, device: int = 0, page_size: int | None = None, driver: Any = None) -> None:
         self.cuda = CudaDevice(device, driver)
         self.page_size = self.cuda.rounded_page_size(page_size)
-        self.handles = PoolHandles(self.cuda, self.page_size)
+        self.handles = PageHandles(self.cuda, self.page_size)
 
     def granularity(self) -> int:
         return self.cuda.granularity
@@ -56,13 +57,13 @@ class CudaMemory:
         return as_int(self.cuda.call("cuMemAddressReserve", nbytes, 0, 0, 0))
 
     def release(self, region: Region) -> None:
-        if region.pages:   # their unmap failed; cuMemAddressFree takes a bare reservation only (gpu-apis.md §1.4)
+        if region.pages:   # their unmap failed; cuMemAddressFree takes a bare reservation only
             raise DriverError(f"cuMemAddressFree of the range at {region.base:#x} skipped: {len(region.pages)} of its "
                               "pages could not be unmapped")
         self.cuda.ensure_context()
         self.cuda.call("cuMemAddressFree", region.base, region.nbytes)
 
-    def resize_pool(self, old_pages: int, new_pages: int) -> None:
+    def resize_store(self, old_pages: int, new_pages: int) -> None:
         self.cuda.ensure_context()
         self.handles.resize(old_pages, new_pages)
 
@@ -112,7 +113,7 @@ class CudaMemory:
 
     def view(self, region: Region, offset: int, nbytes: int) -> tuple[torch.Tensor, Any]:
         """Through DLPack with the device stated, never `__cuda_array_interface__`: that makes torch query the
-        pointer, which fails while the range's first page is unmapped (gpu-apis.md §1.6, issue 18)."""
+        pointer, which fails while the range's first page is unmapped (issue 18)."""
         holder = ViewHolder(region)
         device = self.cuda.device
         try:
@@ -122,11 +123,11 @@ class CudaMemory:
                               f"{type(exc).__name__}: {exc}") from exc
         return tensor, holder
 
-    def close(self, pool_maps: Sequence[int]) -> None:
+    def close(self, store_maps: Sequence[int]) -> None:
         """Release every handle, then the primary context."""
         try:
             self.cuda.ensure_context()
-            self.handles.close(pool_maps)
+            self.handles.close(store_maps)
         finally:
             self.cuda.release_primary(log_errors=False)
 

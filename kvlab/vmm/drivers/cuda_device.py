@@ -1,7 +1,7 @@
-"""One NVIDIA GPU through `cuda.bindings.driver` (gpu-apis.md §1): every driver call goes through `call`, which
-turns a raised exception and a non-zero CUresult alike into a DriverError naming the call; driver calls use the
-calling thread's current context, so each thread is given the device's primary context (torch's) on first use
-(cuCtxCreate is never used: it would break torch interop). `PoolHandles` are the pool's physical pages, one
+"""One NVIDIA GPU through `cuda.bindings.driver` (the CUDA driver API's VMM calls): every driver call goes through
+`call`, which turns a raised exception and a non-zero CUresult alike into a DriverError naming the call; driver calls
+use the calling thread's current context, so each thread is given the device's primary context (torch's) on first use
+(cuCtxCreate is never used: it would break torch interop). `PageHandles` are the page store's physical pages, one
 cuMemCreate handle each, created up front and again after a discard.
 """
 from __future__ import annotations
@@ -147,7 +147,7 @@ def release_handles(cuda: CudaDevice, handles: list[int]) -> None:
                           ) from failed[0]
 
 
-class PoolHandles:
+class PageHandles:
     """Pool page -> its cuMemCreate handle (None: discarded, created again when next mapped)."""
 
     def __init__(self, cuda: CudaDevice, page_size: int) -> None:
@@ -185,11 +185,12 @@ class PoolHandles:
     def release(self, handles: list[int]) -> None:
         release_handles(self.cuda, handles)
 
-    def close(self, pool_maps: Sequence[int]) -> None:
-        """Release every handle (a handle still mapped after a failed unmap is freed when that unmap happens,
-        gpu-apis.md §1.4, but only after a successful synchronise: §1.7)."""
+    def close(self, store_maps: Sequence[int]) -> None:
+        """Release every handle (a handle still mapped after a failed unmap is freed when that unmap happens:
+        the driver frees a released handle's memory once no mapping uses it; only after a successful synchronise,
+        since kernels may still read it)."""
         handles, self.handles = self.handles, []
-        mapped = {h for p, h in enumerate(handles) if h is not None and pool_maps[p]}
+        mapped = {h for p, h in enumerate(handles) if h is not None and store_maps[p]}
         failed: list[DriverError] = []
         if mapped:
             try:

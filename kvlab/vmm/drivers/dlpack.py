@@ -1,5 +1,5 @@
 """A zero-copy uint8 tensor over raw memory through DLPack, with the device stated: torch never asks the driver
-where the pointer lives (gpu-apis.md §1.6).
+where the pointer lives.
 
 `__cuda_array_interface__` makes torch call `cudaPointerGetAttributes` on the pointer, which can fail on a
 reservation whose first page is not mapped yet (issue 18). A DLPack capsule names its device (kDLCUDA + index),

@@ -1,10 +1,10 @@
-"""Real virtual memory on the host (cpu-facts.md §6): the CPU analog of CUDA VMM.
+"""Real virtual memory on the host (Linux mmap over a memfd): the CPU analog of CUDA VMM.
 
 reserve  = mmap(PROT_NONE, MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE)      (cuMemAddressReserve)
-pool     = one memfd named "kvlab-kv", page i at file offset i * page     (cuMemCreate handles)
+store    = one memfd named "kvlab-kv", page i at file offset i * page     (cuMemCreate handles)
 map      = mmap(PROT_READ|PROT_WRITE, MAP_SHARED|MAP_FIXED, memfd, i * page)   (cuMemMap + cuMemSetAccess)
 unmap    = the same range remapped PROT_NONE (stays reserved)              (cuMemUnmap)
-discard  = fallocate(PUNCH_HOLE|KEEP_SIZE): the pool gives memory back     (cuMemRelease)
+discard  = fallocate(PUNCH_HOLE|KEEP_SIZE): the store gives memory back     (cuMemRelease)
 view     = torch.frombuffer over the address: zero-copy, never reads memory
 Linux counts every VMA against vm.max_map_count; neighbours mapping consecutive memfd offsets merge into one,
 and every host driver of the process draws on one map budget (vmm/drivers/map_budget.py): a map past it is
@@ -68,8 +68,8 @@ class HostMemory:
     def granularity(self) -> int:
         return mmap.PAGESIZE
 
-    def pool_offset(self, page: int) -> int:
-        """Byte offset of pool page `page` in the memfd (for independent reads of the pool)."""
+    def page_offset(self, page: int) -> int:
+        """Byte offset of store page `page` in the memfd (for independent reads of the store)."""
         return page * self.page_size
 
     def mmap_at(self, what: str, addr: int | None, nbytes: int, prot: int, flags: int, fd: int, offset: int) -> int:
@@ -89,7 +89,7 @@ class HostMemory:
             err = ctypes.get_errno()
             raise DriverError(f"munmap of the range at {region.base:#x} failed: {os.strerror(err)}")
 
-    def resize_pool(self, old_pages: int, new_pages: int) -> None:
+    def resize_store(self, old_pages: int, new_pages: int) -> None:
         if new_pages > self._file_pages:
             os.ftruncate(self.fd, new_pages * self.page_size)
             self._file_pages = new_pages
@@ -98,7 +98,7 @@ class HostMemory:
 
     def map(self, addr: int, first_page: int, num_pages: int) -> int:
         flags = MAP_SHARED | MAP_FIXED | (MAP_POPULATE if self.populate else 0)
-        self.mmap_at("map pool pages", addr, num_pages * self.page_size, PROT_RW, flags, self.fd,
+        self.mmap_at("map store pages", addr, num_pages * self.page_size, PROT_RW, flags, self.fd,
                    first_page * self.page_size)
         return 1
 
@@ -109,14 +109,14 @@ class HostMemory:
     def discard(self, first_page: int, num_pages: int) -> None:
         if self.libc.fallocate(self.fd, PUNCH_HOLE, first_page * self.page_size, num_pages * self.page_size) != 0:
             err = ctypes.get_errno()
-            raise DriverError(f"fallocate(PUNCH_HOLE) of pool pages [{first_page}, +{num_pages}) failed: "
+            raise DriverError(f"fallocate(PUNCH_HOLE) of store pages [{first_page}, +{num_pages}) failed: "
                               f"{os.strerror(err)}")
 
     def view(self, region: Region, offset: int, nbytes: int) -> tuple[torch.Tensor, Any]:
         buffer = (ctypes.c_uint8 * nbytes).from_address(region.base + offset)
         return torch.frombuffer(buffer, dtype=torch.uint8), buffer   # the tensor keeps `buffer` alive
 
-    def close(self, pool_maps: Sequence[int]) -> None:
+    def close(self, store_maps: Sequence[int]) -> None:
         if self.collected is not None:
             self.collected.detach()
         os.close(self.fd)
@@ -137,7 +137,7 @@ class HostVirtualMemory(VirtualMemory):
 
 def _release_unclosed(libc: ctypes.CDLL, fd: int, regions: list[Region], budget: MapBudget,
                       stats: DriverStats) -> None:
-    """A driver collected without close(): give back the pool now and each range when its last view goes (the
+    """A driver collected without close(): give back the page store now and each range when its last view goes (the
     budget gets its mappings back at once)."""
     budget.add(-stats.num_mappings)
     def unmap(region: Region) -> None:

@@ -11,7 +11,7 @@ from kvlab.vmm.drivers.types import Books, Region, TornMirror, runs
 
 log = logging.getLogger("kvlab.vmm")
 
-Before = list[tuple[Region, int, dict[int, int]]]   # (range, first VA page, VA page -> pool page it mapped)
+Before = list[tuple[Region, int, dict[int, int]]]   # (range, first VA page, VA page -> store page it mapped)
 
 
 class MirrorRepair:

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from kvlab.common.errors import DriverError
 from kvlab.vmm.drivers.base import VirtualMemory
 from kvlab.vmm.drivers.map_budget import MapBudgetExhausted, process_budget
-from kvlab.vmm.drivers.types import OSMemory, PartialCall, Region
+from kvlab.vmm.drivers.types import DriverStats, OSMemory, PartialCall, Region
 from kvlab.vmm.pool import PoolMember
 
 ANSWER_WAIT_S = 0.5        # at most a few steward rounds (0.1 s each) for other engines to give pages back
@@ -48,7 +48,7 @@ class PoolPageMapper(Protocol):
     def gone(self, pool_pages: list[int]) -> None:
         """Pages no longer this engine's (given back, or taken by another engine in a handoff)."""
 
-    def close(self, pool_maps: Sequence[int]) -> None: ...
+    def close(self, store_maps: Sequence[int]) -> None: ...
 
 
 class PooledMemory:
@@ -74,7 +74,7 @@ class PooledMemory:
         """A host pool's memfd, for reading pages beside the mappings (vmm/probe.py), as the host driver's."""
         return self.member.page_fd
 
-    def pool_offset(self, page: int) -> int:
+    def page_offset(self, page: int) -> int:
         """The memfd offset of the pool page behind local page `page`."""
         return self.member.page_offset(self.backing[page])
 
@@ -92,7 +92,7 @@ class PooledMemory:
     def view(self, region: Region, offset: int, nbytes: int) -> tuple[Any, Any]:
         return self.pages.memory.view(region, offset, nbytes)
 
-    def resize_pool(self, old_pages: int, new_pages: int) -> None:
+    def resize_store(self, old_pages: int, new_pages: int) -> None:
         """Local pages cost nothing until mapped; cut ones (unmapped, checked by the driver) give their pages."""
         self.discard(new_pages, max(0, old_pages - new_pages))
 
@@ -126,7 +126,7 @@ class PooledMemory:
         oldest spares' pages; all or nothing."""
         self.hold(len(pages))
         for page in pages:
-            self.backing[page] = self.loose.pop() if self.loose else self.backing.pop(self._oldest_idle())
+            self.backing[page] = self.loose.pop() if self.loose else self.backing.pop(self.oldest_idle())
 
     def hold(self, count: int) -> None:
         """Hold pool pages for `count` maps of pages without a backing, all or nothing: a take for what the loose
@@ -146,8 +146,7 @@ class PooledMemory:
         if not self.may_wait or not self.member.others_givable():
             raise PoolExhausted(f"pool {self.member.name!r} refused {need} pages")
         self.may_wait = False
-        self.member.ask(need)
-        try:
+        with self.member.asking(need):   # on leaving, others stop giving (and evicting cached pages) for this ask
             deadline = time.monotonic() + ANSWER_WAIT_S
             while time.monotonic() < deadline:
                 time.sleep(ANSWER_POLL_S)
@@ -155,11 +154,9 @@ class PooledMemory:
                     return taken
                 if not self.member.others_givable():      # they gave all they could, to others or to the pool
                     break
-        finally:          # waiting no more: others stop giving (and evicting cached pages) for this ask
-            self.member.withdraw(need)
         raise PoolExhausted(f"pool {self.member.name!r} refused {need} pages")
 
-    def _oldest_idle(self) -> int:
+    def oldest_idle(self) -> int:
         page = next(iter(self.idle))
         del self.idle[page]
         return page
@@ -189,76 +186,134 @@ class PooledMemory:
             if page not in self.kept:
                 self.idle[page] = None
 
-    def keep(self, pages: list[int]) -> None:
-        """The pages hold cached data: unmapped, they keep their pool pages and are no spares."""
-        self.kept.update(pages)
-        for page in pages:
-            self.idle.pop(page, None)
-
-    def let_go(self, pages: list[int]) -> None:
-        """Their cached data is no longer wanted: unmapped, they are spares again (oldest last)."""
-        self.kept.difference_update(pages)
-        self.idle.update((p, None) for p in pages if p in self.backing and p not in self.refs)
-
     def discard(self, first_page: int, num_pages: int) -> None:
         pages = [p for p in range(first_page, first_page + num_pages) if p in self.idle]
         for page in pages:
             del self.idle[page]
-        self._give([self.backing.pop(p) for p in pages])
+        self.give([self.backing.pop(p) for p in pages])
 
-    def spare_pages(self) -> int:
-        return len(self.loose) + len(self.idle)
-
-    # -- the KV handoff's page interface (vmm/handoff.py) --------------------------------------------------------
-    def pool_page(self, local: int) -> int:
-        """The pool page behind a mapped local page."""
-        return self.backing[local]
-
-    def adopt(self, pages: dict[int, int]) -> None:
-        """Back these unmapped local pages with pool pages this engine just received (their data stays); a page's
-        old, idle backing goes back to the pool. The next map of them maps the received pages."""
-        if any(local in self.refs for local in pages):
-            raise DriverError("vmm handoff: cannot adopt pool pages into local pages that are mapped")
-        old = [self.backing[local] for local in pages if local in self.backing]
-        for local, pool_page in pages.items():
-            self.idle.pop(local, None)
-            self.backing[local] = pool_page
-        self._give(old)
-
-    def disown(self, locals_: list[int]) -> None:
-        """Forget the pool pages behind these unmapped local pages: another engine took them (no give, they are not
-        this engine's any more)."""
-        if any(local in self.refs for local in locals_):
-            raise DriverError("vmm handoff: cannot disown local pages that are still mapped")
-        for local in locals_:
-            self.idle.pop(local, None)
-            self.kept.discard(local)
-        gone = [self.backing.pop(local) for local in locals_]
-        self.pages.gone(gone)
-        self.member.forget(gone)
-
-    def give_spare(self, limit: int) -> int:
-        """Give back up to `limit` pool pages no mapping uses: loose ones, then spares, oldest first."""
-        loose, self.loose = self.loose[:max(0, limit)], self.loose[max(0, limit):]
-        pages = [self._oldest_idle() for _ in range(min(limit - len(loose), len(self.idle)))]
-        self._give(loose + [self.backing.pop(p) for p in pages])
-        return len(loose) + len(pages)
-
-    def _give(self, pool_pages: list[int]) -> None:
+    def give(self, pool_pages: list[int]) -> None:
         if pool_pages:
             self.member.give(pool_pages)
             self.pages.gone(pool_pages)
 
-    def close(self, pool_maps: Sequence[int]) -> None:
+    def close(self, store_maps: Sequence[int]) -> None:
         try:
-            self.pages.close(pool_maps)
+            self.pages.close(store_maps)
         finally:
             self.member.close()           # gives back every page still held
 
 
+
+class PoolAccount:
+    """The engine's account in the machine-wide pool (the allocator's `MachinePool`, vmm/drivers/machine_pool.py):
+    room and ceiling from the ledger, holds before maps, the pages the prefix cache keeps, spares given back when
+    other engines ask, the stats' pool block, and the pages a KV handoff moves. It works on the pooled memory's
+    books of which pool page backs which local page (`memory`)."""
+    elastic = True
+
+    def __init__(self, member: PoolMember, memory: PooledMemory, stats: DriverStats) -> None:
+        self.member, self.memory, self.driver_stats = member, memory, stats
+
+    def begin_step(self) -> None:
+        self.memory.may_wait = True
+
+    def room_pages(self) -> int:
+        return self.spare_pages() + self.member.room()
+
+    def ceiling_pages(self) -> int:
+        return self.member.record().ceiling
+
+    def hold(self, pages: int) -> None:
+        """A change made of several maps takes its pages first. Taking (and waiting for) pool pages is part of
+        mapping, as inside a map call: counted as map time."""
+        t0 = time.perf_counter()
+        try:
+            self.memory.hold(pages)
+        finally:
+            self.driver_stats.map_seconds += time.perf_counter() - t0
+
+    def keep(self, pages: list[int]) -> None:
+        memory = self.memory
+        memory.kept.update(pages)
+        for page in pages:
+            memory.idle.pop(page, None)
+
+    def let_go(self, pages: list[int]) -> None:
+        """Spares again, oldest last."""
+        memory = self.memory
+        memory.kept.difference_update(pages)
+        memory.idle.update((p, None) for p in pages if p in memory.backing and p not in memory.refs)
+
+    def spare_pages(self) -> int:
+        return len(self.memory.loose) + len(self.memory.idle)
+
+    def above_floor(self) -> int:
+        record = self.member.record()
+        return record.held - record.floor
+
+    def give_spare(self, limit: int) -> int:
+        """Loose pages first, then spares, oldest first."""
+        memory, limit = self.memory, min(limit, self.above_floor())
+        loose, memory.loose = memory.loose[:max(0, limit)], memory.loose[max(0, limit):]
+        pages = [memory.oldest_idle() for _ in range(min(limit - len(loose), len(memory.idle)))]
+        memory.give(loose + [memory.backing.pop(p) for p in pages])
+        return len(loose) + len(pages)
+
+    def answer_asks(self, give_back: Callable[[int], None], givable: Callable[[], int]) -> None:
+        self.member.serve(give_back, givable)
+
+    def stats(self) -> dict[str, Any]:
+        """The pool's size and use, this engine's share and its page moves."""
+        free, record = self.member.books()
+        size, total = self.member.page_size, self.member.total_pages
+        return {"name": self.member.name, "total_bytes": total * size, "used_bytes": (total - free) * size,
+                "engine_bytes": record.held * size, "pages_given": record.given, "pages_taken": record.taken}
+
+    # -- the KV handoff's pages (vmm/handoff.py) ------------------------------------------------------------------
+    def handoff_pages(self) -> PoolAccount:
+        return self
+
+    def pool_page(self, local: int) -> int:
+        """The pool page behind a mapped local page."""
+        return self.memory.backing[local]
+
+    def adopt(self, pages: dict[int, int]) -> None:
+        """Back these unmapped local pages with pool pages this engine just received (their data stays); a page's
+        old, idle backing goes back to the pool. The next map of them maps the received pages."""
+        memory = self.memory
+        if any(local in memory.refs for local in pages):
+            raise DriverError("vmm handoff: cannot adopt pool pages into local pages that are mapped")
+        old = [memory.backing[local] for local in pages if local in memory.backing]
+        for local, pool_page in pages.items():
+            memory.idle.pop(local, None)
+            memory.backing[local] = pool_page
+        memory.give(old)
+
+    def disown(self, locals_: list[int]) -> None:
+        """Forget the pool pages behind these unmapped local pages: another engine took them (no give, they are not
+        this engine's any more)."""
+        memory = self.memory
+        if any(local in memory.refs for local in locals_):
+            raise DriverError("vmm handoff: cannot disown local pages that are still mapped")
+        for local in locals_:
+            memory.idle.pop(local, None)
+            memory.kept.discard(local)
+        gone = [memory.backing.pop(local) for local in locals_]
+        memory.pages.gone(gone)
+        self.member.forget(gone)
+
+    def give_unadopted(self, pages: list[int]) -> None:
+        """After a failed import: received pages no local page adopted go back to the pool (adopted ones are this
+        engine's idle spares, given back as any spare is)."""
+        adopted = set(self.memory.backing.values())
+        if unadopted := [p for p in pages if p not in adopted]:
+            self.member.give(unadopted)
+
+
 class PooledVirtualMemory(VirtualMemory):
     """Virtual memory over pool `pool` (joined, or created with `pool_bytes` if it does not exist) on `device`
-    (cpu, or cuda[:N]; `driver`: the cuda.bindings driver module or a fake)."""
+    (cpu, or cuda[:N]; `driver`: the cuda.bindings driver module or a fake); `self.pool` is its account there."""
 
     def __init__(self, pool: str, page_size: int, pool_bytes: int | None = None, device: str = "cpu",
                  populate: bool = True, driver: Any = None) -> None:
@@ -268,62 +323,7 @@ class PooledVirtualMemory(VirtualMemory):
         else:
             from kvlab.vmm.drivers.pooled_cuda import cuda_pool_pages
             member, pages, budget = *cuda_pool_pages(pool, pool_bytes, page_size, device, driver), None
-        super().__init__(PooledMemory(member, pages.page_size, pages), pages.page_size, None, budget)
+        memory = PooledMemory(member, pages.page_size, pages)
+        super().__init__(memory, pages.page_size, None, budget)
         self.member = member
-
-    def on_wanted(self, answer: Callable[[int], None]) -> None:
-        """Call `answer(pages)` from the pool's steward thread while other engines want pages."""
-        self.member.watch(answer)
-
-    def report_givable(self, givable: Callable[[], int]) -> None:
-        """Publish `givable()` (the pages this engine could give if asked) each steward round."""
-        self.member.report(givable)
-
-    def begin_step(self) -> None:
-        """An engine step starts: a refused take may wait for other engines once more."""
-        self.os.may_wait = True
-
-    def room_pages(self) -> int:
-        """Pages the next maps can have now: spares, and what the pool can give this engine within its ceiling."""
-        return self.os.spare_pages() + self.member.room()
-
-    def ceiling_pages(self) -> int:
-        return self.member.record().ceiling
-
-    def hold(self, local_pages: int) -> None:
-        """Make sure the next maps of `local_pages` pages without a backing cannot be refused by the pool (one
-        take, all or nothing; PoolExhausted if refused): a change made of several maps takes its pages first.
-        Taking (and waiting for) pool pages is part of mapping, as inside a map call: counted as map time."""
-        t0 = time.perf_counter()
-        try:
-            self.os.hold(local_pages)
-        finally:
-            self.stats.map_seconds += time.perf_counter() - t0
-
-    def keep(self, pages: list[int]) -> None:
-        """Local pages holding prefix-cached data: never a spare while the cache keeps them."""
-        self.os.keep(pages)
-
-    def let_go(self, pages: list[int]) -> None:
-        self.os.let_go(pages)
-
-    def spare_pages(self) -> int:
-        """Pool pages held that no mapping uses and no cache keeps."""
-        return self.os.spare_pages()
-
-    def above_floor(self) -> int:
-        """Pages this engine holds above its floor: the most it may give back."""
-        record = self.member.record()
-        return record.held - record.floor
-
-    def give_spare(self, limit: int) -> int:
-        """Give back up to `limit` spare pages, keeping the engine at or above its floor."""
-        return self.os.give_spare(min(limit, self.above_floor()))
-
-    def pool_stats(self) -> dict[str, Any]:
-        """The pool block of the cache stats: the pool's size and use, this engine's share and its page moves."""
-        free, record = self.member.books()
-        size = self.page_size
-        return {"name": self.member.name, "total_bytes": self.member.total_pages * size,
-                "used_bytes": (self.member.total_pages - free) * size, "engine_bytes": record.held * size,
-                "pages_given": record.given, "pages_taken": record.taken}
+        self.pool = PoolAccount(member, memory, self.stats)

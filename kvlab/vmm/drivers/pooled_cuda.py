@@ -40,12 +40,12 @@ class CudaPoolPages:
     def gone(self, pool_pages: list[int]) -> None:
         self.fresh.difference_update(pool_pages)
 
-    def close(self, pool_maps: Sequence[int]) -> None:
+    def close(self, store_maps: Sequence[int]) -> None:
         """This process's chunk handles, then the context (the chunks' memory goes with the pool's last member)."""
         try:
             self.chunks.close()
         finally:
-            self.memory.close(pool_maps)
+            self.memory.close(store_maps)
 
 
 class ChunkMaker:

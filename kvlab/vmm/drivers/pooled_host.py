@@ -29,8 +29,8 @@ class HostPoolPages:
     def gone(self, pool_pages: list[int]) -> None:
         """The pool punches them when given; a handoff's taker wants their data."""
 
-    def close(self, pool_maps: Sequence[int]) -> None:
-        self.memory.close(pool_maps)
+    def close(self, store_maps: Sequence[int]) -> None:
+        self.memory.close(store_maps)
 
 
 def host_pool_pages(pool: str, nbytes: int | None, page_size: int, populate: bool) -> tuple[PoolMember, HostPoolPages]:

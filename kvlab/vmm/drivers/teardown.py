@@ -79,7 +79,7 @@ class Teardown:
         return exc
 
     def close(self) -> None:
-        """Release every range and the pool. Idempotent, and always completes: a range a tensor view still reads
+        """Release every range and the page store. Idempotent, and always completes: a range a tensor view still reads
         (a caller's, or one an interrupted call's traceback keeps) stays mapped until its last view dies and is
         released then (logged, counted in `deferred_releases`), so closing never pulls memory from under a view.
         Goes on past failures and then raises one DriverError that sums them up."""
@@ -97,7 +97,7 @@ class Teardown:
             log.info("closing the %s virtual-memory driver: %d range(s) a tensor view still reads are released when "
                      "their last view is dropped", driver.name, len(deferred))
         try:
-            driver.os.close(driver.pool_maps)
+            driver.os.close(driver.store_maps)
         except DriverError as exc:
             errors.append(exc)
         driver.closed = True

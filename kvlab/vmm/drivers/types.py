@@ -26,9 +26,9 @@ class TornMirror(DriverError):
 
 @dataclass(slots=True)
 class Region:
-    """A reserved virtual range: `mapped` holds the pool page mapped at each mapped VA page index, `segments`
+    """A reserved virtual range: `mapped` holds the store page mapped at each mapped VA page index, `segments`
     its OS mappings (host: VMAs incl. PROT_NONE gaps; cuda: mapped pages). Read them through these names: an
-    accounting driver may bring them up to date only when they are read (`pending`, vmm/drivers/ledger.py)."""
+    accounting driver may bring them up to date only when they are read (`pending`, vmm/drivers/mirror_books.py)."""
     base: int
     nbytes: int
     pages: dict[int, int] = field(default_factory=dict)
@@ -54,18 +54,18 @@ class Region:
 @dataclass(slots=True, eq=False)
 class Mirror:
     """Places mapped in lockstep (the vmm cache's 2L tensors): every map or unmap applies at the same offset in
-    each place, and place i maps pool page `page + i * pool_stride` where place 0 maps `page`."""
+    each place, and place i maps store page `page + i * store_stride` where place 0 maps `page`."""
     places: tuple[tuple[Region, int], ...]   # (range, byte offset of the place in it)
     span: int                                # bytes per place
-    pool_stride: int
-    ledger: Any = None                       # accounting drivers: a MirrorLedger, the books kept once for all places
+    store_stride: int
+    books: Any = None                        # accounting drivers: a MirrorBooks, the books kept once for all places
 
 
 @dataclass(slots=True)
 class DriverStats:
     reserved_bytes: int = 0
-    pool_pages: int = 0
-    mapped_pages: int = 0        # VA pages currently mapped (a shared pool page counts once per mapping)
+    store_pages: int = 0
+    mapped_pages: int = 0        # VA pages currently mapped (a shared store page counts once per mapping)
     num_mappings: int = 0        # host: VMAs of our ranges; cuda: cuMemMap mappings
     map_calls: int = 0           # OS/driver calls made to map
     unmap_calls: int = 0
@@ -73,15 +73,16 @@ class DriverStats:
     unmap_seconds: float = 0.0
     pages_mapped: int = 0        # cumulative pages mapped / unmapped (per-page cost = seconds / pages)
     pages_unmapped: int = 0
-    discarded_pages: int = 0     # pool pages whose memory was given back
+    discarded_pages: int = 0     # store pages whose memory was given back
     release_retries: int = 0     # unmaps tried again, page by page, after failing while releasing a range
     map_refusals: int = 0        # maps refused for lack of OS mappings (MapBudgetExhausted)
     deferred_releases: int = 0   # ranges close() left to be released when their last tensor view dies
+    per_place_fallbacks: int = 0  # accounting driver: mirrors booked place by place after a direct call
 
 
 class OSMemory(Protocol):
     """The calls a driver makes of the OS (or the CUDA driver), each one thing with no books: vmm/drivers/base.py
-    checks every request and books what changed. `merges`: whether neighbouring mappings of consecutive pool pages
+    checks every request and books what changed. `merges`: whether neighbouring mappings of consecutive store pages
     coalesce into one OS mapping (Linux VMAs do; CUDA mappings do not)."""
     name: str
     merges: bool
@@ -94,10 +95,10 @@ class OSMemory(Protocol):
 
     def release(self, region: Region) -> None: ...
 
-    def resize_pool(self, old_pages: int, new_pages: int) -> None: ...
+    def resize_store(self, old_pages: int, new_pages: int) -> None: ...
 
     def map(self, addr: int, first_page: int, num_pages: int) -> int:
-        """Map pool pages [first_page, +num_pages) at addr; returns the number of OS calls made. On failure undo
+        """Map store pages [first_page, +num_pages) at addr; returns the number of OS calls made. On failure undo
         what it can: raise `PartialCall` if the first pages stay mapped, any other error if none does."""
 
     def unmap(self, addr: int, num_pages: int) -> int:
@@ -109,8 +110,8 @@ class OSMemory(Protocol):
     def view(self, region: Region, offset: int, nbytes: int) -> tuple[Any, Any]:
         """A zero-copy uint8 tensor over [base + offset, +nbytes) and the object whose life tracks the view."""
 
-    def close(self, pool_maps: Sequence[int]) -> None:
-        """Give the pool back; `pool_maps`: the mappings each pool page still has."""
+    def close(self, store_maps: Sequence[int]) -> None:
+        """Give the page store back; `store_maps`: the mappings each store page still has."""
 
 
 class Books(Protocol):
@@ -123,7 +124,7 @@ class Books(Protocol):
     closed: bool
     os: OSMemory
     mappings: Any
-    pool_maps: Sequence[int]
+    store_maps: Sequence[int]
 
     def map(self, region: Region, offset: int, page: int, num_pages: int = 1) -> None: ...
 
@@ -137,7 +138,7 @@ class Books(Protocol):
 
 
 def runs(indices: list[int], pages: dict[int, int] | None = None) -> list[tuple[int, int]]:
-    """Sorted indices -> (start, length) runs of consecutive values (that, given `pages`, map consecutive pool
+    """Sorted indices -> (start, length) runs of consecutive values (that, given `pages`, map consecutive store
     pages)."""
     out: list[tuple[int, int]] = []
     for i in indices:

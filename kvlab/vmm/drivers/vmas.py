@@ -1,4 +1,4 @@
-"""How many OS mappings a reserved range has when neighbouring mappings of consecutive pool pages merge (Linux
+"""How many OS mappings a reserved range has when neighbouring mappings of consecutive store pages merge (Linux
 VMAs): the rule for one edge between VA pages, and what mapping or unmapping a run of pages changes.
 """
 from __future__ import annotations
@@ -10,15 +10,15 @@ if TYPE_CHECKING:
 
 
 def boundary(a: int | None, b: int | None) -> bool:
-    """Whether neighbouring VA pages mapping pool pages a and b (None: unmapped) lie in different OS mappings,
-    where mappings of consecutive pool pages merge (host VMAs)."""
+    """Whether neighbouring VA pages mapping store pages a and b (None: unmapped) lie in different OS mappings,
+    where mappings of consecutive store pages merge (host VMAs)."""
     if a is None or b is None:
         return a is not b
     return b != a + 1
 
 
 def map_delta(pages: dict[int, int], first: int, count: int, page: int, size: int) -> int:
-    """OS mappings added by mapping pool pages [page, +count) at the unmapped VA pages [first, +count) of a range
+    """OS mappings added by mapping store pages [page, +count) at the unmapped VA pages [first, +count) of a range
     of `size` pages whose table is `pages`. Only the two outer edges change: the run itself is consecutive."""
     delta = 0
     if first >= 1:

@@ -61,12 +61,6 @@ class EngineTable:
         unmet = self.rows["floor"][live] - self.rows["held"][live]
         return int(np.clip(unmet, 0, None).sum())
 
-    def above_floors(self, exclude: int) -> int:
-        """Pages live engines other than `exclude` hold above their floors."""
-        live = self.rows["in_use"] != 0
-        live[exclude] = False
-        return int(np.clip(self.rows["held"][live] - self.rows["floor"][live], 0, None).sum())
-
     def givable(self, exclude: int) -> int:
         """Pages live engines other than `exclude` could give now: each one's published count, within its floor."""
         live = self.rows["in_use"] != 0

@@ -9,7 +9,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -25,39 +26,20 @@ from kvlab.vmm.pool.transfer import all_held, transfer
 class PoolMember:
     """One engine in a pool. Not inherited by fork: a forked child joins on its own."""
 
-    def __init__(self, attachment: Attachment, slot: int, engine: str, steward: Steward) -> None:
-        self._attachment, self.slot, self.engine, self._steward = attachment, slot, engine, steward
+    def __init__(self, attachment: Attachment, index: int, engine: str, steward: Steward) -> None:
+        self._attachment, self.index, self.engine, self._steward = attachment, index, engine, steward
         self.name, self.pid = attachment.name, os.getpid()
         self.page_size, self.total_pages = attachment.page_size, attachment.ledger.total
-        self._held: set[int] = set()
-
-    @property
-    def page_fd(self) -> int:
-        """A host pool's memfd: map page p at offset page_offset(p), MAP_SHARED."""
-        return self._attachment.pages_fd
-
-    @property
-    def device(self) -> int:
-        """HOST (-1), or the CUDA device whose chunks hold the pages."""
-        return self._attachment.device
-
-    @property
-    def chunk_fds(self) -> list[int]:
-        """A GPU pool's chunks as descriptors, the pool's to close: import each once (cuda_chunks.py)."""
-        return list(self._attachment.memory_fds)
-
-    @property
-    def chunk_bytes(self) -> int:
-        return self.total_pages * self.page_size // len(self._attachment.memory_fds)
+        self.page_fd = attachment.pages_fd             # a host pool's memfd: page p at page_offset(p), MAP_SHARED
+        self.device = attachment.device                # HOST (-1), or the CUDA device whose chunks hold the pages
+        self.chunk_fds = list(attachment.memory_fds)   # a GPU pool's chunks, the pool's to close: import each once
+        self.chunk_bytes = self.total_pages * self.page_size // len(self.chunk_fds) if self.chunk_fds else 0
+        self.held: set[int] = set()                   # the pages this engine holds, as it knows them
 
     def page_offset(self, page: int) -> int:
         if not 0 <= page < self.total_pages:
             raise PoolError(f"page {page} is not in pool {self.name!r} (pages 0..{self.total_pages - 1})")
         return page * self.page_size
-
-    @property
-    def held(self) -> list[int]:
-        return sorted(self._held)
 
     def _usable(self) -> Attachment:
         if self._steward is None:
@@ -73,12 +55,12 @@ class PoolMember:
             raise PoolError(f"take needs a positive page count, got {n!r}")
         attachment = self._usable()
         with attachment.locked() as ledger:
-            pages = ledger.take(self.slot, n)
-            if pages is None and attachment.reap(ledger, self.slot):
-                pages = ledger.take(self.slot, n)
+            pages = ledger.take(self.index, n)
+            if pages is None and attachment.reap(ledger, self.index):
+                pages = ledger.take(self.index, n)
         if pages is None:
             return None
-        self._held.update(pages.tolist())
+        self.held.update(pages.tolist())
         return pages.tolist()
 
     def give(self, pages: Iterable[int]) -> None:
@@ -86,98 +68,85 @@ class PoolMember:
         zeros)."""
         pages = list(pages)
         attachment = self._usable()
-        if len(set(pages)) != len(pages) or not self._held.issuperset(pages):
+        if len(set(pages)) != len(pages) or not self.held.issuperset(pages):
             raise PoolError(f"engine {self.engine!r} can give only distinct pages it holds; "
-                            f"{sorted(set(pages) - self._held)[:8] or 'duplicates'} are not")
+                            f"{sorted(set(pages) - self.held)[:8] or 'duplicates'} are not")
         attachment.scrub(pages)                                # still ours: no one else can map them yet
         with attachment.locked() as ledger:
-            ledger.give(self.slot, np.asarray(pages, dtype=np.int64))
-        self._held.difference_update(pages)
+            ledger.give(self.index, np.asarray(pages, dtype=np.int64))
+        self.held.difference_update(pages)
 
     def receive(self, giver: int, giver_pid: int, pages: list[int]) -> None:
-        """Pages another engine (pool slot `giver`) holds become this engine's, all or none (vmm/pool/transfer.py):
-        TransferRefused past this engine's ceiling, PoolError if the giver does not hold them all."""
+        """Pages another engine (index `giver` in the pool's books) holds become this engine's, all or none
+        (vmm/pool/transfer.py): TransferRefused past this engine's ceiling, PoolError if the giver does not hold
+        them all."""
         with self._usable().locked() as ledger:
-            transfer(ledger, giver, giver_pid, self.slot, np.asarray(pages, dtype=np.int64))
-        self._held.update(pages)
+            transfer(ledger, giver, giver_pid, self.index, np.asarray(pages, dtype=np.int64))
+        self.held.update(pages)
 
     def still_holds(self, pages: list[int]) -> bool:
         """Whether every one of `pages` is still this engine's (not transferred or reaped away)."""
         with self._usable().locked() as ledger:
-            return all_held(ledger, self.slot, np.asarray(pages, dtype=np.int64))
+            return all_held(ledger, self.index, np.asarray(pages, dtype=np.int64))
 
     def forget(self, pages: list[int]) -> None:
         """Pages another engine took by transfer: no longer this engine's to give (the books say so already)."""
-        self._held.difference_update(pages)
+        self.held.difference_update(pages)
 
-    def ask(self, n: int) -> None:
-        """After a refused take: ask the other engines to give back n spare pages (the elastic protocol)."""
+    @contextmanager
+    def asking(self, n: int) -> Iterator[None]:
+        """After a refused take: ask the other engines to give back n spare pages (the elastic protocol) while in
+        the block; on leaving it (they came, or the engine stopped waiting) stop asking."""
         with self._usable().locked() as ledger:
             ledger.ask(n)
-
-    def withdraw(self, n: int) -> None:
-        """Stop asking for the n pages of an earlier `ask` (they came, or the engine stopped waiting)."""
-        with self._usable().locked() as ledger:
-            ledger.withdraw(n)
-
-    def others_above_floors(self) -> int:
-        """Pages the other engines hold above their floors (in use or not)."""
-        with self._usable().locked() as ledger:
-            return ledger.table.above_floors(exclude=self.slot)
+        try:
+            yield
+        finally:
+            with self._usable().locked() as ledger:
+                ledger.withdraw(n)
 
     def others_givable(self) -> int:
         """Pages the other engines published they could give back if asked (within their floors)."""
         with self._usable().locked() as ledger:
-            return ledger.table.givable(exclude=self.slot)
+            return ledger.table.givable(exclude=self.index)
 
     def room(self) -> int:
         """Pages this engine could get now (free, or given by others if asked), within its ceiling. Read without
         the lock: a capacity hint asked every step, never a promise (take decides)."""
         ledger = self._attachment.ledger
-        return ledger.table.room(self.slot, ledger.free)
+        return ledger.table.room(self.index, ledger.free)
 
     def publish(self, givable: int) -> None:
         """Tell askers how many pages this engine holds without need (spare, parked, idle cached)."""
         with self._usable().locked() as ledger:
-            ledger.publish(self.slot, givable)
+            ledger.publish(self.index, givable)
 
-    def watch(self, answer: Callable[[int], None]) -> None:
-        """Call `answer(pages)` from the steward thread, about every 0.1 s, while refused engines want pages."""
+    def serve(self, answer: Callable[[int], None], givable: Callable[[], int] | None = None) -> None:
+        """Call `answer(pages)` from the steward thread, about every 0.1 s, while refused engines want pages; then,
+        each round, publish `givable()` (the pages this engine could give), if given."""
         self._usable()
         self._steward.on_wanted = answer
-
-    def report(self, givable: Callable[[], int]) -> None:
-        """Each steward round, after answering, publish `givable()` (the pages this engine could give)."""
-        self._usable()
-        self._steward.on_round = lambda: self.publish(givable())
-
-    def wanted(self) -> int:
-        """Pages refused engines are waiting for. Read without the lock: a hint checked often, never a promise."""
-        return int(self._attachment.ledger.header["wanted"])
+        if givable is not None:
+            self._steward.on_round = lambda: self.publish(givable())
 
     def record(self) -> EngineRecord:
         with self._usable().locked() as ledger:
-            return ledger.table.record(self.slot)
+            return ledger.table.record(self.index)
 
     def books(self) -> tuple[int, EngineRecord]:
         """The pool's free pages and this engine's record, read in one locked step."""
         with self._usable().locked() as ledger:
-            return ledger.free, ledger.table.record(self.slot)
+            return ledger.free, ledger.table.record(self.index)
 
     def owned(self) -> list[int]:
         """The pages the books say this engine holds (the owner array, read under the lock)."""
         with self._usable().locked() as ledger:
-            return ledger.pages_of(self.slot).tolist()
-
-    def excess(self) -> int:
-        """Pages held above the ceiling (after a limit was lowered): what the engine should give back."""
-        r = self.record()
-        return max(0, r.held - r.ceiling)
+            return ledger.pages_of(self.index).tolist()
 
     def status(self) -> PoolStatus:
         attachment = self._usable()
         with attachment.locked() as ledger:
-            attachment.reap(ledger, self.slot)
+            attachment.reap(ledger, self.index)
             return read_status(self.name, ledger)
 
     def close(self) -> None:
@@ -188,11 +157,11 @@ class PoolMember:
         self._steward = None
         attachment = self._attachment
         with attachment.locked() as ledger:
-            attachment.scrub(ledger.pages_of(self.slot).tolist())
-            ledger.unregister(self.slot)
-            locks.unlock(attachment.lock_fd, liveness_byte(self.slot))
+            attachment.scrub(ledger.pages_of(self.index).tolist())
+            ledger.unregister(self.index)
+            locks.unlock(attachment.lock_fd, liveness_byte(self.index))
         attachment.close()
-        self._held.clear()
+        self.held.clear()
 
     def __enter__(self) -> PoolMember:
         return self

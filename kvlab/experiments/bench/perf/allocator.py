@@ -33,7 +33,7 @@ def host_map_unmap(page_size: int, rounds: int, quick: bool) -> dict[str, Timing
     driver = HostVirtualMemory(page_size)
     try:
         region = driver.reserve(pages * page_size)
-        driver.create_pool(pages)
+        driver.create_store(pages)
         order = list(range(pages))
         random.Random(0).shuffle(order)          # scattered pool pages: no two neighbours merge
         maps, unmaps, cold = [], [], []

@@ -3,7 +3,8 @@
 - shared:vmm-SIZE: one elastic pool of the total KV budget (shared.py); every engine's address space and
   scheduler see the whole budget, the pool decides who holds it;
 - aware:vmm-SIZE: the same pool, the engines aware of it (a what-if: admission counts the pool's pages,
-  shared.PoolAwareAllocator, and an idle engine waits for pages held by others instead of failing the request);
+  VMMAllocator.also_fits in shared.build_cache, and an idle engine waits for pages held by others instead of
+  failing the request);
 - split:BACKEND: a static equal split, each engine a cache of total / N (paged, vmm or reserve).
 
 The result has each model's figures (`kvlab bench serve`'s keys, SLO attainment, pages moved to it) and, at the

@@ -19,6 +19,7 @@ from typing import Any
 from kvlab.common.kv.seam import KVCache, NullStorage
 from kvlab.vmm.allocator import VMMAllocator
 from kvlab.vmm.drivers.accounting import AccountingVirtualMemory
+from kvlab.vmm.drivers.machine_pool import NoPool
 from kvlab.vmm.drivers.map_budget import MapBudgetExhausted, MappingCount
 
 
@@ -98,38 +99,32 @@ class PooledAccountingMemory(AccountingVirtualMemory):
         super().__init__(page_size, merges=False)
         self.budget = share
         self.mappings = MappingCount(self.stats, None, share)
+        self.pool = SimulatedPool(share)
         share.driver = self
 
-    def on_wanted(self, answer: Callable[[int], None]) -> None:
-        """The allocator registers its give_back here, as with a real pool's driver."""
-        self.budget.answer = answer
 
-    def give_spare(self, limit: int) -> int:
-        """No spares: an unmapped page went back to the pool when it was unmapped."""
-        return 0
+class SimulatedPool(NoPool):
+    """The allocator's view of the simulated pool (vmm/drivers/machine_pool.py): its give_back answers other
+    engines; no spares (an unmapped page went back to the pool when it was unmapped), no floors (every mapped page
+    may be given); capacity is the engine's own (not elastic), the pool being a map budget."""
 
-    def spare_pages(self) -> int:
-        return 0
+    def __init__(self, share: PoolShare) -> None:
+        self.share = share
+
+    def answer_asks(self, give_back: Callable[[int], None], givable: Callable[[], int]) -> None:
+        self.share.answer = give_back
 
     def above_floor(self) -> int:
-        """The simulated pool has no floors: every mapped page may be given."""
-        return self.budget.held
-
-
-class PoolAwareAllocator(VMMAllocator):
-    """A what-if of the engine's admission (vmm/ is unchanged): the scheduler's fit test also asks the pool, so
-    growth, and the admission watermark, count against the pages every engine could still get (the pool's free
-    pages and every engine's reclaimable parked pages), not only against this engine's own address space."""
-
-    def _fits(self, seq: Any, num_tokens: int, reserve_units: int) -> bool:
-        if not super()._fits(seq, num_tokens, reserve_units):
-            return False
-        need = self.units_needed(seq, num_tokens) + reserve_units
-        return need * self.geo.num_tensors <= self.driver.budget.pool.obtainable()
+        return self.share.held
 
 
 def build_cache(config: Any, shape: Any, driver: PooledAccountingMemory, aware: bool) -> KVCache:
-    """An accounting-only vmm cache over the pool's driver; `aware`: with the pool-aware fit test."""
-    allocator = (PoolAwareAllocator if aware else VMMAllocator)(config, shape, driver)
+    """An accounting-only vmm cache over the pool's driver; `aware`: with the pool-aware fit test, a what-if of the
+    engine's admission (vmm/ is unchanged): the scheduler's fit test also asks the pool, so growth, and the
+    admission watermark, count against the pages every engine could still get (the pool's free pages and every
+    engine's reclaimable parked pages), not only against this engine's own address space."""
+    allocator = VMMAllocator(config, shape, driver)
+    if aware:
+        allocator.also_fits = lambda units: units * allocator.geo.num_tensors <= driver.budget.pool.obtainable()
     driver.budget.parked = lambda: allocator.table.excess * allocator.geo.num_tensors
     return KVCache(allocator=allocator, storage=NullStorage(), shape=shape)

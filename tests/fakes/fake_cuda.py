@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from cuda.bindings import driver as _real
 
-from kvlab.vmm.drivers.fake_cuda_state import POSIX_FD, CallLog, Contexts, DeviceMemory, Mapping
+from fakes.fake_cuda_state import POSIX_FD, CallLog, Contexts, DeviceMemory, Mapping
 
 CUresult = _real.CUresult
 CUdevice = _real.CUdevice
@@ -56,40 +56,10 @@ INVALID_CONTEXT = CUresult.CUDA_ERROR_INVALID_CONTEXT
 MiB = 1024 * 1024
 
 
-class FakeCudaDriver:
-    """The cu* calls over three parts (fake_cuda_state.py); the parts' state and test controls are exposed as
-    attributes, so tests read `fake.mappings` or call `fake.fail(...)` as before."""
-    # the real module's types, so code written against `driver.X` works unchanged
-    CUresult, CUdevice, CUcontext, CUdeviceptr = CUresult, CUdevice, CUcontext, CUdeviceptr
-    CUmemGenericAllocationHandle, CUmemAllocationProp, CUmemAccessDesc = (
-        CUmemGenericAllocationHandle, CUmemAllocationProp, CUmemAccessDesc)
-    CUmemAllocationType, CUmemLocationType, CUmemAllocationHandleType = (
-        CUmemAllocationType, CUmemLocationType, CUmemAllocationHandleType)
-    CUmemAllocationGranularity_flags, CUmemAccess_flags, CUdevice_attribute = (
-        CUmemAllocationGranularity_flags, CUmemAccess_flags, CUdevice_attribute)
-    CUpointer_attribute = CUpointer_attribute
+class FakeDeviceCalls:
+    """The cu* calls of init, devices and contexts (FakeCudaDriver's first part); the state is the driver's:
+    `log`, `ctx`, `num_devices`, `vmm_supported`, `current`, `primary_retains`, `primary_context`."""
 
-    def __init__(self, granularity: int = 2 * MiB, num_devices: int = 1, memory_bytes: int = 1 << 34,
-                 vmm_supported: bool = True, log: CallLog | None = None) -> None:
-        """`log`: the call log to record into (a test's own subclass can fail calls its way)."""
-        self.log, self.ctx = log or CallLog(), Contexts()
-        self.mem = DeviceMemory(granularity, num_devices, memory_bytes)
-        self.granularity, self.num_devices, self.memory_bytes = granularity, num_devices, memory_bytes
-        self.vmm_supported = vmm_supported
-        self.calls, self.failures = self.log.calls, self.log.failures
-        self.fail, self.names = self.log.fail, self.log.names
-        self.current, self.primary_retains = self.ctx.current, self.ctx.primary_retains
-        self.primary_context, self.launch = self.ctx.primary_context, self.ctx.launch
-        self.reservations, self.handles, self.mappings = self.mem.reservations, self.mem.handles, self.mem.mappings
-        self.memory, self.read, self.write = self.mem.memory, self.mem.read, self.mem.write
-
-    def leaks(self) -> dict[str, Any]:
-        out = {"reservations": dict(self.reservations), "handles": dict(self.handles),
-               "mappings": sorted(self.mappings), "primary_retains": {d: n for d, n in self.primary_retains.items()
-                                                                     if n}}
-        return {k: v for k, v in out.items() if v}
-
-    # -- init, devices, contexts --------------------------------------------------------------------------
     def cuInit(self, flags: int):
         if (r := self.log.enter("cuInit")) is not None:
             return r
@@ -159,6 +129,40 @@ class FakeCudaDriver:
             return (err,)
         self.ctx.work_pending = False
         return (OK,)
+
+
+class FakeCudaDriver(FakeDeviceCalls):
+    """The cu* calls over three parts (fake_cuda_state.py); the parts' state and test controls are exposed as
+    attributes, so tests read `fake.mappings` or call `fake.fail(...)` as before."""
+    # the real module's types, so code written against `driver.X` works unchanged
+    CUresult, CUdevice, CUcontext, CUdeviceptr = CUresult, CUdevice, CUcontext, CUdeviceptr
+    CUmemGenericAllocationHandle, CUmemAllocationProp, CUmemAccessDesc = (
+        CUmemGenericAllocationHandle, CUmemAllocationProp, CUmemAccessDesc)
+    CUmemAllocationType, CUmemLocationType, CUmemAllocationHandleType = (
+        CUmemAllocationType, CUmemLocationType, CUmemAllocationHandleType)
+    CUmemAllocationGranularity_flags, CUmemAccess_flags, CUdevice_attribute = (
+        CUmemAllocationGranularity_flags, CUmemAccess_flags, CUdevice_attribute)
+    CUpointer_attribute = CUpointer_attribute
+
+    def __init__(self, granularity: int = 2 * MiB, num_devices: int = 1, memory_bytes: int = 1 << 34,
+                 vmm_supported: bool = True, log: CallLog | None = None) -> None:
+        """`log`: the call log to record into (a test's own subclass can fail calls its way)."""
+        self.log, self.ctx = log or CallLog(), Contexts()
+        self.mem = DeviceMemory(granularity, num_devices, memory_bytes)
+        self.granularity, self.num_devices, self.memory_bytes = granularity, num_devices, memory_bytes
+        self.vmm_supported = vmm_supported
+        self.calls, self.failures = self.log.calls, self.log.failures
+        self.fail, self.names = self.log.fail, self.log.names
+        self.current, self.primary_retains = self.ctx.current, self.ctx.primary_retains
+        self.primary_context, self.launch = self.ctx.primary_context, self.ctx.launch
+        self.reservations, self.handles, self.mappings = self.mem.reservations, self.mem.handles, self.mem.mappings
+        self.memory, self.read, self.write = self.mem.memory, self.mem.read, self.mem.write
+
+    def leaks(self) -> dict[str, Any]:
+        out = {"reservations": dict(self.reservations), "handles": dict(self.handles),
+               "mappings": sorted(self.mappings), "primary_retains": {d: n for d, n in self.primary_retains.items()
+                                                                     if n}}
+        return {k: v for k, v in out.items() if v}
 
     # -- virtual memory -----------------------------------------------------------------------------------
     def cuMemGetAllocationGranularity(self, prop: Any, option: Any):

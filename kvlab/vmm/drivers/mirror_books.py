@@ -3,7 +3,7 @@ places instead of one per place, so a map or unmap of a run costs the same for 2
 
 Every place holds the same pages, so the OS mappings inside each place change alike (times the number of
 places); only the edges where places meet, or meet unmapped space, need their own count. The per-place tables
-(`Region.mapped`, `segments`) and the driver's pool page counts are rebuilt from these books when read.
+(`Region.mapped`, `segments`) and the driver's store page counts are rebuilt from these books when read.
 """
 from __future__ import annotations
 
@@ -15,18 +15,18 @@ from kvlab.vmm.drivers.types import Mirror
 from kvlab.vmm.drivers.vmas import boundary, count_vmas, map_delta, unmap_delta
 
 
-class MirrorLedger:
+class MirrorBooks:
     """Books for one mirror. `vmas` (the OS mappings of its ranges) and the counts the driver reports are kept
     as maps change; the per-place tables are written by `sync`, which every read of them calls."""
 
-    def __init__(self, mirror: Mirror, page_size: int, merges: bool, pool_maps: array) -> None:
+    def __init__(self, mirror: Mirror, page_size: int, merges: bool, store_maps: array) -> None:
         self.mirror, self.page_size, self.merges = mirror, page_size, merges
         self.size = mirror.span // page_size        # pages per place
         self.width = len(mirror.places)
-        self.rows: dict[int, int] = {}              # page of a place -> pool page that place 0 maps there
+        self.rows: dict[int, int] = {}              # page of a place -> store page that place 0 maps there
         self._synced: dict[int, int] = {}           # the rows last written into the per-place tables
         self._dirty = False
-        self._pool_maps = pool_maps
+        self._store_maps = store_maps
         self.open_starts, self.open_ends, self.meets = place_edges(mirror)
         self.ranges = list({id(r): r for r, _ in mirror.places}.values())
         self.vmas = sum(r.vmas for r in self.ranges)   # OS mappings of those ranges, kept as maps change
@@ -97,10 +97,10 @@ class MirrorLedger:
         return calls, pages, delta
 
     def sync(self) -> None:
-        """Write the books into every place's table, the ranges' mapping counts and the pool page counts."""
+        """Write the books into every place's table, the ranges' mapping counts and the store page counts."""
         if not self._dirty:
             return
-        stride, maps = self.mirror.pool_stride, self._pool_maps
+        stride, maps = self.mirror.store_stride, self._store_maps
         for i, (region, offset) in enumerate(self.mirror.places):
             base, shift, pages = offset // self.page_size, i * stride, region.pages
             for j, p in self._synced.items():
@@ -118,7 +118,7 @@ class MirrorLedger:
 
 def place_edges(mirror: Mirror) -> tuple[int, int, Counter[int]]:
     """Edges of places that are not a range's own edges: (starts next to unmapped space, ends next to unmapped
-    space, {pool shift between two places that meet: how many meet so})."""
+    space, {store shift between two places that meet: how many meet so})."""
     starts = {(id(r), off): i for i, (r, off) in enumerate(mirror.places)}
     ends = {(id(r), off + mirror.span): i for i, (r, off) in enumerate(mirror.places)}
     open_starts = open_ends = 0
@@ -129,7 +129,7 @@ def place_edges(mirror: Mirror) -> tuple[int, int, Counter[int]]:
             if before is None:
                 open_starts += 1
             else:
-                meets[(i - before) * mirror.pool_stride] += 1
+                meets[(i - before) * mirror.store_stride] += 1
         end = offset + mirror.span
         if end < region.nbytes and (id(region), end) not in starts:
             open_ends += 1

@@ -1,4 +1,4 @@
-"""The page groups of the vmm cache: which are in the pool and how many slots map each (`PagePool`), and the
+"""The page groups of the vmm cache: which are free and how many slots map each (`FreePages`), and the
 counters the moves of pages keep (`PageCounters`).
 
 Group g is pool page t*G + g of tensor t, so groups with consecutive ids are consecutive pool pages in every
@@ -23,18 +23,18 @@ class PageCounters:
     swapped_in_bytes: int = 0
     reclaimed_units: int = 0       # pages unmapped to make room (stale slots, pages mapped ahead)
     lookahead_pages: int = 0       # pages the background mapper mapped ahead of need
-    lookahead_skipped: int = 0     # background jobs that found the pool empty
+    lookahead_skipped: int = 0     # background jobs that found no free group
     torn_pages: int = 0            # pages waiting to be cleared after a TornMirror
-    window_dropped_pages: int = 0  # page groups unmapped below a sliding window (back to the pool)
+    window_dropped_pages: int = 0  # page groups unmapped below a sliding window (back to the free list)
 
 
-class PagePool:
+class FreePages:
     """Free flags and per-group slot counts (forks and prefix hits share groups copy-on-write). With a prefix
     cache, a cached group no slot maps is neither free nor mapped: it is idle in the cache until evicted."""
 
     def __init__(self, num_groups: int, cache: PagePrefixCache | None = None) -> None:
         self.num_groups, self.cache = num_groups, cache
-        self.free = bytearray(b"\x01") * num_groups   # 1 = group in the pool, unmapped
+        self.free = bytearray(b"\x01") * num_groups   # 1 = group free, unmapped
         self.num_free = num_groups
         self.refs = array("i", [0]) * num_groups      # slots mapping each group
         self.num_shared = 0                           # groups more than one slot maps (0: no copy-on-write)
@@ -82,7 +82,7 @@ class PagePool:
         return self.refs[g] > 1
 
     def put_back(self, groups: list[int]) -> None:
-        """One slot fewer maps each group; a group no slot maps returns to the pool, or, if cached, idles in the
+        """One slot fewer maps each group; a group no slot maps becomes free, or, if cached, idles in the
         cache's LRU (last pages first, so a chain's tail is evicted before its head)."""
         refs, cache = self.refs, self.cache
         for g in reversed(groups):
@@ -104,7 +104,7 @@ class PagePool:
         return self.cache is not None and self.cache.is_cached(g)
 
     def evict(self, count: int) -> int:
-        """Return up to `count` idle cached groups to the pool, least recently used first (whole groups)."""
+        """Return up to `count` idle cached groups to the free list, least recently used first (whole groups)."""
         if self.cache is None:
             return 0
         groups = self.cache.evict(count)
@@ -114,7 +114,7 @@ class PagePool:
         return len(groups)
 
     def return_untaken(self, groups: Iterable[int]) -> None:
-        """After a failed mapping: groups taken but never owned go back to the pool."""
+        """After a failed mapping: groups taken but never owned are free again."""
         for g in groups:
             if self.refs[g] == 0 and not self.free[g] and not self.is_cached(g):
                 self.free[g] = 1
