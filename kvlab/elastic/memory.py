@@ -41,7 +41,12 @@ class ElasticMemory:
         # CUDA's fresh pages hold whatever was there: zero them, so padded kernel reads stay finite (paged/storage.py)
         self._zero_view: torch.Tensor | None = None
         self._zero_new = driver.name == "cuda"
+        # the accounting driver has no memory to give back; its pool books are costly to read (vmm/drivers/ledger.py),
+        # so its pool is made whole once and nothing is discarded
+        self._has_memory = driver.name != "accounting"
         self.closed = False
+        if not self._has_memory:
+            self._grow_pool(geo.num_chunks - 1)
 
     def map_chunk(self, chunk: int) -> None:
         """Back chunk `chunk` of every plane with physical pages (the pool grows to reach them)."""
@@ -56,7 +61,8 @@ class ElasticMemory:
         """Unmap chunk `chunk` of every plane and give its pages' memory back."""
         geo = self.geo
         self.driver.unmap_mirrored(self.mirror, chunk * geo.chunk_bytes, geo.pages_per_chunk)
-        self.driver.discard(geo.first_pool_page(chunk), geo.planes * geo.pages_per_chunk)
+        if self._has_memory:
+            self.driver.discard(geo.first_pool_page(chunk), geo.planes * geo.pages_per_chunk)
 
     def _grow_pool(self, chunk: int) -> None:
         need = self.geo.pool_pages_through(chunk)
@@ -64,7 +70,7 @@ class ElasticMemory:
             old, self.pool_pages = self.pool_pages, need
             self.driver.create_pool(need)
             skipped = need - old - self.geo.planes * self.geo.pages_per_chunk
-            if skipped > 0:   # chunks below `chunk` not mapped yet: no memory for them until they are
+            if skipped > 0 and self._has_memory:   # chunks below `chunk` not mapped yet: no memory for them until they are
                 self.driver.discard(old, skipped)
 
     def _zero(self, chunk: int) -> None:

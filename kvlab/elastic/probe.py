@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from kvlab.paged.probe import TEST_TOKEN_BYTES, PagedProbe
 
 if TYPE_CHECKING:
@@ -26,6 +28,19 @@ class ElasticProbe(PagedProbe):
     # 24 blocks of 4 tokens; a 4 KiB page holds 4 blocks of one layer's K (or V): 6 chunks
     test_options: dict[str, Any] = {"elastic_block_size": 4, "elastic_page_size": 4096,
                                     "kv_cache_bytes": 24 * 4 * TEST_TOKEN_BYTES}
+
+    def read(self, cache: KVCache, seq: Sequence, n: int) -> torch.Tensor:
+        """Paged's read, except that positions in blocks a sliding window dropped (-1) read as zeros: their block
+        may be unmapped (paged reads whatever block -1 indexes; callers compare only what the window keeps)."""
+        table = torch.tensor(cache.allocator.snapshot()["tables"][seq.seq_id], dtype=torch.int64)
+        size = cache.allocator.block_size
+        pos = torch.arange(n)
+        blocks = table[pos // size]
+        kept = blocks >= 0
+        out = torch.zeros(cache.shape.num_layers, 2, n, cache.shape.num_kv_heads, cache.shape.head_dim,
+                          dtype=cache.storage.kv.dtype)
+        out[:, :, kept] = cache.storage.kv[:, :, blocks[kept], pos[kept] % size].transpose(0, 1)
+        return out
 
     def check_structure(self, cache: KVCache, live: dict[int, Sequence], swapped: set[int],
                         may_share: Callable[[int, int, int], bool]) -> None:
