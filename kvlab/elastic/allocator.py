@@ -30,6 +30,7 @@ class ElasticAllocator(PagedAllocator):
             driver.close()
             raise
         self.memory = ElasticMemory(driver, self.geo)
+        self.driver = driver     # its counters price the map calls in `kvlab simulate serve` (sim/serve/tap.py)
         books = ChunkBooks(self.geo, self.memory.map_chunk, self.memory.unmap_chunk)
         cap = None if opts.elastic_cached_blocks < 0 else opts.elastic_cached_blocks
         # paged built a pool of kv_cache_bytes // block_bytes blocks; this one is cut to whole chunks

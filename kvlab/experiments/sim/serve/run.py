@@ -138,7 +138,7 @@ def pool_pages(case: SimCase, spec: ServeSpec) -> int:
 
 
 def parse_backends(items: list[str], budget_gb: float, watermark: float) -> list[SimCase]:
-    """reserve | oracle | paged-BLOCK | vmm-SIZE (e.g. paged-16, vmm-2MiB, vmm-64KiB)."""
+    """reserve | oracle | paged-BLOCK | vmm-SIZE | elastic-BLOCK[-SIZE] (e.g. paged-16, vmm-2MiB, elastic-16-2MiB)."""
     from kvlab.experiments.cli.flags import parse_bytes
     cases = []
     for item in items:
@@ -147,6 +147,8 @@ def parse_backends(items: list[str], budget_gb: float, watermark: float) -> list
             cases.append(SimCase(name, budget_gb))
         elif name == "paged" and size.isdigit():
             cases.append(SimCase("paged", budget_gb, block_size=int(size), watermark=watermark))
+        elif name == "elastic" and size:
+            cases.append(elastic_case(item, size, budget_gb, watermark))
         elif name == "vmm" and size:
             try:
                 page = parse_bytes(size)
@@ -154,9 +156,23 @@ def parse_backends(items: list[str], budget_gb: float, watermark: float) -> list
                 raise ConfigError(f"bad backend {item!r}: vmm-SIZE like vmm-2MiB or vmm-64KiB") from None
             cases.append(SimCase("vmm", budget_gb, page_size=page, watermark=watermark))
         else:
-            raise ConfigError(f"bad backend {item!r}: use reserve, oracle, paged-BLOCK (paged-16) or vmm-SIZE "
-                              f"(vmm-2MiB)")
+            raise ConfigError(f"bad backend {item!r}: use reserve, oracle, paged-BLOCK (paged-16), vmm-SIZE "
+                              f"(vmm-2MiB) or elastic-BLOCK[-SIZE] (elastic-16-2MiB)")
     return cases
+
+
+def elastic_case(item: str, size: str, budget_gb: float, watermark: float) -> SimCase:
+    """elastic-BLOCK[-SIZE]: paged blocks of BLOCK tokens over pages of SIZE (default: the backend's)."""
+    from kvlab.experiments.cli.flags import parse_bytes
+    block, _, page = size.partition("-")
+    options: dict[str, int] = {}
+    try:
+        options["elastic_block_size"] = int(block)
+        if page:
+            options["elastic_page_size"] = parse_bytes(page)
+    except Exception:
+        raise ConfigError(f"bad backend {item!r}: elastic-BLOCK[-SIZE] like elastic-16 or elastic-16-2MiB") from None
+    return SimCase("elastic", budget_gb, watermark=watermark, **options)
 
 
 def rate_label(rate: float) -> str:
