@@ -126,7 +126,8 @@ def test_on_cuda_the_physical_handles_follow_the_mapped_chunks(monkeypatch):
 def test_page_aware_placement_brings_the_idle_footprint_to_its_floor():
     """kvcached #359 in small: the same cached blocks kept, naive placement pins more chunks than they fill."""
     from kvlab.experiments.studies.idle_footprint import idle_footprint
-    naive, aware = (idle_footprint(p, cap=32, num_requests=20, kv_cache_bytes=8 * 2**20) for p in ("naive", "page-aware"))
+    naive, aware = (idle_footprint(p, cap=32, num_requests=20, kv_cache_bytes=8 * 2**20)
+                    for p in ("naive", "page-aware"))
     assert naive["cached_blocks"] == aware["cached_blocks"] == 32
     assert aware["idle_mapped_bytes"] <= aware["packed_bytes"] + aware["chunk_bytes"], aware
     assert aware["idle_mapped_bytes"] < naive["idle_mapped_bytes"], (aware, naive)

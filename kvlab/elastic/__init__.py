@@ -1,1 +1,1 @@
-"""The elastic backend: paged's block tables over a block pool whose memory is mapped on demand (docs/architecture.md)."""
+"""The elastic backend: paged's block tables over a block pool mapped on demand (docs/architecture.md)."""

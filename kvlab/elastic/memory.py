@@ -70,7 +70,7 @@ class ElasticMemory:
             old, self.pool_pages = self.pool_pages, need
             self.driver.create_pool(need)
             skipped = need - old - self.geo.planes * self.geo.pages_per_chunk
-            if skipped > 0 and self._has_memory:   # chunks below `chunk` not mapped yet: no memory for them until they are
+            if skipped > 0 and self._has_memory:   # the chunks below `chunk` are not mapped: no memory for them yet
                 self.driver.discard(old, skipped)
 
     def _zero(self, chunk: int) -> None:
