@@ -58,7 +58,7 @@ def run_checked(placement: str, prefix: bool = False, cap: int = -1) -> dict[str
         books, stats = engine.cache.allocator, engine.cache.stats()
         snap = books.snapshot()
         assert set(snap["mapped_chunks"]) == chunks_in_use(snap), "a chunk mapped without a block, or the reverse"
-        assert books.memory.mapped_pages() == len(snap["mapped_chunks"]) * books.geo.planes * books.geo.pages_per_chunk
+        assert books.memory.mapped_pages() * books.geo.page_size == stats.mapped_bytes
         held = stats.used_units + len(snap["cached_free"])
         slack = len(snap["mapped_chunks"]) - -(-held // snap["blocks_per_chunk"])
         worst = max(worst, slack)
@@ -93,14 +93,15 @@ def test_a_warm_prefix_cache_keeps_its_chunks_mapped():
     assert r["end_mapped"] > 0, "the free cached blocks' chunks were unmapped: their content is gone"
 
 
-def test_the_budget_is_cut_to_whole_chunks_and_too_small_a_budget_is_one_line():
-    geo = ChunkGeometry.of(SHAPE, 4, 4096, 100 * 1024)   # a plane block of 1 KiB, 4 planes: 16 KiB per chunk
-    assert (geo.blocks_per_chunk, geo.num_chunks, geo.num_blocks) == (4, 6, 24)
-    assert geo.num_chunks * geo.mapped_chunk_bytes <= 100 * 1024
+def test_the_blocks_are_paged_s_and_a_partial_last_chunk_maps_only_its_pages():
+    geo = ChunkGeometry.of(SHAPE, 4, 4096, 100 * 1024)   # a plane block of 1 KiB, 4 planes: 25 blocks, 4 a chunk
+    assert (geo.blocks_per_chunk, geo.num_chunks, geo.num_blocks) == (4, 7, 25) and geo.pages_of(6) == 1
+    everything = sum(geo.mapped_bytes(c) for c in range(geo.num_chunks))
+    assert 100 * 1024 <= everything < 100 * 1024 + geo.planes * geo.page_size
     odd = ChunkGeometry.of(KVShape(num_layers=1, num_kv_heads=3, head_dim=32, num_q_heads=3), 4, 4096, 1 << 20)
     assert odd.chunk_bytes == 3 * 4096 and odd.blocks_per_chunk == 8     # lcm(4 KiB, 1.5 KiB)
-    config = make_config(backend="elastic", kv_cache_bytes=8 * 1024, elastic_block_size=4, elastic_page_size=4096)
-    with pytest.raises(ConfigError, match="smaller than one elastic chunk"):   # 8 paged blocks, half a chunk
+    config = make_config(backend="elastic", kv_cache_bytes=2048, elastic_block_size=4, elastic_page_size=4096)
+    with pytest.raises(ConfigError, match="smaller than one block"):   # a block of SHAPE takes 4 KiB
         create_cache(config, SHAPE, accounting_only=True)
 
 

@@ -33,7 +33,7 @@ class ElasticAllocator(PagedAllocator):
         self.driver = driver     # its counters price the map calls in `kvlab simulate serve` (sim/serve/tap.py)
         books = ChunkBooks(self.geo, self.memory.map_chunk, self.memory.unmap_chunk)
         cap = None if opts.elastic_cached_blocks < 0 else opts.elastic_cached_blocks
-        # paged built a pool of kv_cache_bytes // block_bytes blocks; this one is cut to whole chunks
+        # the same number of blocks as the pool paged built, its memory mapped chunk by chunk
         self.pool = ElasticBlockPool(self.geo.num_blocks, self.prefix_cache, books, opts.elastic_placement, cap)
 
     def stats(self) -> CacheStats:
@@ -59,7 +59,7 @@ class ElasticAllocator(PagedAllocator):
 
     def check_invariants(self) -> None:
         super().check_invariants()
-        pages = len(self.pool.books.mapped) * self.geo.planes * self.geo.pages_per_chunk
+        pages = self.pool.books.mapped_bytes() // self.geo.page_size
         assert self.memory.closed or self.memory.mapped_pages() == pages, (
             f"the driver maps {self.memory.mapped_pages()} pages, the chunk books {pages}")
 

@@ -85,4 +85,4 @@ class ChunkBooks:
         return heap[0] * self.geo.blocks_per_chunk if heap else None
 
     def mapped_bytes(self) -> int:
-        return len(self.mapped) * self.geo.mapped_chunk_bytes
+        return sum(self.geo.mapped_bytes(c) for c in self.mapped)

@@ -52,15 +52,14 @@ class ElasticMemory:
         """Back chunk `chunk` of every plane with physical pages (the pool grows to reach them)."""
         geo = self.geo
         self._grow_pool(chunk)
-        self.driver.map_mirrored(self.mirror, chunk * geo.chunk_bytes, geo.first_pool_page(chunk),
-                                 geo.pages_per_chunk)
+        self.driver.map_mirrored(self.mirror, chunk * geo.chunk_bytes, geo.first_pool_page(chunk), geo.pages_of(chunk))
         if self._zero_new:
             self._zero(chunk)
 
     def unmap_chunk(self, chunk: int) -> None:
         """Unmap chunk `chunk` of every plane and give its pages' memory back."""
         geo = self.geo
-        self.driver.unmap_mirrored(self.mirror, chunk * geo.chunk_bytes, geo.pages_per_chunk)
+        self.driver.unmap_mirrored(self.mirror, chunk * geo.chunk_bytes, geo.pages_of(chunk))
         if self._has_memory:
             self.driver.discard(geo.first_pool_page(chunk), geo.planes * geo.pages_per_chunk)
 
@@ -77,7 +76,7 @@ class ElasticMemory:
         if self._zero_view is None:
             self._zero_view = self.driver.tensor_view(self.region, torch.uint8, (self.geo.planes, self.geo.plane_bytes))
         at = chunk * self.geo.chunk_bytes
-        self._zero_view[:, at:at + self.geo.chunk_bytes].zero_()
+        self._zero_view[:, at:at + self.geo.pages_of(chunk) * self.geo.page_size].zero_()
 
     def tensor(self, dtype: torch.dtype, shape: tuple[int, ...], strides: tuple[int, ...]) -> torch.Tensor:
         """A zero-copy view of the planes (reads nothing: unmapped chunks are never touched by it)."""
