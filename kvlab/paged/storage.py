@@ -30,12 +30,15 @@ class PagedStorage(DataStorage):
         # zeros, not empty: padded kernel reads of unused slots must be finite (0 * NaN is NaN);
         # never an inference tensor, so it stays writable whether or not the caller is in inference mode
         with torch.inference_mode(False):
-            self.kv: torch.Tensor | None = torch.zeros(
-                2, shape.num_layers, allocator.num_total_units(), self.block_size, shape.num_kv_heads,
-                shape.head_dim, dtype=shape.cache_dtype, device=shape.device)
+            self.kv: torch.Tensor | None = self.make_pool(shape, allocator.num_total_units())
             self.k_caches: list[torch.Tensor] = list(self.kv[0])
             self.v_caches: list[torch.Tensor] = list(self.kv[1])
         self.build_dispatcher(shape, "paged", config.kernel, block_size=self.block_size)
+
+    def make_pool(self, shape: KVShape, num_blocks: int) -> torch.Tensor:
+        """The pool tensor [2, L, num_blocks, block_size, H_kv, D]; a subclass may place it elsewhere (elastic/)."""
+        return torch.zeros(2, shape.num_layers, num_blocks, self.block_size, shape.num_kv_heads, shape.head_dim,
+                           dtype=shape.cache_dtype, device=shape.device)
 
     # -- one step -------------------------------------------------------------------------------------
     def prepare(self, items: list[BatchItem]) -> PagedMetadata:

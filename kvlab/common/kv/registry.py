@@ -26,7 +26,8 @@ KVCache = CacheConfig = Any
 
 ENTRY_POINTS = "kvlab.backends"    # the entry-point group through which installed packages offer backends
 # The backends kvlab ships: name -> module declaring SPEC (spec modules import nothing heavy).
-BUILTIN = {"paged": "kvlab.paged.spec", "vmm": "kvlab.vmm.spec", "reserve": "kvlab.reserve.spec"}
+BUILTIN = {"paged": "kvlab.paged.spec", "vmm": "kvlab.vmm.spec", "reserve": "kvlab.reserve.spec",
+           "elastic": "kvlab.elastic.spec"}
 
 
 class BackendProbe(Protocol):

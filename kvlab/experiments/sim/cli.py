@@ -176,7 +176,8 @@ def cases_from(opts: SimulateOptions) -> list[SimCase]:
     cases = []
     for policy in opts.policies:
         growing = get_backend(policy_backend(policy)).watermark
-        options = declared_options(policy, {"block_size": opts.block_size, "page_size": opts.page_size})
+        options = declared_options(policy, {"block_size": opts.block_size, "page_size": opts.page_size,
+                                            "elastic_block_size": opts.block_size, "elastic_page_size": opts.page_size})
         cases.append(SimCase(policy, opts.budget_gb, watermark=opts.watermark if growing else 0.0, **options))
     return cases
 

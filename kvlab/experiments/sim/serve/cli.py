@@ -50,7 +50,7 @@ def add_parser(subparsers: Any) -> None:
                               description="Online arrivals against the real scheduler and accounting-only "
                                           "backends on the roofline clock; `kvlab bench serve`'s result keys.")
     p.add_argument("--backends", type=flags.parse_list, default=["reserve", "paged-16", "vmm-2MiB", "vmm-64KiB"],
-                   help="comma list: reserve, oracle, paged-BLOCK, vmm-SIZE")
+                   help="comma list: reserve, oracle, paged-BLOCK, vmm-SIZE, elastic-BLOCK[-SIZE]")
     p.add_argument("--request-rates", type=flags.parse_list, default=["inf"], help="comma list of req/s (inf allowed)")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1 = Poisson)")
     p.add_argument("--dataset", default="seed", help="seed | random | trace:FILE.jsonl")

@@ -145,8 +145,9 @@ def pool_pages(case: SimCase, spec: ServeSpec) -> int:
 
 def parse_backends(items: list[str], budget_gb: float, watermark: float,
                    layouts: tuple[str, ...] = ("per-layer",)) -> list[SimCase]:
-    """reserve | oracle | paged-BLOCK | vmm-SIZE[-crosslayer] (e.g. paged-16, vmm-2MiB, vmm-2MiB-crosslayer). A
-    vmm-SIZE without a layout runs once in each of `layouts` (simulate serve's --vmm-layout)."""
+    """reserve | oracle | paged-BLOCK | vmm-SIZE[-crosslayer] | elastic-BLOCK[-SIZE] (e.g. paged-16, vmm-2MiB,
+    vmm-2MiB-crosslayer, elastic-16-2MiB). A vmm-SIZE without a layout runs once in each of `layouts` (simulate
+    serve's --vmm-layout)."""
     cases = []
     for item in items:
         name, _, size = item.partition("-")
@@ -154,11 +155,13 @@ def parse_backends(items: list[str], budget_gb: float, watermark: float,
             cases.append(SimCase(name, budget_gb))
         elif name == "paged" and size.isdigit():
             cases.append(SimCase("paged", budget_gb, block_size=int(size), watermark=watermark))
+        elif name == "elastic" and size:
+            cases.append(elastic_case(item, size, budget_gb, watermark))
         elif name == "vmm" and size:
             cases += vmm_cases(item, size, budget_gb, watermark, layouts)
         else:
-            raise ConfigError(f"bad backend {item!r}: use reserve, oracle, paged-BLOCK (paged-16) or vmm-SIZE "
-                              f"(vmm-2MiB, vmm-2MiB-crosslayer)")
+            raise ConfigError(f"bad backend {item!r}: use reserve, oracle, paged-BLOCK (paged-16), vmm-SIZE "
+                              f"(vmm-2MiB, vmm-2MiB-crosslayer) or elastic-BLOCK[-SIZE] (elastic-16-2MiB)")
     return cases
 
 
@@ -176,6 +179,20 @@ def vmm_cases(item: str, size: str, budget_gb: float, watermark: float, layouts:
         extra = {LAYOUT_OPTION: CROSS_LAYER} if check_layout(layout) == CROSS_LAYER else {}
         out.append(SimCase("vmm", budget_gb, page_size=page, watermark=watermark, **extra))
     return out
+
+
+def elastic_case(item: str, size: str, budget_gb: float, watermark: float) -> SimCase:
+    """elastic-BLOCK[-SIZE]: paged blocks of BLOCK tokens over pages of SIZE (default: the backend's)."""
+    from kvlab.experiments.cli.flags import parse_bytes
+    block, _, page = size.partition("-")
+    options: dict[str, int] = {}
+    try:
+        options["elastic_block_size"] = int(block)
+        if page:
+            options["elastic_page_size"] = parse_bytes(page)
+    except Exception:
+        raise ConfigError(f"bad backend {item!r}: elastic-BLOCK[-SIZE] like elastic-16 or elastic-16-2MiB") from None
+    return SimCase("elastic", budget_gb, watermark=watermark, **options)
 
 
 def rate_label(rate: float) -> str:
