@@ -41,8 +41,8 @@ class ElasticMemory:
         # CUDA's fresh pages hold whatever was there: zero them, so padded kernel reads stay finite (paged/storage.py)
         self._zero_view: torch.Tensor | None = None
         self._zero_new = driver.name == "cuda"
-        # the accounting driver has no memory to give back; its page-store books are costly to read (vmm/drivers/mirror_books.py),
-        # so its page store is made whole once and nothing is discarded
+        # the accounting driver has no memory to give back and its page-store books are costly to read
+        # (vmm/drivers/mirror_books.py): its page store is made whole once and nothing is discarded
         self._has_memory = driver.name != "accounting"
         self.closed = False
         if not self._has_memory:
