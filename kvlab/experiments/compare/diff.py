@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvlab.common.validate import as_finite
 from kvlab.experiments.compare.saved import SavedRun
 from kvlab.experiments.reporting.tables import fmt, median
 
@@ -72,7 +73,8 @@ def row_lines(a: dict[str, Any], b: dict[str, Any], show_equal: bool) -> list[st
 
 
 def is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A figure: a number a float holds (10**400 in a hand-edited file is not one)."""
+    return isinstance(value, float) or (isinstance(value, int) and as_finite(value) is not None)
 
 
 def spread(row: dict[str, Any], key: str) -> list[float]:

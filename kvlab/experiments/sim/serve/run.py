@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab.common.errors import ConfigError
+from kvlab.common.validate import shown
 from kvlab.experiments.loadgen import latency
 from kvlab.experiments.loadgen.arrivals import arrival_times
 from kvlab.experiments.loadgen.datasets import draw_lengths
@@ -137,6 +138,10 @@ def pool_pages(case: SimCase, spec: ServeSpec) -> int:
     return int(case.budget_gb * 1e9) // page_size
 
 
+MAX_UNIT_TOKENS = 1 << 20          # a paged block's tokens
+MAX_PAGE_BYTES = 1 << 40           # a vmm page's bytes
+
+
 def parse_backends(items: list[str], budget_gb: float, watermark: float) -> list[SimCase]:
     """reserve | oracle | paged-BLOCK | vmm-SIZE (e.g. paged-16, vmm-2MiB, vmm-64KiB)."""
     from kvlab.experiments.cli.flags import parse_bytes
@@ -145,17 +150,20 @@ def parse_backends(items: list[str], budget_gb: float, watermark: float) -> list
         name, _, size = item.partition("-")
         if name in ("reserve", "oracle") and not size:
             cases.append(SimCase(name, budget_gb))
-        elif name == "paged" and size.isdigit():
+        elif name == "paged" and size.isdigit() and 0 < int(size) <= MAX_UNIT_TOKENS:
             cases.append(SimCase("paged", budget_gb, block_size=int(size), watermark=watermark))
         elif name == "vmm" and size:
             try:
                 page = parse_bytes(size)
-            except Exception:
-                raise ConfigError(f"bad backend {item!r}: vmm-SIZE like vmm-2MiB or vmm-64KiB") from None
+            except Exception:                       # noqa: BLE001 - any unreadable size is the message below
+                page = 0
+            if not 0 < page <= MAX_PAGE_BYTES:           # a page of 0 bytes divided by zero later
+                raise ConfigError(f"bad backend {shown(item)}: vmm-SIZE like vmm-2MiB or vmm-64KiB, a page of "
+                                  f"1 byte to {MAX_PAGE_BYTES >> 30} GiB")
             cases.append(SimCase("vmm", budget_gb, page_size=page, watermark=watermark))
         else:
-            raise ConfigError(f"bad backend {item!r}: use reserve, oracle, paged-BLOCK (paged-16) or vmm-SIZE "
-                              f"(vmm-2MiB)")
+            raise ConfigError(f"bad backend {shown(item)}: use reserve, oracle, paged-BLOCK (paged-16, a block of "
+                              f"1 to {MAX_UNIT_TOKENS} tokens) or vmm-SIZE (vmm-2MiB)")
     return cases
 
 
