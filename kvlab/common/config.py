@@ -17,8 +17,8 @@ from kvlab.common.errors import ConfigError
 from kvlab.common.kv.options import check_choice, check_positive, check_types
 from kvlab.common.kv.registry import REGISTRY
 from kvlab.common.kv.types import KV_CACHE_DTYPES
-from kvlab.common.limits import MAX_MODEL_LEN, MAX_SEED, check_int_range, max_threads
-from kvlab.common.validate import check_number
+from kvlab.common.limits import MAX_MODEL_LEN, MAX_SEED, check_fits_in_ram, check_int_range, max_threads
+from kvlab.common.validate import check_number, shown
 
 if TYPE_CHECKING:
     from kvlab.common.kv.registry import BackendSpec
@@ -151,10 +151,16 @@ def check_kv_cache_scale(scale: float, kv_cache_dtype: str) -> None:
 
 
 def check_kv_pool(cfg: EngineConfig) -> None:
+    if cfg.kv_pool is not None and not isinstance(cfg.kv_pool, str):
+        raise ConfigError(f"kv_pool must be a pool name (a string), got {type(cfg.kv_pool).__name__}")
+    if cfg.kv_pool_bytes is not None and (type(cfg.kv_pool_bytes) is not int):
+        raise ConfigError(f"kv_pool_bytes must be an integer number of bytes, got {shown(cfg.kv_pool_bytes)}")
     if cfg.kv_pool is not None and cfg.backend != "vmm":
         raise ConfigError(f"kv_pool needs the vmm backend (pages mapped on demand), not {cfg.backend!r}")
     if cfg.kv_pool_bytes is not None and (cfg.kv_pool is None or cfg.kv_pool_bytes <= 0):
         raise ConfigError(f"kv_pool_bytes needs kv_pool and a positive size, got {cfg.kv_pool_bytes!r}")
+    if cfg.kv_pool_bytes is not None and cfg.device == "cpu":     # as `kvlab pool create` refuses it
+        check_fits_in_ram(f"kv_pool_bytes {cfg.kv_pool_bytes:,}", cfg.kv_pool_bytes, "lower kv_pool_bytes")
 
 
 def split_overrides(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:

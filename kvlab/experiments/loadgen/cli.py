@@ -100,6 +100,9 @@ def add_sweep_flags(p: argparse.ArgumentParser) -> None:
 
 def dataset_spec(name: str, path: str | None) -> str:
     """vLLM's --dataset-name NAME --dataset-path FILE as kvlab's NAME:FILE (kvlab's own form also accepted)."""
+    if not name.strip():
+        raise ConfigError("--dataset-name must name a dataset (random, sharegpt, trace, mooncake, seed, prefix:...), "
+                          "got an empty name")
     kind = name.partition(":")[0]
     if kind in DATASETS_WITH_FILE and path is None and kind == name:
         raise ConfigError(f"--dataset-name {name} reads a file: give --dataset-path FILE")
@@ -122,7 +125,7 @@ def load_spec_from(args: argparse.Namespace) -> LoadSpec:
 
 def run(args: argparse.Namespace) -> int:
     dataset, num_prompts = DEFAULTS["sweep" if args.backends else "run"]
-    args.dataset = args.dataset or dataset
+    args.dataset = dataset if args.dataset is None else args.dataset      # "" is refused, not the default
     args.num_prompts = num_prompts if args.num_prompts is None else args.num_prompts
     checks.check_args(args)
     spec = load_spec_from(args)
