@@ -150,7 +150,9 @@ def text_tokenizer(server: Server) -> Any:
 def check_model(server: Server, model: str) -> None:
     """An empty model names the served one (as vLLM); any other name is a 404, as vLLM answers."""
     if model and model != server.model_name:
-        raise ApiError(404, f"The model `{model}` does not exist.", "model", kind="NotFoundError", code="404")
+        named = repr(model)[1:-1]                       # one line (escaped), and a short prefix only
+        named = named if len(named) <= 80 else named[:80] + "…"
+        raise ApiError(404, f"The model `{named}` does not exist.", "model", kind="NotFoundError", code="404")
 
 
 async def generate(server: Server, request: Request, chat: bool) -> Response:
