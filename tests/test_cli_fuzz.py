@@ -78,7 +78,22 @@ HOSTILE = ["nan", "-nan", "NaN", "inf", "-inf", "Infinity", "1e309", "-1e309", "
            str(2**70), "9" * 400, "-" + "9" * 400, "", " ", ",", ",,", "a,b", "1,2", "-", "abc", "{}", "[]",
            "true", "None", "64KiB", "1e9GiB", "é", "日本語", "\udcff", "\ud800x", "x" * 5000, "/proc/x",
            "/proc/x/y", "/dev/null", "/", ".", "trace:/proc/x", "vmm-0", "paged-0", "p101_ttft_ms<=5",
-           "p99_ttft_ms<=5,p99_ttft_ms<=6", "ttft:nan", "host"]
+           "p99_ttft_ms<=5,p99_ttft_ms<=6", "ttft:nan", "host",
+           # round 4: bad engine URLs, duplicate or zero-sized units, study-owned server flags, metadata pairs,
+           # devices as files, sizes beyond the machine
+           "http://[::1", "http://127.0.0.1:1 x", "http://127.0.0.1:1\n", "64KiB,64KiB", "shared:vmm-0",
+           "split:paged-0", "measured:/dev/zero", "--kv-pool x", "a=b", "=v", "k=", "100TiB", "/dev/zero"]
+# round 4: the commands and flags added or hardened since round 3 (test_round4_flags_every_listed_hostile_value)
+ROUND4_FLAGS = {
+    ("bench", "serve"): ("--save-detailed", "--append-result", "--metadata", "--label", "--result-dir",
+                         "--result-filename", "--dataset-name", "--dataset-path", "--save-result"),
+    ("serve",): ("--prefill", "--decode", "--colocated", "--upstream-timeout", "--kv-pool", "--kv-pool-bytes",
+                 "--role", "--handoff-timeout-s"),
+    ("simulate", "pool"): ("--arrangements",), ("simulate", "pd"): ("--backends",),
+    ("study", "page-size"): ("--vmm-pages", "--paged-blocks"),
+    ("study", "pool"): ("--total-bytes", "--model", "--server-args", "--engines"),
+    ("pool", "create"): None, ("pool", "status"): None, ("pool", "limit"): None, ("compare",): None,
+}
 
 
 class Accepted(BaseException):
@@ -238,3 +253,32 @@ def test_every_flag_every_listed_hostile_value(stubbed, case):
     for value in HOSTILE:
         argv = argv_for(path, action, value)
         check_outcome(argv, *run_cli(argv))
+
+
+def round4_cases() -> list[tuple[tuple[str, ...], argparse.Action]]:
+    """ROUND4_FLAGS' flags (None: every flag and positional of that command)."""
+    return [(path, action) for path, action in CASES if path in ROUND4_FLAGS
+            and (ROUND4_FLAGS[path] is None or set(action.option_strings) & set(ROUND4_FLAGS[path]))]
+
+
+def test_every_round4_flag_is_found():
+    found = {(path, flag) for path, action in round4_cases() for flag in action.option_strings}
+    wanted = {(path, flag) for path, flags in ROUND4_FLAGS.items() for flag in flags or ()}
+    assert wanted <= found, wanted - found
+
+
+@pytest.mark.slow
+def test_round4_flags_every_listed_hostile_value(stubbed, capsys):
+    """Every round-4 flag with every listed hostile value; prints how many inputs and how many were handled."""
+    failures, total = [], 0
+    for path, action in round4_cases():
+        for value in HOSTILE:
+            argv = argv_for(path, action, value)
+            total += 1
+            try:
+                check_outcome(argv, *run_cli(argv))
+            except (AssertionError, TimeoutError, MemoryError) as e:
+                failures.append(f"{argv!r}: {str(e).splitlines()[0][:200]}")
+    with capsys.disabled():
+        print(f"\nround 4 flag fuzz: {total} inputs, {total - len(failures)} handled")
+    assert not failures, "\n".join(failures[:20])

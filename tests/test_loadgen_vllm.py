@@ -21,7 +21,13 @@ VLLM_CHAT_LINE = (
     "--tokenizer tiny --dataset-name random --random-input-len 16 --random-output-len 8 --random-range-ratio 0.5 "
     "--random-prefix-len 4 --num-prompts 6 --request-rate 50 --burstiness 2 --max-concurrency 3 --seed 7 "
     "--percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 --goodput ttft:5000 e2el:10000 "
-    "--ignore-eos --save-result --result-dir {out} --result-filename vllm.json")
+    "--ignore-eos --save-result --save-detailed --result-dir {out} --result-filename vllm.json")
+# vLLM's result flags: a label, metadata, a result directory that does not exist yet, appended records, and no
+# per-request lists without --save-detailed
+VLLM_RESULT_LINE = (
+    "vllm bench serve --backend openai-chat --base-url {url} --model gpt-4 --tokenizer tiny --dataset-name random "
+    "--random-input-len 8 --random-output-len 4 --num-prompts 2 --request-rate 20 --seed 3 --append-result "
+    "--metadata version=0.3.3 'tp = 1' note=a=b --label nightly --result-dir {out}/new/dir --result-filename r.json")
 VLLM_PER_REQUEST = ("input_lens", "output_lens", "ttfts", "itls", "generated_texts", "errors")
 VLLM_SUMMARY = ("date", "endpoint_type", "backend", "label", "model_id", "tokenizer_id", "num_prompts",
                 "request_rate", "burstiness", "max_concurrency", "duration", "completed", "failed",
@@ -119,11 +125,43 @@ def test_sharegpt_from_a_local_file(mocktopus_url, tmp_path, capsys):
     data.write_text(json.dumps(turns))
     rc = cli.main(["bench", "serve", "--backend", "openai-chat", "--base-url", mocktopus_url, "--model", "m",
                    "--dataset-name", "sharegpt", "--dataset-path", str(data), "--num-prompts", "3",
-                   "--save-result", "--result-dir", str(tmp_path), "--result-filename", "s.json"])
+                   "--save-result", "--save-detailed", "--result-dir", str(tmp_path), "--result-filename", "s.json"])
     assert rc == 0, capsys.readouterr()
     saved = json.loads((tmp_path / "s.json").read_text())
     lengths = {len(f"question number {i} " * 3) for i in range(5)}       # byte tokenizer: one token a byte
     assert saved["completed"] == 3 and set(saved["input_lens"]) <= lengths
+
+
+def test_vllm_result_flags_label_metadata_append_and_a_new_result_dir(mocktopus_url, tmp_path, capsys):
+    line = VLLM_RESULT_LINE.format(url=mocktopus_url, out=tmp_path)
+    for _ in range(2):
+        assert cli.main(kvlab_argv(line)) == 0, capsys.readouterr()
+    lines = (tmp_path / "new" / "dir" / "r.json").read_text().split("\n")
+    records = [json.loads(text) for text in lines]
+    assert len(records) == 2 and all(r["completed"] == 2 for r in records)
+    for r in records:
+        assert (r["label"], r["version"], r["tp"], r["note"]) == ("nightly", "0.3.3", "1", "a=b")
+        assert not set(VLLM_PER_REQUEST + ("requests",)) & set(r)
+        assert set(VLLM_SUMMARY) <= set(r)
+    keys = list(records[0])
+    assert keys.index("num_prompts") < keys.index("version") < keys.index("request_rate") < keys.index("duration")
+
+
+def test_the_default_result_file_name_leads_with_the_label(mocktopus_url, tmp_path, capsys):
+    rc = cli.main(["bench", "serve", "--backend", "openai-chat", "--base-url", mocktopus_url, "--model", "gpt-4",
+                   "--num-prompts", "1", "--random-input-len", "4", "--random-output-len", "2", "--save-result",
+                   "--label", "mine", "--result-dir", str(tmp_path / "fresh"), "--disable-tqdm"])
+    assert rc == 0, capsys.readouterr()
+    [path] = (tmp_path / "fresh").iterdir()
+    assert path.name.startswith("mine-inf") and "gpt-4" in path.name and "ttfts" not in json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("flags", [["--metadata", "novalue"], ["--metadata", "=v"], ["--label", "a\nb"]])
+def test_bad_result_flags_are_one_line(flags, tmp_path, capsys):
+    rc = cli.main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "m", "--save-result",
+                   "--result-dir", str(tmp_path), *flags])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.count("\n") == 0 and ("--metadata" in err or "--label" in err), err
 
 
 def test_the_model_defaults_to_the_servers_first(mocktopus_url, capsys):

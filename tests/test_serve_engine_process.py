@@ -86,7 +86,7 @@ def test_every_message_pickles_as_its_fields():
     out = RequestOutput("r1", None, [1, 2], [CompletionOutput(0, [5, 6], None, "length")])
     messages = [ev.AddCommand("r1", [1, 2], SamplingParams(max_tokens=3)), ev.AbortCommand("r1"), ev.StopCommand(),
                 ev.StatsQuery(7), ev.StatsReply(7, b"text", {"running": 1.0}), ev.ProcessSetup(["/x"], 20),
-                ev.EngineReady(None, 1), ev.EngineFailed(ModelLoadError("no model")),
+                ev.EngineReady(None, 1, None), ev.EngineFailed(ModelLoadError("no model")),
                 ev.EventBatch([ev.AcceptedEvent("r1"), ev.RejectedEvent("r2", "full", 503),
                                ev.TokensEvent("r1", [[5], []]), ev.FinishedEvent("r1", out),
                                ev.AbortedEvent("r3")], waiting=2)]

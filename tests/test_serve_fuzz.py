@@ -24,6 +24,10 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st
                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
                                                                                     max_size=3), max_leaves=8)
 HOSTILE_SIZE = st.integers(-3, 4) | st.sampled_from([MAX_N + 1, MAX_TOKENS + 1, 2**64]) | JSON
+# round 4: integers beyond a float, and values far longer than an error message may quote
+HUGE = st.sampled_from([10**400, -(10**400), 2**63, 2**64 + 1, 1e308, "x" * 100_000, ["y" * 100_000],
+                        {"z" * 100_000: 1}])
+MAX_MESSAGE_CHARS = 1000
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +84,7 @@ def quick(schema: dict) -> dict:
 
 def hostile(schema: dict) -> st.SearchStrategy[dict]:
     """Any subset of the schema's fields, each with any JSON value (the sizes stay small or out of range)."""
-    values = {name: HOSTILE_SIZE if name in SIZES else JSON for name in schema["properties"]}
+    values = {name: HOSTILE_SIZE if name in SIZES else JSON | HUGE for name in schema["properties"]}
     return st.fixed_dictionaries({}, optional=values)
 
 
@@ -96,6 +100,7 @@ def check_case(live, path: str, body: dict) -> None:
     if r.status_code >= 400:
         err = r.json()["error"]
         assert isinstance(err["message"], str) and isinstance(err["type"], str) and "param" in err, r.text
+        assert len(err["message"]) <= MAX_MESSAGE_CHARS and "\n" not in err["message"], err["message"][:300]
     assert httpx.get(live.url + "/health", timeout=10).status_code == 200
 
 
@@ -121,3 +126,39 @@ def test_fuzz_the_api_briefly(live):
 @pytest.mark.slow
 def test_fuzz_the_api_at_length(live):
     fuzz(live, 1000)
+
+
+# Round 4's surfaces, each body once: numbers beyond a float in every float field, long values in every field
+# whose error quotes it, /tokenize and /detokenize (ids outside the vocabulary), and kv_transfer_params with the
+# first token's logprob in every wrong shape. Every one must be answered below 500 in one short line.
+FLOATS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+LONG = "w" * 4_000_000
+ROUND4 = [
+    *[("/v1/completions", {"prompt": "hi", name: sign * 10**400}) for name in FLOATS for sign in (1, -1)],
+    *[("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], name: 10**400}) for name in FLOATS],
+    *[("/v1/completions", {"prompt": "hi", name: LONG}) for name in ("stream", "echo", "user", "model", "n", "seed",
+                                                                      "stop", "logprobs", "best_of", "top_k")],
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {LONG: 1}}),
+    ("/v1/completions", {"prompt": "hi", "stream_options": [LONG]}),
+    ("/v1/chat/completions", {"messages": [{"role": LONG}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": LONG}]}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": [LONG]}]}]}),
+    ("/tokenize", {"prompt": [LONG]}), ("/tokenize", {"messages": LONG}), ("/tokenize", LONG),
+    *[("/detokenize", {"tokens": t}) for t in ([1259], [2**31], [2**63], [10**30], [10**400], [-1], LONG, [LONG],
+                                                 [True], [1.5], None)],
+    *[("/v1/completions", {"prompt": "hi", "kv_transfer_params": {
+        "do_remote_prefill": True, "handoff_id": "a", "address": "kvlab-handoff-x", "num_tokens": 2,
+        "first_token_ids": [5], "backend": "vmm", "pool": None, "first_token_logprob": v}})
+      for v in ([0.5, []], [-1, [[5, 0.5]]], [-1, [[2**70, -1]]], [10**400, []], [-1, [[5]] * 30], "x", [LONG])],
+]
+
+
+def test_round4_hostile_bodies_are_all_handled(live):
+    handled = 0
+    for path, body in ROUND4:
+        r = httpx.post(live.url + path, content=json.dumps(body), timeout=60,
+                       headers={"content-type": "application/json"})
+        message = r.json()["error"]["message"] if r.status_code >= 400 else ""
+        handled += r.status_code < 500 and len(message) <= MAX_MESSAGE_CHARS and "\n" not in message
+    assert httpx.get(live.url + "/health", timeout=10).status_code == 200
+    assert handled == len(ROUND4), f"{handled} of {len(ROUND4)} handled"

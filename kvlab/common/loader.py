@@ -87,6 +87,8 @@ def read_json(path: Path) -> dict[str, Any]:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:                  # nested thousands of levels deep
+        raise ModelLoadError(f"{path}: not valid JSON (nested too deeply)") from None
     if not isinstance(data, dict):
         raise ModelLoadError(f"{path}: expected a JSON object")
     return data

@@ -46,11 +46,14 @@ class RequestOutput:
     finished: bool = True
     metrics: RequestMetrics | None = None
     error: str | None = None            # set when the request failed alone (finish_reason "error")
+    error_type: type | None = None      # the exception type behind `error`, when one was raised (HandoffError...)
     kv_transfer_params: dict[str, Any] | None = None   # prefill role: what a decode engine needs to pull the KV
     handoff: dict[str, Any] | None = None   # prefill/decode roles: seconds, bytes_copied, units_moved, unit
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        d["error_type"] = None if self.error_type is None else self.error_type.__name__     # JSON-ready
+        return d
 
 
 @dataclass(slots=True)

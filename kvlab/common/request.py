@@ -51,6 +51,8 @@ class KVImport(Protocol):
     """A decode request's pending KV import (common/handoff/side.py): its first token (sampled by the prefill
     engine) and the pull that admission calls as its first allocation."""
     first_token: int
+    first_logprob: float          # that token's logprob and top candidates, as the prefill engine computed them
+    first_top: tuple
 
     def __call__(self, req: Request, seq: Sequence, reserve_units: int) -> int | None:
         """The tokens of KV now held (the prompt), or None if there is no room yet (nothing pulled)."""
@@ -98,6 +100,7 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
     error: str | None = None
+    error_type: type | None = None                          # the exception that failed it (a handoff's, say)
     finished: bool = False
     attribution: KVAttribution = field(default_factory=KVAttribution)
     keep_kv: bool = False                                   # prefill role: its KV stays after it finishes

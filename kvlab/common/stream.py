@@ -63,4 +63,5 @@ def request_output(req: Request, decode: Callable[[list[int]], str] | None) -> R
     att = req.attribution
     metrics = RequestMetrics(req.arrival_time, req.first_token_time, req.finished_time,
                              req.num_preemptions, att.kv_wait_s, att.recomputed_tokens, att.map_unmap_s)
-    return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, True, metrics, req.error)
+    return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, True, metrics, req.error,
+                         error_type=req.error_type)

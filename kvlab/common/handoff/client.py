@@ -31,8 +31,10 @@ def pull(kv: dict[str, Any], backend: KVHandoff, seq: Sequence, timeout_s: float
         send(sock, {"op": "pull", "handoff_id": kv["handoff_id"], "layout": backend.describe()})
         answer, fds = receive(sock)
         try:
-            if answer.get("ok") is not True:
+            if answer.get("ok") is False:
                 raise HandoffRefused(f"the prefill engine refused the pull: {str(answer.get('error'))[:200]}")
+            if answer.get("ok") is not True:
+                raise HandoffError(f"a malformed answer from the prefill engine: {str(answer)[:120]}")
             report = backend.import_kv(seq, answer.get("header"), fds)
         except BaseException:
             acknowledge(sock, False)

@@ -3,11 +3,12 @@ answers and what a decode request brings. Everything a caller can get wrong is a
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import TYPE_CHECKING, Any
 
 from kvlab.common.errors import RequestError
 from kvlab.common.handoff.wire import PREFIX
-from kvlab.common.sampling_params import SamplingParams
+from kvlab.common.sampling_params import MAX_LOGPROBS, SamplingParams
 
 if TYPE_CHECKING:
     from kvlab.common.handoff.seam import KVHandoff
@@ -56,6 +57,36 @@ def check_decode(kv: Any, prompt_len: int, config: Any, vocab_size: int | None, 
     if kv.get("model", config.model) != config.model:
         raise RequestError(f"the KV was computed by model {_shown(kv['model'])}, this decode engine runs "
                            f"{config.model!r}: run both roles on the same model")
+
+
+def first_logprob(kv: dict, params: SamplingParams, vocab_size: int | None) -> tuple[float, tuple]:
+    """The first token's logprob and top candidates, as the prefill engine computed them (it sampled the token),
+    cut to this request's logprobs count; (0.0, ()) when the prefill answer holds none and none is asked."""
+    entry = kv.get("first_token_logprob")
+    if entry is None:
+        if params.logprobs is not None:
+            raise RequestError("this request asks logprobs but its kv_transfer_params hold no first_token_logprob: "
+                               "send the prefill engine's object whole, from a request with the same logprobs")
+        return 0.0, ()
+    if not isinstance(entry, list) or len(entry) != 2 or not _is_logprob(entry[0]) \
+            or not isinstance(entry[1], list) or len(entry[1]) > MAX_LOGPROBS \
+            or not all(_is_candidate(c, vocab_size) for c in entry[1]):
+        raise RequestError("kv_transfer_params first_token_logprob must be [logprob, [[token id, logprob], ...]] "
+                           f"(at most {MAX_LOGPROBS} candidates), got {_shown(entry)}")
+    wanted = params.logprobs or 0
+    if len(entry[1]) < wanted:
+        raise RequestError(f"this request asks logprobs={wanted} but the prefill engine computed {len(entry[1])} "
+                           "for the first token: ask both engines for the same logprobs")
+    return float(entry[0]), tuple((tid, float(lp)) for tid, lp in entry[1][:wanted])
+
+
+def _is_logprob(value: Any) -> bool:
+    return type(value) in (int, float) and (value == -math.inf or -math.inf < value <= 0)
+
+
+def _is_candidate(pair: Any, vocab_size: int | None) -> bool:
+    return isinstance(pair, list) and len(pair) == 2 and type(pair[0]) is int and _is_logprob(pair[1]) \
+        and 0 <= pair[0] < (vocab_size if vocab_size is not None else 1 << 31)
 
 
 def _check_text(kv: dict, key: str, limit: int) -> None:

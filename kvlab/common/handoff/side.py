@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from kvlab.common.errors import ConfigError, HandoffError, KvlabError, RequestError
 from kvlab.common.handoff import client
 from kvlab.common.handoff.book import HandoffStats, KeptBook
-from kvlab.common.handoff.params import check_decode, check_sampling, prefill_params
+from kvlab.common.handoff.params import check_decode, check_sampling, first_logprob, prefill_params
 from kvlab.common.handoff.seam import HandoffReport, load_handoff
 from kvlab.common.handoff.server import HandoffServer
 from kvlab.common.handoff.wire import PREFIX
@@ -37,10 +37,13 @@ IO_TIMEOUT_S = 10.0            # any one socket operation of a pull
 
 @dataclass(slots=True)
 class PendingImport:
-    """A decode request's pending import: its first token, and the pull admission calls (`Request.kv_import`)."""
+    """A decode request's pending import: its first token (and that token's logprob and top candidates, as the
+    prefill engine computed them), and the pull admission calls (`Request.kv_import`)."""
     first_token: int
     kv: dict[str, Any]
     role: HandoffRole
+    first_logprob: float = 0.0
+    first_top: tuple = ()
 
     def __call__(self, req: Request, seq: Sequence, reserve_units: int) -> int | None:
         return self.role.pull(req, seq, self.kv, reserve_units)
@@ -84,7 +87,8 @@ class HandoffRole:
             return prefill_params(params, kv), True, None
         check_decode(kv, prompt_len, self.config, self.vocab_size, self.backend)
         check_sampling(params, "decode")
-        return params, False, PendingImport(kv["first_token_ids"][0], dict(kv), self)
+        logprob, top = first_logprob(kv, params, self.vocab_size)
+        return params, False, PendingImport(kv["first_token_ids"][0], dict(kv), self, logprob, top)
 
     def release_unpulled(self, req: Request | None) -> None:
         """A decode request that ended before its import (its first token stopped it, it could never fit, it was
@@ -129,6 +133,7 @@ class HandoffRole:
         output.kv_transfer_params = {
             "do_remote_prefill": True, "handoff_id": handoff_id, "address": self.address,
             "num_tokens": seq.prompt_len, "first_token_ids": seq.output_token_ids[:1],
+            "first_token_logprob": _first_logprob(seq),
             "backend": self.config.backend, **self.backend.params(), "model": self.config.model}
 
     def poll(self) -> None:
@@ -169,3 +174,10 @@ class HandoffRole:
             self.server.close()
             for kept in self.book.drain():
                 self.scheduler.release_kept(kept.seq)
+
+
+def _first_logprob(seq: Sequence) -> list:
+    """[logprob, [[token id, logprob], ...]] of the one token a prefill request sampled: the decode engine
+    reports them as this token's (the top list is empty unless the request asked logprobs)."""
+    top = seq.logprobs[0][1] if seq.logprobs else ()
+    return [seq.cumulative_logprob, [[tid, lp] for tid, lp in top]]

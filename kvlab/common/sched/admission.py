@@ -86,7 +86,7 @@ class Admission:
                 try:
                     hit = target = self._import(req, seq)     # allocated so far: the prompt; its next chunk below
                 except HandoffError as exc:
-                    self.life.fail(req, f"request {req.request_id}: {exc}", out)
+                    self.life.fail(req, f"request {req.request_id}: {exc}", out, type(exc))
                     continue
             else:
                 hit = cache.allocate(seq, target, self.watermark(req))

@@ -120,9 +120,10 @@ class Lifecycle:
         if all(s.status is FINISHED for s in req.seqs):
             self._complete(req)
 
-    def fail(self, req: Request, message: str, out: SchedulerOutput | None = None) -> None:
+    def fail(self, req: Request, message: str, out: SchedulerOutput | None = None, cause: type | None = None) -> None:
+        """`cause`: the type of the exception behind it, for a server to answer with the matching status."""
         log.info("request failed: %s", message)     # reported through the request's output, not twice
-        req.error = message
+        req.error, req.error_type = message, cause
         self.stats.failed_requests += 1
         if out is not None:
             out.failed.append(req.request_id)

@@ -105,14 +105,15 @@ class Scheduler:
                                 f"(kv_cache_bytes={self.config.kv_cache_bytes}): "
                                 f"{self._fix(limit, len(prompt_token_ids))}")
         elif kv_import is not None:
-            self._start_imported(req, seq, kv_import.first_token, arrival_time)
+            self._start_imported(req, seq, kv_import, arrival_time)
         else:
             self.queues.waiting.append(seq)
         return req
 
-    def _start_imported(self, req: Request, seq: Sequence, first_token: int, now: float) -> None:
-        """The first token came with the request; it waits for admission unless that token ended it."""
-        self.life.append(req, seq, first_token, 0.0)
+    def _start_imported(self, req: Request, seq: Sequence, kv_import: KVImport, now: float) -> None:
+        """The first token came with the request (and its logprob, computed by the prefill engine); it waits for
+        admission unless that token ended it."""
+        self.life.append(req, seq, kv_import.first_token, kv_import.first_logprob, kv_import.first_top)
         req.first_token_time = seq.first_token_time = seq.last_token_time = now
         if not seq.is_finished:
             self.queues.waiting.append(seq)

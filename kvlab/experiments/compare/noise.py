@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvlab.common.validate import as_finite
 from kvlab.experiments.reporting.verdict import relative_change
 
 Key = tuple
@@ -50,7 +51,9 @@ def middle(values: list[float]) -> float:
 
 
 def is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A figure: a number a float holds (10**400 in a hand-edited file is not one)."""
+    return isinstance(value, float) or (isinstance(value, int) and not isinstance(value, bool)
+                                        and as_finite(value) is not None)
 
 
 def load_lines(a: dict[str, Any], b: dict[str, Any]) -> list[str]:

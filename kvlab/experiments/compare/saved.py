@@ -35,6 +35,8 @@ def load_run(where: str) -> SavedRun:
     if record is None:
         raise ConfigError(f"{where} records no provenance (written before kvlab recorded it?); cannot compare "
                           "configurations")
+    if not isinstance(record, dict):
+        raise ConfigError(f"{where}: its provenance is not a JSON object (got {type(record).__name__})")
     return SavedRun(path, record, {identity(r): r for r in rows_of(doc)})
 
 
@@ -50,8 +52,8 @@ def results_file(path: Path) -> Path:
 def read_json(file: Path) -> dict[str, Any]:
     try:
         doc = json.loads(file.read_text())
-    except ValueError as e:
-        raise ConfigError(f"{file} is not JSON: {e}") from None
+    except (ValueError, RecursionError) as e:        # RecursionError: nested thousands of levels deep
+        raise ConfigError(f"{file} is not JSON: {str(e)[:120]}") from None
     if not isinstance(doc, dict):
         raise ConfigError(f"{file} is not a kvlab results file (a JSON object)")
     return doc
@@ -86,4 +88,8 @@ def study_rows(cells: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def identity(row: dict[str, Any]) -> tuple:
+    bad = next((k for k in IDENTITY if k in row and not isinstance(row[k], (str, int, float, bool, type(None)))),
+               None)
+    if bad is not None:
+        raise ConfigError(f"a row's {bad} must be text or a number, got {type(row[bad]).__name__}")
     return tuple((k, row[k]) for k in IDENTITY if k in row)

@@ -5,14 +5,13 @@ from __future__ import annotations
 import argparse
 import math
 import shlex
-from pathlib import Path
 from urllib.parse import urlsplit
 
 from kvlab.common.errors import ConfigError
 from kvlab.common.limits import MAX_MODEL_LEN, check_seed
-from kvlab.common.validate import check_int, check_number, check_output_path, check_text, shown
+from kvlab.common.validate import check_int, check_number, check_text, shown
 from kvlab.experiments.limits import MAX_PROMPT_TOKENS, MAX_REQUESTS, MAX_SPAN_S, MAX_VOCAB
-from kvlab.experiments.loadgen import latency
+from kvlab.experiments.loadgen import latency, result_file
 from kvlab.experiments.loadgen.datasets import LOW_TOKEN
 
 MIN_BURSTINESS, MAX_BURSTINESS = 0.01, 100.0      # gaps' CV from 10 down to 0.1
@@ -27,10 +26,7 @@ def check_args(args: argparse.Namespace) -> None:
     check_traffic(args)
     check_metrics(args)
     args.server_args_list = split_server_args(args.server_args)
-    if args.save_result:
-        check_output_path("--result-dir", args.result_dir or ".", directory=True)
-        if args.result_filename is not None:
-            check_output_path("--result-filename", Path(args.result_dir or ".") / args.result_filename)
+    result_file.check_result_flags(args)
 
 
 def check_counts(args: argparse.Namespace) -> None:

@@ -7,17 +7,15 @@ line that uses only those runs unchanged; kvlab's older names stay as aliases.""
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from dataclasses import replace
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from kvlab.common.errors import ConfigError
 from kvlab.common.validate import check_output_path
 from kvlab.experiments.cli import flags
-from kvlab.experiments.loadgen import checks, latency, multi_cli
+from kvlab.experiments.loadgen import checks, latency, multi_cli, result_file
 from kvlab.experiments.loadgen.client import BACKENDS, Target, Timeouts, fetch_model
 from kvlab.experiments.loadgen.load_run import LoadSpec, bench_once, format_result, load_plan
 
@@ -90,9 +88,7 @@ def add_result_flags(p: argparse.ArgumentParser) -> None:
                    help=f"of {','.join(latency.METRICS)} (default {latency.VLLM_METRICS})")
     p.add_argument("--metric-percentiles", type=flags.parse_list, default=latency.VLLM_PERCENTILES.split(","),
                    help=f"(default {latency.VLLM_PERCENTILES})")
-    p.add_argument("--save-result", action="store_true", help="write the result JSON (vLLM's keys)")
-    p.add_argument("--result-dir", help="where --save-result writes (default: the current directory)")
-    p.add_argument("--result-filename", help="default {backend}-{rate}qps[-concurrency{N}]-{model}-{date}.json")
+    result_file.add_result_file_flags(p)
 
 
 def add_sweep_flags(p: argparse.ArgumentParser) -> None:
@@ -104,6 +100,9 @@ def add_sweep_flags(p: argparse.ArgumentParser) -> None:
 
 def dataset_spec(name: str, path: str | None) -> str:
     """vLLM's --dataset-name NAME --dataset-path FILE as kvlab's NAME:FILE (kvlab's own form also accepted)."""
+    if not name.strip():
+        raise ConfigError("--dataset-name must name a dataset (random, sharegpt, trace, mooncake, seed, prefix:...), "
+                          "got an empty name")
     kind = name.partition(":")[0]
     if kind in DATASETS_WITH_FILE and path is None and kind == name:
         raise ConfigError(f"--dataset-name {name} reads a file: give --dataset-path FILE")
@@ -126,7 +125,7 @@ def load_spec_from(args: argparse.Namespace) -> LoadSpec:
 
 def run(args: argparse.Namespace) -> int:
     dataset, num_prompts = DEFAULTS["sweep" if args.backends else "run"]
-    args.dataset = args.dataset or dataset
+    args.dataset = dataset if args.dataset is None else args.dataset      # "" is refused, not the default
     args.num_prompts = num_prompts if args.num_prompts is None else args.num_prompts
     checks.check_args(args)
     spec = load_spec_from(args)
@@ -142,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     print(start_line(spec, target, args.request_rate), flush=True)
     result = bench_once(spec, target, args.request_rate, progress=not args.disable_tqdm)
     print(format_result(result))
-    if args.save_result:
+    if result_file.saving(args):
         print(f"wrote {save_result(args, result, target)}")
     return 0 if result["completed"] else 1
 
@@ -168,20 +167,8 @@ def start_line(spec: LoadSpec, target: Target, rate: float) -> str:
 
 
 def save_result(args: argparse.Namespace, result: dict[str, Any], target: Target) -> Path:
-    """vLLM's result file: its setup keys, then the run's."""
-    now = datetime.now().strftime("%Y%m%d-%H%M%S")
-    model = target.model or "unknown"
-    head = {"date": now, "endpoint_type": args.backend, "backend": args.backend, "label": None, "model_id": model,
-            "tokenizer_id": args.tokenizer or model, "num_prompts": args.num_prompts,
-            "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
-            "burstiness": args.burstiness, "max_concurrency": args.max_concurrency}
-    concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency is not None else ""
-    name = f"{args.backend}-{args.request_rate}qps{concurrency}-{model.split('/')[-1]}-{now}.json"
-    path = Path(args.result_dir or ".") / (args.result_filename or name)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """vLLM's result file (result_file.py), with kvlab's provenance record."""
     from kvlab.experiments.reporting.provenance import provenance
     record = provenance({"command": "bench serve", "base_url": checks.base_url(args), "load": load_spec_from(args),
                          "request_rate": args.request_rate})
-    path.write_text(json.dumps(head | result | {"request_rate": head["request_rate"], "provenance": record},
-                               indent=1))
-    return path
+    return result_file.save_result(args, result, target.model or "unknown", record)

@@ -3,13 +3,16 @@ a text's tokens), and ShareGPT conversations read from a local JSON file."""
 from __future__ import annotations
 
 import json
+import os
 import random
-from pathlib import Path
+import stat
 from typing import Any
 
 from kvlab.common.errors import ConfigError, KvlabError
 from kvlab.common.tokenizer import ByteTokenizer
 from kvlab.common.validate import shown, user_path
+
+MAX_SHAREGPT_BYTES = 2 << 30
 
 BYTE_VOCAB = 259                   # the byte tokenizer kvlab's tiny preset uses: 256 bytes after pad/bos/eos
 PRINTABLE = range(ByteTokenizer.OFFSET + 0x20, ByteTokenizer.OFFSET + 0x7F)   # ASCII text: one token per byte
@@ -65,10 +68,25 @@ def sharegpt(path: str, n: int, seed: int, tokenizer: Any) -> list[tuple[str, in
     return out
 
 
+def bounded_read(path: str) -> bytes:
+    """A regular file's bytes, at most MAX_SHAREGPT_BYTES (ShareGPT V3 is 0.7 GB): a device such as /dev/zero,
+    or a larger file, is one line instead of a read until memory runs out."""
+    with open(path, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise ConfigError(f"--dataset-path {shown(path)}: not a regular file (a device, pipe or directory)")
+        data = f.read(MAX_SHAREGPT_BYTES + 1)
+    if len(data) > MAX_SHAREGPT_BYTES:
+        raise ConfigError(f"--dataset-path {shown(path)}: larger than {MAX_SHAREGPT_BYTES >> 30} GiB "
+                          "(MAX_SHAREGPT_BYTES); is this a ShareGPT JSON file?")
+    return data
+
+
 def read_sharegpt(path: str) -> list[dict]:
     """The file's conversations with two string turns at least; anything else is a one-line error."""
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        data = json.loads(bounded_read(path).decode("utf-8"))
+    except ConfigError:
+        raise
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         why = e.strerror if isinstance(e, OSError) else f"not JSON: {type(e).__name__}"
         raise ConfigError(f"--dataset-path {shown(path)}: cannot read ShareGPT JSON ({why})") from None

@@ -13,6 +13,7 @@ from typing import Any
 from kvlab.common.errors import ConfigError
 from kvlab.common.machine import check_fits_in_ram, fmt_bytes
 from kvlab.experiments.cli import flags as cli
+from kvlab.experiments.pool.guard import readable_books
 from kvlab.vmm import pool
 from kvlab.vmm.pool.engines import EngineRecord
 
@@ -46,7 +47,8 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    return {"create": run_create, "status": run_status, "limit": run_limit}[args.pool_action](args)
+    with readable_books(args.name if args.pool_action != "create" else None):
+        return {"create": run_create, "status": run_status, "limit": run_limit}[args.pool_action](args)
 
 
 def run_create(args: argparse.Namespace) -> int:

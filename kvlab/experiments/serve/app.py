@@ -28,6 +28,7 @@ from kvlab.experiments.serve.chat import renderer
 from kvlab.experiments.serve.decoding import Decoding
 from kvlab.experiments.serve.events import Event, FinishedEvent, RejectedEvent, TokensEvent
 from kvlab.experiments.serve.extension import kvlab_extension
+from kvlab.experiments.serve.failures import failure_error
 from kvlab.experiments.serve.handles import EngineGone, EngineHandle
 from kvlab.experiments.serve.logprobs import LogprobWriter, merge
 from kvlab.experiments.serve.protocol import ApiError, Submission
@@ -116,7 +117,7 @@ def create_app(server: Server) -> FastAPI:
     async def detokenize(request: Request) -> dict:
         body = await read_json(request)
         check_model(server, protocol.model_name(body))
-        tokens = protocol.detokenize_request(body)
+        tokens = protocol.detokenize_request(body, server.engine.vocab_size)
         return {"prompt": text_tokenizer(server).decode(tokens)}
 
     @app.post("/v1/completions")
@@ -149,7 +150,9 @@ def text_tokenizer(server: Server) -> Any:
 def check_model(server: Server, model: str) -> None:
     """An empty model names the served one (as vLLM); any other name is a 404, as vLLM answers."""
     if model and model != server.model_name:
-        raise ApiError(404, f"The model `{model}` does not exist.", "model", kind="NotFoundError", code="404")
+        named = repr(model)[1:-1]                       # one line (escaped), and a short prefix only
+        named = named if len(named) <= 80 else named[:80] + "…"
+        raise ApiError(404, f"The model `{named}` does not exist.", "model", kind="NotFoundError", code="404")
 
 
 async def generate(server: Server, request: Request, chat: bool) -> Response:
@@ -191,6 +194,7 @@ class CompletionReply:
         self.created = int(time.time())
         self.done = False
         self.error: str | None = None
+        self.error_type: type | None = None
         self.extra: dict[str, Any] = {}
         self.transfer: dict[str, Any] | None = None     # the output's kv_transfer_params (a prefill engine's)
         self.echo = self._prompt_text() if sub.echo else ""
@@ -233,7 +237,7 @@ class CompletionReply:
             self.dec.finish(i, reason)
         if out is not None:
             self.n_prompt = len(out.prompt_token_ids)
-            self.error = out.error
+            self.error, self.error_type = out.error, out.error_type
             self.transfer = out.kv_transfer_params
             if out.metrics is not None:
                 self.extra = kvlab_extension(out.metrics, out.handoff)
@@ -251,7 +255,7 @@ class CompletionReply:
             if not self.done:
                 self.server.engine.abort(self.rid)
         if self.error is not None:
-            raise ApiError(500, f"the request failed: {self.error}", kind="internal_server_error")
+            raise failure_error(self.error, self.error_type)
         choices = [self.choice(i, self.echo + s.text, s.finish_reason, logprobs=self.logprobs[i])
                    | {"token_ids": s.token_ids}
                    for i, s in enumerate(self.dec.samples)]
@@ -319,7 +323,7 @@ class CompletionReply:
                     yield self.chunk([choice], self.running_usage())
             tail = []                                          # one write for the last events
             if self.error is not None:
-                err = ApiError(500, f"the request failed: {self.error}", kind="internal_server_error")
+                err = failure_error(self.error, self.error_type)
                 tail.append(f"data: {json.dumps(err.body())}\n\n")
             tail.append(self.chunk([self.choice(i, "", s.finish_reason, delta=True) | {"token_ids": []}
                                     for i, s in enumerate(self.dec.samples)], self.running_usage(),

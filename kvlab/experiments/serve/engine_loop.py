@@ -67,6 +67,7 @@ class EngineLoop:
     # -- engine thread (or an engine process's main thread) ------------------------------------------------
     def run(self) -> None:
         try:
+            self._publish()                            # GET /kvlab/stats and /metrics complete from the start
             while not self.stopping.is_set():
                 idle = self.stalled or not self.engine.has_unfinished()
                 self._drain(block=idle)

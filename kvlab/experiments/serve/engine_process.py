@@ -78,7 +78,7 @@ class ProcessEngine(EngineHandle):
         try:
             self.conn.send(ProcessSetup(sys.path, logging.getLogger().getEffectiveLevel()))
             self.conn.send(config)
-            self.tokenizer, self.torch_threads = self._wait_ready(start_timeout)
+            self.tokenizer, self.torch_threads, self.vocab_size = self._wait_ready(start_timeout)
         except BaseException:                                # a bad config, or Ctrl-C while the engine builds
             self.proc.kill()                                  # nothing to save yet; the OS frees its memory
             self.proc.wait()
@@ -86,7 +86,7 @@ class ProcessEngine(EngineHandle):
             raise
         self.alive = True
 
-    def _wait_ready(self, timeout: float) -> tuple[Any, int]:
+    def _wait_ready(self, timeout: float) -> tuple[Any, int, int | None]:
         if not self.conn.poll(timeout):
             raise KvlabError(f"the engine process was not ready within {timeout:.0f} s")
         try:
@@ -96,7 +96,7 @@ class ProcessEngine(EngineHandle):
                              "its error is above") from None
         if isinstance(msg, EngineFailed):
             raise msg.error
-        return msg.tokenizer, msg.torch_threads
+        return msg.tokenizer, msg.torch_threads, msg.vocab_size
 
     # -- the asyncio loop's thread -----------------------------------------------------------------------------
     def attach(self, aloop: asyncio.AbstractEventLoop) -> None:
@@ -256,7 +256,7 @@ def _build(config: Any, conn: Connection) -> EngineLoop:
     import torch
     engine, metrics = build_engine(config)
     loop = EngineLoop(engine, metrics, lambda batch: send_quietly(conn, batch), inbox=PipeInbox(conn, metrics))
-    conn.send(EngineReady(engine.tokenizer, torch.get_num_threads()))
+    conn.send(EngineReady(engine.tokenizer, torch.get_num_threads(), engine.vocab_size))
     return loop
 
 

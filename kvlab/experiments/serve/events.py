@@ -107,6 +107,7 @@ class ProcessSetup:
 class EngineReady:
     tokenizer: Any
     torch_threads: int
+    vocab_size: int | None
 
 
 @record

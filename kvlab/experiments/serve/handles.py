@@ -47,6 +47,7 @@ class EngineHandle:
     waiting queue after its last step. `send` takes a command to the engine."""
 
     tokenizer: Any = None
+    vocab_size: int | None = None                   # the model's; /detokenize refuses ids beyond it
     gone_reason = "the server is shutting down"     # what clients are told once the engine is not running
 
     def __init__(self, max_waiting: int, send: Callable[[Command], None]) -> None:
@@ -115,7 +116,7 @@ class ThreadEngine(EngineHandle):
     def __init__(self, engine: Any, metrics: Any, max_waiting: int) -> None:
         self.loop = EngineLoop(engine, metrics, self._hop)
         super().__init__(max_waiting, self.loop.inbox.put)
-        self.tokenizer = engine.tokenizer
+        self.tokenizer, self.vocab_size = engine.tokenizer, engine.vocab_size
         self.aloop: asyncio.AbstractEventLoop | None = None
 
     def start(self) -> None:

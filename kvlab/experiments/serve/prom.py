@@ -131,18 +131,7 @@ class ServerMetrics:
     def on_step(self, engine: Any, running: int, waiting: int, swapped: int, force: bool = False,
                 handoffs: dict[str, float] | None = None) -> None:
         """After a step; `handoffs`: the engine's handoff totals (Engine.handoff.stats), when it has a role."""
-        s = engine.cache_stats()
-        gauges = {"running": running, "waiting": waiting, "swapped": swapped, "used_units": s.used_units,
-                  "total_units": s.total_units, "mapped_bytes": s.mapped_bytes,
-                  "kv_usage_ratio": s.used_units / s.total_units if s.total_units else 0.0,
-                  "kv_utilization": s.live_tokens / s.allocated_token_slots if s.allocated_token_slots else 0.0}
-        for name, value in gauges.items():
-            self._set(name, value)
-        for name in CACHE_COUNTED:
-            self._count_to(name, getattr(s, name))
-        self.latest = gauges | {old: gauges[new] for old, new in OLD_STATS_KEYS.items()}
-        if "pool" in s.extra:
-            self._on_pool(s.extra["pool"])
+        self._on_cache(engine, {"running": running, "waiting": waiting, "swapped": swapped})
         if handoffs is not None:
             self.on_handoffs(handoffs)
         now = time.monotonic()
@@ -152,13 +141,25 @@ class ServerMetrics:
         self._read_counts(engine)
 
     def on_idle(self, engine: Any) -> None:
-        """Between steps (an idle engine): refresh the memory gauges and the pool block, which other engines
-        change (a steward gives pages away while nothing steps). Nothing before the first step's gauges."""
-        if not self.latest:
-            return
+        """Between steps (an idle engine): refresh the memory gauges and the pool block, which change while
+        nothing steps (a steward gives pages away; a prefill engine frees kept KV that was pulled or expired).
+        The queue gauges keep the last step's values (zeros before the first step)."""
+        queues = {name: self.latest.get(name, 0) for name in ("running", "waiting", "swapped")}
+        self._on_cache(engine, queues)
+
+    def _on_cache(self, engine: Any, queues: dict[str, float]) -> None:
+        """The queue and memory gauges, the cache's counters and the pool block; GET /kvlab/stats' top level."""
         s = engine.cache_stats()
-        self._set("mapped_bytes", s.mapped_bytes)
-        self.latest["mapped_bytes"] = s.mapped_bytes
+        gauges = queues | {"used_units": s.used_units, "total_units": s.total_units, "mapped_bytes": s.mapped_bytes,
+                           "kv_usage_ratio": s.used_units / s.total_units if s.total_units else 0.0,
+                           "kv_utilization": s.live_tokens / s.allocated_token_slots
+                           if s.allocated_token_slots else 0.0}
+        for name, value in gauges.items():
+            self._set(name, value)
+        for name in CACHE_COUNTED:
+            self._count_to(name, getattr(s, name))
+        self.latest = {k: v for k, v in self.latest.items() if k in ("handoff",)} | gauges \
+            | {old: gauges[new] for old, new in OLD_STATS_KEYS.items()}
         if "pool" in s.extra:
             self._on_pool(s.extra["pool"])
 

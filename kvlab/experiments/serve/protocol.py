@@ -7,14 +7,13 @@ its neutral value, a known field with a wrong type or value is a 400 naming it, 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab.common.errors import RequestError
 from kvlab.common.limits import MAX_SEED
 from kvlab.common.sampling_params import MAX_LOGPROBS, SamplingParams
-from kvlab.common.validate import shown
+from kvlab.common.validate import as_finite, shown
 from kvlab.experiments.limits import MAX_N, MAX_PROMPT_CHARS, MAX_STOP_CHARS, MAX_TOKENS, MAX_VOCAB
 
 DEFAULT_MAX_TOKENS = 16
@@ -24,7 +23,7 @@ MAX_TRANSFER_PARAMS_CHARS = 4096   # kv_transfer_params as JSON: a handful of sh
 # the JSON type each must have; others are ignored, as vLLM's connectors ignore each other's
 TRANSFER_FIELDS = {"do_remote_decode": (bool,), "do_remote_prefill": (bool,), "handoff_id": (str,),
                    "address": (str,), "backend": (str,), "pool": (str, type(None)), "num_tokens": (int,),
-                   "first_token_ids": (list,)}
+                   "first_token_ids": (list,), "first_token_logprob": (list,)}
 
 # Fields kvlab cannot honour, with the value that asks for nothing (sent by many clients, so accepted).
 UNSUPPORTED = {
@@ -81,9 +80,10 @@ def _float(body: dict, name: str, default: float) -> float:
     v = body.get(name, default)
     if v is None:
         return default
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or math.isnan(v) or math.isinf(v):
-        raise bad(name, f"must be a finite number, got {v!r}")
-    return float(v)
+    number = as_finite(v)                 # None for an integer beyond the float range, as for NaN and inf
+    if number is None:
+        raise bad(name, f"must be a finite number, got {shown(v)}")
+    return number
 
 
 def _bool(body: dict, name: str, default: bool) -> bool:
@@ -91,7 +91,7 @@ def _bool(body: dict, name: str, default: bool) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise bad(name, f"must be true or false, got {v!r}")
+        raise bad(name, f"must be true or false, got {shown(v)}")
     return v
 
 
@@ -114,7 +114,7 @@ def _stream_usage(body: dict, stream: bool) -> tuple[bool, bool]:
     if opts is None:
         return False, False
     if not isinstance(opts, dict):
-        raise bad("stream_options", f"must be an object, got {opts!r}")
+        raise bad("stream_options", f"must be an object, got {shown(opts)}")
     if not stream:
         raise bad("stream_options", "is only allowed with stream=true")
     usage, continuous = _bool(opts, "include_usage", False), _bool(opts, "continuous_usage_stats", False)
@@ -153,7 +153,7 @@ def _refuse_unsupported(body: dict) -> None:
     for name, neutral in UNSUPPORTED.items():
         v = body.get(name)
         if v is not None and v != neutral:
-            raise bad(name, f"kvlab does not support it (only {neutral!r} is accepted), got {v!r}")
+            raise bad(name, f"kvlab does not support it (only {neutral!r} is accepted), got {shown(v)}")
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
@@ -162,7 +162,7 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     name = "top_logprobs" if chat else "logprobs"
     top = _int(body, name, None, low=0)
     if top is not None and top > MAX_LOGPROBS:
-        raise bad(name, f"must be an integer in [0, {MAX_LOGPROBS}], got {top}")
+        raise bad(name, f"must be an integer in [0, {MAX_LOGPROBS}], got {shown(top)}")
     if not chat:
         return top
     if not _bool(body, "logprobs", False):
@@ -175,21 +175,22 @@ def _logprobs(body: dict, chat: bool) -> int | None:
 def _best_of(body: dict, n: int) -> None:
     best_of = _int(body, "best_of", None, low=1)
     if best_of is not None and best_of < n:
-        raise bad("best_of", f"must be >= n ({n}), got {best_of}")
+        raise bad("best_of", f"must be >= n ({n}), got {shown(best_of)}")
     if best_of is not None and best_of != n:
-        raise bad("best_of", f"kvlab returns every sample it draws: only best_of == n is supported, got {best_of}")
+        raise bad("best_of", "kvlab returns every sample it draws: only best_of == n is supported, got "
+                             f"{shown(best_of)}")
 
 
 def _user(body: dict) -> None:
     user = body.get("user")
     if user is not None and not isinstance(user, str):
-        raise bad("user", f"must be a string, got {user!r}")
+        raise bad("user", f"must be a string, got {shown(user)}")
 
 
 def _seed(body: dict) -> int | None:
     seed = _int(body, "seed", None)
     if seed is not None and not 0 <= seed <= MAX_SEED:
-        raise bad("seed", f"must be an integer in [0, {MAX_SEED}], got {seed}")
+        raise bad("seed", f"must be an integer in [0, {MAX_SEED}], got {shown(seed)}")
     return seed
 
 
@@ -250,7 +251,7 @@ def _message(i: int, m: Any) -> dict[str, str]:
     if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
             or not isinstance(m.get("content"), (str, list)):
         raise bad("messages", f"each message needs a string role and content (a string or a list of text "
-                              f"parts), got {m!r}")
+                              f"parts), got {shown(m)}")
     content = m["content"]
     if isinstance(content, list):
         content = "\n".join(_text_part(i, j, part) for j, part in enumerate(content))
@@ -261,10 +262,10 @@ def _text_part(i: int, j: int, part: Any) -> str:
     where = f"messages[{i}].content[{j}]"
     kind = part.get("type") if isinstance(part, dict) else None
     if kind != "text":
-        raise bad("messages", f"{where}: part type {kind!r} is not supported (kvlab serves text models: "
+        raise bad("messages", f"{where}: part type {shown(kind)} is not supported (kvlab serves text models: "
                               f"only 'text' parts)")
     if not isinstance(part.get("text"), str):
-        raise bad("messages", f"{where}: a text part needs a string 'text', got {part!r}")
+        raise bad("messages", f"{where}: a text part needs a string 'text', got {shown(part)}")
     return part["text"]
 
 
@@ -272,7 +273,7 @@ def model_name(body: Any) -> str:
     """The body's model ("" when missing: the served one)."""
     model = body.get("model", "") if isinstance(body, dict) else ""
     if not isinstance(model, str):
-        raise bad("model", f"must be a string, got {model!r}")
+        raise bad("model", f"must be a string, got {shown(model)}")
     return model
 
 
@@ -313,14 +314,17 @@ def tokenize_request(body: Any, render_chat, tokenizer: Any) -> list[int]:
         return list(tokenizer.encode(render_chat(chat_messages(body))))
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
-        raise bad("prompt", f"must be a string (or send messages), got {prompt!r}")
+        raise bad("prompt", f"must be a string (or send messages), got {shown(prompt)}")
     return list(tokenizer.encode(prompt))
 
 
-def detokenize_request(body: Any) -> list[int]:
-    """vLLM's /detokenize body: {tokens: [int, ...]}."""
+def detokenize_request(body: Any, vocab_size: int | None) -> list[int]:
+    """vLLM's /detokenize body: {tokens: [int, ...]}, each id inside the model's vocabulary (as a prompt's)."""
     tokens = body.get("tokens") if isinstance(body, dict) else None
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                                                for t in tokens):
-        raise bad("tokens", f"must be a list of non-negative token ids, got {tokens!r}")
+        raise bad("tokens", f"must be a list of non-negative token ids, got {shown(tokens)}")
+    outside = next((t for t in tokens if vocab_size is not None and t >= vocab_size), None)
+    if outside is not None:
+        raise bad("tokens", f"token id {shown(outside)} is outside the model's vocabulary [0, {vocab_size})")
     return tokens

@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from kvlab.common.validate import shown
 from kvlab.experiments.limits import MAX_BODY_BYTES
 from kvlab.experiments.serve import protocol
 from kvlab.experiments.serve.app import DISCONNECT_POLL_S, read_json
@@ -189,9 +190,10 @@ async def route(router: Router, request: Request, path: str) -> Response:
     if "colocated" in router.upstreams.by_role:
         return await forward(router, request, router.upstreams.pick("colocated"), path, body)
     started = time.perf_counter()
-    status, answer = await while_connected(request, router.post(router.upstreams.pick("prefill"), path,
-                                                                prefill_body(body)))
+    prefill = router.upstreams.pick("prefill")
+    status, answer = await while_connected(request, router.post(prefill, path, prefill_body(body)))
     if status != 200:                                 # the request's own error, as one engine would answer it
+        check_json_object(router, prefill, status, answer)
         router.metrics.requests.labels("rejected").inc()
         return Response(answer, status_code=status, media_type="application/json")
     router.metrics.prefill.observe(time.perf_counter() - started)
@@ -204,8 +206,22 @@ async def forward(router: Router, request: Request, engine: Upstream, path: str,
     if body.get("stream") is True:
         return await relay_stream(router, engine, path, body)
     status, answer = await while_connected(request, router.post(engine, path, body))
+    check_json_object(router, engine, status, answer)
     router.metrics.requests.labels("ok" if status == 200 else "rejected").inc()
     return Response(answer, status_code=status, media_type="application/json")
+
+
+def check_json_object(router: Router, engine: Upstream, status: int, answer: bytes) -> None:
+    """An engine answers a JSON object, whatever its status: anything else is relayed as nobody's JSON would be,
+    so it is a 502 naming the engine."""
+    try:
+        parsed = json.loads(answer)
+    except (ValueError, RecursionError):
+        parsed = None
+    if not isinstance(parsed, dict):
+        router.metrics.failures.labels(engine.role).inc()
+        raise UpstreamFailed(f"the {engine.role} engine {engine.url} answered {status} with a body that is not a "
+                             f"JSON object: {answer[:60]!r}")
 
 
 def prefill_body(body: dict) -> dict:
@@ -243,9 +259,15 @@ async def relay_stream(router: Router, engine: Upstream, path: str, body: dict) 
     """The decode engine's stream, piece by piece as it comes. Headers are sent with the first piece, so an
     engine that breaks off later is reported as one error event before the stream ends."""
     resp = await router.open_stream(engine, path, body)
+    if resp.status == 200 and resp.content_type != "text/event-stream":
+        resp.close()
+        router.metrics.failures.labels(engine.role).inc()
+        raise UpstreamFailed(f"the {engine.role} engine {engine.url} answered a stream request with "
+                             f"{shown(resp.content_type)}, not an event stream")
     if resp.status != 200:
         answer = await resp.read()
         resp.release()
+        check_json_object(router, engine, resp.status, answer)
         router.metrics.requests.labels("rejected").inc()
         return Response(answer, status_code=resp.status, media_type="application/json")
     router.metrics.requests.labels("ok").inc()

@@ -19,12 +19,13 @@ ENGINE_ONLY = ("served_model_name", "engine_thread")
 def check_url(flag: str, text: str) -> str:
     """An engine's base URL: http(s)://host:port with no path beyond '/'."""
     check_text(flag, text, MAX_URL_CHARS)
-    parts = urllib.parse.urlsplit(text)
     try:
+        parts = urllib.parse.urlsplit(text)
         port_ok = parts.port is None or parts.port > 0
-    except ValueError:                               # a port that is not a number in [0, 65535]
-        port_ok = False
-    if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok \
+    except ValueError:                               # an unclosed [IPv6, or a port not a number in [0, 65535]
+        parts, port_ok = urllib.parse.urlsplit(""), False
+    spaced = not text.isprintable() or any(c.isspace() for c in text)    # a router that would answer 503 forever
+    if spaced or parts.scheme not in ("http", "https") or not parts.hostname or not port_ok \
             or parts.path not in ("", "/") or parts.query or parts.fragment:
         raise ConfigError(f"{flag} takes engine URLs such as http://127.0.0.1:8100, got {shown(text)}")
     return text.rstrip("/")

@@ -24,7 +24,12 @@ TRANSFER = {"type": "object",
                            "pool": {"anyOf": [{"type": "string"}, {"type": "null"}]},
                            "num_tokens": {"type": "integer", "minimum": 0},
                            "first_token_ids": {"type": "array", "maxItems": 1,
-                                               "items": {"type": "integer", "minimum": 0, "maximum": MAX_VOCAB - 1}}}}
+                                               "items": {"type": "integer", "minimum": 0, "maximum": MAX_VOCAB - 1}},
+                           "first_token_logprob": {"type": "array", "maxItems": 2,
+                                                   "items": {"anyOf": [{"type": "number", "maximum": 0},
+                                                                       {"type": "array", "maxItems": 20,
+                                                                        "items": {"type": "array", "maxItems": 2,
+                                                                                  "items": {"type": "number"}}}]}}}}
 SAMPLING = {
     "model": {"type": "string"},
     "n": {"type": "integer", "minimum": 1, "maximum": MAX_N},

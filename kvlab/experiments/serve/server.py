@@ -17,6 +17,7 @@ import uvicorn
 from kvlab.common.validate import check_int
 from kvlab.experiments.cli import flags as cli
 from kvlab.experiments.limits import KEEP_ALIVE_S, MAX_HEADER_BYTES, MAX_PORT, MAX_REQUESTS
+from kvlab.experiments.pool.guard import readable_books
 from kvlab.experiments.serve.app import Server, create_app
 from kvlab.experiments.serve.engine_process import ProcessEngine
 from kvlab.experiments.serve.handles import EngineHandle, ThreadEngine, build_engine
@@ -105,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
         return serve_router(router_settings(args), args.host, args.port)
     check_engine_role(args)
     config = cli.engine_config(vars(args), kv_role=args.role)
-    engine, threads = start_engine(config, args.max_waiting, args.engine_thread)
+    with readable_books(config.kv_pool):
+        engine, threads = start_engine(config, args.max_waiting, args.engine_thread)
     try:
         app = create_app(Server(engine, args.served_model_name or str(config.model)))
         sock = bind(args.host, args.port)

@@ -95,8 +95,8 @@ def read_profile(path: Path, name: str, hint: str) -> KernelProfile:
         raise ConfigError(f"no kernel profile at {path}: {hint}")
     try:
         doc = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise ConfigError(f"kernel profile {path} is not JSON: {exc}") from None
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:   # RecursionError: nested too deeply
+        raise ConfigError(f"kernel profile {path} is not JSON: {str(exc)[:120] or type(exc).__name__}") from None
     doc = _profile_in_check(doc, path)
     try:
         return parse_profile(doc, name)

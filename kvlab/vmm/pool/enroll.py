@@ -65,6 +65,9 @@ def join(name: str, engine: str | None = None, floor: int = 0, ceiling: int | No
 
 def check_geometry(nbytes: int, page_size: int) -> int:
     """The page count of a pool of `nbytes` in pages of `page_size`."""
+    for what, value in (("pool size", nbytes), ("page size", page_size)):
+        if type(value) is not int:
+            raise LimitError(f"{what} must be an integer number of bytes, got {str(value)[:40]!r}")
     if page_size <= 0 or page_size % mmap.PAGESIZE:
         raise LimitError(f"page size {page_size} is not a positive multiple of the OS page ({mmap.PAGESIZE})")
     if nbytes <= 0 or nbytes % page_size:
@@ -89,6 +92,8 @@ def create(name: str, nbytes: int, page_size: int = DEFAULT_PAGE_SIZE, engine: s
     Nothing is named in the filesystem: the pool lives as long as one member does."""
     rendezvous.check_name(name)
     total = check_geometry(nbytes, page_size)
+    if memory is None and device != HOST:        # the default memory is a host memfd
+        raise LimitError(f"device {str(device)[:40]!r}: a pool on a GPU needs its memory (vmm/drivers/pooled_cuda.py)")
     server = rendezvous.claim(name)
     try:
         memory_fds = memory() if memory is not None else [new_memfd(f"{rendezvous.PREFIX}{name}-pages", nbytes)]

@@ -51,8 +51,8 @@ class PoolMember:
     def take(self, n: int) -> list[int] | None:
         """n pages now this engine's, or None with nothing changed (pool short, own ceiling, others' floors).
         A refusal first returns dead engines' pages and tries once more."""
-        if not isinstance(n, int) or n < 1:
-            raise PoolError(f"take needs a positive page count, got {n!r}")
+        if not _is_count(n) or not 1 <= n <= self.total_pages:
+            raise PoolError(f"take needs a page count in [1, {self.total_pages}], got {str(n)[:40]}")
         attachment = self._usable()
         with attachment.locked() as ledger:
             pages = ledger.take(self.index, n)
@@ -67,6 +67,8 @@ class PoolMember:
         """Unmapped pages back to the pool, all or none; their memory goes back to the OS (the next owner reads
         zeros)."""
         pages = list(pages)
+        if not all(_is_count(p) for p in pages):
+            raise PoolError(f"give takes page numbers (integers), got {str(pages)[:60]}")
         attachment = self._usable()
         if len(set(pages)) != len(pages) or not self.held.issuperset(pages):
             raise PoolError(f"engine {self.engine!r} can give only distinct pages it holds; "
@@ -168,3 +170,8 @@ class PoolMember:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _is_count(value: object) -> bool:
+    """An integer (Python's or numpy's), not a bool or a float that happens to equal one."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)

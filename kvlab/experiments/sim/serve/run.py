@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab.common.errors import ConfigError
+from kvlab.common.validate import shown
 from kvlab.experiments.loadgen import latency
 from kvlab.experiments.loadgen.arrivals import arrival_times
 from kvlab.experiments.loadgen.datasets import draw_lengths
@@ -143,6 +144,10 @@ def pool_pages(case: SimCase, spec: ServeSpec) -> int:
     return int(case.budget_gb * 1e9) // page_size
 
 
+MAX_UNIT_TOKENS = 1 << 20          # a paged block's tokens
+MAX_PAGE_BYTES = 1 << 40           # a vmm page's bytes
+
+
 def parse_backends(items: list[str], budget_gb: float, watermark: float,
                    layouts: tuple[str, ...] = ("per-layer",)) -> list[SimCase]:
     """reserve | oracle | paged-BLOCK | vmm-SIZE[-crosslayer] | elastic-BLOCK[-SIZE] (e.g. paged-16, vmm-2MiB,
@@ -153,15 +158,16 @@ def parse_backends(items: list[str], budget_gb: float, watermark: float,
         name, _, size = item.partition("-")
         if name in ("reserve", "oracle") and not size:
             cases.append(SimCase(name, budget_gb))
-        elif name == "paged" and size.isdigit():
+        elif name == "paged" and size.isdigit() and 0 < int(size) <= MAX_UNIT_TOKENS:
             cases.append(SimCase("paged", budget_gb, block_size=int(size), watermark=watermark))
         elif name == "elastic" and size:
             cases.append(elastic_case(item, size, budget_gb, watermark))
         elif name == "vmm" and size:
             cases += vmm_cases(item, size, budget_gb, watermark, layouts)
         else:
-            raise ConfigError(f"bad backend {item!r}: use reserve, oracle, paged-BLOCK (paged-16), vmm-SIZE "
-                              f"(vmm-2MiB, vmm-2MiB-crosslayer) or elastic-BLOCK[-SIZE] (elastic-16-2MiB)")
+            raise ConfigError(f"bad backend {shown(item)}: use reserve, oracle, paged-BLOCK (paged-16, a block of "
+                              f"1 to {MAX_UNIT_TOKENS} tokens), vmm-SIZE (vmm-2MiB, vmm-2MiB-crosslayer) or "
+                              f"elastic-BLOCK[-SIZE] (elastic-16-2MiB)")
     return cases
 
 
@@ -172,8 +178,11 @@ def vmm_cases(item: str, size: str, budget_gb: float, watermark: float, layouts:
         size, layouts = size.removesuffix("-crosslayer"), (CROSS_LAYER,)
     try:
         page = parse_bytes(size)
-    except Exception:
-        raise ConfigError(f"bad backend {item!r}: vmm-SIZE like vmm-2MiB or vmm-64KiB") from None
+    except Exception:                       # noqa: BLE001 - any unreadable size is the message below
+        page = 0
+    if not 0 < page <= MAX_PAGE_BYTES:      # a page of 0 bytes divided by zero later
+        raise ConfigError(f"bad backend {shown(item)}: vmm-SIZE like vmm-2MiB or vmm-64KiB, a page of "
+                          f"1 byte to {MAX_PAGE_BYTES >> 30} GiB")
     out = []
     for layout in layouts:
         extra = {LAYOUT_OPTION: CROSS_LAYER} if check_layout(layout) == CROSS_LAYER else {}
@@ -191,7 +200,10 @@ def elastic_case(item: str, size: str, budget_gb: float, watermark: float) -> Si
         if page:
             options["elastic_page_size"] = parse_bytes(page)
     except Exception:
-        raise ConfigError(f"bad backend {item!r}: elastic-BLOCK[-SIZE] like elastic-16 or elastic-16-2MiB") from None
+        options = {}
+    if not (0 < options.get("elastic_block_size", 0) <= MAX_UNIT_TOKENS
+            and 0 < options.get("elastic_page_size", 1) <= MAX_PAGE_BYTES):
+        raise ConfigError(f"bad backend {shown(item)}: elastic-BLOCK[-SIZE] like elastic-16 or elastic-16-2MiB")
     return SimCase("elastic", budget_gb, watermark=watermark, **options)
 
 

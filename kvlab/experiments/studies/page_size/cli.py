@@ -79,12 +79,15 @@ def parse_ratios(text: str) -> list[float]:
 
 
 def parse_pages(text: str) -> list[int]:
-    return [flags.parse_bytes(item) for item in flags.parse_list(text)]
+    pages = [flags.parse_bytes(item) for item in flags.parse_list(text)]
+    if len(set(pages)) < len(pages) or min(pages, default=1) <= 0:     # each size is one column of the study
+        raise argparse.ArgumentTypeError(f"distinct page sizes of at least 1 byte, each once, got {text[:80]}")
+    return pages
 
 
 def positive_ints(flag: str, items: list[str]) -> tuple[int, ...]:
-    if not all(i.isdigit() and int(i) > 0 for i in items):
-        raise ConfigError(f"{flag} takes positive integers, got {','.join(items)}")
+    if not all(i.isdigit() and int(i) > 0 for i in items) or len(set(map(int, items))) < len(items):
+        raise ConfigError(f"{flag} takes distinct positive integers, got {','.join(items)[:80]}")
     return tuple(int(i) for i in items)
 
 

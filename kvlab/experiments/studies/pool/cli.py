@@ -9,8 +9,9 @@ from typing import Any
 
 from kvlab.common.errors import ConfigError
 from kvlab.common.limits import MAX_MODEL_LEN, check_seed
+from kvlab.common.loader import locate
 from kvlab.common.machine import check_fits_in_ram
-from kvlab.common.validate import check_int, check_number, check_output_path
+from kvlab.common.validate import check_int, check_number, check_output_path, shown
 from kvlab.experiments.cli import flags
 from kvlab.experiments.loadgen import checks, latency
 from kvlab.experiments.loadgen.load_run import LoadSpec
@@ -59,7 +60,12 @@ def configurations(keys: list[str]) -> tuple:
     return tuple(CONFIGURATIONS[k] for k in keys)
 
 
+STUDY_OWNED = ("--backend", "--kv-cache-bytes", "--kv-pool", "--kv-pool-bytes", "--max-model-len", "--model",
+               "--port", "--host")    # each server's flags the study sets itself
+
+
 def check_memory(total: int, engines: int) -> int:
+    total = check_int("--total-bytes", total, engines * POOL_PAGE, 1 << 50)
     if total % (engines * POOL_PAGE):
         raise ConfigError(f"--total-bytes {total:,} must be a multiple of --engines x 64 KiB "
                           f"({engines * POOL_PAGE:,}), so every split is whole pages")
@@ -88,7 +94,12 @@ def settings_from(args: argparse.Namespace) -> PoolStudySettings:
     load = load_spec(args)
     multi = MultiSpec(phases_from(args, engines, load), load)
     model_plans(multi)                                  # every model gets requests, before any server starts
-    server_args = ("--max-model-len", str(args.max_model_len), *checks.split_server_args(args.server_args))
+    locate(args.model)                                  # a model no server could load, before any starts
+    extra = checks.split_server_args(args.server_args)
+    owned = next((a for a in extra if a.split("=")[0] in STUDY_OWNED), None)
+    if owned is not None:
+        raise ConfigError(f"--server-args {shown(owned)}: the study sets that flag on every server itself")
+    server_args = ("--max-model-len", str(args.max_model_len), *extra)
     if args.out is not None:
         check_output_path("--out", args.out, directory=True)
     return PoolStudySettings(multi, total, configurations(args.configurations),
