@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from invariants import SHAPE
+from helpers.invariants import SHAPE
 
 from kvlab import LLM, SamplingParams
 from kvlab.common.config import make_config
