@@ -18,7 +18,7 @@ from kvlab.common.kv.options import check_choice, check_positive, check_types
 from kvlab.common.kv.registry import REGISTRY
 from kvlab.common.kv.types import KV_CACHE_DTYPES
 from kvlab.common.limits import MAX_MODEL_LEN, MAX_SEED
-from kvlab.common.machine import max_threads
+from kvlab.common.machine import check_fits_in_ram, max_threads
 from kvlab.common.validate import check_int, check_number
 
 if TYPE_CHECKING:
@@ -136,6 +136,7 @@ def validate(cfg: EngineConfig) -> None:
         opts.validate()
         check_types(opts, where=f"{name}.")    # also for a backend whose validate() forgets it
         check_selected_only(name, opts, cfg.backend)
+        check_host_bytes(name, opts, cfg.device)
 
 
 def check_kv_cache_scale(scale: float, kv_cache_dtype: str) -> None:
@@ -158,6 +159,17 @@ def check_selected_only(name: str, opts: Any, backend: str) -> None:
         why = f.metadata.get("selected_only")
         if why and getattr(opts, f.name) != f.default:
             raise ConfigError(f"{f.name} needs the {name} backend ({why}), not {backend!r}")
+
+
+def check_host_bytes(name: str, opts: Any, device: str) -> None:
+    """A backend option whose field metadata says `host_bytes` is a size held in this machine's RAM when the
+    device is the CPU: refused when it cannot fit, as `kvlab pool create` refuses it."""
+    if device != "cpu":
+        return
+    for f in fields(opts):
+        value = getattr(opts, f.name)
+        if f.metadata.get("host_bytes") and value is not None:
+            check_fits_in_ram(f"{f.name} {value:,}", value, f"lower {f.name}")
 
 
 def split_overrides(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:

@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING
 
 from kvlab.common.kv.seam import KVCache, NullStorage
 from kvlab.common.kv.types import KVShape
-from kvlab.common.machine import check_fits_in_ram
 from kvlab.vmm.allocator import VMMAllocator
 from kvlab.vmm.drivers.factory import make_driver
 from kvlab.vmm.storage import KVViews, VMMStorage
@@ -22,8 +21,6 @@ def build_vmm(config: EngineConfig, shape: KVShape, accounting_only: bool = Fals
     """`driver`: one already made (tests: a failing or a fake-backed one); else the device's, or the accounting
     driver when `accounting_only`."""
     opts = config.options_of("vmm")
-    if opts.kv_pool_bytes is not None and shape.device == "cpu":     # as `kvlab pool create` refuses it
-        check_fits_in_ram(f"kv_pool_bytes {opts.kv_pool_bytes:,}", opts.kv_pool_bytes, "lower kv_pool_bytes")
     driver = driver or make_driver(shape.device, opts.page_size, accounting_only, opts.kv_pool, opts.kv_pool_bytes)
     allocator = VMMAllocator(config, shape, driver, single_range)
     if accounting_only:

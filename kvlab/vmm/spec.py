@@ -24,7 +24,7 @@ class VMMOptions:
         "selected_only": "pages mapped on demand"})
     kv_pool_bytes: int | None = field(default=None, metadata={
         "help": "create the --kv-pool with this budget if no engine serves it yet, e.g. 8GiB", "metavar": "BYTES",
-        "bytes": True})
+        "bytes": True, "host_bytes": True})
 
     def validate(self) -> None:
         check_positive(self, "page_size")

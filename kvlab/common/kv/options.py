@@ -13,12 +13,16 @@ _NAMES = {"int": "an integer", "float": "a number", "bool": "true or false", "st
 
 def check_types(obj: Any, where: str = "") -> None:
     """Raise ConfigError for the first field whose value does not have its annotated type (int, float,
-    bool, str; a bool is never accepted as a number)."""
+    bool, str, or one of them `| None`; a bool is never accepted as a number)."""
     for f in dataclasses.fields(obj):
         kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+        value = getattr(obj, f.name)
+        if kind.endswith(" | None"):              # an optional field: None, or a value of its type
+            if value is None:
+                continue
+            kind = kind.removesuffix(" | None")
         if kind not in _TYPES:
             continue
-        value = getattr(obj, f.name)
         ok = isinstance(value, _TYPES[kind]) and not (kind in ("int", "float") and isinstance(value, bool))
         if not ok:
             raise ConfigError(f"{where}{f.name} must be {_NAMES[kind]}, got {value!r}")

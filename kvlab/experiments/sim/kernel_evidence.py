@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import warnings
 
-from kvlab.experiments.sim.kernels import KernelProfile, Point
+from kvlab.experiments.sim.kernel_profile import KernelProfile, Point
 
 LEDGER = "docs/evidence.md"
 
