@@ -11,6 +11,7 @@ import pytest
 from helpers.pool_engines import BASE, LONGEST, PAGE, PARAMS, PROMPTS, Asks, pool_name, wait_for
 
 from kvlab import LLM
+from kvlab.common.handoff.book import HandoffStats
 from kvlab.common.kv.types import CacheStats
 from kvlab.common.metrics import RunMetrics
 from kvlab.experiments.serve.engine_loop import EngineLoop
@@ -134,7 +135,7 @@ class IdleEngine:
 
     def __init__(self) -> None:
         self.engine_bytes, self.steps = 8 * PAGE, 0
-        self.handoff = SimpleNamespace(stats=SimpleNamespace(to_dict=dict), poll_idle=lambda: None)   # no role
+        self.handoff = SimpleNamespace(stats=HandoffStats(), poll_idle=lambda: None)   # no role: totals stay 0
 
     def cache_stats(self) -> CacheStats:
         block = {"name": "p", "total_bytes": 64 * PAGE, "used_bytes": 8 * PAGE, "engine_bytes": self.engine_bytes,
