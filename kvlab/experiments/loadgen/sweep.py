@@ -29,10 +29,11 @@ from kvlab.experiments.serve.process import launch, stop, wait_serving
 
 log = logging.getLogger("kvlab.bench.serve")
 START_TIMEOUT_S = 120
-ROW_KEYS = ("backend", "request_rate", "repeat", "completed", "failed", "duration", "request_throughput",
+ROW_KEYS = ("backend", "request_rate", "completed", "failed", "duration", "request_throughput",
             "output_throughput", "request_goodput", "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms",
             "p50_itl_ms", "p99_itl_ms", "p50_e2el_ms", "p99_e2el_ms", "max_concurrent_requests", "server_preemptions",
             "total_kv_wait_s", "total_num_preemptions", "total_recomputed_tokens", "total_map_unmap_s")
+SWEEP_ROW_KEYS = (*ROW_KEYS[:2], "repeat", *ROW_KEYS[2:])      # simulate serve's CSV shares ROW_KEYS, no repeats
 
 
 def parse_rates(items: list[str]) -> list[float]:
@@ -209,7 +210,7 @@ def write(out: Path, rows: list[dict[str, Any]], sweep_s: float, spec: LoadSpec,
     (out / "serve.json").write_text(json.dumps(jsonable({"provenance": record, "meta": meta, "cells": cells,
                                                          "runs": rows}), indent=1))
     with open(out / "serve.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=ROW_KEYS, extrasaction="ignore")
+        w = csv.DictWriter(f, fieldnames=SWEEP_ROW_KEYS, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
     log_rows = [{"backend": r["backend"], "request_rate": r["request_rate"], "repeat": r.get("repeat", 0)} | q
