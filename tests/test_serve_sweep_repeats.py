@@ -88,7 +88,7 @@ def test_an_interrupted_sweep_leaves_partial_txt_and_resume_runs_only_the_rest(s
                      ("vmm", float("inf"))]
     runs = json.loads((tmp_path / "serve.json").read_text())["runs"]
     assert len(runs) == 8 and not (tmp_path / "partial.txt").exists()
-    assert "3 runs from an earlier start" in capsys.readouterr().out
+    assert "3 run(s) from an earlier start" in capsys.readouterr().out
 
 
 def test_a_resume_with_another_configuration_is_refused(stub_servers, no_plots, tmp_path, capsys):
@@ -98,10 +98,12 @@ def test_a_resume_with_another_configuration_is_refused(stub_servers, no_plots, 
     assert rc == 2 and err.count("\n") == 0 and "configuration" in err
 
 
-def test_repeats_and_resume_belong_to_the_sweep(stub, capsys):  # noqa: F811
-    for extra in (["--repeats", "3"], ["--resume", "nowhere"]):
+def test_repeats_and_resume_belong_to_the_sweep(stub, tmp_path, capsys):  # noqa: F811
+    for extra in (["--repeats", "3"], ["--resume", str(tmp_path)]):
         rc = cli.main(["bench", "serve", "--base-url", stub, "--num-prompts", "1", *extra])
-        assert rc == 2 and "belong to the sweep" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert rc == 2 and err.count("\n") == 1
+        assert ("belong to the sweep" if extra[0] == "--repeats" else "no checkpoint.json there") in err
     assert cli.main([*SWEEP, "--repeats", "0"]) == 2 and "--repeats" in capsys.readouterr().err
 
 

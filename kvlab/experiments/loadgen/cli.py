@@ -135,6 +135,9 @@ def run(args: argparse.Namespace) -> int:
     args.num_prompts = num_prompts if args.num_prompts is None else args.num_prompts
     checks.check_args(args)
     spec = load_spec_from(args)
+    if not args.backends and args.resume is not None:
+        from kvlab.experiments.reporting.checkpoint import read_header
+        read_header(Path(args.resume))          # no sweep there: says so; a sweep's is read by the CLI's main
     if not args.backends and (args.repeats is not None or args.resume is not None):
         raise ConfigError("--repeats and --resume belong to the sweep: give --backends A,B")
     if args.base_urls:

@@ -114,7 +114,7 @@ def run_sweep(spec: LoadSpec, plan: SweepPlan, out_dir: str | None, argv: list[s
     sweep_s = time.perf_counter() - t0
     write(out, rows, sweep_s, spec, plan.backends, sweep_record(spec, plan.backends, plan.rates, plan.server_args))
     print(f"sweep: {len(plan.backends)} backends x {len(plan.rates)} rates x {plan.repeats} repeats in "
-          f"{sweep_s:.1f} s ({checkpoint.resumed} runs from an earlier start); wrote {out}")
+          f"{sweep_s:.1f} s ({checkpoint.resumed} run(s) from an earlier start); wrote {out}")
     return 0 if all(r["completed"] for r in rows) else 1
 
 
