@@ -1,6 +1,7 @@
 """`kvlab bench serve`: drive an OpenAI-compatible server (--base-url, or --host/--port), or, with --backends, start
-one kvlab server per backend in turn and sweep --request-rates over identical arrivals and prompts (see sweep.py),
-or, with --base-urls, drive several servers at once with phase-shifted bursts (multi_cli.py).
+one kvlab server per backend and sweep --request-rates over identical arrivals and prompts, --repeats interleaved
+rounds per rate with a verdict per rate (see sweep.py), or, with --base-urls, drive several servers at once with
+phase-shifted bursts (multi_cli.py).
 
 The flags `vllm bench serve` also has carry its names, defaults and meanings, so a `vllm bench serve` command
 line that uses only those runs unchanged; kvlab's older names stay as aliases."""
