@@ -18,6 +18,13 @@ def tiny_bench(tmp_path_factory):
     return rc, out
 
 
+def test_a_short_bench_warns_that_its_rates_are_not_a_steady_states(tmp_path, capsys):
+    assert main(["bench", "--model", "tiny", "--backends", "vmm", "--num-requests", "4", "--scale", "0.05",
+                 "--repeats", "1", "--warmup", "0", "--no-progress", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "warning: 4 requests is a short run" in out and "tok/s and req/s" in out and ">= 256 requests" in out
+
+
 def test_bench_writes_results_json_csv_and_plots(tiny_bench):
     rc, out = tiny_bench
     assert rc == 0

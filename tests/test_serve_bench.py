@@ -181,7 +181,8 @@ def test_a_server_without_v1_models_is_one_line_unless_model_is_given(stub, caps
 
 def test_paired_sweep_writes_results(tmp_path):
     rc = cli.main(["bench", "serve", "--backends", "vmm,paged", "--request-rates", "inf", "--num-prompts", "4",
-                   "--dataset", "random", "--input-len", "8", "--output-len", "32", "--out", str(tmp_path)])
+                   "--dataset", "random", "--input-len", "8", "--output-len", "32", "--repeats", "1",
+                   "--out", str(tmp_path)])
     assert rc == 0
     runs = json.loads((tmp_path / "serve.json").read_text())["runs"]
     assert [(r["backend"], r["completed"]) for r in runs] == [("vmm", 4), ("paged", 4)]

@@ -39,7 +39,7 @@ def test_report_renders_in_headless_chromium(tmp_path):
     from kvlab.experiments.reporting.provenance import provenance
     page = write_report(tmp_path, fake_rows(), {"backends": ["vmm", "paged"], "num_prompts": 10},
                         provenance({"command": "bench serve"}))
-    assert len(list(tmp_path.glob("serve_*.png"))) == 5              # ttft, tpot, goodput, 2 timelines
+    assert len(list(tmp_path.glob("serve_*.png"))) == 6      # throughput, ttft, tpot, goodput, 2 timelines
     run = subprocess.run(["bash", str(SCRIPT), str(page), str(tmp_path / "shot.png")], capture_output=True,
                          text=True, timeout=180)
     assert run.returncode == 0, run.stderr[-500:]

@@ -118,5 +118,7 @@ def test_cli_tensor_parallel_flag(capsys):
     assert main(["simulate", "serve", "--backends", "paged-16", "--num-prompts", "20", "--budget-gb", "6",
                  "--model", "llama3-70b", "--tensor-parallel-size", "2", "--jobs", "1", "--no-progress",
                  "--no-save"]) == 0
-    assert "2 x h100 (tensor parallel" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "2 x h100 (tensor parallel" in out
+    assert "warning: 20 requests is a short run" in out and "request rates and goodput" in out   # < 1000
     assert main(["simulate", "serve", "--tensor-parallel-size", "0", "--no-save"]) == 2

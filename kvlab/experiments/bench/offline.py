@@ -20,10 +20,12 @@ from kvlab.experiments.bench.plan import BenchSettings, check_model_lens, check_
 from kvlab.experiments.bench.report import agreement_note, side_by_side, write_results
 from kvlab.experiments.bench.runs import mark_matching_outputs, run_rounds
 from kvlab.experiments.cli import flags
+from kvlab.experiments.reporting.verdict import short_run_warning
 from kvlab.experiments.workloads.requests import parse_workload
 
 DEFAULT_BACKENDS = ["vmm", "paged", "reserve"]
 DEFAULT_REQUESTS = 256
+STEADY_REQUESTS = DEFAULT_REQUESTS   # fewer: the start and the drain weigh on tok/s (reporting/verdict.py)
 WARMUP_REQUESTS = 4
 DEFAULT_REPEATS = 3              # CPU timings are noisy (docs/experiments.md): interleave rounds, report medians
 
@@ -89,6 +91,9 @@ def run_bench(settings: BenchSettings) -> int:
     note = agreement_note(plan, runs)
     if note:
         print(note)
+    warning = short_run_warning(settings.num_requests, STEADY_REQUESTS, "tok/s and req/s")
+    if warning:
+        print(warning)
     write_results(plan, runs, settings)
     print(f"\nresults in {plan.out_dir}/ (provenance.json, results.json, results.csv, requests.csv, throughput.png, "
           "batch.png, kv_memory.png)")

@@ -1,6 +1,7 @@
 """`kvlab bench serve`: drive an OpenAI-compatible server (--base-url, or --host/--port), or, with --backends, start
-one kvlab server per backend in turn and sweep --request-rates over identical arrivals and prompts (see sweep.py),
-or, with --base-urls, drive several servers at once with phase-shifted bursts (multi_cli.py).
+one kvlab server per backend and sweep --request-rates over identical arrivals and prompts, --repeats interleaved
+rounds per rate with a verdict per rate (see sweep.py), or, with --base-urls, drive several servers at once with
+phase-shifted bursts (multi_cli.py).
 
 The flags `vllm bench serve` also has carry its names, defaults and meanings, so a `vllm bench serve` command
 line that uses only those runs unchanged; kvlab's older names stay as aliases."""
@@ -22,6 +23,7 @@ from kvlab.experiments.loadgen.load_run import LoadSpec, bench_once, format_resu
 DATASETS_WITH_FILE = ("sharegpt", "trace", "mooncake")
 # (dataset, prompts) when not given: vLLM's for a run against a server, kvlab's for the sweep on the tiny model
 DEFAULTS = {"run": ("random", 1000), "sweep": ("seed", 100)}
+SWEEP_REPEATS = 3        # reporting/verdict.py's MIN_REPEATS: fewer runs per cell are not judged
 
 
 def add_parser(subparsers: Any) -> None:
@@ -96,6 +98,11 @@ def add_sweep_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-rates", type=flags.parse_list, help="sweep: comma list of rates (inf allowed)")
     p.add_argument("--out", metavar="DIR", help="sweep results directory (default results/<timestamp>)")
     p.add_argument("--server-args", default="", help="sweep: extra `kvlab serve` flags, one string")
+    p.add_argument("--repeats", type=int, help="sweep: runs per backend and rate, interleaved (round r runs every "
+                                               "backend, in an order that reverses each round); default "
+                                               f"{SWEEP_REPEATS} with several backends, else 1")
+    p.add_argument("--resume", metavar="DIR", help="sweep: finish the interrupted sweep in DIR: its command line "
+                                                   "again, only the runs it does not hold yet")
 
 
 def dataset_spec(name: str, path: str | None) -> str:
@@ -129,6 +136,11 @@ def run(args: argparse.Namespace) -> int:
     args.num_prompts = num_prompts if args.num_prompts is None else args.num_prompts
     checks.check_args(args)
     spec = load_spec_from(args)
+    if not args.backends and args.resume is not None:
+        from kvlab.experiments.reporting.checkpoint import read_header
+        read_header(Path(args.resume))          # no sweep there: says so; a sweep's is read by the CLI's main
+    if not args.backends and (args.repeats is not None or args.resume is not None):
+        raise ConfigError("--repeats and --resume belong to the sweep: give --backends A,B")
     if args.base_urls:
         return multi_cli.run(args, spec)
     if args.backends:
@@ -147,15 +159,19 @@ def run(args: argparse.Namespace) -> int:
 
 
 def sweep(args: argparse.Namespace, spec: LoadSpec) -> int:
-    from kvlab.experiments.loadgen.sweep import run_sweep
+    from kvlab.common.validate import check_int
+    from kvlab.experiments.loadgen.sweep import SweepPlan, run_sweep
     checks.check_backends(args.backends)
+    repeats = args.repeats if args.repeats is not None else (SWEEP_REPEATS if len(args.backends) > 1 else 1)
+    check_int("--repeats", repeats, 1, 1000)
     if args.out is not None:
         check_output_path("--out", args.out, directory=True)
     rates = checks.rates_of(args)
     spec = replace(spec, model=spec.model or "tiny",     # the sweep's tables and plots read p50 and p99 of all
                    percentile_metrics=latency.METRICS, metric_percentiles=("50", "90", "99"))
     load_plan(spec, rates[0])
-    return run_sweep(spec, args.backends, rates, args.out, args.server_args_list)
+    plan = SweepPlan(args.backends, rates, repeats, args.server_args_list)
+    return run_sweep(spec, plan, args.out, getattr(args, "command_line", []), args.resume)
 
 
 def start_line(spec: LoadSpec, target: Target, rate: float) -> str:

@@ -1,5 +1,7 @@
-"""Paired A/B: one `kvlab serve` subprocess per backend on a free loopback port, the same arrivals and prompts
-at every rate, stopped with SIGTERM (exit 0 expected) before the next backend starts."""
+"""Paired A/B: one `kvlab serve` subprocess per backend on a free loopback port, all up for the whole sweep, the
+same arrivals and prompts at every rate, interleaved repeats per rate (as `kvlab bench` interleaves its rounds),
+each server stopped with SIGTERM (exit 0 expected) at the end. cells.py turns the repeats into spreads and
+verdicts."""
 from __future__ import annotations
 
 import contextlib
@@ -16,7 +18,7 @@ import time
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 
@@ -31,6 +33,7 @@ ROW_KEYS = ("backend", "request_rate", "completed", "failed", "duration", "reque
             "output_throughput", "request_goodput", "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms",
             "p50_itl_ms", "p99_itl_ms", "p50_e2el_ms", "p99_e2el_ms", "max_concurrent_requests", "server_preemptions",
             "total_kv_wait_s", "total_num_preemptions", "total_recomputed_tokens", "total_map_unmap_s")
+SWEEP_ROW_KEYS = (*ROW_KEYS[:2], "repeat", *ROW_KEYS[2:])      # simulate serve's CSV shares ROW_KEYS, no repeats
 
 
 def parse_rates(items: list[str]) -> list[float]:
@@ -83,37 +86,94 @@ def sigterm_unwinds() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def run_sweep(spec: LoadSpec, backends: list[str], rates: list[float], out_dir: str | None,
-              server_args: list[str]) -> int:
-    """Every backend's server in turn, every rate against it; `spec.model` is the kvlab preset served."""
-    with sigterm_unwinds():
-        return _sweep(spec, backends, rates, out_dir, server_args)
+class SweepPlan(NamedTuple):
+    backends: list[str]
+    rates: list[float]
+    repeats: int
+    server_args: list[str]
 
 
-def _sweep(spec: LoadSpec, backends: list[str], rates: list[float], out_dir: str | None,
-           server_args: list[str]) -> int:
-    out = Path(out_dir or Path("results") / datetime.now().strftime("%Y%m%d-%H%M%S"))
-    out.mkdir(parents=True, exist_ok=True)
-    rows, t0 = [], time.perf_counter()
-    for backend in backends:
-        with kvlab_server(backend, spec.model or "tiny", server_args) as url:
-            for rate in rates:
-                before = server_counter(url, "kvlab_preemptions_total")
-                with StatsSampler(url) as sampler:
-                    row = bench_once(spec, url, rate) | {"backend": backend}
-                row["timeline"] = sampler.series
-                row["timeline_poll_errors"] = sampler.errors
-                row["server_preemptions"] = server_counter(url, "kvlab_preemptions_total") - before
-                rows.append(row)
-                print(f"{backend:8} rate {rate:>6g}: {row['completed']} done, p99 TTFT {row['p99_ttft_ms']:.1f} ms, "
-                      f"p99 TPOT {row['p99_tpot_ms']:.2f} ms, {row['output_throughput']:.0f} tok/s", flush=True)
-                warning = overload_line(rate, row.get("request_throughput"))
-                if warning:
-                    print(f"{backend:8} rate {rate:>6g}: {warning}", flush=True)
+def run_sweep(spec: LoadSpec, plan: SweepPlan, out_dir: str | None, argv: list[str], resume: str | None) -> int:
+    """Every backend's server up at once; at each rate, `plan.repeats` rounds drive every backend in turn, in an
+    order that reverses each round (so drift in the machine's load falls on both sides); `spec.model` is the
+    kvlab preset served. Each finished run is kept as it finishes (reporting/checkpoint.py)."""
+    from kvlab.experiments.reporting.checkpoint import Checkpoint, keeping
+    from kvlab.experiments.reporting.provenance import jsonable
+    out = Path(resume or out_dir or Path("results") / datetime.now().strftime("%Y%m%d-%H%M%S"))
+    config = jsonable({"load": spec, **plan._asdict()})
+    checkpoint = Checkpoint(out, argv, config, len(plan.backends) * len(plan.rates) * plan.repeats,
+                            resume=resume is not None)
+    t0 = time.perf_counter()
+    with keeping(checkpoint, "kvlab bench serve"), Servers(spec.model or "tiny", plan.server_args) as servers:
+        rows = []
+        for rate in plan.rates:
+            runs = [run_cell(spec, servers, checkpoint, key, backend, rate, r)
+                    for r in range(plan.repeats) for key, backend in round_order(plan, rate, r)]
+            print_cells(runs)
+            rows += runs
     sweep_s = time.perf_counter() - t0
-    write(out, rows, sweep_s, spec, backends, sweep_record(spec, backends, rates, server_args))
-    print(f"sweep: {len(backends)} backends x {len(rates)} rates in {sweep_s:.1f} s; wrote {out}")
+    write(out, rows, sweep_s, spec, plan.backends, sweep_record(spec, plan.backends, plan.rates, plan.server_args))
+    print(f"sweep: {len(plan.backends)} backends x {len(plan.rates)} rates x {plan.repeats} repeats in "
+          f"{sweep_s:.1f} s ({checkpoint.resumed} run(s) from an earlier start); wrote {out}")
     return 0 if all(r["completed"] for r in rows) else 1
+
+
+def round_order(plan: SweepPlan, rate: float, r: int) -> list[tuple[str, str]]:
+    """Round r's (key, backend) pairs: the backends in order on even rounds, reversed on odd ones."""
+    order = plan.backends if r % 2 == 0 else plan.backends[::-1]
+    return [(f"{b} rate {rate:g} repeat {r}", b) for b in order]
+
+
+class Servers:
+    """One `kvlab serve` per backend, started when first needed (a resumed sweep that holds every run of a
+    backend never starts it) and all stopped on exit."""
+
+    def __init__(self, model: str, server_args: list[str]) -> None:
+        self.model, self.server_args = model, server_args
+        self.urls: dict[str, str] = {}
+        self.stack = contextlib.ExitStack()
+
+    def __enter__(self) -> Servers:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stack.close()
+
+    def url(self, backend: str) -> str:
+        if backend not in self.urls:
+            self.urls[backend] = self.stack.enter_context(kvlab_server(backend, self.model, self.server_args))
+        return self.urls[backend]
+
+
+def print_cells(runs: list[dict[str, Any]]) -> None:
+    """One rate's cells: each backend's median [min-max], then the verdicts against the first backend."""
+    from kvlab.experiments.loadgen.cells import cell_line, cells_of
+    for cell in cells_of(runs):
+        print(cell_line(cell), flush=True)
+        for line in cell.get("verdicts", []):
+            print(f"  {line}", flush=True)
+
+
+def run_cell(spec: LoadSpec, servers: Servers, checkpoint: Any, key: str, backend: str, rate: float,
+             repeat: int) -> dict[str, Any]:
+    """One run of one backend at one rate (or the one a checkpoint holds); its summary line, and the cell's
+    spread and verdicts once the rate's last round is done."""
+    if key in checkpoint:
+        return checkpoint.get(key)
+    url = servers.url(backend)
+    before = server_counter(url, "kvlab_preemptions_total")
+    with StatsSampler(url) as sampler:
+        row = bench_once(spec, url, rate) | {"backend": backend, "repeat": repeat}
+    row["timeline"] = sampler.series
+    row["timeline_poll_errors"] = sampler.errors
+    row["server_preemptions"] = server_counter(url, "kvlab_preemptions_total") - before
+    checkpoint.record(key, row)
+    print(f"{backend:8} rate {rate:>6g} #{repeat}: {row['completed']} done, p99 TTFT {row['p99_ttft_ms']:.1f} ms, "
+          f"p99 TPOT {row['p99_tpot_ms']:.2f} ms, {row['output_throughput']:.0f} tok/s", flush=True)
+    warning = overload_line(rate, row.get("request_throughput"))
+    if warning:
+        print(f"{backend:8} rate {rate:>6g}: {warning}", flush=True)
+    return row
 
 
 OVERLOADED = 0.5        # achieved / offered request rate below which the server could not keep up
@@ -141,17 +201,20 @@ def write(out: Path, rows: list[dict[str, Any]], sweep_s: float, spec: LoadSpec,
           record: dict[str, Any]) -> None:
     from kvlab.experiments.reporting.provenance import jsonable, write_provenance
     write_provenance(out, record)
-    meta = {"sweep_seconds": sweep_s, "backends": backends, "num_prompts": spec.num_prompts,
+    meta = {"sweep_seconds": sweep_s, "backends": backends, "repeats": 1 + max(r.get("repeat", 0) for r in rows),
+            "num_prompts": spec.num_prompts,
             "dataset": spec.dataset, "burstiness": spec.burstiness, "seed": spec.seed,
             "goodput": list(spec.goodput) if spec.goodput is not None else None}
-    (out / "serve.json").write_text(json.dumps(jsonable({"provenance": record, "meta": meta, "runs": rows}),
-                                               indent=1))
+    from kvlab.experiments.loadgen.cells import cells_of
+    cells = cells_of(rows)
+    (out / "serve.json").write_text(json.dumps(jsonable({"provenance": record, "meta": meta, "cells": cells,
+                                                         "runs": rows}), indent=1))
     with open(out / "serve.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=ROW_KEYS, extrasaction="ignore")
+        w = csv.DictWriter(f, fieldnames=SWEEP_ROW_KEYS, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
-    log_rows = [{"backend": r["backend"], "request_rate": r["request_rate"]} | q for r in rows
-                for q in r.get("requests", [])]
+    log_rows = [{"backend": r["backend"], "request_rate": r["request_rate"], "repeat": r.get("repeat", 0)} | q
+                for r in rows for q in r.get("requests", [])]
     if log_rows:
         with open(out / "serve_requests.csv", "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(log_rows[0]))

@@ -20,6 +20,7 @@ from kvlab.experiments.limits import MAX_BUDGET_GB, MAX_REQUESTS, MAX_SPAN_S
 from kvlab.experiments.loadgen import latency
 from kvlab.experiments.loadgen.sweep import ROW_KEYS, parse_rates
 from kvlab.experiments.reporting.checkpoint import keeping
+from kvlab.experiments.reporting.verdict import short_run_warning
 from kvlab.experiments.sim.core import SimCase
 from kvlab.experiments.sim.kernels import CHOICES, kernel_profile
 from kvlab.experiments.sim.layouts import CROSS_LAYER, LAYOUTS, PENALTIES, check_layout, emulated_page
@@ -38,6 +39,7 @@ from kvlab.experiments.sim.serve.run import (
 from kvlab.experiments.sim.serve.tables import grid_table, slo_table
 
 WARM_STEP = 1.05  # a later seed's first bracket factor around the first seed's SLO rate; accounting-only paged
+STEADY_REQUESTS = 1000           # fewer: the start and the drain weigh on the rates (reporting/verdict.py)
 PAGED_BYTES_PER_BLOCK = 160      # blocks keep ~160 B of books each (as `kvlab simulate`)
 SLO_KEYS = {f"{stat}_{metric}_ms" for metric in latency.METRICS
             for stat in ("mean", "median", "std", *(f"p{p:g}" for p in latency.DEFAULT_PERCENTILES))}
@@ -322,6 +324,9 @@ def simulate_serve(s: ServeSettings) -> int:
             rows, result, text = rate_grid(s, cases, labels, saved)
     meta["host_seconds"] = time.perf_counter() - t0
     print(text)
+    warning = short_run_warning(s.spec.num_requests, STEADY_REQUESTS, "request rates and goodput")
+    if warning:
+        print(warning)
     stopped = meta.get("runs_stopped_early", 0)
     print(f"\n{len(rows) + stopped} simulated runs ({stopped} stopped once their SLO was certainly missed) in "
           f"{meta['host_seconds']:.1f} s host time")
