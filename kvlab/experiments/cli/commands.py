@@ -27,7 +27,8 @@ COMMANDS = {
                       "prefix-cache hit rate and savings vs unit size, paged vs vmm"),
     "calibrate": Command("kvlab.experiments.bench.calibrate",
                          "measure host map/unmap latency per page size (driver profile)"),
-    "study": Command("kvlab.experiments.studies.cli", "studies that answer one question each (page-size, pool)"),
+    "study": Command("kvlab.experiments.studies.cli",
+                     "studies that answer one question each (page-size, pool, corners)"),
     "compare": Command("kvlab.experiments.compare",
                        "what differs between two saved runs: configuration, then figures"),
 }
