@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from invariants import SHAPE
+from helpers.invariants import SHAPE
 
 from kvlab import LLM, SamplingParams
 from kvlab.common.config import make_config
@@ -106,7 +106,7 @@ def test_the_blocks_are_paged_s_and_a_partial_last_chunk_maps_only_its_pages():
 
 
 def test_on_cuda_the_physical_handles_follow_the_mapped_chunks(monkeypatch):
-    from kvlab.vmm.drivers.fake_cuda import FakeCudaDriver, torch_interop
+    from fakes.fake_cuda import FakeCudaDriver, torch_interop
 
     from kvlab.vmm.drivers.cuda import CudaVirtualMemory
     fake = FakeCudaDriver(granularity=2 * 2**20)
