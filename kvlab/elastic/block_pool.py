@@ -27,6 +27,7 @@ class ElasticBlockPool(BlockPool):
         self.cached_free: dict[int, None] = {}            # free cached blocks, least recently freed first
         self.cached_in: dict[int, dict[int, None]] = {}   # chunk -> its free cached blocks, same order
         self.cap_evictions = 0
+        self.chunks_given = 0      # chunks unmapped by give_back (another engine on the pool asked)
 
     def allocate(self) -> int:
         block = self._pick()
@@ -93,12 +94,39 @@ class ElasticBlockPool(BlockPool):
 
     def _apply_cap(self) -> None:
         while self.max_cached is not None and len(self.cached_free) > self.max_cached:
-            victim = self._victim()
-            self._forget_cached(victim)
-            self.prefix_cache.evict(victim)
-            self._free.move_to_end(victim, last=False)   # uncached now: reused first, as paged does
+            self._evict(self._victim())
             self.cap_evictions += 1
-            self.books.drop(victim, self.num_used() > 0)
+
+    def _evict(self, victim: int) -> None:
+        self._forget_cached(victim)
+        self.prefix_cache.evict(victim)
+        self._free.move_to_end(victim, last=False)   # uncached now: reused first, as paged does
+        self.books.drop(victim, self.num_used() > 0)
+
+    def cache_only_chunks(self) -> list[int]:
+        """Mapped chunks whose every held block is a free cached one (forgetting them unmaps the chunk), fewest
+        cached blocks first; chunk 0 not while a block is in use (the tables' padding reads it)."""
+        held, pinned = self.books.held, self.num_used() > 0
+        chunks = [c for c, blocks in self.cached_in.items() if held[c] == len(blocks) and not (pinned and c == 0)]
+        return sorted(chunks, key=lambda c: (held[c], c))
+
+    def givable_pages(self) -> int:
+        """Driver pages (every plane) that forgetting cached blocks would unmap."""
+        geo = self.books.geo
+        return sum(geo.planes * geo.pages_of(c) for c in self.cache_only_chunks())
+
+    def give_back(self, pages: int) -> int:
+        """Forget the cached blocks of whole chunks, fewest blocks first, until `pages` driver pages are unmapped
+        or no chunk holds only cached blocks; returns the pages unmapped."""
+        geo, given = self.books.geo, 0
+        for chunk in self.cache_only_chunks():
+            if given >= pages:
+                break
+            for block in list(self.cached_in[chunk]):
+                self._evict(block)
+            self.chunks_given += 1
+            given += geo.planes * geo.pages_of(chunk)
+        return given
 
     def _victim(self) -> int:
         if not self.page_aware:
@@ -122,3 +150,4 @@ class ElasticBlockPool(BlockPool):
         cached = {b for b in self._free if self.prefix_cache is not None and self.prefix_cache.is_cached(b)}
         assert set(self.cached_free) == cached, "free cached blocks out of date"
         assert sum(len(v) for v in self.cached_in.values()) == len(self.cached_free), "per-chunk cache books"
+        assert books.num_loose == sum(map(len, books.loose.values())), "loose block count out of date"

@@ -20,6 +20,7 @@ class ChunkBooks:
         self.mapped: set[int] = set()
         self.loose: dict[int, set[int]] = {}     # mapped chunk -> its free blocks the prefix cache does not know
         self.chunk_maps = self.chunk_unmaps = 0
+        self.num_loose = 0                       # free uncached blocks in mapped chunks, every chunk together
         # placement's two questions in O(log n): heaps checked lazily (an entry is stale once its chunk changed)
         self._fullest: list[tuple[int, int]] = []             # (-held, chunk) of mapped chunks with loose blocks
         self._unmapped = list(range(geo.num_chunks))          # chunk ids, maybe mapped since
@@ -33,13 +34,17 @@ class ChunkBooks:
         self.mapped.add(chunk)
         self.chunk_maps += 1
         self.loose[chunk] = {b for b in self.geo.blocks_of(chunk) if free_uncached(b)}
+        self.num_loose += len(self.loose[chunk])
         self._note(chunk)
 
     def take(self, block: int) -> None:
         """A free uncached block in a mapped chunk becomes held."""
         chunk = self.geo.chunk_of(block)
         self.held[chunk] += 1
-        self.loose[chunk].discard(block)
+        loose = self.loose[chunk]
+        if block in loose:
+            loose.discard(block)
+            self.num_loose -= 1
         self._note(chunk)
 
     def drop(self, block: int, pinned: bool) -> None:
@@ -47,7 +52,9 @@ class ChunkBooks:
         pinned chunk 0)."""
         chunk = self.geo.chunk_of(block)
         self.held[chunk] -= 1
-        self.loose[chunk].add(block)
+        if block not in self.loose[chunk]:
+            self.loose[chunk].add(block)
+            self.num_loose += 1
         self._note(chunk)
         self.release_if_empty(chunk, pinned)
 
@@ -55,7 +62,7 @@ class ChunkBooks:
         if chunk in self.mapped and self.held[chunk] == 0 and not (pinned and chunk == 0):
             self._unmap(chunk)
             self.mapped.discard(chunk)
-            del self.loose[chunk]
+            self.num_loose -= len(self.loose.pop(chunk))
             self.chunk_unmaps += 1
             heapq.heappush(self._unmapped, chunk)
 
@@ -83,6 +90,17 @@ class ChunkBooks:
         while heap and heap[0] in self.mapped:
             heapq.heappop(heap)
         return heap[0] * self.geo.blocks_per_chunk if heap else None
+
+    def pages_to_map(self, blocks: int, page_aware: bool) -> int:
+        """At most how many driver pages (every plane) taking `blocks` free blocks maps: page-aware placement takes
+        the loose blocks first, then the lowest unmapped chunks; naive may touch a new chunk with every block.
+        Chunk 0 counts whenever it is unmapped (a block in use maps it, elastic/block_pool.py)."""
+        if blocks <= 0:
+            return 0
+        unmapped = self.geo.num_chunks - len(self.mapped)
+        fresh = -(-max(0, blocks - self.num_loose) // self.geo.blocks_per_chunk) if page_aware else blocks
+        chunks = min(unmapped, max(fresh, 1 if 0 not in self.mapped else 0))
+        return chunks * self.geo.planes * self.geo.pages_per_chunk
 
     def mapped_bytes(self) -> int:
         return sum(self.geo.mapped_bytes(c) for c in self.mapped)

@@ -26,18 +26,20 @@ from kvlab.experiments.sim.serve.grid import Saved, pool_map, saved_points
 from kvlab.experiments.sim.serve.run import ServeSpec
 from kvlab.experiments.sim.serve.stats import spread
 
-DEFAULT_ARRANGEMENTS = ["shared:vmm-2MiB", "aware:vmm-2MiB", "split:paged-16", "split:vmm-2MiB"]
+DEFAULT_ARRANGEMENTS = ["shared:vmm-2MiB", "shared:elastic-16", "aware:vmm-2MiB", "split:paged-16", "split:vmm-2MiB"]
 MODEL_KEYS = ("p99_ttft_ms", "p99_tpot_ms", "slo_attainment", "server_preemptions", "pages_received")
 
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("pool", help="N models on one GPU: one elastic KV pool against static splits",
                               description="N engines time-sharing one GPU under phase-shifted on/off bursts; the "
-                                          "same total KV memory as one shared vmm pool or a static equal split.")
+                                          "same total KV memory as one shared pool (vmm or elastic engines) or a "
+                                          "static equal split.")
     p.add_argument("--models", type=int, default=3, help="engines (models) on the GPU")
     p.add_argument("--arrangements", type=flags.parse_list, default=DEFAULT_ARRANGEMENTS,
-                   help="comma list: shared:vmm-SIZE (one pool), aware:vmm-SIZE (the pool with pool-aware "
-                        "admission), split:BACKEND (equal static split; paged-16, vmm-2MiB, reserve)")
+                   help="comma list: shared:vmm-SIZE (one pool), shared:elastic-BLOCK[-SIZE] (elastic engines on the "
+                        "pool, 2MiB pages unless given), aware:vmm-SIZE (the pool with pool-aware admission), "
+                        "split:BACKEND (equal static split; paged-16, vmm-2MiB, elastic-16, reserve)")
     p.add_argument("--budget-gb", type=float, help="total KV GB (default: the GPU's memory x "
                                                    f"{MEMORY_UTILIZATION} less every engine's weights)")
     p.add_argument("--total-rates", type=flags.parse_list, default=["8"], help="comma list of total req/s")
@@ -96,7 +98,7 @@ def settings_from(args: argparse.Namespace) -> PoolSettings:
     onoff = OnOff(models, args.period_s, args.periods, args.duty, args.idle_share, args.burstiness)
     arrangements = tuple(parse_arrangements(list(args.arrangements), args.budget_gb, args.watermark))
     for arr in arrangements:
-        profile(args.driver_costs, None, arr.case.options.get("page_size"))
+        profile(args.driver_costs, None, arr.case.options.get("page_size", arr.case.options.get("elastic_page_size")))
     return PoolSettings(PoolSpec(serve, onoff, dict(args.slo)), arrangements, args.budget_gb,
                         tuple(parse_rates(list(args.total_rates))), tuple(range(args.seed, args.seed + args.seeds)),
                         args.slo_start, args.slo_tolerance, args.jobs, not args.no_progress, args.resume or args.out,

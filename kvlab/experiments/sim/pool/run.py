@@ -2,6 +2,8 @@
 
 - shared:vmm-SIZE: one elastic pool of the total KV budget (shared.py); every engine's address space and
   scheduler see the whole budget, the pool decides who holds it;
+- shared:elastic-BLOCK[-SIZE]: the same pool, elastic engines (paged blocks of BLOCK tokens over chunks mapped on
+  demand, SIZE pages: 2MiB, the CUDA granularity, unless given), each block pool the whole budget's blocks;
 - aware:vmm-SIZE: the same pool, the engines aware of it (a what-if: admission counts the pool's pages,
   VMMAllocator.also_fits in shared.build_cache, and an idle engine waits for pages held by others instead of
   failing the request);
@@ -24,7 +26,7 @@ from kvlab.experiments.loadgen.datasets import draw_lengths
 from kvlab.experiments.sim.core import SimCase
 from kvlab.experiments.sim.fleet import SimEngine, SimGpu, build_engine, drive
 from kvlab.experiments.sim.pool.onoff import OnOff
-from kvlab.experiments.sim.pool.shared import PooledAccountingMemory, SharedPages, build_cache
+from kvlab.experiments.sim.pool.shared import PooledAccountingMemory, SharedPages, build_cache, build_elastic_cache
 from kvlab.experiments.sim.pool.tap import PoolTap
 from kvlab.experiments.sim.serve.costs import CostLedger, profile
 from kvlab.experiments.sim.serve.early_stop import SloMissed, stopped_result
@@ -32,6 +34,7 @@ from kvlab.experiments.sim.serve.run import ServeSpec, parse_backends, watch
 from kvlab.experiments.workloads.requests import Request
 
 KINDS = ("shared", "aware", "split")
+POOL_PAGE = 2 * 2**20     # an elastic engine's pool page unless given: the CUDA granularity, as vmm-2MiB's
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,18 +55,28 @@ class Arrangement:
 
 
 def parse_arrangements(items: list[str], budget_gb: float, watermark: float) -> list[Arrangement]:
-    """shared:vmm-SIZE | split:BACKEND (BACKEND as `simulate serve`'s: paged-16, vmm-2MiB, reserve)."""
+    """shared:vmm-SIZE | shared:elastic-BLOCK[-SIZE] | aware:vmm-SIZE | split:BACKEND (BACKEND as `simulate serve`'s:
+    paged-16, vmm-2MiB, elastic-16, reserve)."""
     out = []
     for item in items:
         kind, sep, backend = item.partition(":")
         if not sep or kind not in KINDS:
-            raise ConfigError(f"bad arrangement {item!r}: use shared:vmm-SIZE, aware:vmm-SIZE or split:BACKEND "
-                              "(e.g. shared:vmm-2MiB, split:paged-16)")
+            raise ConfigError(f"bad arrangement {item!r}: use shared:vmm-SIZE, shared:elastic-BLOCK, aware:vmm-SIZE "
+                              "or split:BACKEND (e.g. shared:vmm-2MiB, shared:elastic-16, split:paged-16)")
         case = parse_backends([backend], budget_gb, watermark)[0]
-        if kind != "split" and case.policy != "vmm":
-            raise ConfigError(f"bad arrangement {item!r}: only vmm engines can share a pool ({kind}:vmm-SIZE)")
+        if kind != "split" and not (case.policy == "vmm" or (kind == "shared" and case.policy == "elastic")):
+            raise ConfigError(f"bad arrangement {item!r}: only vmm engines can share a pool ({kind}:vmm-SIZE), "
+                              "and elastic ones without pool-aware admission (shared:elastic-BLOCK)")
+        if kind == "shared" and case.policy == "elastic" and "elastic_page_size" not in case.options:
+            case = SimCase(case.policy, case.budget_gb, watermark=case.watermark,
+                           **{**case.options, "elastic_page_size": POOL_PAGE})
         out.append(Arrangement(kind, case))
     return out
+
+
+def pool_page_size(case: SimCase) -> int:
+    """The pool's page: the vmm engines' page, or the elastic engines' (one ledger, one page size)."""
+    return case.options["elastic_page_size" if case.policy == "elastic" else "page_size"]
 
 
 @dataclass(slots=True)
@@ -103,17 +116,18 @@ def build(arr: Arrangement, spec: PoolSpec, plans: list[list[Request]], seed: in
     s = spec.serve
     settings = s.settings(seed)
     everything = [r for p in plans for r in p]        # sizes every engine's scheduler limits alike
-    prof = profile(s.driver_profile, s.calibration, arr.case.options.get("page_size"))
+    options = arr.case.options
+    prof = profile(s.driver_profile, s.calibration, options.get("page_size", options.get("elastic_page_size")))
     # per-run cuMemSetAccess: simulate pool keeps its driver axes; simulate serve's per-page default is not its own
     case = arr.engine_case(spec.models)
-    pool = SharedPages(int(case.budget_gb * 1e9) // case.options["page_size"]) if arr.kind != "split" else None
+    pool = SharedPages(int(case.budget_gb * 1e9) // pool_page_size(case)) if arr.kind != "split" else None
     engines = []
     try:
         for i, plan in enumerate(plans):
             engines.append(build_engine(f"model{i}", case, settings, everything,
                                         CostLedger(prof, s.background_mapping, "per-run"),
                                         s.model_prefill, watch(stop, plan, settings) if plan else None,
-                                        pooled_cache(pool, arr.kind == "aware"), PoolTap))
+                                        pooled_cache(pool, arr.kind == "aware", case.policy), PoolTap))
     except BaseException:
         for e in engines:
             e.close()
@@ -141,10 +155,13 @@ def waits_for_pool(engine: Any, pool: SharedPages) -> Callable[[], bool]:
     return waits
 
 
-def pooled_cache(pool: SharedPages | None, aware: bool) -> Any:
+def pooled_cache(pool: SharedPages | None, aware: bool, policy: str = "vmm") -> Any:
     """The cache maker of an engine on `pool` (None: the backend's own cache)."""
     if pool is None:
         return None
+    if policy == "elastic":
+        return lambda config, shape: build_elastic_cache(
+            config, shape, PooledAccountingMemory(config.options_of("elastic").elastic_page_size, pool.join(), True))
     return lambda config, shape: build_cache(config, shape, PooledAccountingMemory(config.options_of("vmm").page_size,
                                                                                    pool.join()), aware)
 

@@ -1,4 +1,4 @@
-"""One elastic page pool for several simulated vmm engines: the accounting-only counterpart of vmm/pool/.
+"""One elastic page pool for several simulated vmm or elastic engines: the accounting-only counterpart of vmm/pool/.
 
 Every engine's accounting driver checks its maps with the pool (`PoolShare`, the budget its mapping count checks
 before a map, never after); the pool holds `pages` physical pages for all engines together, and an engine's share
@@ -8,6 +8,10 @@ allocator's own `give_back` (the call the real pool's steward makes), which unma
 Only then is the map refused (MapBudgetExhausted: the vmm then drops its own parked pages and retries, then the
 scheduler waits or preempts, as with a real pool). An unmapped page is back in the pool at once (no spares are
 held: in the accounting world there is no memory to keep), and floors are 0.
+
+An elastic engine (paged blocks over chunks mapped on demand, kvlab/elastic/) holds the pages a growth may map in
+the pool before it maps (`HoldingPool`: paged's allocation cannot be undone halfway), and answers asks by forgetting
+the cached blocks of chunks nothing else holds, which unmaps them whole; its parked pages are those chunks'.
 
 Driver costs: a given page's cuMemUnmap is charged to the engine that asked for it (it waits for the give-back),
 not to the giver, which may be idle and step no more; the asker's cuMemMap of the page is its own map."""
@@ -74,7 +78,7 @@ class PoolShare:
         pool = self.pool
         if delta <= 0 or pool.held + delta <= pool.pages:
             return
-        pool.reclaim(self, pool.held + delta - pool.pages)
+        pool.reclaim(self, delta)     # `wanted` is the free pages the map needs, not the shortfall
         free = pool.pages - pool.held
         if delta > free:
             raise MapBudgetExhausted(f"{call} needs {delta} pages; the shared pool has {free} of {pool.pages} free")
@@ -95,11 +99,11 @@ class PoolShare:
 class PooledAccountingMemory(AccountingVirtualMemory):
     """The accounting driver, its mapped pages booked in a shared pool (never merged: CUDA's rule)."""
 
-    def __init__(self, page_size: int, share: PoolShare) -> None:
+    def __init__(self, page_size: int, share: PoolShare, holds: bool = False) -> None:
         super().__init__(page_size, merges=False)
         self.budget = share
         self.mappings = MappingCount(self.stats, None, share)
-        self.pool = SimulatedPool(share)
+        self.pool = HoldingPool(share) if holds else SimulatedPool(share)
         share.driver = self
 
 
@@ -116,6 +120,22 @@ class SimulatedPool(NoPool):
 
     def above_floor(self) -> int:
         return self.share.held
+
+
+class HoldingPool(SimulatedPool):
+    """An elastic engine's view: `hold` asks the pool for the pages now (others give theirs back first), so the maps
+    that follow in the same step cannot be refused (nothing else runs between them in the simulator)."""
+
+    def hold(self, pages: int) -> None:
+        self.share.check(pages, "hold")
+
+
+def build_elastic_cache(config: Any, shape: Any, driver: PooledAccountingMemory) -> KVCache:
+    """An accounting-only elastic cache over the pool's driver (its block pool the whole budget's blocks)."""
+    from kvlab.elastic.allocator import ElasticAllocator
+    allocator = ElasticAllocator(config, shape, accounting_only=True, driver=driver)
+    driver.budget.parked = allocator.pool.givable_pages
+    return KVCache(allocator=allocator, storage=NullStorage(), shape=shape)
 
 
 def build_cache(config: Any, shape: Any, driver: PooledAccountingMemory, aware: bool) -> KVCache:
