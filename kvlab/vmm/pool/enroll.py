@@ -7,6 +7,7 @@ import socket
 import uuid
 from collections.abc import Callable
 
+from kvlab.common import memfd
 from kvlab.common.errors import ConfigError
 from kvlab.vmm.pool import locks, rendezvous
 from kvlab.vmm.pool.attachment import Attachment, liveness_byte
@@ -75,9 +76,8 @@ def check_geometry(nbytes: int, page_size: int) -> int:
 
 
 def new_memfd(name: str, nbytes: int) -> int:
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
-    os.ftruncate(fd, nbytes)
-    return fd
+    """A memfd whose size is sealed (common/memfd.py): no member can shrink the books or pages under another."""
+    return memfd.sealed(name, nbytes)
 
 
 def create(name: str, nbytes: int, page_size: int = DEFAULT_PAGE_SIZE, engine: str | None = None, floor: int = 0,
