@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -42,16 +43,22 @@ def start(script: Path, *args: str) -> subprocess.Popen:
     script.chmod(0o644)
     cmd = ["timeout", str(LIFETIME_S), "setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
            PYTHON, str(script), *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return started(cmd)
+
+
+def started(cmd: list[str]) -> subprocess.Popen:
+    """`cmd` in a session of its own (stop() kills all of it: `timeout` and what it runs), once it printed a line."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     line = proc.stdout.readline()
     if not line:
-        proc.kill()
+        stop(proc)
         raise AssertionError(f"the uid-{NOBODY} process did not start: {proc.stderr.read()[-400:]}")
     return proc
 
 
 def stop(proc: subprocess.Popen) -> None:
-    proc.kill()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=10)
     for stream in (proc.stdout, proc.stderr):
         stream.close()
