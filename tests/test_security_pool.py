@@ -179,3 +179,17 @@ def test_joining_a_pool_whose_pages_are_shorter_than_its_books_is_refused():
     for fd in (books, pages):
         os.close(fd)
     assert mapped_or_open(name) == 0                # the joiner kept and mapped nothing
+
+
+@pytest.mark.parametrize("nbytes, page_size", [(16 * PAGE + 0.5, PAGE), (16.0 * PAGE, PAGE), (16 * PAGE, None),
+                                               ("1MiB", PAGE), (True, PAGE)])
+def test_pool_sizes_that_are_not_integers_are_one_line_errors(nbytes, page_size):
+    with pytest.raises(pool.LimitError, match="integer") as info:
+        pool.create(unique(), nbytes, page_size=page_size)
+    assert "\n" not in str(info.value)
+
+
+def test_limits_that_are_not_integers_are_one_line_errors():
+    with pool.create(unique(), 16 * PAGE) as member:
+        with pytest.raises(pool.LimitError, match="integer"):
+            pool.set_limits(member.name, member.engine, floor=1.5)
