@@ -5,6 +5,7 @@ The engine's lock guards `kept` (the engine thread adds and releases, the server
 threads through a queue, so every release happens on the engine thread (HandoffRole.poll: each step, and poll_idle)."""
 from __future__ import annotations
 
+import collections
 import queue
 import time
 from dataclasses import asdict, dataclass
@@ -51,11 +52,19 @@ class Outcome:
     report: HandoffReport | None
 
 
+REMEMBERED = 4096              # handoff ids claimed once, remembered to tell a replay from an unknown id
+
+
 class KeptBook:
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self.kept: dict[str, Kept] = {}
         self.outcomes: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
+        self.claimed: collections.deque[str] = collections.deque(maxlen=REMEMBERED)
+
+    def was_claimed(self, handoff_id: Any) -> bool:
+        """Pulled (or declined) before: a second pull is a replay."""
+        return handoff_id in self.claimed
 
     def add(self, handoff_id: str, seq: Sequence, num_tokens: int) -> None:
         self.kept[handoff_id] = Kept(seq, num_tokens, time.monotonic() + self.timeout_s)
@@ -66,6 +75,7 @@ class KeptBook:
         if kept is None or kept.in_flight:
             return None
         kept.in_flight = True
+        self.claimed.append(handoff_id)
         return kept
 
     def settle(self, outcome: Outcome) -> None:

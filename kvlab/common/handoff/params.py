@@ -3,6 +3,7 @@ answers and what a decode request brings. Everything a caller can get wrong is a
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +16,12 @@ if TYPE_CHECKING:
 
 MAX_ADDRESS = 100
 DECODE_KEYS = ("handoff_id", "address", "num_tokens", "first_token_ids", "backend")
+
+
+def prompt_hash(token_ids: list[int]) -> str:
+    """What binds a handoff to its prompt: the prefill engine's answer carries it, the decode engine recomputes it
+    from its own request's prompt, and the prefill engine checks it again before exporting (docs/security.md)."""
+    return hashlib.sha256(",".join(map(str, token_ids)).encode()).hexdigest()[:32]
 
 
 def check_sampling(params: SamplingParams, role: str) -> None:
@@ -50,6 +57,8 @@ def check_decode(kv: Any, prompt_len: int, config: Any, vocab_size: int | None, 
         raise RequestError(f"kv_transfer_params num_tokens {kv['num_tokens']!r} does not match the prompt's "
                            f"{prompt_len} tokens: send the same prompt to both engines")
     _check_first_token(kv["first_token_ids"], vocab_size)
+    if "prompt_hash" in kv:
+        _check_text(kv, "prompt_hash", 64)
     if kv["backend"] != config.backend:
         raise RequestError(f"the KV comes from a {_shown(kv['backend'])} engine but this decode engine runs "
                            f"{config.backend!r}: run both roles on the same backend")

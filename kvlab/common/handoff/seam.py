@@ -23,6 +23,10 @@ class HandoffRefused(HandoffError):
     """The decode side took nothing (no room, its pool ceiling): the prefill side still owns the KV."""
 
 
+class HandoffConflict(HandoffRefused):
+    """The handoff was pulled already (a replay): a handoff is pulled once (HTTP 409 where it is served)."""
+
+
 @dataclass(slots=True)
 class HandoffReport:
     """One side's part of one handoff: wall seconds, K/V bytes it copied, units (pages, blocks, tokens) moved."""

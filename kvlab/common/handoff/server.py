@@ -1,20 +1,21 @@
 """The prefill side's server: an abstract Unix socket (`\\0kvlab-handoff-PID-RANDOM`, nothing in the filesystem)
 served by one thread, one short-lived thread per pull. A pull claims the kept KV and exports it under the engine's
 lock, sends the header (and descriptors), waits for the decode side's ack and posts the outcome; the engine thread
-releases the KV. Only peers of the same user are served (SO_PEERCRED)."""
+releases the KV. Only peers of the same user are served (SO_PEERCRED); a pull must name the kept sequence's prompt
+(its prompt_hash), and a handoff is pulled once: a replay is answered as a conflict (docs/security.md)."""
 from __future__ import annotations
 
 import logging
 import os
 import secrets
 import socket
-import struct
 import threading
 from typing import TYPE_CHECKING, Any
 
 from kvlab.common.errors import HandoffError
 from kvlab.common.handoff.book import Outcome
-from kvlab.common.handoff.wire import PREFIX, close_all, receive, send, socket_address
+from kvlab.common.handoff.params import prompt_hash
+from kvlab.common.handoff.wire import PREFIX, close_all, peer, receive, send, socket_address
 
 if TYPE_CHECKING:
     from kvlab.common.handoff.book import KeptBook
@@ -59,11 +60,11 @@ class HandoffServer:
     def _handle(self, conn: socket.socket) -> None:
         with conn:
             conn.settimeout(self.io_timeout_s)
-            if not _same_user(conn):
-                return
             try:
+                if peer(conn)[1] != os.getuid():
+                    return
                 request, fds = receive(conn)
-            except HandoffError:
+            except (HandoffError, OSError):
                 return
             close_all(fds)
             if request.get("op") == "decline":
@@ -79,9 +80,9 @@ class HandoffServer:
 
     def _pull(self, conn: socket.socket, request: dict[str, Any]) -> None:
         handoff_id = request.get("handoff_id")
-        export, why = self._export(handoff_id, request.get("layout"))
+        export, why = self._export(handoff_id, request.get("layout"), request.get("prompt_hash"))
         if export is None:
-            return _refuse(conn, why)
+            return _refuse(conn, why, conflict=self.book.was_claimed(handoff_id))
         taken = None
         try:
             send(conn, {"ok": True, "header": export.header}, export.fds)
@@ -92,10 +93,17 @@ class HandoffServer:
             close_all(export.fds)
             self.book.settle(Outcome(handoff_id, taken, export.report if taken else None))
 
-    def _export(self, handoff_id: Any, layout: Any) -> tuple[Export | None, str]:
-        """Claim and export the kept KV under the engine's lock, or say why not. A failed export settles at once,
-        so the KV is released (never left in flight)."""
+    def _export(self, handoff_id: Any, layout: Any, digest: Any) -> tuple[Export | None, str]:
+        """Claim and export the kept KV under the engine's lock, or say why not. A pull for another prompt claims
+        nothing (the KV stays for its own request); a failed export settles at once, so the KV is released (never
+        left in flight)."""
         with self.lock:
+            if self.book.was_claimed(handoff_id):
+                return None, f"handoff {str(handoff_id)[:64]!r} was pulled already: a handoff is pulled once"
+            waiting = self.book.kept.get(handoff_id) if isinstance(handoff_id, str) else None
+            if waiting is not None and digest != prompt_hash(waiting.seq.token_ids[:waiting.num_tokens]):
+                return None, (f"handoff {handoff_id[:64]!r} was computed for another prompt: send the prompt "
+                              "the prefill engine computed")
             kept = self.book.claim(handoff_id)
             if kept is None:
                 return None, (f"no KV is kept for handoff {str(handoff_id)[:64]!r}: it was taken, expired "
@@ -115,13 +123,9 @@ class HandoffServer:
         self.thread.join(timeout=5 * ACCEPT_POLL_S)
 
 
-def _refuse(conn: socket.socket, why: str) -> None:
+def _refuse(conn: socket.socket, why: str, conflict: bool = False) -> None:
     try:
-        send(conn, {"ok": False, "error": why})
+        send(conn, {"ok": False, "error": why, "conflict": conflict})
     except HandoffError:
         pass                                               # the puller is gone: nothing to tell
 
-
-def _same_user(conn: socket.socket) -> bool:
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", creds)[1] == os.getuid()

@@ -14,10 +14,10 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvlab.common.errors import ConfigError, HandoffError, KvlabError, RequestError
+from kvlab.common.errors import ConfigError, HandoffError, RequestError
 from kvlab.common.handoff import client
 from kvlab.common.handoff.book import HandoffStats, KeptBook
-from kvlab.common.handoff.params import check_decode, check_sampling, first_logprob, prefill_params
+from kvlab.common.handoff.params import check_decode, check_sampling, first_logprob, prefill_params, prompt_hash
 from kvlab.common.handoff.seam import HandoffReport, load_handoff
 from kvlab.common.handoff.server import HandoffServer
 from kvlab.common.handoff.wire import PREFIX
@@ -32,7 +32,8 @@ if TYPE_CHECKING:
     from kvlab.common.sched.scheduler import Scheduler
     from kvlab.common.sequence import Sequence
 
-IO_TIMEOUT_S = 10.0            # any one socket operation of a pull
+IO_TIMEOUT_S = 10.0            # any one socket operation of the prefill side's server
+PULL_DEADLINE_S = 5.0          # a pull's whole exchange up to the KV header: what a silent peer costs the engine
 
 
 @dataclass(slots=True)
@@ -63,6 +64,7 @@ class HandoffRole:
                               "(no tensor parallelism, no accounting-only cache)")
         self.backend = load_handoff(cache, config)
         self.timeout_s = min(IO_TIMEOUT_S, config.handoff_timeout_s)
+        self.pull_deadline_s = min(PULL_DEADLINE_S, config.handoff_timeout_s)
         if self.role == "prefill":
             self.book = KeptBook(config.handoff_timeout_s)
             self.server = HandoffServer(self.book, self.backend, lock, self.timeout_s)
@@ -112,10 +114,12 @@ class HandoffRole:
         if allocator.units_needed(seq, tokens + 1) + reserve_units > allocator.num_free_units():
             return None
         try:
-            report = client.pull(kv, self.backend, seq, self.timeout_s)
-        except (KvlabError, OSError) as exc:      # OSError: shared memory or a mapping the OS refused
+            report = client.pull(kv, self.backend, seq, self.pull_deadline_s)
+        except Exception as exc:      # noqa: BLE001 - client.pull raises HandoffError; the backend may raise more
             self.stats.failed += 1
-            raise exc if isinstance(exc, HandoffError) else HandoffError(str(exc)) from None
+            if isinstance(exc, HandoffError):
+                raise
+            raise HandoffError(str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__) from None
         req.handoff = report.to_dict()
         self.stats.add(report)
         return tokens
@@ -132,8 +136,8 @@ class HandoffRole:
         output.handoff = HandoffReport(0.0, 0, 0, self.backend.unit).to_dict()   # moved at the pull, not here
         output.kv_transfer_params = {
             "do_remote_prefill": True, "handoff_id": handoff_id, "address": self.address,
-            "num_tokens": seq.prompt_len, "first_token_ids": seq.output_token_ids[:1],
-            "first_token_logprob": _first_logprob(seq),
+            "num_tokens": seq.prompt_len, "prompt_hash": prompt_hash(seq.token_ids[:seq.prompt_len]),
+            "first_token_ids": seq.output_token_ids[:1], "first_token_logprob": _first_logprob(seq),
             "backend": self.config.backend, **self.backend.params(), "model": self.config.model}
 
     def poll(self) -> None:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from kvlab.vmm.pool import rendezvous
 from kvlab.vmm.pool.attachment import Attachment
 from kvlab.vmm.pool.engines import EngineRecord
-from kvlab.vmm.pool.errors import PoolError
+from kvlab.vmm.pool.errors import LimitError, PoolError
 from kvlab.vmm.pool.ledger import Ledger, to_pages
 from kvlab.vmm.pool.status import PoolStatus, read_status
 
@@ -34,6 +34,9 @@ def set_limits(name: str, engine: str, floor: int | None = None, ceiling: int | 
     """Change a live engine's floor and/or ceiling (bytes; None keeps it). A lowered ceiling refuses the engine's
     takes until it has given back below it; a raised floor is honoured as pages come free (no other engine may
     take while free pages do not cover the floors not yet met)."""
+    for what, value in (("floor", floor), ("ceiling", ceiling)):
+        if value is not None and type(value) is not int:
+            raise LimitError(f"{what} must be an integer number of bytes, got {str(value)[:40]!r}")
     with books(name) as (attachment, ledger):
         slot = ledger.table.find(engine)
         if slot is None:

@@ -1,7 +1,9 @@
 """One process's hold on a pool: the books (ledger.py) mapped shared, a lock description of its own, and the
 descriptors of the pool's memory (one memfd of pages on the host, one per chunk on a GPU: cuda_chunks.py). Byte 0
 of the ledger file is the pool's lock; byte 1 + s is engine slot s's liveness lock, held by the engine's process
-for as long as it lives (locks.py)."""
+for as long as it lives (locks.py). Descriptors come from another process: the books' and the host pages' memfds
+must be sealed against resizing and as long as the books say (common/memfd.py) before anything is mapped, so a
+member that shrinks them cannot SIGBUS the others (docs/security.md)."""
 from __future__ import annotations
 
 import contextlib
@@ -10,9 +12,10 @@ import os
 import threading
 from collections.abc import Iterable, Iterator
 
+from kvlab.common import memfd
 from kvlab.vmm.pool import locks
 from kvlab.vmm.pool.errors import PoolError
-from kvlab.vmm.pool.ledger import HOST, Ledger
+from kvlab.vmm.pool.ledger import HEADER, HOST, Ledger, ledger_bytes
 from kvlab.vmm.pool.memory import punch
 from kvlab.vmm.pool.status import device_text
 
@@ -33,20 +36,39 @@ class Attachment:
         self.lock_fd, self._map, self.ledger = None, None, None
         self._thread_lock = threading.Lock()     # the OFD lock does not exclude this process's own threads
         try:
+            self._check_sealed(ledger_fd, HEADER.itemsize, "books")
             self.lock_fd = locks.reopen(ledger_fd)
             self._map = mmap.mmap(self.lock_fd, os.fstat(self.lock_fd).st_size)
-            self.ledger = Ledger(self._map)
-            self.ledger.check(name)
+            self.ledger = self._read_books()
             self._check_memory()
         except BaseException:
             self.close()
             raise
         self.page_size, self.device = int(self.ledger.header["page_size"]), self.ledger.device
 
+    def _check_sealed(self, fd: int, nbytes: int, what: str) -> None:
+        try:
+            memfd.check(fd, nbytes, f"pool {self.name!r}'s {what}")
+        except memfd.UnsafeMemfd as exc:
+            raise PoolError(str(exc)) from None
+
+    def _read_books(self) -> Ledger:
+        try:
+            ledger = Ledger(self._map)
+        except (ValueError, TypeError):       # counts in the header that the file cannot hold
+            raise PoolError(f"pool {self.name!r} passed books too short for their own header") from None
+        ledger.check(self.name)
+        h = ledger.header
+        if os.fstat(self.lock_fd).st_size < ledger_bytes(ledger.total, len(ledger.engines)) or h["page_size"] <= 0:
+            raise PoolError(f"pool {self.name!r} passed malformed books")
+        return ledger
+
     def _check_memory(self) -> None:
         if len(self.memory_fds) != int(self.ledger.header["chunks"]):
             raise PoolError(f"pool {self.name!r} passed {len(self.memory_fds)} memory descriptors for books that "
                             f"say {int(self.ledger.header['chunks'])}")
+        if self.ledger.device == HOST:
+            self._check_sealed(self.memory_fds[0], self.ledger.total * int(self.ledger.header["page_size"]), "pages")
 
     @property
     def descriptors(self) -> list[int]:

@@ -7,6 +7,7 @@ import socket
 import uuid
 from collections.abc import Callable
 
+from kvlab.common import memfd
 from kvlab.common.errors import ConfigError
 from kvlab.vmm.pool import locks, rendezvous
 from kvlab.vmm.pool.attachment import Attachment, liveness_byte
@@ -63,11 +64,15 @@ def join(name: str, engine: str | None = None, floor: int = 0, ceiling: int | No
     return _enroll_or_close(Attachment(name, *rendezvous.fetch(name)), engine, floor, ceiling)
 
 
+def check_integer(what: str, value: object) -> None:
+    if type(value) is not int:
+        raise LimitError(f"{what} must be an integer number of bytes, got {str(value)[:40]!r}")
+
+
 def check_geometry(nbytes: int, page_size: int) -> int:
     """The page count of a pool of `nbytes` in pages of `page_size`."""
     for what, value in (("pool size", nbytes), ("page size", page_size)):
-        if type(value) is not int:
-            raise LimitError(f"{what} must be an integer number of bytes, got {str(value)[:40]!r}")
+        check_integer(what, value)
     if page_size <= 0 or page_size % mmap.PAGESIZE:
         raise LimitError(f"page size {page_size} is not a positive multiple of the OS page ({mmap.PAGESIZE})")
     if nbytes <= 0 or nbytes % page_size:
@@ -78,9 +83,8 @@ def check_geometry(nbytes: int, page_size: int) -> int:
 
 
 def new_memfd(name: str, nbytes: int) -> int:
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
-    os.ftruncate(fd, nbytes)
-    return fd
+    """A memfd whose size is sealed (common/memfd.py): no member can shrink the books or pages under another."""
+    return memfd.sealed(name, nbytes)
 
 
 def create(name: str, nbytes: int, page_size: int = DEFAULT_PAGE_SIZE, engine: str | None = None, floor: int = 0,

@@ -1,7 +1,9 @@
 """Joining by name through a Linux abstract Unix socket, "\\0kvlab-pool-NAME": no file anywhere, and the name is
 gone the moment its socket closes, its process's death included. Whichever member binds the name serves joins
 by passing the pool's descriptors (socket.send_fds, SCM_RIGHTS: the books, then the memory) to processes of the
-same user."""
+same user. Trust goes both ways (docs/security.md): the server answers only joiners of its uid, and a joiner takes
+descriptors only from a server of its own uid, read from the kernel (SO_PEERCRED), so a name squatted by another
+user is refused before anything of it is mapped."""
 from __future__ import annotations
 
 import errno
@@ -56,6 +58,19 @@ def peer_uid(conn: socket.socket) -> int:
     return struct.unpack("3i", creds)[1]
 
 
+class UntrustedPool(PoolError):
+    """The process serving the name runs as another user: its books and memory are never taken."""
+
+
+def check_server(name: str, sock: socket.socket) -> None:
+    """The server of `name` must run as this process's uid (root trusts only root): the kernel's word, not the
+    server's."""
+    uid = peer_uid(sock)
+    if uid != os.getuid():
+        raise UntrustedPool(f"pool {name!r} is served by uid {uid}, not this user's ({os.getuid()}): not trusted, "
+                            "nothing was taken from it (another user holds the name; pick another name)")
+
+
 def serve_one(server: socket.socket, fds: list[int], wait_s: float) -> None:
     """Answer one join waiting at most `wait_s` for it; a peer of another user gets nothing."""
     server.settimeout(wait_s)
@@ -91,11 +106,14 @@ def fetch(name: str) -> tuple[int, list[int]]:
     """The pool's books and memory descriptors from whichever member serves the name."""
     check_name(name)
     with _connect(name) as sock:
+        check_server(name, sock)
         sock.settimeout(ANSWER_WAIT_S)
         try:
             msg, fds, _, _ = socket.recv_fds(sock, len(HELLO), 1 + MAX_MEMORY_FDS, socket.MSG_CMSG_CLOEXEC)
         except TimeoutError:
             raise PoolError(f"pool {name!r} did not answer the join within {ANSWER_WAIT_S:g} s") from None
+        except OSError as exc:
+            raise PoolError(f"pool {name!r} broke off the join ({exc.strerror or exc})") from None
     if msg != HELLO or len(fds) < 2:
         for fd in fds:
             os.close(fd)
