@@ -142,7 +142,7 @@ def test_a_vmm_pull_takes_no_pages_of_an_engine_that_did_not_answer(engines, fak
         vmm = {"backend": "vmm", "page_size": 4096, "kv_pool": holder.name}
         prefill, decode = engines("prefill", **vmm), engines("decode", **vmm)
         run(prefill, kv=REMOTE)                         # its KV is kept: pages the prefill engine holds
-        giver = prefill.handoff.backend.member.slot
+        giver = prefill.handoff.backend.member.index
         with holder._attachment.locked() as ledger:
             pages = ledger.pages_of(giver).tolist()
         geo = decode.handoff.backend.geo
