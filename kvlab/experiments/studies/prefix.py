@@ -149,7 +149,7 @@ def make_row(run: str, workload: str, backend: str, unit: int, on: Any, off: Any
 def _bytes_per_token(stats: Any) -> int:
     if stats.backend == "paged":
         return stats.extra["block_bytes"] // stats.tokens_per_unit
-    tensors = stats.extra["store_pages"] // stats.total_units   # 2L page-sized tensors per group
+    tensors = stats.extra["pool_pages"] // stats.total_units   # 2L page-sized tensors per group
     return tensors * stats.extra["page_size"] // stats.tokens_per_unit
 
 
