@@ -672,3 +672,18 @@ def test_random_operations_keep_every_invariant(make_cache, accounting_only):
         assert all(cache.allocator.holds(s) for s in live) and not any(cache.allocator.holds(s) for s in swapped)
     st = cache.stats()
     assert st.cow_copies > 0 and st.extra["reclaimed_units"] > 0 and st.swapped_in_bytes > 0
+
+
+def test_the_background_mapper_takes_parked_pages_of_freed_slots(make_cache):
+    cache = make_cache(groups=3, background_mapping=True, max_model_len=3 * TPP)
+    a, b = seq(0, 2 * TPP), seq(1, TPP - 1)
+    cache.allocator.allocate(a, 2 * TPP)
+    cache.allocator.allocate(b, TPP - 1)           # the last free group; near a boundary, nothing free to map ahead
+    cache.allocator.allocate(b, TPP)               # (fences the skipped job)
+    cache.allocator.free(a)                        # a's two pages stay parked in its freed slot
+    cache.allocator.allocate(b, TPP)               # in place: asks the mapper to map b's next page
+    cache.allocator.allocate(b, TPP)               # fences that job
+    by_seq = {s.seq_id: s for s in slots(cache)}
+    assert len(by_seq[1].groups) == 2              # the mapper unmapped a parked page and mapped it ahead for b
+    assert [len(s.groups) for s in slots(cache) if s.seq_id is None and s.groups] == [1]
+    assert cache.stats().extra["lookahead_pages"] == 1

@@ -132,7 +132,9 @@ class VMMAllocator(Allocator):
 
     @timed_allocate
     def allocate(self, seq: Sequence, num_tokens: int, reserve_units: int = 0) -> int | None:
-        if self.plain and not reserve_units and not self.mapper.pending:
+        if self.plain and not reserve_units:
+            if self.mapper.pending:   # this slot's job (mapping since the last step, so done by now) and its error;
+                self._fence(seq)      # other slots' jobs go on: they change slots only under the lock
             with self._lock:   # the per-step decode path (growth.in_place, the one fast path)
                 slot = self.table.of(seq.seq_id)
                 if self.growth.in_place(slot, num_tokens):
@@ -204,8 +206,9 @@ class VMMAllocator(Allocator):
     def rows(self, items: list[BatchItem], check: bool) -> tuple[list[int], list[int]]:
         """Each item's slot and readable length: up to the last page its held tokens need (pages past it, mapped
         ahead or parked, are reclaimable by any allocate, so they are not promised to a kernel). `check`: run
-        check_invariants first. Raises RequestError if an item's context is not allocated."""
-        self._fence(*(it.seq for it in items))
+        check_invariants first. Raises RequestError if an item's context is not allocated. Jobs in flight are not
+        waited for (only finished ones' errors raised): they map pages past the held tokens, which no row reads."""
+        self.mapper.fence([])
         with self._lock:
             if check:
                 self.check_invariants()

@@ -60,11 +60,13 @@ class SlotPages:
         self._extend(slot, self._obtain(missing, slot, keep=pages, prefer=_after_last(slot)))
 
     def map_ahead(self, index: int, seq_id: int, target: int) -> bool:
-        """Map pages the slot will need soon, from the free list only (never reclaims). False if nothing
-        was mapped."""
+        """Map pages the slot will need soon, from the free list and parked pages of freed slots (never pages a
+        live slot maps). False if nothing was mapped."""
         slot = self.table.slots[index]
         if slot.seq_id != seq_id or len(slot.groups) >= target:
             return False
+        if self.free_pages.num_free < target - len(slot.groups):   # parked pages of freed slots: anyone's
+            self._reclaim_stale(target - len(slot.groups) - self.free_pages.num_free)
         count = min(target - len(slot.groups), self.free_pages.num_free)
         if count <= 0:
             self.counters.lookahead_skipped += 1
@@ -205,9 +207,7 @@ class SlotPages:
         """Unmap tail pages: oldest free (stale) slots first, then pages mapped ahead in live slots (by index),
         then the requester's own beyond `keep`."""
         table = self.table
-        while count > 0 and table.stale:
-            slot = table.slots[next(iter(table.stale))]
-            count -= self._reclaim_tail(slot, min(count, len(slot.groups)))
+        count = self._reclaim_stale(count)
         for index in sorted(table.ahead - {requester.index}) if count > 0 else ():
             slot = table.slots[index]
             count -= self._reclaim_tail(slot, min(count, len(slot.groups) - self.geo.pages_for(slot.held)))
@@ -215,6 +215,14 @@ class SlotPages:
                 return
         if count > 0:
             self._reclaim_tail(requester, min(count, len(requester.groups) - keep))
+
+    def _reclaim_stale(self, count: int) -> int:
+        """Unmap up to `count` parked pages, oldest freed slots first; returns how many are still wanted."""
+        table = self.table
+        while count > 0 and table.stale:
+            slot = table.slots[next(iter(table.stale))]
+            count -= self._reclaim_tail(slot, min(count, len(slot.groups)))
+        return count
 
     def _reclaim_tail(self, slot: Slot, n: int) -> int:
         if n > 0:

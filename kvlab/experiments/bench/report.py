@@ -27,6 +27,7 @@ def side_by_side(runs: list[dict[str, Any]]) -> str:
         ("TTFT p50 ms", timed("ttft_p50", ms)),
         ("TPOT p50 ms", timed("tpot_p50", ms)),
         ("allocator share", timed("allocator_share", pct)),
+        ("  bg mapper s (not in share)", lambda r: f"{(r.get('cache_extra') or {}).get('background_seconds', 0):.2f}"),
         ("scheduler s", timed("scheduler_seconds", lambda v: f"{v:.2f}")),
         ("wall s", timed("wall_seconds", lambda v: f"{v:.1f}")),
         ("steps", lambda r: fmt(r["num_steps"])),

@@ -42,6 +42,10 @@ class PoolPageMapper(Protocol):
     def map_page(self, addr: int, pool_page: int) -> int:
         """Map one pool page read-write at `addr`; the OS calls made. A failure leaves nothing mapped there."""
 
+    def map_run(self, addr: int, pool_page: int, num_pages: int) -> int:
+        """Map pool pages [pool_page, + num_pages) at consecutive addresses from `addr`; the OS calls made. A
+        failure leaves nothing of the run mapped."""
+
     def taken(self, pool_pages: list[int]) -> None:
         """Pages new to this engine from the pool: what another engine wrote there must not be read."""
 
@@ -109,17 +113,28 @@ class PooledMemory:
             raise
 
     def _map_each(self, addr: int, local: range) -> int:
-        calls = 0
-        for i, page in enumerate(local):
+        """One map call per run of consecutive pool pages behind consecutive local pages (a handoff's pages, a
+        fresh take: usually one run)."""
+        calls, size = 0, self.page_size
+        for i, pool_page, n in pool_runs([self.backing[page] for page in local]):
             try:
-                calls += self.pages.map_page(addr + i * self.page_size, self.backing[page])
+                calls += self.pages.map_run(addr + i * size, pool_page, n)
+            except PartialCall as e:   # the run's first pages got mapped
+                self._book_run(addr, local, i, e.pages_done)
+                raise PartialCall(str(e), i + e.pages_done) from e
             except DriverError as e:
                 if i:
                     raise PartialCall(str(e), i) from e
                 raise
-            self.mapped[addr + i * self.page_size] = page
-            self.refs[page] = self.refs.get(page, 0) + 1
+            self._book_run(addr, local, i, n)
         return calls
+
+    def _book_run(self, addr: int, local: range, first: int, count: int) -> None:
+        refs, size = self.refs, self.page_size
+        for k in range(first, first + count):
+            page = local[k]
+            self.mapped[addr + k * size] = page
+            refs[page] = refs.get(page, 0) + 1
 
     def _back(self, pages: list[int]) -> None:
         """Give each local page a pool page: loose pages and a take for what the spares do not cover, then the
@@ -137,7 +152,9 @@ class PooledMemory:
         if taken is None:
             taken = self._ask(need)
         self.pages.taken(taken)
-        self.loose.extend(taken)
+        if taken:   # highest first: `_back` pops them lowest first, so fresh pages map in runs
+            self.loose.extend(taken)
+            self.loose.sort(reverse=True)
 
     def _ask(self, need: int) -> list[int]:
         """Ask the other engines for pages and wait for their stewards' answer, once per engine step and only
@@ -327,3 +344,14 @@ class PooledVirtualMemory(VirtualMemory):
         super().__init__(memory, pages.page_size, None, budget)
         self.member = member
         self.pool = PoolAccount(member, memory, self.stats)
+
+
+def pool_runs(pool_pages: list[int]) -> list[tuple[int, int, int]]:
+    """(index, first pool page, length) of each run of consecutive pool pages in `pool_pages`."""
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    for i in range(1, len(pool_pages) + 1):
+        if i == len(pool_pages) or pool_pages[i] != pool_pages[i - 1] + 1:
+            runs.append((start, pool_pages[start], i - start))
+            start = i
+    return runs

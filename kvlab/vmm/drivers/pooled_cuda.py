@@ -9,8 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvlab.common.errors import DriverError
 from kvlab.vmm.drivers.cuda import CudaMemory
 from kvlab.vmm.drivers.cuda_device import cuda_index
+from kvlab.vmm.drivers.types import PartialCall
 from kvlab.vmm.pool import PoolMember, create, join_or_create
 from kvlab.vmm.pool.cuda_chunks import CudaChunks, chunk_size
 
@@ -33,6 +35,18 @@ class CudaPoolPages:
             raise
         self.fresh.discard(pool_page)
         return 3
+
+    def map_run(self, addr: int, pool_page: int, num_pages: int) -> int:
+        """Page by page (each pool page is its own chunk mapping); a failure after some pages: PartialCall."""
+        calls = 0
+        for i in range(num_pages):
+            try:
+                calls += self.map_page(addr + i * self.page_size, pool_page + i)
+            except DriverError as e:
+                if i:
+                    raise PartialCall(str(e), i) from e
+                raise
+        return calls
 
     def taken(self, pool_pages: list[int]) -> None:
         self.fresh.update(pool_pages)

@@ -23,6 +23,12 @@ class HostPoolPages:
                             self.member.page_fd, self.member.page_offset(pool_page))
         return 1
 
+    def map_run(self, addr: int, pool_page: int, num_pages: int) -> int:
+        self.member.page_offset(pool_page + num_pages - 1)   # the whole run lies in the pool (raises if not)
+        self.memory.mmap_at("map pool pages", addr, num_pages * self.page_size, PROT_RW, self.flags,
+                            self.member.page_fd, self.member.page_offset(pool_page))
+        return 1
+
     def taken(self, pool_pages: list[int]) -> None:
         """Punched by their giver (or by the reaper of a dead one): zeros already."""
 
