@@ -63,7 +63,7 @@ def test_family_runs_and_reports_rows(family):
     check_rows(rows, family)
     goals = [r for r in rows if r.goal is not None]
     expected_goals = {"throughput": 2, "attention": 4, "end_to_end": 1, "allocator": 2, "simulator": 3,
-                      "serving": 1}
+                      "serving": 1, "roofline": 0}
     assert len(goals) == expected_goals[family]
 
 

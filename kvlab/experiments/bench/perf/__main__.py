@@ -22,6 +22,7 @@ FAMILIES = {
     "allocator": "kvlab.experiments.bench.perf.allocator",
     "simulator": "kvlab.experiments.bench.perf.simulator",
     "serving": "kvlab.experiments.bench.perf.serving",
+    "roofline": "kvlab.experiments.bench.perf.roofline",
 }
 
 
