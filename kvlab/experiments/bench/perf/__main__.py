@@ -23,6 +23,7 @@ FAMILIES = {
     "simulator": "kvlab.experiments.bench.perf.simulator",
     "serving": "kvlab.experiments.bench.perf.serving",
     "roofline": "kvlab.experiments.bench.perf.roofline",
+    "hf_cb": "kvlab.experiments.bench.perf.hf_cb",
 }
 
 
