@@ -65,7 +65,7 @@ def test_family_runs_and_reports_rows(family):
     check_rows(rows, family)
     goals = [r for r in rows if r.goal is not None]
     expected_goals = {"throughput": 2, "attention": 4, "end_to_end": 1, "allocator": 2, "simulator": 3,
-                      "serving": 1}
+                      "serving": 1, "roofline": 0, "hf_cb": 0}
     assert len(goals) == expected_goals[family]
 
 
@@ -192,3 +192,14 @@ def test_gpu_check_dry_run_runs_every_part_on_cpu(tmp_path):
     tests = parts["gpu_tests"]["result"]
     assert tests["files"] == ["tests/test_gpu.py"] and tests["counts"].get("skipped", 0) > 0
     assert tests["counts"].get("failed", 0) == 0 and parts["unmapped_access"]["result"]["ran"] is False
+
+
+@pytest.mark.slow
+def test_hf_continuous_batching_rows_on_smollm2():
+    from kvlab.experiments.bench.perf import hf_cb
+    rows = hf_cb.measure(Settings(repeats=2), num_requests=6, scale=1 / 64)
+    if rows[0].value is None:
+        pytest.skip(rows[0].note)
+    check_rows(rows, "hf_cb")
+    last = rows[-1]
+    assert last.goal is not None and last.value > 0 and last.detail["greedy_outputs_equal"] >= 1

@@ -126,3 +126,18 @@ def test_kvlab_generate_under_a_small_budget_warns_once_and_refuses_the_long_req
     assert done.returncode == 2 and len(lines) == 2, done.stderr
     assert "the KV budget holds 16 tokens, less than the model's 4,096 positions: max_model_len is 16" in lines[0]
     assert "exceeds max_model_len (16)" in lines[1]
+
+
+def test_the_default_kv_budget_is_sized_from_the_model(monkeypatch):
+    from kvlab.common import loader
+    assert make_config().kv_cache_bytes == loader.DEFAULT_KV_FLOOR           # tiny: 4 x 4096 x 4 KiB = 64 MiB
+    big = ModelConfig(vocab_size=1024, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                      num_kv_heads=3, head_dim=64, max_position_embeddings=8192)   # SmolLM2-135M's shape
+    monkeypatch.setattr(loader, "read_model_config", lambda name: big)
+    from kvlab.common.machine import ram_bytes
+    four_full_length = 4 * 8192 * (2 * 30 * 3 * 64 * 4)                       # 1.4 GiB of fp32 K and V
+    expect = int(max(loader.DEFAULT_KV_FLOOR, min(four_full_length, loader.DEFAULT_KV_CEILING, ram_bytes() / 8)))
+    config = make_config()
+    assert config.kv_cache_bytes == expect > 64 * 2**20
+    assert config.max_model_len == min(8192, config.kv_cache_bytes // (2 * 30 * 3 * 64 * 4))
+    assert make_config(kv_cache_bytes=2**26).kv_cache_bytes == 2**26         # an explicit budget is kept

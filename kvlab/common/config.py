@@ -40,7 +40,8 @@ KV_SCALE_RANGE = (1e-6, 1e6)       # fp8 KV scales of real models are ~1e-3..10;
 class EngineConfig:
     model: str = "tiny"                  # preset name, HF directory, or .gguf file
     backend: str = "paged"               # a registered backend: paged | vmm | reserve
-    kv_cache_bytes: int = 64 * 1024**2   # the KV budget, all layers, K and V
+    kv_cache_bytes: int | None = None    # the KV budget, all layers, K and V; None: sized from the model
+                                         # (common/loader.py default_kv_cache_bytes)
     watermark: float = 0.01              # fraction of capacity kept free at admission
     preemption_mode: str = "recompute"   # recompute | swap
     max_num_seqs: int = 64
@@ -65,6 +66,9 @@ class EngineConfig:
         for spec in REGISTRY.specs():
             self.options.setdefault(spec.name, spec.default_options())
         validate(self)
+        if self.kv_cache_bytes is None:
+            from kvlab.common.loader import default_kv_cache_bytes
+            self.kv_cache_bytes = default_kv_cache_bytes(self)
         if self.max_model_len is None:
             from kvlab.common.loader import default_max_model_len
             self.max_model_len = default_max_model_len(self)
@@ -108,7 +112,9 @@ class EngineConfig:
 
 
 def validate(cfg: EngineConfig) -> None:
-    check_positive(cfg, "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")
+    check_positive(cfg, "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")
+    if cfg.kv_cache_bytes is not None:               # None: sized from the model once the rest is valid
+        check_positive(cfg, "kv_cache_bytes")
     check_types(cfg)
     if cfg.backend not in REGISTRY.names():
         raise ConfigError(f"unknown backend {cfg.backend!r}; choose one of: {', '.join(REGISTRY.names())}")

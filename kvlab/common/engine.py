@@ -49,7 +49,7 @@ class Engine:
 
     def __init__(self, config: EngineConfig, cache: KVCache, runner: Runner, tokenizer: Any = None,
                  eos_token_ids: tuple[int, ...] = (), vocab_size: int | None = None,
-                 timeline_every: int = 1) -> None:
+                 timeline_every: int = 1, stream_tokens: bool = True) -> None:
         self.config = config
         self.cache = cache
         self.runner = runner
@@ -58,7 +58,9 @@ class Engine:
         self.scheduler = Scheduler(config, cache.allocator, eos_token_ids)
         self.recorder = MetricsRecorder(cache, timeline_every)
         self.attributor = KVAttributor(self.scheduler.req_of)
-        self.stream = TokenStream()
+        # stream_tokens=False: step() returns finished outputs only, no per-request deltas (the simulator reads
+        # none, and building them is per token per sequence work)
+        self.stream = TokenStream() if stream_tokens else None
         self._ids = itertools.count()
         self._closed = False
         self.lock = threading.RLock()      # held by step and add_request; the handoff server's thread takes it too
@@ -120,7 +122,8 @@ class Engine:
     def abort(self, request_id: str) -> bool:
         """Drop a request and free its KV; it produces no output. False if it is unknown or already finished."""
         with self.lock:
-            self.stream.forget(str(request_id))
+            if self.stream is not None:
+                self.stream.forget(str(request_id))
             req = self.scheduler.requests.get(str(request_id))
             aborted = self.scheduler.abort(str(request_id))
             self.handoff.release_unpulled(req)
@@ -131,7 +134,8 @@ class Engine:
         for request_id in request_ids:
             self.abort(request_id)
         for req in self.scheduler.pop_finished():
-            self.stream.forget(req.request_id)
+            if self.stream is not None:
+                self.stream.forget(req.request_id)
 
     def has_unfinished(self) -> bool:
         """Requests still running, or finished ones whose output the next step() returns."""
@@ -162,6 +166,8 @@ class Engine:
                 self.recorder.on_finished(req)
                 outputs.append(request_output(req, decode))
                 self.handoff.finished(req, outputs[-1])
+            if self.stream is None:
+                return StepResult(finished=outputs)
             return self.stream.step(sampled, outputs)
 
     def _advance(self) -> tuple[list[Sequence], list[Request], CacheStats]:
@@ -173,8 +179,7 @@ class Engine:
         self.attributor.on_schedule(out, t0)
         held = list(self.scheduler.running)
         w1 = time.perf_counter()
-        req_of = self.scheduler.req_of          # a request whose item the scheduler dropped may be gone already
-        sampled = [req for req in dict.fromkeys(map(req_of.get, out.specs)) if req is not None]
+        sampled = self._sampled(out) if self.stream is not None else []
         samples = self.runner.execute(out) if out.items else {}
         w2 = time.perf_counter()
         t1 = clock()
@@ -187,6 +192,11 @@ class Engine:
         if out.items:
             self.recorder.on_step(t0, t1, out, len(held), (w1 - w0) + (w3 - w2), stats)
         return held, sampled, stats
+
+    def _sampled(self, out: SchedulerOutput) -> list[Request]:
+        """The requests whose sequences sample in this step, once each, in schedule order."""
+        req_of = self.scheduler.req_of          # a request whose item the scheduler dropped may be gone already
+        return [req for req in dict.fromkeys(map(req_of.get, out.specs)) if req is not None]
 
     # -- observability --------------------------------------------------------------------------------------
     def reset_metrics(self) -> None:

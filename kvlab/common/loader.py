@@ -236,6 +236,37 @@ def default_max_model_len(config: Any) -> int:
     return held
 
 
+# The KV budget when none is set: room for this many sequences of the model's full length (as vLLM sizes its cache
+# for the model rather than for a constant), within a floor that keeps small models as they were and a ceiling
+# that keeps a CPU run from taking a large share of the machine's RAM.
+DEFAULT_KV_SEQUENCES = 4
+DEFAULT_KV_FLOOR = 64 * 2**20
+DEFAULT_KV_CEILING = 2**30
+DEFAULT_KV_RAM_SHARE = 1 / 8
+
+
+def default_kv_cache_bytes(config: Any) -> int:
+    """`kv_cache_bytes` when the user sets none: DEFAULT_KV_SEQUENCES sequences of the model's full length
+    (max_position_embeddings), at least 64 MiB, at most 1 GiB and 1/8 of physical RAM. The tiny preset keeps 64 MiB;
+    SmolLM2-135M in fp32 gets 1 GiB (about 23,000 tokens) instead of 64 MiB's 1,456."""
+    from kvlab.common.limits import MAX_MODEL_LEN
+    from kvlab.common.machine import ram_bytes
+    model = read_model_config(config.model)
+    if not config.device.startswith("cuda"):      # a model beyond RAM is refused before any budget is reported
+        check_fits(model, config.dtype, config.device, config.model)
+    length = min(model.max_position_embeddings, MAX_MODEL_LEN)
+    want = DEFAULT_KV_SEQUENCES * length * kv_shape_of(config, model, 1).bytes_per_token
+    return int(max(DEFAULT_KV_FLOOR, min(want, DEFAULT_KV_CEILING, ram_bytes() * DEFAULT_KV_RAM_SHARE)))
+
+
+def kv_shape_of(config: Any, model: ModelConfig, tp: int) -> Any:
+    """The KV shape of one of `tp` ranks for `model` under `config`'s dtypes."""
+    from kvlab.common.kv.types import KVShape
+    return KVShape(num_layers=model.num_layers, num_kv_heads=model.num_kv_heads // tp, head_dim=model.head_dim,
+                   num_q_heads=model.num_heads // tp, dtype=config.dtype, device=config.device,
+                   kv_cache_dtype=config.kv_cache_dtype, sliding_window=model.sliding_window)
+
+
 def budget_tokens(config: Any, model: ModelConfig) -> int | None:
     """Tokens the KV cache of `config.backend` holds for `model`: the budget's tokens when that is twice
     max_model_len or more (nothing is built: a budget far above RAM must not cost an accounting build's
@@ -243,11 +274,8 @@ def budget_tokens(config: Any, model: ModelConfig) -> int | None:
     (the engine's own build says why, in its turn). Under tensor parallelism that is one rank's cache: every
     rank holds the same tokens."""
     from kvlab.common.kv.seam import create_cache
-    from kvlab.common.kv.types import KVShape
     tp = config.tensor_parallel_size if model.num_kv_heads % config.tensor_parallel_size == 0 else 1
-    shape = KVShape(num_layers=model.num_layers, num_kv_heads=model.num_kv_heads // tp, head_dim=model.head_dim,
-                    num_q_heads=model.num_heads // tp, dtype=config.dtype, device=config.device,
-                    kv_cache_dtype=config.kv_cache_dtype, sliding_window=model.sliding_window)
+    shape = kv_shape_of(config, model, tp)
     tokens = config.kv_cache_bytes // tp // shape.bytes_per_token
     if tokens >= 2 * config.max_model_len:
         return tokens

@@ -33,9 +33,10 @@ class Lifecycle:
     def append(self, req: Request, seq: Sequence, token: int, logprob: float, top: tuple = (),
                check_stop: bool = True) -> None:
         """`top`: the row's most likely (token, logprob) pairs, when the request asks for log-probabilities."""
-        seq.token_ids.append(token)          # Sequence.append_token, inlined: once per token per sequence
+        token_ids, params = seq.token_ids, req.params
+        token_ids.append(token)              # Sequence.append_token, inlined: once per token per sequence
         seq.cumulative_logprob += logprob
-        if req.params.logprobs is not None:
+        if params.logprobs is not None:
             seq.logprobs.append((logprob, top))
         self.stats.output_tokens += 1
         now = self.now
@@ -44,10 +45,9 @@ class Lifecycle:
             if req.first_token_time is None:
                 req.first_token_time = now
         seq.last_token_time = now
-        if check_stop:
-            reason = self.stop_reason(req, token, len(seq.token_ids) - seq.prompt_len)
-            if reason is not None:
-                self.finish_seq(req, seq, reason)
+        # stop_reason's test, inlined: it is called only for the token that stops
+        if check_stop and (token in req.stop_ids or len(token_ids) - seq.prompt_len >= params.max_tokens):
+            self.finish_seq(req, seq, self.stop_reason(req, token, len(token_ids) - seq.prompt_len))
 
     @staticmethod
     def stop_reason(req: Request, token: int, num_output_tokens: int) -> str | None:

@@ -29,11 +29,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvlab.common.attention.metadata import BatchItem
 from kvlab.common.errors import RequestError
 from kvlab.common.request import KVImport, Request, Sample, SampleSpec, SchedulerOutput, SchedulerStats
 from kvlab.common.sampling_params import SamplingParams
 from kvlab.common.sched.admission import Admission
-from kvlab.common.sched.groups import add_item, make_group
+from kvlab.common.sched.groups import make_group
 from kvlab.common.sched.lifecycle import Lifecycle
 from kvlab.common.sched.preemption import Preemption
 from kvlab.common.sched.queues import Queues
@@ -185,22 +186,27 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Running sequences, oldest admission first, get their next tokens; one that cannot grow makes room."""
-        running, cache, req_of = self.queues.running, self.cache, self.queues.req_of
+        running, allocate, req_of = self.queues.running, self.cache.allocate, self.queues.req_of
+        items, specs = out.items, out.specs
         i = 0
-        while i < len(running) and budget > 0:
+        while i < len(running) and budget > 0:       # once per running sequence per step: add_item inlined
             seq = running[i]
-            n = len(seq.token_ids) - seq.num_computed_tokens
+            length, start = len(seq.token_ids), seq.num_computed_tokens
+            n = length - start
             if n == 0:                       # a beam waiting for its siblings
                 i += 1
                 continue
             if n > budget:
                 n = budget
-            target = seq.num_computed_tokens + n
-            if cache.allocate(seq, target) is None:
-                i -= self.preemption.make_room(seq, target, i, out)
+            if allocate(seq, start + n) is None:
+                i -= self.preemption.make_room(seq, start + n, i, out)
                 if seq.status is not RUNNING:
                     continue
-            add_item(out, req_of[seq.seq_id], seq, seq.num_computed_tokens, n)
+                start = seq.num_computed_tokens
+            logits = start + n == length
+            items.append(BatchItem(seq, start, n, logits))
+            if logits:
+                specs[seq.seq_id] = req_of[seq.seq_id].group.spec(seq)
             budget -= n
             i += 1
         return budget

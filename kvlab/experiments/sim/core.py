@@ -318,7 +318,7 @@ def simulate(case: SimCase, settings: SimSettings, requests: list[Request], tap:
     runner = make_runner(cost, case, settings, cache)
     inner = tap.attach(runner, cache, layers_per_page(case.options, spec)) if tap is not None else runner
     probe = WasteProbe(inner, cache, config.max_model_len)
-    engine = Engine(config, cache, probe, timeline_every=settings.timeline_every or 10**9)
+    engine = Engine(config, cache, probe, timeline_every=settings.timeline_every or 10**9, stream_tokens=False)
     if tap is not None:
         tap.bind(engine)
     try:

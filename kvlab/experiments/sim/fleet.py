@@ -136,7 +136,7 @@ def build_engine(name: str, case: SimCase, settings: SimSettings, requests: list
         cache = make_cache(config, spec.kv_shape())
     runner = make_runner(cost, case, settings, cache)
     tap = tap_type(runner, cache, ledger, watch, layers_per_page(case.options, spec))
-    engine = Engine(config, cache, tap, timeline_every=10**9)
+    engine = Engine(config, cache, tap, timeline_every=10**9, stream_tokens=False)
     tap.bind(engine)
     engine.reset_metrics()
     return SimEngine(name, engine, runner, tap)

