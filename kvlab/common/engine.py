@@ -179,7 +179,7 @@ class Engine:
         self.attributor.on_schedule(out, t0)
         held = list(self.scheduler.running)
         w1 = time.perf_counter()
-        sampled = self._sampled(out) if self.stream is not None else []
+        sampled = sampled_requests(self.scheduler.req_of, out) if self.stream is not None else []
         samples = self.runner.execute(out) if out.items else {}
         w2 = time.perf_counter()
         t1 = clock()
@@ -192,11 +192,6 @@ class Engine:
         if out.items:
             self.recorder.on_step(t0, t1, out, len(held), (w1 - w0) + (w3 - w2), stats)
         return held, sampled, stats
-
-    def _sampled(self, out: SchedulerOutput) -> list[Request]:
-        """The requests whose sequences sample in this step, once each, in schedule order."""
-        req_of = self.scheduler.req_of          # a request whose item the scheduler dropped may be gone already
-        return [req for req in dict.fromkeys(map(req_of.get, out.specs)) if req is not None]
 
     # -- observability --------------------------------------------------------------------------------------
     def reset_metrics(self) -> None:
@@ -233,3 +228,9 @@ class Engine:
         finally:
             if hasattr(self.runner, "close"):    # e.g. the tensor-parallel runner's ranks
                 self.runner.close()
+
+
+def sampled_requests(req_of: dict[int, Request], out: SchedulerOutput) -> list[Request]:
+    """The requests whose sequences sample in this step, once each, in schedule order (a request whose item the
+    scheduler dropped may be gone from `req_of` already)."""
+    return [req for req in dict.fromkeys(map(req_of.get, out.specs)) if req is not None]

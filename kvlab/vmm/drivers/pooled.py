@@ -182,26 +182,23 @@ class PooledMemory:
         try:
             calls = self.pages.memory.unmap(addr, num_pages)
         except PartialCall as e:
-            self._forget_run(addr, e.pages_done)
+            self._forget(addr, e.pages_done)
             raise
-        self._forget_run(addr, num_pages)
+        self._forget(addr, num_pages)
         return calls
 
-    def _forget_run(self, addr: int, num_pages: int) -> None:
-        for i in range(num_pages):
-            self._forget(addr + i * self.page_size)
-
-    def _forget(self, addr: int) -> None:
-        """The mapping at addr is gone; a local page no longer mapped anywhere keeps its pool page, idle (its
+    def _forget(self, addr: int, num_pages: int = 1) -> None:
+        """The mappings from addr are gone; a local page no longer mapped anywhere keeps its pool page, idle (its
         data stays valid until the page is given or reused, so a repair can map it back)."""
-        page = self.mapped.pop(addr, None)
-        if page is None:
-            return
-        self.refs[page] -= 1
-        if not self.refs[page]:
-            del self.refs[page]
-            if page not in self.kept:
-                self.idle[page] = None
+        for i in range(num_pages):
+            page = self.mapped.pop(addr + i * self.page_size, None)
+            if page is None:
+                continue
+            self.refs[page] -= 1
+            if not self.refs[page]:
+                del self.refs[page]
+                if page not in self.kept:
+                    self.idle[page] = None
 
     def discard(self, first_page: int, num_pages: int) -> None:
         pages = [p for p in range(first_page, first_page + num_pages) if p in self.idle]
