@@ -18,6 +18,7 @@ from kvlab.vmm.pool import locks
 from kvlab.vmm.pool.attachment import Attachment, liveness_byte
 from kvlab.vmm.pool.engines import EngineRecord
 from kvlab.vmm.pool.errors import PoolError
+from kvlab.vmm.pool.ledger import HOST
 from kvlab.vmm.pool.status import PoolStatus, read_status
 from kvlab.vmm.pool.steward import Steward
 from kvlab.vmm.pool.transfer import all_held, transfer
@@ -30,8 +31,9 @@ class PoolMember:
         self._attachment, self.index, self.engine, self._steward = attachment, index, engine, steward
         self.name, self.pid = attachment.name, os.getpid()
         self.page_size, self.total_pages = attachment.page_size, attachment.ledger.total
-        self.page_fd = attachment.pages_fd             # a host pool's memfd: page p at page_offset(p), MAP_SHARED
         self.device = attachment.device                # HOST (-1), or the CUDA device whose chunks hold the pages
+        # a host pool's memfd: page p at page_offset(p), MAP_SHARED (None on a GPU pool: its pages are in chunks)
+        self.page_fd = attachment.pages_fd if self.device == HOST else None
         self.chunk_fds = list(attachment.memory_fds)   # a GPU pool's chunks, the pool's to close: import each once
         self.chunk_bytes = self.total_pages * self.page_size // len(self.chunk_fds) if self.chunk_fds else 0
         self.held: set[int] = set()                   # the pages this engine holds, as it knows them
