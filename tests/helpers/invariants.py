@@ -152,7 +152,12 @@ def probe_of(cache: KVCache):
 
 def own_free_units(cache: Allocator) -> int:
     """The cache's own free units: on a pool, before what the pool can give now (which other engines change)."""
-    return cache.growth.free_units() if cache.name == "vmm" and cache.pool.elastic else cache.num_free_units()
+    return cache.growth.free_units() if on_a_pool(cache) else cache.num_free_units()
+
+
+def on_a_pool(cache: Allocator) -> bool:
+    """A vmm cache whose pages come from a machine-wide pool (its MachinePool is not the do-nothing one)."""
+    return cache.name == "vmm" and cache.pool.elastic
 
 
 def check_capacity(cache: Allocator) -> None:
@@ -160,7 +165,7 @@ def check_capacity(cache: Allocator) -> None:
     assert st.free_units + st.used_units == st.total_units == cache.num_total_units(), (
         f"free {st.free_units} + used {st.used_units} != total {st.total_units}")
     assert 0 <= st.used_units <= st.total_units
-    if getattr(cache, "pooled", False):     # on a pool: what the pool can give now, within the engine's own free
+    if on_a_pool(cache):                    # on a pool: what the pool can give now, within the engine's own free
         assert 0 <= cache.num_free_units() <= st.free_units
     else:
         assert st.free_units == cache.num_free_units()
