@@ -54,6 +54,7 @@ STOPS: dict[tuple[str, ...], tuple[tuple[str, str], ...]] = {
     ("study",): (),
     ("study", "page-size"): (("kvlab.experiments.studies.page_size.study", "run_study"),),
     ("study", "pool"): (("kvlab.experiments.studies.pool.study", "execute"),),
+    ("study", "corners"): (("kvlab.experiments.studies.corners", "run_corners"),),
     ("compare",): (("kvlab.experiments.compare.saved", "load_run"),),
     ("pool",): (),
     ("pool", "create"): (("kvlab.vmm.pool", "create"),),
