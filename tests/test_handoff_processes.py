@@ -154,7 +154,7 @@ def test_disaggregated_greedy_outputs_equal_colocated(backend, pool_for):
         decode.stop()
 
 
-@pytest.mark.parametrize("backend", ["vmm", "paged"])
+@pytest.mark.parametrize("backend", ["vmm", pytest.param("paged", marks=pytest.mark.slow)])   # ~15 s each
 def test_a_decode_killed_between_transfer_and_ack_fails_only_its_request(backend, pool_for):
     """vmm: the pages are the dead decode engine's in the ledger when it dies; the prefill engine unmaps them
     without giving them back and the pool reaps them. paged: the memfd dies with the process."""
@@ -182,7 +182,7 @@ def test_a_decode_killed_between_transfer_and_ack_fails_only_its_request(backend
         decode.stop()
 
 
-@pytest.mark.parametrize("backend", ["vmm", "paged"])
+@pytest.mark.parametrize("backend", ["vmm", pytest.param("paged", marks=pytest.mark.slow)])   # ~9 s each
 def test_a_prefill_killed_after_sending_fails_at_most_its_request(backend, pool_for):
     """The decode side has everything it needs once the offer arrived (vmm: the pages, if the dead engine was not
     reaped yet; paged: the memfd): the request completes or fails alone; later pulls from the dead engine fail in

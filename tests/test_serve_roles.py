@@ -45,7 +45,9 @@ class Cluster:
             assert "Traceback" not in err, err
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
+# A real three-process cluster per backend costs ~18 s to start: vmm's runs by default, paged's and reserve's with
+# -m slow (their handoffs stay covered by tests/test_handoff.py in process and tests/test_handoff_processes.py).
+@pytest.fixture(scope="module", params=[b if b == "vmm" else pytest.param(b, marks=pytest.mark.slow) for b in BACKENDS])
 def cluster(request):
     c = Cluster(request.param)
     yield c
