@@ -12,9 +12,9 @@ import time
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import Response
+from helpers.servers import Served
 
 from kvlab.common.config import make_config
 from kvlab.common.engine import Engine
@@ -29,27 +29,6 @@ PAGED = {"backend": "paged"}
 PROMPT = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 5, "temperature": 0, "ignore_eos": True}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4, "temperature": 0,
         "ignore_eos": True}
-
-
-class Served:
-    """An app (a router, or a stub) served by uvicorn in a thread on a free loopback port."""
-
-    def __init__(self, app) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(15)
-        self.sock.close()
 
 
 class LiveServer(Served):

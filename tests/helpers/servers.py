@@ -62,15 +62,13 @@ def start_engine(kind: str, max_waiting: int, config: dict | None):
     return engine
 
 
-class LiveServer:
-    """uvicorn in a thread on a free 127.0.0.1 port; always stopped (bounded) by the fixture."""
+class Served:
+    """An app (kvlab's, a router, or a stub) served by uvicorn in a thread on a free 127.0.0.1 port."""
 
-    def __init__(self, max_waiting: int = 1024, config: dict | None = None, engine: str = "thread") -> None:
-        self.engine = start_engine(engine, max_waiting, config)
+    def __init__(self, app) -> None:
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        app = create_app(Server(self.engine, "tiny"))
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
@@ -78,6 +76,19 @@ class LiveServer:
         while not self.server.started:
             assert time.monotonic() < deadline, "server did not start"
             time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+        self.sock.close()
+
+
+class LiveServer(Served):
+    """kvlab's app over an engine, in a thread on a free 127.0.0.1 port; always stopped (bounded) by the fixture."""
+
+    def __init__(self, max_waiting: int = 1024, config: dict | None = None, engine: str = "thread") -> None:
+        self.engine = start_engine(engine, max_waiting, config)
+        super().__init__(create_app(Server(self.engine, "tiny")))
 
     def stop(self) -> None:
         self.server.should_exit = True
