@@ -16,3 +16,12 @@ def save(out: str | None, command: str, name: str, meta: dict[str, Any], result:
     (path / "report.txt").write_text(text + "\n")
     (path / name).write_text(json.dumps(jsonable({"provenance": record, "meta": meta, "result": result}), indent=1))
     return path
+
+
+def report(text: str, started: float, save_to: tuple | None) -> None:
+    """Print the tables and the host time; `save_to`: save()'s arguments less the text, or None (--no-save)."""
+    import time
+    print(text)
+    print(f"\n{time.perf_counter() - started:.1f} s host time")
+    if save_to is not None:
+        print(f"results in {save(*save_to, text)}/")

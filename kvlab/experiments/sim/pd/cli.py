@@ -22,7 +22,7 @@ from kvlab.experiments.sim.gpu_figures import LINKS, MEMORY_UTILIZATION, kv_budg
 from kvlab.experiments.sim.layouts import check_layout
 from kvlab.experiments.sim.pd.run import ARRANGEMENTS, SAME_DEVICE, PdSpec, Setup, make_handoff, run_point
 from kvlab.experiments.sim.pool.cli import over_seeds
-from kvlab.experiments.sim.results import save
+from kvlab.experiments.sim.results import report
 from kvlab.experiments.sim.roofline import model_spec
 from kvlab.experiments.sim.serve import slo, summary
 from kvlab.experiments.sim.serve.cli import add_driver_axes, check_run_flags, checked_goodput
@@ -201,12 +201,8 @@ def simulate_pd(s: PdSettings) -> int:
                                      for seed in s.seeds], s.jobs, s.progress, desc="simulate pd", saved=saved)
             result = {"runs": rows}
             text += "\n\n" + grid_table(rows, s)
-    print(text)
-    print(f"\n{time.perf_counter() - t0:.1f} s host time")
-    if s.save:
-        meta = {"spec": dataclasses.asdict(s.spec), "setups": labels, "budget_gb": s.budget_gb,
-                "seeds": list(s.seeds)}
-        print(f"results in {save(s.out, 'simulate pd', 'sim_pd.json', meta, result, text)}/")
+    meta = {"spec": dataclasses.asdict(s.spec), "setups": labels, "budget_gb": s.budget_gb, "seeds": list(s.seeds)}
+    report(text, t0, (s.out, "simulate pd", "sim_pd.json", meta, result) if s.save else None)
     return 0
 
 

@@ -18,7 +18,7 @@ from kvlab.experiments.reporting.checkpoint import keeping
 from kvlab.experiments.sim.gpu_figures import MEMORY_UTILIZATION, kv_budget_gb
 from kvlab.experiments.sim.pool.onoff import OnOff
 from kvlab.experiments.sim.pool.run import Arrangement, PoolSpec, parse_arrangements, run_point
-from kvlab.experiments.sim.results import save
+from kvlab.experiments.sim.results import report
 from kvlab.experiments.sim.serve import slo, summary
 from kvlab.experiments.sim.serve.cli import check_run_flags, checked_goodput
 from kvlab.experiments.sim.serve.costs import PROFILES, profile
@@ -152,12 +152,9 @@ def simulate_pool(s: PoolSettings) -> int:
                                      for seed in s.seeds], s.jobs, s.progress, desc="simulate pool", saved=saved)
             result = {"runs": rows}
             text = grid_table(rows, s)
-    print(text)
-    print(f"\n{time.perf_counter() - t0:.1f} s host time")
-    if s.save:
-        meta = {"spec": dataclasses.asdict(s.spec), "arrangements": labels, "budget_gb": s.budget_gb,
-                "seeds": list(s.seeds)}
-        print(f"results in {save(s.out, 'simulate pool', 'sim_pool.json', meta, result, text)}/")
+    meta = {"spec": dataclasses.asdict(s.spec), "arrangements": labels, "budget_gb": s.budget_gb,
+            "seeds": list(s.seeds)}
+    report(text, t0, (s.out, "simulate pool", "sim_pool.json", meta, result) if s.save else None)
     return 0
 
 
