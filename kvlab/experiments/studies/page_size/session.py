@@ -4,16 +4,14 @@ and exits 130; `--resume DIR` reruns the study with DIR's own settings (its prov
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
-import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from kvlab.common.errors import ConfigError
+from kvlab.experiments.reporting.checkpoint import sigterm_interrupts
 from kvlab.experiments.studies.page_size.journal import Journal
 from kvlab.experiments.studies.page_size.settings import StudySettings
 
@@ -38,25 +36,6 @@ def resumed_args(args: argparse.Namespace) -> argparse.Namespace:
         raise ConfigError("--resume writes into its directory: drop --no-save")
     local = {k: getattr(args, k) for k in LOCAL}
     return argparse.Namespace(**{**vars(args), **stored, **local, "out": str(folder)})
-
-
-@contextlib.contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM raises KeyboardInterrupt in the study's process, so a killed study unwinds as a Ctrl-C does
-    (workers stopped, partial report written); a worker that inherited the handler just ends."""
-    study = os.getpid()
-
-    def interrupt(signum: int, frame: Any) -> None:
-        if os.getpid() != study:            # a pool worker forked with this handler: die as SIGTERM says
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
-        raise KeyboardInterrupt
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def start(s: StudySettings, args: argparse.Namespace) -> tuple[Journal, Path | None]:
@@ -101,7 +80,7 @@ def run_session(args: argparse.Namespace, settings_from: Callable[[argparse.Name
     journal, folder = start(s, args)
     t0 = time.perf_counter()
     try:
-        with sigterm_as_interrupt():
+        with sigterm_interrupts():
             result = run_study(s, journal)
     except KeyboardInterrupt:
         finish(s, partial(s, journal, folder, time.perf_counter() - t0), folder, True)
