@@ -148,10 +148,8 @@ class TwoEngines(RuleBasedStateMachine):
         cache = self.w[who].cache
         floor = self.limits[who][0]
         held = cache.driver.member.record().held
-        evictions = cache.prefix.cache.evictions if cache.prefix is not None else 0
         cache.give_back(n)
         type(self).totals["answer"] += 1
-        type(self).totals["evicted"] += (cache.prefix.cache.evictions if cache.prefix is not None else 0) - evictions
         assert cache.driver.member.record().held >= min(held, floor), "an engine gave back below its floor"
 
     @invariant()
@@ -169,6 +167,7 @@ class TwoEngines(RuleBasedStateMachine):
     def teardown(self):
         try:
             for w in reversed(self.w):      # the later engine's threads and mappings are not in the earlier's baseline
+                type(self).totals["evicted"] += w.cache.stats().extra["evicted_for_pool"]   # by this rule or a steward
                 w.drain()
                 type(self).totals.update(w.ops)
             assert self.holder.status().used == 0, "the engines left pages in the pool"
@@ -211,17 +210,43 @@ class TwoCachingEngines(TwoEngines):
 
 
 def test_two_engines_caching_prefixes_on_one_pool_keep_their_books_and_their_data(capsys):
+    """How often a cached group is still idle when a give-back comes depends on the stewards' threads, so the
+    machine's evictions are reported, not required: the test below takes that path on purpose."""
     machine = type("TwoCachingEnginesMachine", (TwoCachingEngines,), {"totals": Counter()})
     t = machine.totals
-    for _ in range(3):      # the stewards answer on their own threads, so how often a hit survives varies by run:
-        run(machine, 20)    # run again (every check still runs after every step) until each path was taken
-        if t["prefix_hit_tokens"] and t["refused"] and t["evicted"]:
+    for _ in range(3):      # run again (every check still runs after every step) until a hit and a refusal happened
+        run(machine, 20)
+        if t["prefix_hit_tokens"] and t["refused"]:
             break
     with capsys.disabled():
         print(f"\n[pool machine] two caching engines: {sum(t[k] for k in OPS)} operations, "
-              f"{t['prefix_hit_tokens']} prefix-hit tokens, {t['answer']} give-backs evicting {t['evicted']} cached "
-              f"groups, {t['refused']} refused")
-    assert t["prefix_hit_tokens"] > 0 and t["refused"] > 0 and t["evicted"] > 0
+              f"{t['prefix_hit_tokens']} prefix-hit tokens, {t['answer']} give-backs, {t['evicted']} cached groups "
+              f"evicted for the pool, {t['refused']} refused")
+    assert t["prefix_hit_tokens"] > 0 and t["refused"] > 0
+
+
+def test_a_give_back_evicts_idle_cached_groups_above_the_floor():
+    """An engine whose pages are idle in its prefix cache answers a give-back by evicting whole cached groups
+    (never below its floor), and the pool gets their pages."""
+    with pool.create(pool_name(), TOTAL * PAGE, PAGE, engine="holder", ceiling=0) as holder:
+        w = Workload("vmm", False, kv_pool=holder.name, check_invariants=True, enable_prefix_caching=True)
+        try:
+            w.admit(SHARED[3], 1, MAX_LEN)           # 40 tokens: two whole 16-token groups cached
+            w.write([(sid, 1) for sid in w.ids("live")])
+            for sid in w.ids("live"):
+                w.free(sid)
+            w.check()
+            cache = w.cache
+            assert cache.stats().extra["prefix_idle_pages"] == 2   # groups
+            pool.set_limits(holder.name, w.cache.driver.member.engine, 4 * PAGE, TOTAL * PAGE)
+            cache.give_back(TOTAL)
+            w.check()
+            stats = cache.stats().extra
+            assert stats["evicted_for_pool"] >= 1 and cache.driver.member.record().held >= 4
+            assert holder.status().used == cache.driver.member.record().held
+        finally:
+            w.drain()
+            w.kv.close()
 
 
 # -- the other engine in another process --------------------------------------------------------------------------

@@ -676,8 +676,8 @@ def test_random_operations_keep_every_invariant(make_cache, accounting_only):
 
 def test_the_background_mapper_takes_parked_pages_of_freed_slots(make_cache):
     cache = make_cache(groups=3, background_mapping=True, max_model_len=3 * TPP)
-    a, b = seq(0, 2 * TPP), seq(1, TPP - 1)
-    cache.allocator.allocate(a, 2 * TPP)
+    a, b = seq(0, TPP + 1), seq(1, TPP - 1)
+    cache.allocator.allocate(a, TPP + 1)           # two pages, far from a third: no job of a's own to race b's
     cache.allocator.allocate(b, TPP - 1)           # the last free group; near a boundary, nothing free to map ahead
     cache.allocator.allocate(b, TPP)               # (fences the skipped job)
     cache.allocator.free(a)                        # a's two pages stay parked in its freed slot

@@ -26,6 +26,7 @@ class PageCounters:
     lookahead_skipped: int = 0     # background jobs that found no free group
     torn_pages: int = 0            # pages waiting to be cleared after a TornMirror
     window_dropped_pages: int = 0  # page groups unmapped below a sliding window (back to the free list)
+    evicted_for_pool: int = 0      # idle cached groups evicted to give their pages to other engines on the pool
 
 
 class FreePages:

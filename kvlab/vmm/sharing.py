@@ -26,7 +26,7 @@ class GiveBack:
                  drop_stale: Callable[[], None]) -> None:
         """`drop_stale`: unmap the parked pages of freed slots (the allocator's growth does it)."""
         self.lock, self.free_pages, self.pool, self.drop_stale = lock, pages.free_pages, pool, drop_stale
-        self.table, self.tensors = pages.table, pages.geo.num_tensors
+        self.table, self.tensors, self.counters = pages.table, pages.geo.num_tensors, pages.counters
         self.closed = False
 
     def givable_pages(self) -> int:
@@ -53,7 +53,9 @@ class GiveBack:
             given = self.pool.give_spare(self.pool.spare_pages() if running_nothing else wanted)
             tensors = self.tensors
             groups = min(-(-(wanted - given) // tensors), self.pool.above_floor() // tensors)
-            if groups > 0 and self.free_pages.evict(groups):
+            evicted = self.free_pages.evict(groups) if groups > 0 else 0
+            if evicted:
+                self.counters.evicted_for_pool += evicted
                 self.pool.give_spare(wanted - given)
 
 
