@@ -109,6 +109,27 @@ def test_cli_writes_json_rows_with_the_required_keys(tmp_path, capsys):
     assert "paged-16" in capsys.readouterr().out
 
 
+def test_plain_simulate_runs_vmm_in_each_layout_and_charges_the_penalty_when_asked(tmp_path, capsys):
+    """--vmm-layout per-layer,cross-layer: two vmm rows; the cross-layer one strands L times less at the end of a
+    sequence; --layout-penalty kvcached slows only the cross-layer row's attention."""
+    def rows(*extra):
+        path = tmp_path / "rows.json"
+        rc = main(["simulate", "--policies", "paged,vmm", "--vmm-layout", "per-layer,cross-layer",
+                   "--num-requests", "60", "--budget-gb", "2", "--kernel-costs", "central", "--jobs", "1",
+                   "--no-progress", "--json", str(path), *extra])
+        assert rc == 0
+        return {r["label"]: r for r in json.loads(path.read_text())["rows"]}
+    plain, penalised = rows(), rows("--layout-penalty", "kvcached")
+    assert list(plain) == ["paged-16", "vmm-2MiB", "vmm-2MiB-crosslayer"]
+    assert plain["vmm-2MiB-crosslayer"]["mean_waste_tokens"] < plain["vmm-2MiB"]["mean_waste_tokens"] / 4
+    assert penalised["vmm-2MiB"]["output_tokens_per_s"] == plain["vmm-2MiB"]["output_tokens_per_s"]
+    assert penalised["vmm-2MiB-crosslayer"]["output_tokens_per_s"] < plain["vmm-2MiB-crosslayer"]["output_tokens_per_s"]
+    assert "cross-layer attention penalty kvcached" in capsys.readouterr().out
+    assert main(["simulate", "--vmm-layout", "diagonal", "--no-save"]) != 0
+    assert capsys.readouterr().err.strip() == ("kvlab simulate: error: unknown vmm layout 'diagonal'; choose one of: "
+                                               "per-layer, cross-layer")
+
+
 @pytest.mark.slow
 def test_seed_preset_reproduces_the_article_headlines(tmp_path):
     from kvlab.experiments.sim import seed_article

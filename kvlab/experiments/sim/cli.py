@@ -30,6 +30,7 @@ from kvlab.experiments.sim.core import (
     run_cases,
 )
 from kvlab.experiments.sim.kernels import CHOICES, kernel_profile
+from kvlab.experiments.sim.layouts import CROSS_LAYER, LAYOUT_OPTION, LAYOUTS, PENALTIES, check_layout
 from kvlab.experiments.sim.roofline import HARDWARE, hardware, model_spec
 from kvlab.experiments.workloads.requests import WorkloadSpec, build_workload, parse_workload
 
@@ -51,6 +52,12 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--page-size", type=flags.parse_bytes, default=2 * 2**20)
     p.add_argument("--watermark", type=float, default=0.05, help="admission watermark (paged, vmm)")
+    p.add_argument("--vmm-layout", type=flags.parse_list, default=["per-layer"],
+                   help=f"comma list of {', '.join(LAYOUTS)}: the vmm policy runs once in each (cross-layer: K and "
+                        "V each one range over every layer, experiments/sim/layouts.py)")
+    p.add_argument("--layout-penalty", choices=list(PENALTIES), default="none",
+                   help="a cross-layer case's attention penalty: none (default) or kvcached (+56%%; "
+                        "docs/evidence.md)")
     p.add_argument("--workload", type=flags.arg_type(parse_workload), default=parse_workload("seed"),
                    help="seed | fixed:P:O | uniform:PLO-PHI:OLO-OHI | trace:FILE.jsonl")
     p.add_argument("--num-requests", type=int, default=2000)
@@ -99,6 +106,8 @@ class SimulateOptions:
     block_size: int
     page_size: int
     watermark: float
+    vmm_layouts: tuple[str, ...]     # each vmm policy runs once in each layout
+    layout_penalty: str              # a cross-layer case's attention penalty (layouts.py)
     workload: WorkloadSpec           # the --workload kind with its sizes, seed, rate and scale filled in
     seeds: int
     hardware: str
@@ -157,7 +166,8 @@ def sim_settings(opts: SimulateOptions) -> SimSettings:
     kernel_profile(opts.kernel_costs)
     return SimSettings(workload=spec, hardware=opts.hardware, model=opts.model, model_prefill=opts.model_prefill,
                        mfu=opts.mfu, engine=engine, timeline_every=5 if wants_plot(opts) else 0,
-                       tensor_parallel_size=opts.tensor_parallel_size, kernel_costs=opts.kernel_costs)
+                       tensor_parallel_size=opts.tensor_parallel_size, kernel_costs=opts.kernel_costs,
+                       layout_penalty=opts.layout_penalty)
 
 
 def wants_plot(opts: SimulateOptions) -> bool:
@@ -173,12 +183,17 @@ def output_paths(opts: SimulateOptions) -> tuple[Path | None, str | None, str | 
 
 
 def cases_from(opts: SimulateOptions) -> list[SimCase]:
+    """One case per policy; the vmm policy once per --vmm-layout."""
     cases = []
     for policy in opts.policies:
         growing = get_backend(policy_backend(policy)).watermark
         options = declared_options(policy, {"block_size": opts.block_size, "page_size": opts.page_size,
                                             "elastic_block_size": opts.block_size, "elastic_page_size": opts.page_size})
-        cases.append(SimCase(policy, opts.budget_gb, watermark=opts.watermark if growing else 0.0, **options))
+        layouts = opts.vmm_layouts if policy_backend(policy) == "vmm" else ("per-layer",)
+        for layout in layouts:
+            extra = {LAYOUT_OPTION: CROSS_LAYER} if check_layout(layout) == CROSS_LAYER else {}
+            cases.append(SimCase(policy, opts.budget_gb, watermark=opts.watermark if growing else 0.0,
+                                 **options, **extra))
     return cases
 
 
@@ -195,6 +210,8 @@ def check_options(opts: SimulateOptions) -> None:
                                                                opts.max_num_batched_tokens)):
         if value is not None:
             check_int(flag, value, 1, MAX_MODEL_LEN)
+    for layout in opts.vmm_layouts:
+        check_layout(layout)
     if opts.preset is None:
         cases_from(opts)                                   # an unknown policy or option fails here
     check_paged_bookkeeping(opts)
@@ -230,7 +247,8 @@ def options_from(args: argparse.Namespace) -> SimulateOptions:
                                scale=args.scale, max_len=args.max_len)
     return SimulateOptions(
         preset=args.preset, policies=tuple(args.policies), budget_gb=args.budget_gb, block_size=args.block_size,
-        page_size=args.page_size, watermark=args.watermark, workload=spec, seeds=args.seeds, hardware=args.hardware,
+        page_size=args.page_size, watermark=args.watermark, vmm_layouts=tuple(args.vmm_layout),
+        layout_penalty=args.layout_penalty, workload=spec, seeds=args.seeds, hardware=args.hardware,
         model=args.model, tensor_parallel_size=args.tensor_parallel_size, model_prefill=args.model_prefill,
         mfu=args.mfu, kernel_costs=args.kernel_costs, config=args.config, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, jobs=args.jobs, out=args.out, json=args.json,
@@ -324,6 +342,8 @@ def plain_report(rows: list[SimRow], settings: SimSettings) -> str:
              f"{on}, prefill {'modelled' if settings.model_prefill else 'ignored'}")
     if settings.kernel_costs != "none":
         title += f", kernel costs {settings.kernel_costs}"
+    if settings.layout_penalty != "none" and any(r.label.endswith("-crosslayer") for r in rows):
+        title += f", cross-layer attention penalty {settings.layout_penalty}"
     body = [[r.label, f"{r.budget_gb:g}", pct(r.watermark, 0), fmt(r.mean_batch), pct(r.kv_utilization),
              fmt(r.output_tokens_per_s), r.preemptions, fmt(r.mean_waste_tokens), f"{r.sim_seconds:.3g}"]
             for r in rows]
