@@ -141,6 +141,7 @@ def test_the_curve_shape_puts_the_reference_ratio_where_asked():
     (["--dataset", "nope"], "unknown --dataset-name 'nope'"),
     (["--vmm-pages", "2MiB,lots"], "bad size 'lots'"),
     (["--ray", "127.0.0.1:1"], "Ray"),
+    (["--vmm-layout", "diagonal"], "unknown vmm layout 'diagonal'"),
 ])
 def test_errors_are_one_line_and_exit_2(capsys, flags, message):
     assert main([*TINY, "--no-save", "--no-flips", *flags]) == 2
@@ -161,6 +162,19 @@ def test_the_cli_writes_json_csv_plot_and_a_verdict(tmp_path, capsys):
 
 
 CURVE = [*TINY, "--kernel-ratios", "1,1.5,2", "--jobs", "1"]
+
+
+def test_a_cross_layer_unit_is_a_column_of_its_own(tmp_path, capsys):
+    """--vmm-layout per-layer,cross-layer: each vmm page size is searched in both layouts, labelled apart; the
+    cross-layer unit holds L times fewer tokens per page."""
+    assert main([*TINY, "--out", str(tmp_path), "--no-flips", "--vmm-layout", "per-layer,cross-layer",
+                 "--layout-penalty", "kvcached"]) == 0
+    assert "cross-layer attention penalty kvcached" in capsys.readouterr().out
+    cell = json.loads((tmp_path / "study.json").read_text())["cells"]
+    units = next(iter(cell.values()))["units"]
+    assert set(units) == {"paged-16", "vmm-2MiB", "vmm-2MiB-crosslayer"}
+    per, cross = units["vmm-2MiB"]["tokens_per_unit"], units["vmm-2MiB-crosslayer"]["tokens_per_unit"]
+    assert per == 32 * cross
 
 
 def fake_search(job):

@@ -10,6 +10,7 @@ from kvlab.common.validate import check_int
 from kvlab.experiments.cli import flags
 from kvlab.experiments.limits import MAX_REQUESTS
 from kvlab.experiments.sim.kernels import CHOICES, kernel_profile
+from kvlab.experiments.sim.layouts import LAYOUTS, PENALTIES, check_layout
 from kvlab.experiments.sim.roofline import HARDWARE, hardware, model_spec
 from kvlab.experiments.sim.serve import slo
 from kvlab.experiments.sim.serve.costs import PROFILES, known_profile
@@ -54,6 +55,12 @@ def add_study(which: Any) -> None:
                         f"{DEFAULT_RATIOS})")
     p.add_argument("--background-mapping", choices=("on", "off"), default="on",
                    help="vmm maps on a background thread, overlapped with the step (vAttention's step_async)")
+    p.add_argument("--vmm-layout", type=flags.parse_list, default=["per-layer"],
+                   help=f"comma list of {', '.join(LAYOUTS)}: each vmm page size runs in each (an optional axis; "
+                        "cross-layer units are labelled vmm-SIZE-crosslayer)")
+    p.add_argument("--layout-penalty", choices=list(PENALTIES), default="none",
+                   help="a cross-layer unit's attention penalty: none (default) or kvcached (+56%%, "
+                        "docs/evidence.md)")
     p.add_argument("--prefix-caching", choices=("off", "on", "both"), default="off", help="an optional axis")
     p.add_argument("--tensor-parallel-sizes", type=flags.parse_list, default=["1"], help="an optional axis")
     p.add_argument("--no-flips", action="store_true", help="skip the kernel-ratio curve (the grid only)")
@@ -118,10 +125,13 @@ def settings_from(args: argparse.Namespace) -> StudySettings:
     """The one place the study's flags are read; checked before anything runs."""
     spec = ServeSpec(dataset=args.dataset, num_requests=args.num_prompts, input_len=args.input_len,
                      output_len=args.output_len, hardware=args.hardware, model=args.model, model_prefill=True,
-                     calibration=args.calibration, background_mapping=args.background_mapping == "on")
+                     calibration=args.calibration, background_mapping=args.background_mapping == "on",
+                     layout_penalty=args.layout_penalty)
+    layouts = tuple(dict.fromkeys(check_layout(name) for name in args.vmm_layout))
     checked_cells = cells(args)           # checks --seeds too: before the range of seeds is built
     return StudySettings(spec, args.slo, tuple(range(args.seed, args.seed + args.seeds)), checked_cells,
-                         positive_ints("--paged-blocks", args.paged_blocks), tuple(args.vmm_pages), args.budget_gb,
+                         positive_ints("--paged-blocks", args.paged_blocks), tuple(args.vmm_pages), layouts,
+                         args.budget_gb,
                          flips=not args.no_flips, kernel_ratios=tuple(args.kernel_ratios),
                          driver_flips=args.driver_flips, jobs=args.jobs, ray=args.ray,
                          progress=not args.no_progress, out=args.out, save=not args.no_save,

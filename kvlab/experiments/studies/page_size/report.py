@@ -6,6 +6,7 @@ from typing import Any
 
 from kvlab.experiments.sim.kernel_evidence import MARKS
 from kvlab.experiments.sim.kernels import kernel_profile
+from kvlab.experiments.sim.layouts import CROSS_LAYER
 from kvlab.experiments.sim.serve.costs import profile
 from kvlab.experiments.studies.page_size.settings import StudySettings
 
@@ -59,6 +60,8 @@ def report(s: StudySettings, result: dict[str, Any]) -> str:
     head = (f"{spec.model} on {spec.hardware}, {spec.num_requests} requests a run ({spec.dataset}), "
             f"{len(s.seeds)} paired seeds, KV budget {s.budget_gb:g} GB per GPU, SLO {goal}, background mapping "
             f"{'on' if spec.background_mapping else 'off'}")
+    if spec.layout_penalty != "none" and CROSS_LAYER in s.vmm_layouts:
+        head += f", cross-layer attention penalty {spec.layout_penalty}"
     parts = [head, sources(s)]
     for label, cell in result["cells"].items():
         parts.append(cell_table(label, cell))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from kvlab.experiments.sim.core import SimCase, format_page
+from kvlab.experiments.sim.layouts import CROSS_LAYER, LAYOUT_OPTION
 from kvlab.experiments.sim.serve.run import ServeSpec
 
 
@@ -35,6 +36,7 @@ class StudySettings:
     cells: tuple[Cell, ...]
     paged_blocks: tuple[int, ...] = (16, 32, 128)
     vmm_pages: tuple[int, ...] = (64 * 1024, 256 * 1024, 2 * 1024 ** 2)
+    vmm_layouts: tuple[str, ...] = ("per-layer",)   # each vmm page size runs in each (experiments/sim/layouts.py)
     budget_gb: float = 60.0
     watermark: float = 0.05
     slo_start: float = 4.0
@@ -51,12 +53,15 @@ class StudySettings:
 
     def cases(self) -> list[SimCase]:
         paged = [SimCase("paged", self.budget_gb, block_size=b, watermark=self.watermark) for b in self.paged_blocks]
-        vmm = [SimCase("vmm", self.budget_gb, page_size=p, watermark=self.watermark) for p in self.vmm_pages]
+        vmm = [SimCase("vmm", self.budget_gb, page_size=p, watermark=self.watermark,
+                       **({LAYOUT_OPTION: CROSS_LAYER} if layout == CROSS_LAYER else {}))
+               for p in self.vmm_pages for layout in self.vmm_layouts]
         return paged + vmm
 
 
 def unit_label(case: SimCase) -> str:
-    """paged-16, vmm-2MiB: the study's name for a backend and its unit."""
+    """paged-16, vmm-2MiB, vmm-2MiB-crosslayer: the study's name for a backend and its unit."""
     if case.policy == "vmm":
-        return f"vmm-{format_page(case.options['page_size'])}"
+        layout = "-crosslayer" if case.layout == CROSS_LAYER else ""
+        return f"vmm-{format_page(case.options['page_size'])}{layout}"
     return f"paged-{case.options['block_size']}"
