@@ -50,7 +50,8 @@ STOPS: dict[tuple[str, ...], tuple[tuple[str, str], ...]] = {
     ("serve",): (("kvlab.experiments.serve.server", "start_engine"),
                  ("kvlab.experiments.serve.server", "serve_router")),       # --role router
     ("prefix",): (("kvlab.experiments.studies.prefix", "sim_rows"), ("kvlab.experiments.studies.prefix", "real_rows")),
-    ("calibrate",): (("kvlab.experiments.bench.calibrate", "measure"),),
+    ("calibrate",): (("kvlab.experiments.bench.calibrate", "measure"),
+                     ("kvlab.experiments.bench.calibrate", "measure_profile")),      # --kernels
     ("study",): (),
     ("study", "page-size"): (("kvlab.experiments.studies.page_size.study", "run_study"),),
     ("study", "pool"): (("kvlab.experiments.studies.pool.study", "execute"),),
