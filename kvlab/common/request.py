@@ -47,6 +47,9 @@ class SequenceGroup(Protocol):
         """The request failed or was aborted: expect nothing more."""
 
 
+PULLING = -1                      # KVImport's answer while the KV is on its way: admission passes the request over
+
+
 class KVImport(Protocol):
     """A decode request's pending KV import (common/handoff/side.py): its first token (sampled by the prefill
     engine) and the pull that admission calls as its first allocation."""
@@ -55,7 +58,8 @@ class KVImport(Protocol):
     first_top: tuple
 
     def __call__(self, req: Request, seq: Sequence, reserve_units: int) -> int | None:
-        """The tokens of KV now held (the prompt), or None if there is no room yet (nothing pulled)."""
+        """The tokens of KV now held (the prompt), None if there is no room yet, or PULLING while the KV is on
+        its way (a worker pulls it; call again at the next admission)."""
 
 
 @dataclass(slots=True)
@@ -67,6 +71,7 @@ class SchedulerOutput:
     swapped_in: list[Sequence] = field(default_factory=list)
     swapped_out: list[Sequence] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)             # request ids that failed this step
+    pulling: int = 0                                            # imports passed over: their KV is on its way
 
     @property
     def num_tokens(self) -> int:
