@@ -47,7 +47,9 @@ class SequenceGroup(Protocol):
         """The request failed or was aborted: expect nothing more."""
 
 
-PULLING = -1                      # KVImport's answer while the KV is on its way: admission passes the request over
+# KVImport's answers while the KV is not there yet: admission passes the request over, and keeps back its slot and
+# units from the requests behind it only once its pull has started (at most the pull workers' count)
+PULLING, PULL_QUEUED = -1, -2
 
 
 class KVImport(Protocol):
@@ -58,8 +60,8 @@ class KVImport(Protocol):
     first_top: tuple
 
     def __call__(self, req: Request, seq: Sequence, reserve_units: int) -> int | None:
-        """The tokens of KV now held (the prompt), None if there is no room yet, or PULLING while the KV is on
-        its way (a worker pulls it; call again at the next admission)."""
+        """The tokens of KV now held (the prompt), None if there is no room yet, PULLING while the KV is on its
+        way (a worker pulls it) or PULL_QUEUED while its pull waits for a worker: call again at the next admission."""
 
 
 @dataclass(slots=True)

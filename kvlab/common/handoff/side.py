@@ -22,7 +22,7 @@ from kvlab.common.handoff.puller import Puller
 from kvlab.common.handoff.seam import HandoffReport, load_handoff
 from kvlab.common.handoff.server import HandoffServer
 from kvlab.common.handoff.wire import PREFIX
-from kvlab.common.request import PULLING
+from kvlab.common.request import PULL_QUEUED, PULLING
 
 if TYPE_CHECKING:
     import threading
@@ -124,8 +124,8 @@ class HandoffRole:
     # -- decode: the pull, from admission --------------------------------------------------------------------
     def pull(self, req: Request, seq: Sequence, pending: PendingImport, reserve_units: int) -> int | None:
         """The prompt's tokens once its KV is imported into seq's first allocation; PULLING while the prefill
-        engine's answer is on its way; None while there is no room (a pull starts only when there is). Raises
-        HandoffError: the request fails alone."""
+        engine's answer is on its way (PULL_QUEUED: waiting for a worker); None while there is no room (a pull
+        starts only when there is). Raises HandoffError: the request fails alone."""
         if pending.ticket is None:
             return self._start(seq, pending, reserve_units)
         try:
@@ -155,7 +155,7 @@ class HandoffRole:
         if not self._room(seq, kv["num_tokens"], reserve_units):
             return None
         if not self.puller.can_start():
-            return PULLING
+            return PULL_QUEUED
         digest = prompt_hash(seq.token_ids[:kv["num_tokens"]])
         if kv.get("prompt_hash", digest) != digest:
             self.stats.failed += 1

@@ -4,13 +4,13 @@ still keep the watermark free. The watermark applies only to a request with noth
 else runs: a lone request is never blocked by it, and a recomputing sibling of running work is growth. A
 sequence preempted alone for a transient shortage (common/sched/preemption.py) is held back until the cache has
 room for its end. A decode request whose KV is on its way (a worker pulls it) is passed over, its slot and the
-units it needs kept back from the requests behind it."""
+units it needs kept back from the requests behind it once its pull has started."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from kvlab.common.errors import HandoffError
-from kvlab.common.request import PULLING
+from kvlab.common.request import PULL_QUEUED, PULLING
 from kvlab.common.sched.groups import add_item
 
 if TYPE_CHECKING:
@@ -68,9 +68,9 @@ class Admission:
 
     def _import(self, req: Request, seq: Sequence, reserve: int) -> int | None:
         """A decode request's first allocation: its prompt's KV pulled from the prefill engine (None: no room yet;
-        PULLING: on its way)."""
+        PULLING, PULL_QUEUED: not there yet)."""
         hit = req.kv_import(req, seq, reserve)
-        if hit is not None and hit != PULLING:
+        if hit is not None and hit >= 0:
             req.kv_import = None
         return hit
 
@@ -93,11 +93,12 @@ class Admission:
                 except HandoffError as exc:
                     self.life.fail(req, f"request {req.request_id}: {exc}", out, type(exc))
                     continue
-                if hit == PULLING:
+                if hit in (PULLING, PULL_QUEUED):
                     passed.add(seq.seq_id)
-                    slots += req.width
-                    units += cache.units_needed(seq, seq.num_tokens)
                     out.pulling += 1
+                    if hit == PULLING:
+                        slots += req.width
+                        units += cache.units_needed(seq, seq.num_tokens)
                     continue
             else:
                 hit = cache.allocate(seq, target, reserve)
