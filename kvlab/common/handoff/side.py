@@ -136,7 +136,7 @@ class HandoffRole:
             if fetched.fresh(FRESH_SHARE):
                 if not room:
                     return None
-            elif not room or getattr(self.backend, "import_within_ack", True):
+            elif not room or self.backend.import_within_ack:
                 raise HandoffError("the KV arrived but could not be imported while the prefill engine still "
                                    "waited for the ack (no room for it in time): nothing taken")
             report = fetched.take(self.backend, seq)
