@@ -1,7 +1,8 @@
 """The handoff's trust boundary (docs/security.md), against forged prefill engines (tests/helpers/fake_prefill.py):
 a decode engine pulls only from a process of its own uid, checks every header field before use, fails a forged or
 slow pull alone within its deadline, never takes pool pages from an engine that did not answer, refuses shared
-memory it could not map safely, and a handoff is bound to its prompt and pulled once."""
+memory it could not map safely, and a handoff is bound to its prompt and pulled once. A pending pull holds a worker,
+never the engine: other requests run meanwhile, and an abort or a close cuts it short."""
 from __future__ import annotations
 
 import json
@@ -178,23 +179,57 @@ def test_a_silent_or_trickling_peer_fails_its_request_within_the_deadline(engine
     failed_alone(decode, out, "deadline" if mode == "trickle" else "")
 
 
-@pytest.mark.slow
-def test_a_plain_request_waits_at_most_the_pull_deadline_behind_a_silent_peer(engines, fakes):
-    """Default settings: the pull runs on the engine's thread, so a plain request queued with a forged one waits
-    for the pull's deadline (side.PULL_DEADLINE_S), no longer."""
+def pending_pull(decode: Engine, address: str, request_id: str = "forged"):
+    """Queue a forged request naming `address` and step until its pull is on a worker; its ticket."""
+    decode.add_request(PROMPT, GREEDY, request_id=request_id, kv_transfer_params=forged_kv(address))
+    decode.step()
+    ticket = decode.scheduler.requests[request_id].kv_import.ticket
+    assert ticket is not None and not ticket.future.done()
+    return ticket
+
+
+def test_a_plain_request_runs_while_a_forged_pull_is_pending(engines, fakes):
+    """The pull's network part runs on a worker (common/handoff/puller.py): a plain request queued behind a forged one
+    whose peer never answers completes while that pull is still pending, and the forged one fails alone, in one
+    line, at the pull's deadline."""
+    decode = engines("decode", handoff_timeout_s=3.0)              # the pull's deadline: 3 s
+    body, nbytes = paged_answer(decode)
+    ticket = pending_pull(decode, fakes(body, mode="silent", memfd_bytes=nbytes))
+    decode.add_request(PROMPT, GREEDY, request_id="plain")
+    done = {}
+    while "plain" not in done:
+        done |= {out.request_id: out for out in decode.step().finished}
+    assert not ticket.future.done() and decode.handoff.pulling(), "the plain request waited for the forged pull"
+    assert done["plain"].error is None and len(done["plain"].outputs[0].token_ids) == GREEDY.max_tokens
+    start = time.monotonic()
+    while decode.has_unfinished():
+        done |= {out.request_id: out for out in decode.step().finished}
+    assert time.monotonic() - start < 3.0 + 2.0
+    assert "answer" in done["forged"].error and "\n" not in done["forged"].error, done["forged"].error
+    assert decode.handoff.stats.to_dict()["failed"] == 1 and not decode.handoff.pulling()
+
+
+def test_aborting_a_request_cuts_its_pending_pull(engines, fakes):
+    decode = engines("decode")
+    body, nbytes = paged_answer(decode)
+    ticket = pending_pull(decode, fakes(body, mode="silent", memfd_bytes=nbytes))
+    assert decode.abort("forged")
+    ticket.future.exception(timeout=2.0)                            # the worker returns at once, not at the deadline
+    assert ticket.sock.fileno() == -1 and not decode.handoff.pulling()
+    assert run(decode).error is None
+
+
+def test_a_silent_peer_cannot_delay_engine_close(engines, fakes):
+    """Close shuts every pending pull's socket: it waits for no peer, let alone for the pull's deadline."""
     from kvlab.common.handoff.side import PULL_DEADLINE_S
     decode = engines("decode")
     body, nbytes = paged_answer(decode)
-    address = fakes(body, mode="trickle", memfd_bytes=nbytes, pace_s=1.0)
+    address = fakes(body, mode="silent", memfd_bytes=nbytes)
+    tickets = [pending_pull(decode, address, f"forged-{i}") for i in range(3)]
     start = time.monotonic()
-    decode.add_request(PROMPT, GREEDY, kv_transfer_params=forged_kv(address))
-    decode.add_request(PROMPT, GREEDY)
-    done = {}
-    while decode.has_unfinished():
-        for out in decode.step().finished:
-            done[out.request_id] = (out, time.monotonic() - start)
-    plain = [v for v in done.values() if v[0].error is None]
-    assert len(plain) == 1 and plain[0][1] < PULL_DEADLINE_S + 2.0, done
+    decode.close()
+    assert time.monotonic() - start < PULL_DEADLINE_S
+    assert all(t.future.done() and t.sock.fileno() == -1 for t in tickets)
 
 
 # -- shared memory a peer passes ---------------------------------------------------------------------------------------

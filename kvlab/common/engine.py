@@ -34,6 +34,8 @@ if TYPE_CHECKING:
     from kvlab.common.kv.seam import KVCache
     from kvlab.common.sequence import Sequence
 
+PULL_WAIT_S = 0.02             # a step with nothing to run waits at most this for a KV pull on its way
+
 
 class Runner(Protocol):
     def execute(self, out: SchedulerOutput) -> dict[int, Any]: ...
@@ -152,23 +154,31 @@ class Engine:
 
     # -- the loop -------------------------------------------------------------------------------------------
     def step(self) -> StepResult:
-        """One iteration: each request's new tokens, and the requests that finished (or failed) in it."""
+        """One iteration: each request's new tokens, and the requests that finished (or failed) in it. When nothing
+        ran but KV pulls are on their way (decode role), it then waits a little for one, without the lock."""
         self._check_open()
         with self.lock:
-            self.handoff.poll()
-            held, sampled, stats = self._advance()
-            finished = self.scheduler.pop_finished()
-            self.attributor.on_step_end(held, finished, stats.map_seconds + stats.unmap_seconds)
-            outputs = []
-            decode = self.tokenizer.decode if self.tokenizer is not None else None
-            for req in finished:
-                self.attributor.on_finished(req)
-                self.recorder.on_finished(req)
-                outputs.append(request_output(req, decode))
-                self.handoff.finished(req, outputs[-1])
-            if self.stream is None:
-                return StepResult(finished=outputs)
-            return self.stream.step(sampled, outputs)
+            result = self._step()
+            idle = not self.scheduler.running
+        if idle:
+            self.handoff.wait_for_pull(PULL_WAIT_S)
+        return result
+
+    def _step(self) -> StepResult:
+        self.handoff.poll()
+        held, sampled, stats = self._advance()
+        finished = self.scheduler.pop_finished()
+        self.attributor.on_step_end(held, finished, stats.map_seconds + stats.unmap_seconds)
+        outputs = []
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        for req in finished:
+            self.attributor.on_finished(req)
+            self.recorder.on_finished(req)
+            outputs.append(request_output(req, decode))
+            self.handoff.finished(req, outputs[-1])
+        if self.stream is None:
+            return StepResult(finished=outputs)
+        return self.stream.step(sampled, outputs)
 
     def _advance(self) -> tuple[list[Sequence], list[Request], CacheStats]:
         """schedule -> execute -> update, timed and recorded. Returns the sequences holding KV during the step,

@@ -47,6 +47,11 @@ class SequenceGroup(Protocol):
         """The request failed or was aborted: expect nothing more."""
 
 
+# KVImport's answers while the KV is not there yet: admission passes the request over, and keeps back its slot and
+# units from the requests behind it only once its pull has started (at most the pull workers' count)
+PULLING, PULL_QUEUED = -1, -2
+
+
 class KVImport(Protocol):
     """A decode request's pending KV import (common/handoff/side.py): its first token (sampled by the prefill
     engine) and the pull that admission calls as its first allocation."""
@@ -55,7 +60,8 @@ class KVImport(Protocol):
     first_top: tuple
 
     def __call__(self, req: Request, seq: Sequence, reserve_units: int) -> int | None:
-        """The tokens of KV now held (the prompt), or None if there is no room yet (nothing pulled)."""
+        """The tokens of KV now held (the prompt), None if there is no room yet, PULLING while the KV is on its
+        way (a worker pulls it) or PULL_QUEUED while its pull waits for a worker: call again at the next admission."""
 
 
 @dataclass(slots=True)
@@ -67,6 +73,7 @@ class SchedulerOutput:
     swapped_in: list[Sequence] = field(default_factory=list)
     swapped_out: list[Sequence] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)             # request ids that failed this step
+    pulling: int = 0                                            # imports passed over: their KV is on its way
 
     @property
     def num_tokens(self) -> int:

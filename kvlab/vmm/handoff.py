@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 class VMMHandoff:
     unit = "page"
+    import_within_ack = True     # the header names pages the giver holds until it stops waiting for the ack
 
     def __init__(self, cache: KVCache, config: Any) -> None:
         allocator: VMMAllocator = cache.allocator

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 class CopyHandoff(ABC):
     unit = "unit"
+    import_within_ack = False    # the memfd is a copy: it stays valid after the giver frees its own KV
 
     def __init__(self, cache: KVCache) -> None:
         self.cache, self.allocator, self.storage, self.shape = cache, cache.allocator, cache.storage, cache.shape

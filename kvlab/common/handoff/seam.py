@@ -50,6 +50,7 @@ class Export:
 
 class KVHandoff(Protocol):
     unit: str
+    import_within_ack: bool       # a header is imported only while the giver still waits for the ack (see side.py)
 
     def check_peer(self, header: dict[str, Any]) -> None:
         """Raise HandoffError if a KV header from the other side cannot go into this engine (layout, sizes)."""

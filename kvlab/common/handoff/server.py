@@ -85,7 +85,7 @@ class HandoffServer:
             return _refuse(conn, why, conflict=self.book.was_claimed(handoff_id))
         taken = None
         try:
-            send(conn, {"ok": True, "header": export.header}, export.fds)
+            send(conn, {"ok": True, "header": export.header, "ack_s": self.io_timeout_s}, export.fds)
             taken = await_ack(conn)
         except HandoffError:
             pass

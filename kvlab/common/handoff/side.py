@@ -3,7 +3,8 @@
 - prefill: requests with `{"do_remote_decode": true}` sample one token and finish; their sequence is kept
   (the scheduler holds its KV) until a decode engine pulls it through this engine's server, or it expires;
 - decode: requests bringing the prefill engine's `kv_transfer_params` start with their first token appended and
-  their KV imported at admission, like a prefix hit covering the whole prompt;
+  their KV imported at admission, like a prefix hit covering the whole prompt; the pull's network part runs on a
+  worker (common/handoff/puller.py), and admission passes the request over until its answer is there;
 - colocated: nothing.
 Every method runs on the engine's thread under its lock; the server thread only claims, exports and posts outcomes.
 """
@@ -15,16 +16,18 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvlab.common.errors import ConfigError, HandoffError, RequestError
-from kvlab.common.handoff import client
 from kvlab.common.handoff.book import HandoffStats, KeptBook
 from kvlab.common.handoff.params import check_decode, check_sampling, first_logprob, prefill_params, prompt_hash
+from kvlab.common.handoff.puller import Puller
 from kvlab.common.handoff.seam import HandoffReport, load_handoff
 from kvlab.common.handoff.server import HandoffServer
 from kvlab.common.handoff.wire import PREFIX
+from kvlab.common.request import PULL_QUEUED, PULLING
 
 if TYPE_CHECKING:
     import threading
 
+    from kvlab.common.handoff.puller import Ticket
     from kvlab.common.kv.seam import KVCache
     from kvlab.common.outputs import RequestOutput
     from kvlab.common.request import Request
@@ -33,7 +36,11 @@ if TYPE_CHECKING:
     from kvlab.common.sequence import Sequence
 
 IO_TIMEOUT_S = 10.0            # any one socket operation of the prefill side's server
-PULL_DEADLINE_S = 5.0          # a pull's whole exchange up to the KV header: what a silent peer costs the engine
+PULL_DEADLINE_S = 5.0          # a pull's whole exchange up to the KV header: what a silent peer costs a worker
+# An answer is imported within this share of the prefill side's ack wait, or not at all: once that side stops
+# waiting it releases what it exported (vmm: pages it may reuse), so a later import could take pages it gave to
+# another sequence. Half leaves room for the import itself and for the answer's time in transit.
+FRESH_SHARE = 0.5
 
 
 @dataclass(slots=True)
@@ -45,9 +52,10 @@ class PendingImport:
     role: HandoffRole
     first_logprob: float = 0.0
     first_top: tuple = ()
+    ticket: Ticket | None = None          # the pull on its way (a worker's)
 
     def __call__(self, req: Request, seq: Sequence, reserve_units: int) -> int | None:
-        return self.role.pull(req, seq, self.kv, reserve_units)
+        return self.role.pull(req, seq, self, reserve_units)
 
 
 class HandoffRole:
@@ -56,7 +64,7 @@ class HandoffRole:
         self.role, self.config, self.cache, self.scheduler = config.kv_role, config, cache, scheduler
         self.vocab_size, self.lock, self.closed = vocab_size, lock, False
         self.stats = HandoffStats()             # stats.to_dict(): the totals since the engine started
-        self.backend = self.book = self.server = None
+        self.backend = self.book = self.server = self.puller = None
         if self.role == "colocated":
             return
         if cache.accounting_only or config.tensor_parallel_size > 1:
@@ -68,6 +76,8 @@ class HandoffRole:
         if self.role == "prefill":
             self.book = KeptBook(config.handoff_timeout_s)
             self.server = HandoffServer(self.book, self.backend, lock, self.timeout_s)
+        else:
+            self.puller = Puller(self.pull_deadline_s, self.pull_deadline_s)
 
     @property
     def address(self) -> str | None:
@@ -94,9 +104,14 @@ class HandoffRole:
 
     def release_unpulled(self, req: Request | None) -> None:
         """A decode request that ended before its import (its first token stopped it, it could never fit, it was
-        aborted) needs no KV: the prefill engine frees it now rather than at its timeout."""
-        if req is not None and req.finished and req.kv_import is not None:
-            client.decline(req.kv_import.kv, self.timeout_s)
+        aborted) needs no KV: a pull on its way is cut short (the prefill side sees the connection close), else
+        the prefill engine is told to free it now rather than at its timeout."""
+        if req is None or not req.finished or req.kv_import is None:
+            return
+        if req.kv_import.ticket is not None:
+            self._forget(req.kv_import)
+        else:
+            self.puller.decline(req.kv_import.kv)
 
     def decline_refused(self, kv: Any) -> None:
         """A decode request refused before it was queued (a field that does not match, a prompt this engine
@@ -104,25 +119,68 @@ class HandoffRole:
         well-formed kvlab handoff address is contacted."""
         if self.role == "decode" and isinstance(kv, dict) and isinstance(kv.get("handoff_id"), str) \
                 and isinstance(kv.get("address"), str) and kv["address"].startswith(PREFIX):
-            client.decline(kv, self.timeout_s)
+            self.puller.decline(kv)
 
     # -- decode: the pull, from admission --------------------------------------------------------------------
-    def pull(self, req: Request, seq: Sequence, kv: dict[str, Any], reserve_units: int) -> int | None:
-        """Import the KV into seq's first allocation; None (nothing asked of the prefill side) if there is no
-        room yet. Raises HandoffError: the request fails alone."""
-        allocator, tokens = self.cache.allocator, kv["num_tokens"]
-        if allocator.units_needed(seq, tokens + 1) + reserve_units > allocator.num_free_units():
-            return None
+    def pull(self, req: Request, seq: Sequence, pending: PendingImport, reserve_units: int) -> int | None:
+        """The prompt's tokens once its KV is imported into seq's first allocation; PULLING while the prefill
+        engine's answer is on its way (PULL_QUEUED: waiting for a worker); None while there is no room (a pull
+        starts only when there is). Raises HandoffError: the request fails alone."""
+        if pending.ticket is None:
+            return self._start(seq, pending, reserve_units)
         try:
-            report = client.pull(kv, self.backend, seq, self.pull_deadline_s)
-        except Exception as exc:      # noqa: BLE001 - client.pull raises HandoffError; the backend may raise more
+            fetched = pending.ticket.result()
+            if fetched is None:
+                return PULLING
+            room = self._room(seq, pending.kv["num_tokens"], reserve_units)
+            if fetched.fresh(FRESH_SHARE):
+                if not room:
+                    return None
+            elif not room or self.backend.import_within_ack:
+                raise HandoffError("the KV arrived but could not be imported while the prefill engine still "
+                                   "waited for the ack (no room for it in time): nothing taken")
+            report = fetched.take(self.backend, seq)
+        except HandoffError:
             self.stats.failed += 1
-            if isinstance(exc, HandoffError):
-                raise
-            raise HandoffError(str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__) from None
+            self._forget(pending)
+            raise
+        self._forget(pending)
         req.handoff = report.to_dict()
         self.stats.add(report)
-        return tokens
+        return pending.kv["num_tokens"]
+
+    def _start(self, seq: Sequence, pending: PendingImport, reserve_units: int) -> int | None:
+        """Start the pull on a worker when there is room for the KV and a free worker."""
+        kv = pending.kv
+        if not self._room(seq, kv["num_tokens"], reserve_units):
+            return None
+        if not self.puller.can_start():
+            return PULL_QUEUED
+        digest = prompt_hash(seq.token_ids[:kv["num_tokens"]])
+        if kv.get("prompt_hash", digest) != digest:
+            self.stats.failed += 1
+            raise HandoffError("kv_transfer_params belong to another prompt (prompt_hash differs): send the prompt "
+                               "the prefill engine computed")
+        pending.ticket = self.puller.start(kv, self.backend.describe(), digest, self.timeout_s)
+        return PULLING
+
+    def _room(self, seq: Sequence, tokens: int, reserve_units: int) -> bool:
+        allocator = self.cache.allocator
+        return allocator.units_needed(seq, tokens + 1) + reserve_units <= allocator.num_free_units()
+
+    def _forget(self, pending: PendingImport) -> None:
+        self.puller.forget(pending.ticket)
+        pending.ticket = None
+
+    def pulling(self) -> bool:
+        """Whether a pull is on its way (started, its answer not yet imported or dropped)."""
+        return self.puller is not None and bool(self.puller.live)
+
+    def wait_for_pull(self, timeout_s: float) -> None:
+        """For a step that found nothing to run but pulls on their way: wait (without the engine's lock) until one
+        ends, at most `timeout_s`."""
+        if self.pulling():
+            self.puller.wait(timeout_s)
 
     # -- prefill: keep, then release --------------------------------------------------------------------------
     def finished(self, req: Request, output: RequestOutput) -> None:
@@ -174,6 +232,8 @@ class HandoffRole:
     def close(self) -> None:
         """Stop serving; what is still kept goes with the cache."""
         self.closed = True
+        if self.puller is not None:
+            self.puller.close()
         if self.server is not None:
             self.server.close()
             for kept in self.book.drain():

@@ -3,12 +3,14 @@ passed over) while max_num_seqs has slots for their request and the cache can ho
 still keep the watermark free. The watermark applies only to a request with nothing running while something
 else runs: a lone request is never blocked by it, and a recomputing sibling of running work is growth. A
 sequence preempted alone for a transient shortage (common/sched/preemption.py) is held back until the cache has
-room for its end."""
+room for its end. A decode request whose KV is on its way (a worker pulls it) is passed over, its slot and the
+units it needs kept back from the requests behind it once its pull has started."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from kvlab.common.errors import HandoffError
+from kvlab.common.request import PULL_QUEUED, PULLING
 from kvlab.common.sched.groups import add_item
 
 if TYPE_CHECKING:
@@ -64,35 +66,45 @@ class Admission:
                 budget -= n
         return budget
 
-    def _import(self, req: Request, seq: Sequence) -> int | None:
-        """A decode request's first allocation: its prompt's KV pulled from the prefill engine (None: no room yet,
-        nothing pulled)."""
-        hit = req.kv_import(req, seq, self.watermark(req))
-        if hit is not None:
+    def _import(self, req: Request, seq: Sequence, reserve: int) -> int | None:
+        """A decode request's first allocation: its prompt's KV pulled from the prefill engine (None: no room yet;
+        PULLING, PULL_QUEUED: not there yet)."""
+        hit = req.kv_import(req, seq, reserve)
+        if hit is not None and hit >= 0:
             req.kv_import = None
         return hit
 
     def admit(self, out: SchedulerOutput, budget: int) -> None:
         cache, queues = self.cache, self.queues
+        passed: set[int] = set()                     # imports whose KV is on its way: a slow peer holds up no queue
+        slots = units = 0                            # what they keep back from the requests behind them
         while budget > 0:
-            seq = queues.next_waiting()
+            seq = queues.next_waiting(passed)
             if seq is None:
                 break
             req = queues.req_of[seq.seq_id]
-            if not queues.has_slots(req) or self.held_back(seq):
+            if not queues.has_slots(req, slots) or self.held_back(seq):
                 break
+            reserve = self.watermark(req) + units
             target = seq.num_computed_tokens + min(seq.num_tokens - seq.num_computed_tokens, budget)
             if req.kv_import is not None:
                 try:
-                    hit = target = self._import(req, seq)     # allocated so far: the prompt; its next chunk below
+                    hit = target = self._import(req, seq, reserve)  # allocated so far: the prompt; its next chunk below
                 except HandoffError as exc:
                     self.life.fail(req, f"request {req.request_id}: {exc}", out, type(exc))
                     continue
+                if hit in (PULLING, PULL_QUEUED):
+                    passed.add(seq.seq_id)
+                    out.pulling += 1
+                    if hit == PULLING:
+                        slots += req.width
+                        units += cache.units_needed(seq, seq.num_tokens)
+                    continue
             else:
-                hit = cache.allocate(seq, target, self.watermark(req))
+                hit = cache.allocate(seq, target, reserve)
             if hit is None:
                 break
-            queues.waiting.remove(seq)               # the head, unless parked beams precede it
+            queues.waiting.remove(seq)               # the head, unless parked beams or pulling imports precede it
             queues.enter_running(seq, req)
             out.admitted.append(seq)
             if hit:        # a prefix hit, or a decode request's imported KV (its whole prompt)

@@ -38,8 +38,9 @@ class Queues:
         self.req_of[seq.seq_id] = req
         return seq
 
-    def has_slots(self, req: Request) -> bool:
-        return req.num_running > 0 or self.slots_used + req.width <= self.max_num_seqs
+    def has_slots(self, req: Request, reserved: int = 0) -> bool:
+        """`reserved`: slots this admission keeps for requests ahead of `req` whose KV is on its way."""
+        return req.num_running > 0 or self.slots_used + reserved + req.width <= self.max_num_seqs
 
     def enter_running(self, seq: Sequence, req: Request) -> None:
         seq.status = RUNNING
@@ -79,10 +80,11 @@ class Queues:
         """Its group's next step waits for siblings: idle while running, parked while waiting."""
         return self.req_of[seq.seq_id].group.has_proposed(seq)
 
-    def next_waiting(self) -> Sequence | None:
-        """The first waiting sequence that needs KV now: parked beams wait for their group's next step."""
+    def next_waiting(self, passed: set[int] = frozenset()) -> Sequence | None:
+        """The first waiting sequence that needs KV now: parked beams wait for their group's next step (and
+        admission passes over the `passed` seq ids: imports whose KV is on its way)."""
         for seq in self.waiting:
-            if not self.has_proposed(seq):
+            if seq.seq_id not in passed and not self.has_proposed(seq):
                 return seq
         return None
 

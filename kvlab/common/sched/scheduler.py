@@ -177,7 +177,8 @@ class Scheduler:
             budget = self.admission.swap_in(out, budget)
             if not queues.swapped:
                 self.admission.admit(out, budget)
-        if not (out.items or out.preempted or out.swapped_out or out.failed) and queues.requests and not queues.kept:
+        idle = not (out.items or out.preempted or out.swapped_out or out.failed or out.pulling)
+        if idle and queues.requests and not queues.kept:
             self.preemption.break_stall(out)     # kept KV (prefill role) is released by its pull or its timeout
         if queues.dirty:                 # a preemption or failure may have hit an already scheduled item
             queues.dirty = False

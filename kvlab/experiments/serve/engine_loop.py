@@ -154,7 +154,8 @@ class EngineLoop:
     def _publish(self) -> None:
         running, waiting, swapped = self.engine.queue_depths()
         self.waiting = waiting
-        self.stalled = not running and self.engine.has_unfinished()    # a pool's engine waiting for pages
+        # a pool's engine waiting for pages (a decode engine waiting for a KV pull waits in step() instead)
+        self.stalled = not running and self.engine.has_unfinished() and not self.engine.handoff.pulling()
         self.handoffs = self.engine.handoff.stats.to_dict()
         self.metrics.on_step(self.engine, running, waiting, swapped, force=not self.engine.has_unfinished(),
                              handoffs=self.handoffs)
