@@ -1,7 +1,7 @@
 """Elastic engines on the real machine-wide pool (issue 38, docs/pool.md "Elastic engines on the pool"): the host
 memfd pool, the pooled driver under the elastic backend, beside a vmm engine. Outputs never change (greedy tokens
 equal an unpooled run's), an idle elastic engine with a warm prefix cache gives whole chunks back when another
-engine asks, a killed elastic engine's pages come back, and bad input is one line."""
+engine asks (then, killed, the rest of its pages come back), and bad input is one line."""
 from __future__ import annotations
 
 import os
@@ -10,7 +10,6 @@ import signal
 import pytest
 from helpers.pool_engines import (
     BASE,
-    DEADLINE_S,
     ELASTIC,
     LONGEST,
     PAGE,
@@ -45,9 +44,9 @@ def solo() -> dict[str, list[list[int]]]:
     return {"vmm": run(BASE)[0], "elastic": run(ELASTIC)[0]}
 
 
-def held(holder: pool.PoolMember, pid: int) -> int:
-    """Pages the engine of process `pid` holds, as the pool's status says."""
-    return sum(e.held for e in holder.status().engines if e.pid == pid)
+def record(holder: pool.PoolMember, pid: int) -> pool.EngineRecord:
+    """The pool's status of the engine of process `pid`."""
+    return next(e for e in holder.status().engines if e.pid == pid)
 
 
 def test_an_elastic_and_a_vmm_engine_share_a_pool_and_generate_as_alone(solo):
@@ -71,47 +70,34 @@ def test_an_elastic_and_a_vmm_engine_share_a_pool_and_generate_as_alone(solo):
         assert holder.status().used == 0
 
 
-def test_an_idle_elastic_engine_with_a_warm_prefix_cache_feeds_a_vmm_engine(solo):
-    """Elastic engine A caches prefixes and idles: its cached blocks keep their chunks mapped. A hog takes the
-    pool's free pages but 16; vmm engine B (this process) is refused and asks; A's steward forgets the cached
-    blocks of whole chunks and gives their pages; the pool's status shows A holding less."""
+def test_an_idle_elastic_engine_with_a_warm_prefix_cache_feeds_a_vmm_engine_and_kill_9_returns_the_rest(solo):
+    """Elastic engine A (another process) caches prefixes and idles: its cached blocks keep their chunks mapped, and
+    it holds exactly those. A hog takes the pool's free pages but 16; vmm engine B (this process) is refused and
+    asks; A's steward forgets the cached blocks of whole chunks and gives their pages; the pool's status shows A
+    holding less. Then kill -9 of A returns what it still held."""
     with pool.create(pool_name(), 512 * PAGE, page_size=PAGE) as holder:
         a = start_engine(holder.name, "elastic", "prefix")
         hog = None
         try:
             first = read_line(a)
-            before = held(holder, a.pid)
-            assert before * PAGE == first["pool"]["engine_bytes"] and before * PAGE > LONGEST
-            assert first["mapped"] == before * PAGE          # exact: what its holds took and no map used went back
+            before = record(holder, a.pid).held
+            assert before * PAGE == first["pool"]["engine_bytes"] == first["mapped"] and before * PAGE > LONGEST
             hog = pool.join(holder.name, engine="hog")
             assert hog.take(holder.status().free - 16) is not None
             tokens, extra = run(BASE, kv_pool=holder.name)
             assert tokens == solo["vmm"] and extra["pool"]["pages_taken"] * PAGE >= LONGEST
-            after = held(holder, a.pid)
-            assert after < before and (before - after) * PAGE >= LONGEST - 16 * PAGE
-            a.stdin.write("\n")
-            a.stdin.flush()
-            last = read_line(a)
-            assert last["chunks_given"] > 0 and last["pages_given"] >= before - after
-            assert a.wait(DEADLINE_S) == 0
-        finally:
-            if hog is not None:
-                hog.close()
-            a.kill()
-            a.wait()
-        assert holder.status().used == 0
-
-
-def test_kill_9_of_an_elastic_engine_returns_its_pages():
-    with pool.create(pool_name(), 4 << 20, page_size=PAGE) as holder:
-        a = start_engine(holder.name, "elastic", "prefix")     # its cached blocks keep chunks mapped
-        try:
-            assert read_line(a)["pool"]["engine_bytes"] > 0 and held(holder, a.pid) > 0
+            after = record(holder, a.pid)
+            assert after.held < before and (before - after.held) * PAGE >= LONGEST - 16 * PAGE
+            assert after.given - first["pool"]["pages_given"] >= before - after.held      # given, whole chunks
             os.kill(a.pid, signal.SIGKILL)
             a.wait()
+            hog.close()
+            hog = None
             wait_for(lambda: holder.status().used == 0, "the killed engine's pages")
             assert [e.name for e in holder.status().engines] == [holder.engine]
         finally:
+            if hog is not None:
+                hog.close()
             a.kill()
             a.wait()
 

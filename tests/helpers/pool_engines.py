@@ -49,8 +49,7 @@ print(json.dumps({"tokens": tokens, "pool": extra["pool"], "cached": extra.get("
                   "mapped": stats.mapped_bytes}), flush=True)
 sys.stdin.readline()                   # idle, holding its freed slots' (and cached) pages, until the test says stop
 extra = llm.cache_stats().extra
-print(json.dumps({**extra["pool"], "prefix_evictions": extra.get("prefix_evictions", 0),
-                  "chunks_given": extra.get("chunks_given", 0)}), flush=True)
+print(json.dumps({**extra["pool"], "prefix_evictions": extra.get("prefix_evictions", 0)}), flush=True)
 llm.close()
 """
 
