@@ -20,7 +20,7 @@ from kvlab.common.kv.registry import BUILTIN, ENTRY_POINTS, REGISTRY, Registry, 
 
 ROOT = Path(__file__).resolve().parent.parent
 LINKED = ("common", "vmm", "paged", "reserve", "experiments")   # top-level names kept for the design: links into kvlab/
-BACKEND_PACKAGES = ("kvlab.vmm", "kvlab.paged", "kvlab.reserve")
+BACKEND_PACKAGES = ("kvlab.vmm", "kvlab.paged", "kvlab.reserve", "kvlab.elastic")
 
 
 def project_modules() -> dict[str, Path]:
@@ -128,7 +128,7 @@ def test_common_imports_no_backend():
             assert not bad, f"{module} imports backend modules {bad}"
 
 
-BACKEND_NAMES = ("vmm", "paged", "reserve")
+BACKEND_NAMES = ("vmm", "paged", "reserve", "elastic")
 # the one place common names kvlab's own backends: the registry's list of where their specs live
 NAMED_ON_PURPOSE = {("kv/registry.py", "BUILTIN")}
 
@@ -169,8 +169,9 @@ def backend_names_in_common(common: Path) -> list[str]:
 
 def test_common_names_no_backend():
     """common reaches backends only through the registry: no backend module path in its code (only BUILTIN, the
-    registry's list of kvlab's own), no `backend == "vmm"` switch. Pool options are vmm's options, paged's
-    kernels are declared by its spec (`BackendSpec.kernels`), and reserve is a package beside vmm and paged."""
+    registry's list of kvlab's own), no `backend == "vmm"` switch. Pool options are engine options a spec's `pool`
+    admits, paged's kernels are declared by its spec (`BackendSpec.kernels`), and reserve is a package beside vmm
+    and paged."""
     assert backend_names_in_common(ROOT / "kvlab" / "common") == []
 
 

@@ -94,7 +94,7 @@ def test_the_page_size_must_be_the_pools():
 
 
 @pytest.mark.parametrize("overrides, match", [
-    ({"backend": "paged", "kv_pool": "p"}, "needs the vmm backend"),
+    ({"backend": "paged", "kv_pool": "p"}, "kv_pool needs a backend whose pages are mapped on demand"),
     ({"kv_pool_bytes": 1 << 20}, "kv_pool_bytes needs kv_pool"),
     ({"kv_pool": "no-such-pool-here"}, "no pool named"),
 ])

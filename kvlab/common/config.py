@@ -33,6 +33,7 @@ PREEMPTION_MODES = ("recompute", "swap")
 KV_ROLES = ("colocated", "prefill", "decode")
 DTYPES = ("float32", "float16", "bfloat16")
 DEVICE = re.compile(r"cpu|cuda(:[0-9]+)?")
+POOL_KEYS = ("kv_pool", "kv_pool_bytes")   # engine-level, also accepted in a pool backend's table
 KV_SCALE_RANGE = (1e-6, 1e6)       # fp8 KV scales of real models are ~1e-3..10; beyond this K/V underflow or saturate
 
 
@@ -60,6 +61,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1        # ranks sharding the model and KV heads (common/dist/)
     kv_role: str = "colocated"           # colocated | prefill | decode: P/D disaggregation (common/handoff/)
     handoff_timeout_s: float = 30.0      # prefill role: kept KV nobody pulls within this is freed (expired)
+    kv_pool: str | None = None           # draw KV pages from this machine-wide pool (docs/pool.md); backends
+                                         # whose spec says `pool` (pages mapped on demand) accept it
+    kv_pool_bytes: int | None = None     # create kv_pool with this budget if no engine serves it yet
     options: dict[str, Any] = field(default_factory=dict)   # backend name -> its options dataclass
 
     def __post_init__(self) -> None:
@@ -138,11 +142,24 @@ def validate(cfg: EngineConfig) -> None:
                           f"({cfg.max_num_seqs}) so every running sequence can decode in one step")
     check_choice("kv_role", cfg.kv_role, KV_ROLES)
     check_number("handoff_timeout_s", cfg.handoff_timeout_s, 0.01, 86400.0, unit=" seconds")
+    check_pool(cfg)
     for name, opts in cfg.options.items():
         opts.validate()
         check_types(opts, where=f"{name}.")    # also for a backend whose validate() forgets it
         check_selected_only(name, opts, cfg.backend)
-        check_host_bytes(name, opts, cfg.device)
+
+
+def check_pool(cfg: EngineConfig) -> None:
+    """kv_pool needs a backend whose spec takes pages from a pool; kv_pool_bytes needs kv_pool, and on the CPU a
+    size this machine's RAM can hold (as `kvlab pool create` refuses it)."""
+    size = cfg.kv_pool_bytes
+    if size is not None and (cfg.kv_pool is None or size <= 0):
+        raise ConfigError(f"kv_pool_bytes needs kv_pool and a positive size, got {size!r}")
+    if cfg.kv_pool is not None and not cfg.spec.pool:
+        able = " or ".join(s.name for s in REGISTRY.specs() if s.pool)
+        raise ConfigError(f"kv_pool needs a backend whose pages are mapped on demand ({able}), not {cfg.backend!r}")
+    if size is not None and cfg.device == "cpu":
+        check_fits_in_ram(f"kv_pool_bytes {size:,}", size, "lower kv_pool_bytes")
 
 
 def check_kv_cache_scale(scale: float, kv_cache_dtype: str) -> None:
@@ -167,17 +184,6 @@ def check_selected_only(name: str, opts: Any, backend: str) -> None:
             raise ConfigError(f"{f.name} needs the {name} backend ({why}), not {backend!r}")
 
 
-def check_host_bytes(name: str, opts: Any, device: str) -> None:
-    """A backend option whose field metadata says `host_bytes` is a size held in this machine's RAM when the
-    device is the CPU: refused when it cannot fit, as `kvlab pool create` refuses it."""
-    if device != "cpu":
-        return
-    for f in fields(opts):
-        value = getattr(opts, f.name)
-        if f.metadata.get("host_bytes") and value is not None:
-            check_fits_in_ram(f"{f.name} {value:,}", value, f"lower {f.name}")
-
-
 def split_overrides(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """Generic keys, and flat or tabled backend keys grouped by backend. Unknown keys are one error."""
     generic_names = {f.name for f in fields(EngineConfig)} - {"options"}
@@ -194,6 +200,7 @@ def split_overrides(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, d
             if not isinstance(value, dict):
                 raise ConfigError(f"{key} must be a table of {key} options ([{key}] in TOML), got {value!r}")
             per_backend.setdefault(key, {}).update(value)
+            hoist_pool_keys(key, per_backend[key], generic)
         else:
             unknown.append(key)
     for name, table in per_backend.items():
@@ -202,6 +209,15 @@ def split_overrides(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, d
     if unknown:
         raise ConfigError(f"unknown config key(s): {', '.join(sorted(unknown))}")
     return generic, per_backend
+
+
+def hoist_pool_keys(backend: str, table: dict[str, Any], generic: dict[str, Any]) -> None:
+    """The pool keys are engine-level, and also spelled in a pool backend's table (`[vmm] kv_pool = "gpu0"`, as
+    before they were); a flat key given too wins."""
+    if REGISTRY.get(backend).pool:
+        for key in POOL_KEYS:
+            if key in table:
+                generic.setdefault(key, table.pop(key))
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:

@@ -4,7 +4,9 @@ unmapped when none is held. Bookkeeping and the mapping calls only; the storage 
 view (elastic/storage.py)."""
 from __future__ import annotations
 
-import logging
+import functools
+import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvlab.common.kv.types import CacheStats, KVShape
@@ -12,16 +14,23 @@ from kvlab.elastic.block_pool import ElasticBlockPool
 from kvlab.elastic.chunks import ChunkBooks
 from kvlab.elastic.geometry import ChunkGeometry
 from kvlab.elastic.memory import ElasticMemory, driver_page_size, open_driver
+from kvlab.elastic.pooling import PoolSeat
 from kvlab.paged.allocator import PagedAllocator
 from kvlab.vmm.drivers.machine_pool import NO_POOL
-from kvlab.vmm.drivers.map_budget import MapBudgetExhausted
 
 if TYPE_CHECKING:
     from kvlab.common.config import EngineConfig
     from kvlab.common.sequence import Sequence
     from kvlab.vmm.drivers.base import VirtualMemory
 
-log = logging.getLogger("kvlab.elastic")
+
+def locked(method: Callable) -> Callable:
+    """`method` under the allocator's lock (the pool's steward thread gives chunks back under it too)."""
+    @functools.wraps(method)
+    def call(self: ElasticAllocator, *args: Any, **kwargs: Any) -> Any:
+        with self.lock:
+            return method(self, *args, **kwargs)
+    return call
 
 
 class ElasticAllocator(PagedAllocator):
@@ -29,11 +38,12 @@ class ElasticAllocator(PagedAllocator):
 
     def __init__(self, config: EngineConfig, shape: KVShape, accounting_only: bool = False,
                  driver: VirtualMemory | None = None) -> None:
-        """`driver`: the caller's (the simulated shared pool's); else the device's."""
+        """`driver`: the caller's (the simulated shared pool's); else the device's, over `kv_pool` if set."""
         opts = config.options_of("elastic")
         super().__init__(config.replace(block_size=opts.elastic_block_size), shape)
         if driver is None:
-            driver = open_driver(shape.device, opts.elastic_page_size, accounting_only)
+            driver = open_driver(shape.device, opts.elastic_page_size, accounting_only, config.kv_pool,
+                                 config.kv_pool_bytes)
         try:
             self.geo = ChunkGeometry.of(shape, self.block_size, driver_page_size(driver), config.kv_cache_bytes)
         except BaseException:
@@ -45,49 +55,58 @@ class ElasticAllocator(PagedAllocator):
         cap = None if opts.elastic_cached_blocks < 0 else opts.elastic_cached_blocks
         # the same number of blocks as the pool paged built, its memory mapped chunk by chunk
         self.pool = ElasticBlockPool(self.geo.num_blocks, self.prefix_cache, books, opts.elastic_placement, cap)
-        # a machine-wide pool (vmm/drivers/machine_pool.py): hold its pages before a growth maps, answer its asks
+        self.lock = threading.RLock()
         self.machine_pool = driver.pool
-        self.pool_refusals = 0
-        driver.pool.answer_asks(self.give_back, self.pool.givable_pages)
+        self.seat = PoolSeat(driver.pool, self.pool, self.lock)
 
-    def allocate(self, seq: Sequence, num_tokens: int, reserve_units: int = 0) -> int | None:
-        if self.machine_pool is not NO_POOL and not self._hold_pages(seq, num_tokens, reserve_units):
-            return None
-        return super().allocate(seq, num_tokens, reserve_units)
+    units_needed = locked(PagedAllocator.units_needed)
+    free = locked(PagedAllocator.free)
+    fork = locked(PagedAllocator.fork)
+    swap_out = locked(PagedAllocator.swap_out)
 
-    def swap_in(self, seq: Sequence, reserve_units: int = 0) -> bool:
-        if (self.machine_pool is not NO_POOL and seq.seq_id in self.swapped
-                and not self._hold_pages(seq, seq.num_computed_tokens, reserve_units)):
+    @locked
+    def num_free_units(self) -> int:
+        """On a pool: the free blocks the pool can back now, not the whole budget's."""
+        return self.seat.free_blocks()
+
+    def begin_step(self) -> None:
+        self.machine_pool.begin_step()
+
+    def shortage_is_transient(self, seq: Sequence, num_tokens: int) -> bool:
+        """On a pool other engines hold memory that comes back: a sequence within the engine's share fits later."""
+        if not self.machine_pool.elastic or num_tokens > self.max_tokens_per_seq():
             return False
-        return super().swap_in(seq, reserve_units)
+        return -(-num_tokens // self.block_size) <= self.seat.ceiling_blocks()
 
-    def _hold_pages(self, seq: Sequence, num_tokens: int, reserve_units: int) -> bool:
-        """Make sure the maps the allocation may make cannot be refused halfway (paged's allocate is not undone):
-        hold their pages in the pool first; refused, give back this engine's own cached chunks and try once more.
-        Still refused: False (out of room, like out of KV), logged and counted."""
+    @locked
+    def allocate(self, seq: Sequence, num_tokens: int, reserve_units: int = 0) -> int | None:
+        if self.machine_pool is NO_POOL:
+            return super().allocate(seq, num_tokens, reserve_units)
         blocks = self.units_needed(seq, num_tokens)
-        if blocks + reserve_units > self.pool.num_free():
-            return True     # paged's own check refuses it
-        page_aware = self.pool.page_aware
+        if blocks + reserve_units <= self.pool.num_free() and not self.seat.hold(blocks):
+            return None
         try:
-            self.machine_pool.hold(self.pool.books.pages_to_map(blocks, page_aware))
-            return True
-        except MapBudgetExhausted as exc:
-            refused = exc
-        if self.pool.give_back(self.pool.books.pages_to_map(blocks, page_aware)):
-            try:
-                self.machine_pool.hold(self.pool.books.pages_to_map(blocks, page_aware))
-                return True
-            except MapBudgetExhausted as exc:
-                refused = exc
-        self.pool_refusals += 1
-        log.debug("elastic: %d blocks for sequence %d wait: %s", blocks, seq.seq_id, refused)
-        return False
+            return super().allocate(seq, num_tokens, reserve_units)
+        finally:
+            self.seat.let_go()
+
+    @locked
+    def swap_in(self, seq: Sequence, reserve_units: int = 0) -> bool:
+        if self.machine_pool is NO_POOL or seq.seq_id not in self.swapped:
+            return super().swap_in(seq, reserve_units)
+        blocks = self.units_needed(seq, seq.num_computed_tokens)
+        if blocks + reserve_units <= self.pool.num_free() and not self.seat.hold(blocks):
+            return False
+        try:
+            return super().swap_in(seq, reserve_units)
+        finally:
+            self.seat.let_go()
 
     def give_back(self, pages: int) -> None:
         """Another engine on the pool asks for `pages` driver pages: unmap whole chunks only cached blocks hold."""
-        self.pool.give_back(pages)
+        self.seat.give_back(pages)
 
+    @locked
     def stats(self) -> CacheStats:
         stats = super().stats()
         mem, books = self.memory.stats(), self.pool.books
@@ -100,16 +119,19 @@ class ElasticAllocator(PagedAllocator):
             "blocks_per_chunk": self.geo.blocks_per_chunk, "mapped_chunks": len(books.mapped),
             "chunk_maps": books.chunk_maps, "chunk_unmaps": books.chunk_unmaps, "store_pages": mem["store_pages"],
             "cached_free_blocks": len(self.pool.cached_free), "cap_evictions": self.pool.cap_evictions,
-            "chunks_given": self.pool.chunks_given, "pool_refusals": self.pool_refusals,
+            "chunks_given": self.pool.chunks_given, "pool_refusals": self.seat.refusals,
+            **({"pool": pool} if (pool := self.machine_pool.stats()) else {}),
         })
         return stats
 
+    @locked
     def snapshot(self) -> dict[str, Any]:
         snap = super().snapshot()
         snap.update({"blocks_per_chunk": self.geo.blocks_per_chunk, "mapped_chunks": sorted(self.pool.books.mapped),
                      "cached_free": list(self.pool.cached_free)})
         return snap
 
+    @locked
     def check_invariants(self) -> None:
         super().check_invariants()
         pages = self.pool.books.mapped_bytes() // self.geo.page_size
@@ -117,4 +139,6 @@ class ElasticAllocator(PagedAllocator):
             f"the driver maps {self.memory.mapped_pages()} pages, the chunk books {pages}")
 
     def close(self) -> None:
+        with self.lock:              # a give-back running on the pool's steward thread finishes first
+            self.seat.closed = True
         self.memory.close()

@@ -115,13 +115,16 @@ class ElasticBlockPool(BlockPool):
         geo = self.books.geo
         return sum(geo.planes * geo.pages_of(c) for c in self.cache_only_chunks())
 
-    def give_back(self, pages: int) -> int:
+    def give_back(self, pages: int, most: int | None = None) -> int:
         """Forget the cached blocks of whole chunks, fewest blocks first, until `pages` driver pages are unmapped
-        or no chunk holds only cached blocks; returns the pages unmapped."""
+        or no chunk holds only cached blocks, unmapping at most `most` pages (the engine's floor); returns the
+        pages unmapped."""
         geo, given = self.books.geo, 0
         for chunk in self.cache_only_chunks():
             if given >= pages:
                 break
+            if most is not None and given + geo.planes * geo.pages_of(chunk) > most:
+                continue
             for block in list(self.cached_in[chunk]):
                 self._evict(block)
             self.chunks_given += 1

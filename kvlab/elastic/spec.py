@@ -45,5 +45,5 @@ def label(o: ElasticOptions) -> str:
 
 SPEC = BackendSpec(name="elastic", unit="block", layout="paged", options=ElasticOptions, build=build, label=label,
                    handoff="kvlab.paged.handoff:make", probe="kvlab.elastic.probe:PROBE", window_trim=True,
-                   unit_option="elastic_block_size",
+                   unit_option="elastic_block_size", pool=True,
                    help="kvcached-style: paged block tables and kernels over pages mapped on demand")

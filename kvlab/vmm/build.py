@@ -21,7 +21,8 @@ def build_vmm(config: EngineConfig, shape: KVShape, accounting_only: bool = Fals
     """`driver`: one already made (tests: a failing or a fake-backed one); else the device's, or the accounting
     driver when `accounting_only`."""
     opts = config.options_of("vmm")
-    driver = driver or make_driver(shape.device, opts.page_size, accounting_only, opts.kv_pool, opts.kv_pool_bytes)
+    driver = driver or make_driver(shape.device, opts.page_size, accounting_only, config.kv_pool,
+                                   config.kv_pool_bytes)
     allocator = VMMAllocator(config, shape, driver, single_range)
     if accounting_only:
         return KVCache(allocator=allocator, storage=NullStorage(), shape=shape)

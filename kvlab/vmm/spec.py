@@ -18,22 +18,12 @@ class VMMOptions:
     background_mapping: bool = field(default=False, metadata={"help": "vmm: map ahead of need on a worker thread"})
     vmm_single_range: bool = field(default=False, metadata={
         "help": "vmm: one reserved range for all 2L tensors instead of one each"})
-    # the machine-wide page pool (vmm/pool/, docs/pool.md); with another backend chosen, kv_pool is an error
-    kv_pool: str | None = field(default=None, metadata={
-        "help": "vmm: draw KV pages from this machine-wide pool (docs/pool.md)", "metavar": "NAME",
-        "selected_only": "pages mapped on demand"})
-    kv_pool_bytes: int | None = field(default=None, metadata={
-        "help": "create the --kv-pool with this budget if no engine serves it yet, e.g. 8GiB", "metavar": "BYTES",
-        "bytes": True, "host_bytes": True})
 
     def validate(self) -> None:
         check_positive(self, "page_size")
         check_types(self)
         if self.page_size % HOST_PAGE:
             raise ConfigError(f"page_size {self.page_size} is not a multiple of the host page size {HOST_PAGE}")
-        size = self.kv_pool_bytes
-        if size is not None and (self.kv_pool is None or type(size) is not int or size <= 0):
-            raise ConfigError(f"kv_pool_bytes needs kv_pool and a positive size, got {self.kv_pool_bytes!r}")
 
 
 def build(config, shape, accounting_only):
@@ -48,5 +38,5 @@ def label(o: VMMOptions) -> str:
 
 SPEC = BackendSpec(name="vmm", unit="page group", layout="contiguous", options=VMMOptions, build=build,
                    label=label, handoff="kvlab.vmm.handoff:make", probe="kvlab.vmm.probe:PROBE", window_trim=True,
-                   unit_multiple=HOST_PAGE,
+                   unit_multiple=HOST_PAGE, pool=True,
                    help="vAttention-style: contiguous virtual K/V ranges, physical pages mapped on demand")

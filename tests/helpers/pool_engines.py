@@ -23,6 +23,9 @@ PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)
 BASE = {"model": "tiny", "backend": "vmm", "max_model_len": 256, "page_size": 4096, "kv_cache_bytes": 16 << 20,
         "max_num_seqs": 1}
 PAGE = 4096
+# an elastic engine on the same pools: 8-token blocks, one 4 KiB page of a tiny-model plane each (one-block chunks)
+ELASTIC = {k: v for k, v in BASE.items() if k != "page_size"} | {"backend": "elastic", "elastic_block_size": 8,
+                                                                   "elastic_page_size": PAGE}
 LONGEST = 96 * PAGE          # the pages the longest request maps (68 prompt + 24 output tokens)
 DEADLINE_S = 60.0
 
@@ -36,12 +39,14 @@ ENGINE_SCRIPT = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
 from kvlab import LLM, SamplingParams
-from helpers.pool_engines import BASE, PARAMS, PREFIX_PROMPTS, PROMPTS
-caching = sys.argv[3:] == ["prefix"]
-llm = LLM(**BASE, kv_pool=sys.argv[2], enable_prefix_caching=caching)
+from helpers.pool_engines import BASE, ELASTIC, PARAMS, PREFIX_PROMPTS, PROMPTS
+caching = "prefix" in sys.argv[3:]
+llm = LLM(**(ELASTIC if "elastic" in sys.argv[3:] else BASE), kv_pool=sys.argv[2], enable_prefix_caching=caching)
 tokens = [r.outputs[0].token_ids for r in llm.generate(PREFIX_PROMPTS if caching else PROMPTS, PARAMS)]
-extra = llm.cache_stats().extra
-print(json.dumps({"tokens": tokens, "pool": extra["pool"], "cached": extra.get("prefix_cached_pages", 0)}), flush=True)
+stats = llm.cache_stats()
+extra = stats.extra
+print(json.dumps({"tokens": tokens, "pool": extra["pool"], "cached": extra.get("prefix_cached_pages", 0),
+                  "mapped": stats.mapped_bytes}), flush=True)
 sys.stdin.readline()                   # idle, holding its freed slots' (and cached) pages, until the test says stop
 extra = llm.cache_stats().extra
 print(json.dumps({**extra["pool"], "prefix_evictions": extra.get("prefix_evictions", 0)}), flush=True)
@@ -50,6 +55,8 @@ llm.close()
 
 
 def start_engine(name: str, *args: str) -> subprocess.Popen:
+    """An engine in another process on pool `name` (args: "prefix" caches prefixes, "elastic" is an elastic
+    engine, else vmm): it runs the test prompts, prints a line, idles until a line on its stdin, prints again."""
     return subprocess.Popen([sys.executable, "-c", ENGINE_SCRIPT, str(TESTS), name, *args], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, cwd=TESTS.parent)
 

@@ -63,6 +63,8 @@ class BackendSpec:
     probe: str                                 # "module:attribute" of its BackendProbe (tests only)
     watermark: bool = True                     # whether the admission watermark applies to it
     window_trim: bool = False                  # frees units wholly below a sliding window (its probe: window_units)
+    pool: bool = False                         # maps pages on demand, so may draw them from a machine-wide pool
+                                               # (EngineConfig.kv_pool); its build reads kv_pool itself
     help: str = ""                             # one line for --help and the README
     unit_option: str = ""                      # the options field setting tokens per unit; "": <unit>_size if any
     unit_multiple: int = 1                     # that field's values are multiples of this (vmm: the host page)

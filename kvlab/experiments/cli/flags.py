@@ -21,7 +21,8 @@ from kvlab.experiments.cli.parser import KvlabParser, first_line  # noqa: F401 (
 # options (block_size, page_size, ...) get their flags from their options dataclasses (see backend_flags).
 GENERIC_FLAGS = ("model", "backend", "kv_cache_bytes", "watermark", "preemption_mode", "max_num_seqs",
                  "max_num_batched_tokens", "max_model_len", "dtype", "device", "kernel", "seed", "threads",
-                 "tensor_parallel_size", "kv_cache_dtype", "kv_cache_scale", "handoff_timeout_s")
+                 "tensor_parallel_size", "kv_cache_dtype", "kv_cache_scale", "handoff_timeout_s", "kv_pool",
+                 "kv_pool_bytes")
 SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "kb": 1000, "m": 1024**2, "mib": 1024**2, "mb": 1000**2,
               "g": 1024**3, "gib": 1024**3, "gb": 1000**3, "t": 1024**4, "tib": 1024**4, "tb": 1000**4}
 
@@ -101,6 +102,10 @@ def add_engine_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> 
         "model": {"help": "preset (tiny, smollm2-135m), HF directory or .gguf file"},
         "backend": {"help": " | ".join(backend_names())},
         **backend_flags(),
+        "kv_pool": {"metavar": "NAME",
+                    "help": "draw KV pages from this machine-wide pool (vmm, elastic; docs/pool.md)"},
+        "kv_pool_bytes": {"type": parse_bytes, "metavar": "BYTES",
+                          "help": "create the --kv-pool with this budget if no engine serves it yet, e.g. 8GiB"},
         "kv_cache_bytes": {"type": parse_bytes, "help": "KV budget, e.g. 4MiB"},
         "watermark": {"type": float, "help": "fraction of KV capacity kept free at admission"},
         "preemption_mode": {"help": "recompute | swap"},

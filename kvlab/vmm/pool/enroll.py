@@ -11,7 +11,7 @@ from kvlab.common import memfd
 from kvlab.common.errors import ConfigError
 from kvlab.vmm.pool import locks, rendezvous
 from kvlab.vmm.pool.attachment import Attachment, liveness_byte
-from kvlab.vmm.pool.errors import LimitError, PoolError, PoolExists, UnknownPool
+from kvlab.vmm.pool.errors import LimitError, PageSizeMismatch, PoolError, PoolExists, UnknownPool
 from kvlab.vmm.pool.ledger import HOST, MAX_PAGES, Ledger, ledger_bytes, to_pages
 from kvlab.vmm.pool.member import PoolMember
 from kvlab.vmm.pool.status import device_text
@@ -156,4 +156,6 @@ def fitting(member: PoolMember, page_size: int, device: int) -> PoolMember:
     if problem is None:
         return member
     member.close()
+    if member.device == device:     # then the page size is what is wrong
+        raise PageSizeMismatch(f"pool {member.name!r} {problem}", member.page_size)
     raise ConfigError(f"pool {member.name!r} {problem}")
