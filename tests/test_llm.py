@@ -225,6 +225,26 @@ def test_close_from_another_thread_stops_the_run_with_a_clear_error(backend, mon
     assert llm.engine.closed
 
 
+def test_an_llm_on_a_pool_dropped_without_close_leaves_nothing_once_collected():
+    """Its memfd mappings, its steward and mapper threads and its pool membership go when it is collected."""
+    import gc
+    import uuid
+
+    from helpers.invariants import kvlab_threads
+
+    from kvlab.vmm import pool
+    with pool.create(f"drop-{uuid.uuid4().hex[:8]}", 8 << 20, page_size=4096) as holder:
+        threads, maps = kvlab_threads(), open("/proc/self/maps").read().count("memfd:kvlab-pool")   # the holder's
+        llm = LLM("tiny", backend="vmm", kv_pool=holder.name, background_mapping=True, **SMALL)
+        llm.generate([[1, 2, 3]], GREEDY)
+        assert len(holder.status().engines) == 2 and kvlab_threads() - threads
+        del llm
+        gc.collect()
+        assert len(holder.status().engines) == 1 and holder.status().used == 0
+        assert not kvlab_threads() - threads
+        assert open("/proc/self/maps").read().count("memfd:kvlab-pool") == maps
+
+
 # -- stop conditions ---------------------------------------------------------------------------------------
 
 @torch.inference_mode()

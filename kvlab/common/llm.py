@@ -9,11 +9,13 @@ while the others complete.
 Threads: one generate() runs at a time; a concurrent call raises RequestError at once (the engine is never
 driven by two threads). close() from another thread during a run stops that run at its next step (it
 raises KvlabError, its requests aborted) and returns once the cache is released; generate() after close()
-raises KvlabError.
+raises KvlabError. An LLM dropped without close() is closed when it is collected (or at exit): its KV memory,
+pool membership and threads go with it.
 """
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -39,6 +41,7 @@ class LLM:
         if self.config.threads:
             torch.set_num_threads(self.config.threads)
         self.engine = Engine.from_config(self.config)
+        self._release = weakref.finalize(self, self.engine.close)   # the engine, never self: collection can run it
         warn_capacity(self.config, self.engine.cache)
         self._metrics: RunMetrics | None = None
         self._busy = threading.Lock()          # held by the one running generate()
@@ -120,7 +123,7 @@ class LLM:
         KvlabError); close() waits for that, then releases. Closing twice is harmless."""
         self._closing = True
         with self._busy:
-            self.engine.close()
+            self._release()
 
     def __enter__(self) -> LLM:
         return self
