@@ -23,7 +23,7 @@ import hypothesis.strategies as st
 import pytest
 from helpers.invariants import MAX_LEN, OPS, PAGE, VOCAB, Workload, check_pool_books, one_torch_thread  # noqa: F401
 from hypothesis import HealthCheck, settings
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from kvlab.vmm import pool
 from kvlab.vmm.drivers import pooled
@@ -59,17 +59,18 @@ class TwoEngines(RuleBasedStateMachine):
     def engine(self, who: int) -> str:
         return self.w[who].cache.driver.member.engine
 
-    def pick(self, data, state: str) -> tuple[Workload, int]:
-        """An engine with sequences in `state`, and one of them: drawn as indices with fixed bounds, because which
-        sequences are in a state depends on the stewards' threads, and hypothesis must see the same draws (bounds
-        included) when it replays a case (else FlakyStrategyDefinition)."""
+    def pick(self, data, state: str) -> tuple[Workload | None, int | None]:
+        """An engine with sequences in `state`, and one of them (None, None: no engine has any). Which sequences
+        are in a state depends on the stewards' threads (a refused admission waits), and hypothesis must see the
+        same draws and the same rules when it replays a case (else FlakyStrategyDefinition): so no rule has a
+        precondition on them, and this draws two indices with fixed bounds whatever the state."""
+        engine, index = data.draw(st.integers(0, len(ENGINES) - 1)), data.draw(st.integers(0, PICK_BOUND))
         ws = [w for w in self.w if w.ids(state)]
-        w = ws[data.draw(st.integers(0, len(ENGINES) - 1)) % len(ws)]
+        if not ws:
+            return None, None
+        w = ws[engine % len(ws)]
         ids = w.ids(state)
-        return w, ids[data.draw(st.integers(0, PICK_BOUND)) % len(ids)]
-
-    def _has(state: str):
-        return precondition(lambda self: any(w.ids(state) for w in self.w))
+        return w, ids[index % len(ids)]
 
     prompts = st.lists(st.integers(3, VOCAB), min_size=1, max_size=MAX_LEN - 1)
 
@@ -80,56 +81,56 @@ class TwoEngines(RuleBasedStateMachine):
     def admit(self, data, prompt, max_tokens, chunk):
         self.w[self.who(data)].admit(prompt, max_tokens, chunk)
 
-    @_has("waiting")
     @rule(data=st.data(), chunk=st.integers(1, MAX_LEN))
     def readmit(self, data, chunk):
         w, sid = self.pick(data, "waiting")
-        w.readmit(sid, chunk)
+        if w is not None:
+            w.readmit(sid, chunk)
 
-    @_has("live")
     @rule(data=st.data(), n=st.integers(1, 24))
     def step(self, data, n):
-        """One engine's step: every picked sequence computes up to n tokens (1: a decode step)."""
+        """One engine's step: up to three picked sequences compute up to n tokens each (1: a decode step)."""
         w, _ = self.pick(data, "live")
-        picks = data.draw(st.lists(st.sampled_from(w.ids("live")), min_size=1, max_size=3, unique=True))
-        w.write([(sid, n) for sid in picks])
+        drawn = data.draw(st.lists(st.integers(0, PICK_BOUND), min_size=1, max_size=3))
+        if w is not None:
+            live = w.ids("live")
+            w.write([(sid, n) for sid in dict.fromkeys(live[i % len(live)] for i in drawn)])
 
-    @_has("live")
     @rule(data=st.data(), n=st.integers(1, 24))
     def grow(self, data, n):
         w, sid = self.pick(data, "live")
-        w.grow(sid, n)
+        if w is not None:
+            w.grow(sid, n)
 
-    @_has("live")
     @rule(data=st.data())
     def fork(self, data):
         w, sid = self.pick(data, "live")
-        w.fork(sid)
+        if w is not None:
+            w.fork(sid)
 
-    @_has("live")
     @rule(data=st.data())
     def free(self, data):
         w, sid = self.pick(data, "live")
-        w.free(sid)
+        if w is not None:
+            w.free(sid)
 
-    @_has("live")
     @rule(data=st.data())
     def preempt(self, data):
         w, sid = self.pick(data, "live")
-        w.preempt(sid)
+        if w is not None:
+            w.preempt(sid)
 
-    @_has("live")
     @rule(data=st.data())
     def swap_out(self, data):
         w, sid = self.pick(data, "live")
-        if w.seq(sid).num_computed_tokens:
+        if w is not None and w.seq(sid).num_computed_tokens:
             w.swap_out(sid)
 
-    @_has("swapped")
     @rule(data=st.data())
     def swap_in(self, data):
         w, sid = self.pick(data, "swapped")
-        w.swap_in(sid)
+        if w is not None:
+            w.swap_in(sid)
 
     @rule(data=st.data(), floor=st.integers(0, TOTAL // 2), room=st.integers(0, TOTAL))
     def limit(self, data, floor, room):
@@ -191,7 +192,7 @@ def test_two_engines_on_one_pool_keep_their_books_and_their_data(capsys):
     with capsys.disabled():
         print(f"\n[pool machine] two engines: {total} operations ({t['limit']} limit changes, {t['answer']} "
               f"give-backs), {t['refused']} refused")
-    assert total >= 800 and t["refused"] > 0 and t["limit"] and t["answer"]     # the pool was short and said so
+    assert total >= 500 and t["refused"] > 0 and t["limit"] and t["answer"]     # the pool was short and said so
 
 
 SHARED = [list(range(10, 18)), list(range(40, 53)), list(range(100, 120)), list(range(200, 240)),
@@ -292,6 +293,7 @@ class OneEngineBesideAnother(TwoEngines):
             super().teardown()
 
 
+@pytest.mark.slow     # ~15 s; tests/test_pool_engine.py and test_elastic_real_pool.py run engines in two processes
 def test_an_engine_beside_one_in_another_process_keeps_its_books_and_data(capsys):
     machine = type("RemoteMachine", (OneEngineBesideAnother,), {"totals": Counter()})
     run(machine, 2)
