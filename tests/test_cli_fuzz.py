@@ -230,7 +230,7 @@ def test_the_walk_finds_every_command_and_a_stop_for_each():
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-@fuzz(4)
+@fuzz(2)
 @given(data=st.data())
 def test_every_flag_hostile_value_is_one_line_or_accepted(stubbed, case, data):
     path, action = case

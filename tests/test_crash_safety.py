@@ -169,24 +169,38 @@ CACHE_RUNS = [
     [("paged real, prefix caching", "paged", 13, {"enable_prefix_caching": True}),
      ("reserve real", "reserve", 14, {})],
 ]
-WORKLOADS = [CACHE_WORKLOAD.format(runs=runs, num_ops=400) for runs in CACHE_RUNS] + [
+ENGINE_WORKLOADS = [
     ENGINE_WORKLOAD.format(backend="vmm", seed=21, mode="swap", name="engine vmm swap"),
     ENGINE_WORKLOAD.format(backend="paged", seed=22, mode="recompute", name="engine paged recompute"),
 ]
 
 
+def cache_workloads(num_ops: int) -> list[str]:
+    return [CACHE_WORKLOAD.format(runs=runs, num_ops=num_ops) for runs in CACHE_RUNS]
+
+
 def test_random_workloads_never_die_by_a_signal(capsys):
-    """Two processes at a time (the machine has two cores); each must exit 0 after its own leak checks."""
+    run_workloads(cache_workloads(400), capsys, runs=4)
+
+
+@pytest.mark.slow      # ~12 s more: two engines with random aborts, and 2.5x the cache operations
+def test_long_random_workloads_and_engines_never_die_by_a_signal(capsys):
+    run_workloads(cache_workloads(1000) + ENGINE_WORKLOADS, capsys, runs=6)
+
+
+def run_workloads(scripts: list[str], capsys, runs: int) -> None:
+    """Two processes at a time (the machine has two cores); each must exit 0 after its own leak checks and print
+    one OPS line a run (`runs` in all)."""
     results = []
-    for i in range(0, len(WORKLOADS), 2):
-        procs = [run_python(script) for script in WORKLOADS[i:i + 2]]
+    for i in range(0, len(scripts), 2):
+        procs = [run_python(script) for script in scripts[i:i + 2]]
         results += [finish(proc) for proc in procs]
     lines = []
     for rc, out, err in results:
         assert rc >= 0, f"{describe(rc)}\n{out}\n{err[-3000:]}"
         assert rc == 0, f"{describe(rc)}\n{out}\n{err[-3000:]}"
         lines += [line[4:] for line in out.splitlines() if line.startswith("OPS ")]
-    assert len(lines) == 6, lines
+    assert len(lines) == runs, lines
     with capsys.disabled():
         print("\n[crash-safety] " + "\n[crash-safety] ".join(lines))
 

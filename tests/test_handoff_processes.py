@@ -134,7 +134,8 @@ def handoff(prefill: Worker, decode: Worker, prompt: list[int]) -> dict:
     return decode.generate(prompt, first["kv"])
 
 
-@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("backend", [pytest.param(b, marks=pytest.mark.slow) if b != "vmm" else b   # ~13 s each;
+                                     for b in sorted(BACKENDS)])      # test_handoff.py runs each backend in process
 def test_disaggregated_greedy_outputs_equal_colocated(backend, pool_for):
     expected = colocated(backend)
     prefill, decode = pair(backend, pool_for(backend))

@@ -87,6 +87,7 @@ def test_base_urls_are_checked(capsys):
         assert rc == 2 and message in err and err.count("\n") == 0
 
 
+@pytest.mark.slow     # ~18 s: two real servers on a pool; the tests above run the same client against fakes
 def test_multi_model_run_against_two_pooled_tiny_servers(tmp_path, capsys):
     """Two vmm servers on one pool, one burst each: every request completes, model 1's requests all arrive in its
     phase, the result file has a block per model, the configuration and provenance, and the pool's bytes."""

@@ -193,6 +193,7 @@ def test_the_gpu_checks_pool_part_passes_its_cpu_dry_run(tmp_path):
     assert result["parent_reads_child_write"] and result["fake_leaks"] == {}
 
 
+@pytest.mark.slow     # ~16 s: two engines in two processes; test_pool_cuda_engine.py runs them on the fake driver
 def test_the_gpu_checks_pool_engines_part_passes_its_cpu_dry_run(tmp_path):
     """experiments/gpu/parts_pool_engines.py on cpu over a host pool, as it runs on a lent GPU over a CUDA one."""
     result = dry_run("cuda_pool_engines", tmp_path)

@@ -53,7 +53,7 @@ def test_sigint_stops_simulate_and_every_worker():
     assert not any(alive(w) for w in workers), "a simulate worker outlived the interrupted command"
 
 
-@pytest.mark.parametrize("backend", ["vmm", "paged"])
+@pytest.mark.parametrize("backend", ["vmm", pytest.param("paged", marks=pytest.mark.slow)])    # ~7 s each
 def test_sigint_during_generation_is_one_line_and_exit_130(backend):
     started = time.monotonic()
     proc, err, _ = interrupt(["generate", "hi", "--backend", backend, "--max-tokens", "4000", "--ignore-eos",

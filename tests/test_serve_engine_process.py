@@ -54,7 +54,8 @@ def test_start_up_error_is_raised_in_the_server_and_leaves_no_process():
     assert set(children(os.getpid())) <= before
 
 
-@pytest.mark.parametrize("sig, extra", [(signal.SIGINT, []), (signal.SIGTERM, ["--tensor-parallel-size", "2"])],
+@pytest.mark.parametrize("sig, extra", [(signal.SIGINT, []), pytest.param(   # tp2: ~15 s; test_tp_launch.py stops
+    signal.SIGTERM, ["--tensor-parallel-size", "2"], marks=pytest.mark.slow)],  # every rank of tp2 by SIGTERM
                          ids=["ctrl-c", "sigterm-tp2"])
 def test_a_signal_to_the_process_group_exits_zero_and_stops_every_process(sig, extra):
     """A terminal's Ctrl-C, or `timeout`/`kill -TERM -PGID`, reaches the server, its engine process and (with

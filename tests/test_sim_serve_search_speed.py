@@ -61,6 +61,7 @@ def test_pool_chain_raises_a_workers_error():
         pool_chain(_boom, [1, 2], lambda r: [3] if r == 1 else [], total=3, jobs=2)
 
 
+@pytest.mark.slow     # ~14 s: three seeds of a real search, twice; the tests above check the warm start's parts
 def test_cli_warm_started_seeds_are_verified_answers_in_fewer_runs(tmp_path):
     """Seed 0 searches exactly as before; later seeds' answers passed at their rate and missed within the
     tolerance above it, on their own seed; and the whole search took fewer runs than independent seeds."""

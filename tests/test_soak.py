@@ -143,8 +143,8 @@ BACKENDS = ["paged", "vmm", "reserve"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_soak_2000_requests_accounting(backend, capsys):
-    soak(accounting_engine, backend, 2000, warmup=300, margin=8 * MiB, capsys=capsys, max_prompt=100, max_tokens=28)
+def test_soak_1000_requests_accounting(backend, capsys):
+    soak(accounting_engine, backend, 1000, warmup=300, margin=8 * MiB, capsys=capsys, max_prompt=100, max_tokens=28)
 
 
 @pytest.mark.slow

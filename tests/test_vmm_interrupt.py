@@ -75,7 +75,7 @@ SCRIPT = """
 """
 
 # two seeds by default, all six with -m slow (each run is a ~5 s subprocess)
-SEEDS = [0, 1, *(pytest.param(seed, marks=pytest.mark.slow) for seed in range(2, 6))]
+SEEDS = [0, *(pytest.param(seed, marks=pytest.mark.slow) for seed in range(1, 6))]     # ~5 s a seed
 
 
 def run(seed: int, in_process: bool) -> subprocess.CompletedProcess:

@@ -151,7 +151,7 @@ def check_outputs(runs: list, reference: list) -> int:
     return failed
 
 
-@pytest.mark.parametrize("background", [False, True])
+@pytest.mark.parametrize("background", [False, pytest.param(True, marks=pytest.mark.slow)])   # ~7-13 s each
 def test_one_cache_out_of_mappings_mid_run_preempts_instead_of_raising(reference, background):
     """A budget above what the cache needs to start but below what the batch needs: the run goes on."""
     report = run_script(1, cap=60, background=background)
