@@ -247,7 +247,9 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         dtype = TORCH_DTYPES[dtype] if isinstance(dtype, str) else dtype
         with torch.device("meta"):
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            # a weight given: no normal_ on a meta tensor, whose Python decomposition imports torch._dynamo (~2 s)
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                             _weight=torch.empty(config.vocab_size, config.hidden_size))
             self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
