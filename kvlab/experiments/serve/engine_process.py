@@ -29,6 +29,7 @@ from typing import Any
 
 from kvlab.common.errors import KvlabError
 from kvlab.experiments.serve.engine_loop import EngineLoop
+from kvlab.experiments.serve.engine_start import start_child
 from kvlab.experiments.serve.events import (
     Command,
     EngineFailed,
@@ -48,10 +49,6 @@ QUERY_TIMEOUT_S = 10
 EXIT_WAIT_S = 1.0                # a dead engine is reaped within this, to name its exit code or signal
 SOCKET_BUFFER = 4 << 20          # a burst of requests fits: a send never blocks the event loop on a busy engine
 LOG_FORMAT = "%(name)s: %(levelname)s: %(message)s"       # as the CLI's
-# SIGINT is ignored before the first import: a terminal's Ctrl-C during the engine's start-up (torch loading) is the
-# server's to handle, not a traceback of this process
-CHILD = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); import sys; "
-         "from kvlab.experiments.serve.engine_process import child_main; sys.exit(child_main({fd}))")
 
 
 class ProcessEngine(EngineHandle):
@@ -64,11 +61,9 @@ class ProcessEngine(EngineHandle):
         for s in (ours, theirs):
             s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
-        fd = theirs.fileno()
-        # stdout=2: whatever the engine prints joins the server's log, not the start line a caller may parse;
-        # a session of its own: the terminal's Ctrl-C is the server's alone (see the module's docstring)
-        self.proc = subprocess.Popen([sys.executable, "-c", CHILD.format(fd=fd)], pass_fds=[fd], stdout=2,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        # forked or a new interpreter (engine_start.py); its prints join the server's log, not the start line a
+        # caller may parse; a session of its own: the terminal's Ctrl-C is the server's alone (module docstring)
+        self.proc = start_child(theirs.fileno(), ours.close, child_main)
         theirs.close()
         self.conn = Connection(ours.detach())
         self.queries: dict[int, asyncio.Future] = {}
@@ -190,7 +185,7 @@ class ProcessEngine(EngineHandle):
             self.proc.wait()
 
 
-def exit_status(proc: subprocess.Popen) -> str:
+def exit_status(proc: Any) -> str:
     """How a process ended, in words. Its pipe closes a moment before it can be reaped: wait a little for it."""
     try:
         code = proc.wait(EXIT_WAIT_S)
