@@ -217,6 +217,10 @@ def test_a_vmm_role_without_a_pool_is_refused_after_releasing_its_cache(monkeypa
     ({"kv_role": "router"}, "kv_role"),
     ({"handoff_timeout_s": 0}, "handoff_timeout_s"),
     ({"backend": "vmm", "kv_role": "decode"}, "same kv_pool"),
+    ({"kv_role": "decode", "handoff_name": "p0"}, "handoff_name names a prefill engine"),
+    ({"kv_role": "prefill", "handoff_peers": ["p0"]}, "handoff_peers lists the prefill engines"),
+    ({"kv_role": "decode", "handoff_peers": ["a b"]}, "a handoff name is 1-64"),
+    ({"kv_role": "decode", "handoff_peers": "p0"}, "handoff_peers is a list"),
 ])
 def test_role_options_are_one_line_config_errors(overrides, match):
     with pytest.raises(ConfigError, match=match) as info:

@@ -17,7 +17,7 @@ from helpers import other_user
 
 from kvlab.common.config import make_config
 from kvlab.common.engine import Engine
-from kvlab.common.errors import HandoffError
+from kvlab.common.errors import ConfigError, HandoffError, RequestError
 from kvlab.common.handoff import shm
 from kvlab.common.handoff.copying import _nbytes
 from kvlab.common.sampling_params import SamplingParams
@@ -49,6 +49,27 @@ def run(e: Engine, prompt=PROMPT, kv=None):
     while e.has_unfinished():
         outputs += e.step().finished
     return outputs[0]
+
+
+def test_a_decode_engine_pulls_only_from_its_handoff_peers(engines):
+    """handoff_name fixes a prefill engine's address; a decode engine with handoff_peers pulls from those names
+    only: kv_transfer_params naming any other address is a one-line 400-class error and nothing contacts it; a
+    second engine (of any user) cannot take a name in use."""
+    name = f"peer-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    expected = run(engines("colocated")).outputs[0].token_ids
+    named, other = engines("prefill", handoff_name=name), engines("prefill")
+    assert named.handoff.address == f"kvlab-handoff-{name}"
+    decode = engines("decode", handoff_peers=[name])
+    assert run(decode, kv=run(named, kv=REMOTE).kv_transfer_params).outputs[0].token_ids == expected
+    kv = run(other, kv=REMOTE).kv_transfer_params
+    with pytest.raises(RequestError, match="not a prefill engine this decode engine pulls from") as info:
+        decode.add_request(PROMPT, GREEDY, kv_transfer_params=kv)
+    assert "\n" not in str(info.value) and not decode.has_unfinished()
+    assert other.handoff.stats.to_dict()["count"] == 0 and other.cache_stats().used_units == 2   # never contacted
+    with pytest.raises(ConfigError, match="is taken") as taken:
+        engines("prefill", handoff_name=name)
+    assert "\n" not in str(taken.value)
+
 
 
 def failed_alone(e: Engine, out, match: str) -> None:

@@ -19,7 +19,7 @@ from kvlab.common.kv.registry import REGISTRY
 from kvlab.common.kv.types import KV_CACHE_DTYPES
 from kvlab.common.limits import MAX_MODEL_LEN, MAX_SEED
 from kvlab.common.machine import check_fits_in_ram, max_threads
-from kvlab.common.validate import check_int, check_number
+from kvlab.common.validate import check_int, check_number, shown
 
 if TYPE_CHECKING:
     from kvlab.common.kv.registry import BackendSpec
@@ -61,6 +61,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1        # ranks sharding the model and KV heads (common/dist/)
     kv_role: str = "colocated"           # colocated | prefill | decode: P/D disaggregation (common/handoff/)
     handoff_timeout_s: float = 30.0      # prefill role: kept KV nobody pulls within this is freed (expired)
+    handoff_name: str | None = None      # prefill role: serve pulls at this fixed name (None: a random one)
+    handoff_peers: tuple[str, ...] = ()  # decode role: pull only from prefill engines of these names (): any of
+                                         # this user's)
     kv_pool: str | None = None           # draw KV pages from this machine-wide pool (docs/pool.md); backends
                                          # whose spec says `pool` (pages mapped on demand) accept it
     kv_pool_bytes: int | None = None     # create kv_pool with this budget if no engine serves it yet
@@ -142,11 +145,30 @@ def validate(cfg: EngineConfig) -> None:
                           f"({cfg.max_num_seqs}) so every running sequence can decode in one step")
     check_choice("kv_role", cfg.kv_role, KV_ROLES)
     check_number("handoff_timeout_s", cfg.handoff_timeout_s, 0.01, 86400.0, unit=" seconds")
+    check_handoff_names(cfg)
     check_pool(cfg)
     for name, opts in cfg.options.items():
         opts.validate()
         check_types(opts, where=f"{name}.")    # also for a backend whose validate() forgets it
         check_selected_only(name, opts, cfg.backend)
+
+
+HANDOFF_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def check_handoff_names(cfg: EngineConfig) -> None:
+    """handoff_name is a prefill engine's, handoff_peers a decode engine's; each name a short plain word."""
+    if cfg.handoff_name is not None and cfg.kv_role != "prefill":
+        raise ConfigError(f"handoff_name names a prefill engine's handoff address; this engine's kv_role is "
+                          f"{cfg.kv_role}")
+    if cfg.handoff_peers and cfg.kv_role != "decode":
+        raise ConfigError(f"handoff_peers lists the prefill engines a decode engine pulls from; this engine's "
+                          f"kv_role is {cfg.kv_role}")
+    if not isinstance(cfg.handoff_peers, (list, tuple)):
+        raise ConfigError(f"handoff_peers is a list of prefill engines' handoff names, got {shown(cfg.handoff_peers)}")
+    for name in ([cfg.handoff_name] if cfg.handoff_name is not None else []) + list(cfg.handoff_peers):
+        if not isinstance(name, str) or not HANDOFF_NAME.fullmatch(name):
+            raise ConfigError(f"a handoff name is 1-64 letters, digits, '_', '.' or '-', got {shown(name)}")
 
 
 def check_pool(cfg: EngineConfig) -> None:

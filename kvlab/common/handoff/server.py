@@ -12,7 +12,7 @@ import socket
 import threading
 from typing import TYPE_CHECKING, Any
 
-from kvlab.common.errors import HandoffError
+from kvlab.common.errors import ConfigError, HandoffError
 from kvlab.common.handoff.book import Outcome
 from kvlab.common.handoff.params import prompt_hash
 from kvlab.common.handoff.wire import PREFIX, close_all, peer, receive, send, socket_address
@@ -36,11 +36,20 @@ def await_ack(conn: socket.socket) -> bool | None:
 
 
 class HandoffServer:
-    def __init__(self, book: KeptBook, backend: KVHandoff, lock: threading.RLock, io_timeout_s: float) -> None:
+    def __init__(self, book: KeptBook, backend: KVHandoff, lock: threading.RLock, io_timeout_s: float,
+                 name: str | None = None) -> None:
+        """`name`: serve at kvlab-handoff-NAME (decode engines may list it in handoff_peers), else a random name."""
         self.book, self.backend, self.lock, self.io_timeout_s = book, backend, lock, io_timeout_s
-        self.address = f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+        self.address = f"{PREFIX}{name or f'{os.getpid()}-{secrets.token_hex(8)}'}"
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind(socket_address(self.address))
+        try:
+            self.sock.bind(socket_address(self.address))
+        except OSError:
+            self.sock.close()
+            if name is None:
+                raise
+            raise ConfigError(f"handoff name {name!r} is taken: another process (of this or another user) serves "
+                              f"at {self.address}") from None
         self.sock.listen(64)
         self.sock.settimeout(ACCEPT_POLL_S)
         self.stopping = threading.Event()

@@ -23,6 +23,7 @@ from kvlab.common.handoff.seam import HandoffReport, load_handoff
 from kvlab.common.handoff.server import HandoffServer
 from kvlab.common.handoff.wire import PREFIX
 from kvlab.common.request import PULL_QUEUED, PULLING
+from kvlab.common.validate import shown
 
 if TYPE_CHECKING:
     import threading
@@ -75,7 +76,7 @@ class HandoffRole:
         self.pull_deadline_s = min(PULL_DEADLINE_S, config.handoff_timeout_s)
         if self.role == "prefill":
             self.book = KeptBook(config.handoff_timeout_s)
-            self.server = HandoffServer(self.book, self.backend, lock, self.timeout_s)
+            self.server = HandoffServer(self.book, self.backend, lock, self.timeout_s, config.handoff_name)
         else:
             self.puller = Puller(self.pull_deadline_s, self.pull_deadline_s)
 
@@ -98,6 +99,7 @@ class HandoffRole:
         if self.role == "prefill":
             return prefill_params(params, kv), True, None
         check_decode(kv, prompt_len, self.config, self.vocab_size, self.backend)
+        self._check_peer(kv["address"])
         check_sampling(params, "decode")
         logprob, top = first_logprob(kv, params, self.vocab_size)
         return params, False, PendingImport(kv["first_token_ids"][0], dict(kv), self, logprob, top)
@@ -118,8 +120,21 @@ class HandoffRole:
         cannot take) never pulls: its prefill engine frees the KV now rather than at its timeout. Only a
         well-formed kvlab handoff address is contacted."""
         if self.role == "decode" and isinstance(kv, dict) and isinstance(kv.get("handoff_id"), str) \
-                and isinstance(kv.get("address"), str) and kv["address"].startswith(PREFIX):
+                and isinstance(kv.get("address"), str) and kv["address"].startswith(PREFIX) \
+                and self._is_peer(kv["address"]):
             self.puller.decline(kv)
+
+    def _is_peer(self, address: str) -> bool:
+        """Whether this decode engine may contact `address`: any (of this user's engines: the pull checks the
+        answering uid) unless handoff_peers lists the prefill engines it pulls from."""
+        peers = self.config.handoff_peers
+        return not peers or address in {PREFIX + name for name in peers}
+
+    def _check_peer(self, address: str) -> None:
+        if not self._is_peer(address):
+            raise RequestError(f"kv_transfer_params name {shown(address)}, not a prefill engine this decode "
+                               f"engine pulls from (handoff_peers: {', '.join(self.config.handoff_peers)}): "
+                               "refused, nothing contacted")
 
     # -- decode: the pull, from admission --------------------------------------------------------------------
     def pull(self, req: Request, seq: Sequence, pending: PendingImport, reserve_units: int) -> int | None:

@@ -22,7 +22,7 @@ from kvlab.experiments.cli.parser import KvlabParser, first_line  # noqa: F401 (
 GENERIC_FLAGS = ("model", "backend", "kv_cache_bytes", "watermark", "preemption_mode", "max_num_seqs",
                  "max_num_batched_tokens", "max_model_len", "dtype", "device", "kernel", "seed", "threads",
                  "tensor_parallel_size", "kv_cache_dtype", "kv_cache_scale", "handoff_timeout_s", "kv_pool",
-                 "kv_pool_bytes")
+                 "kv_pool_bytes", "handoff_name", "handoff_peers")
 SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "kb": 1000, "m": 1024**2, "mib": 1024**2, "mb": 1000**2,
               "g": 1024**3, "gib": 1024**3, "gb": 1000**3, "t": 1024**4, "tib": 1024**4, "tb": 1000**4}
 
@@ -118,6 +118,12 @@ def add_engine_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> 
         "tensor_parallel_size": {"type": int, "help": "ranks sharding the model and KV heads (CPU: gloo)"},
         "handoff_timeout_s": {"type": float, "metavar": "S",
                               "help": "kv_role prefill: seconds kept KV waits for a decode engine's pull (default 30)"},
+        "handoff_name": {"metavar": "NAME",
+                         "help": "kv_role prefill: serve pulls at this fixed name (default: a random one), so decode "
+                                 "engines can list it in --handoff-peers"},
+        "handoff_peers": {"type": parse_list, "metavar": "NAME,...",
+                          "help": "kv_role decode: pull only from prefill engines serving at these names "
+                                  "(default: any engine of this user; docs/security.md)"},
     }
     for name, kw in flags.items():
         if name not in skip:
