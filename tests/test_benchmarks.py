@@ -59,7 +59,8 @@ def test_measure_and_interleaved_count_calls():
 
 
 # -- each family at its smallest size ----------------------------------------------------------------------------
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f == "serving" else f   # ~8 s: real
+                                    for f in FAMILIES])                         # servers, as test_serve_bench.py
 def test_family_runs_and_reports_rows(family):
     rows = importlib.import_module(FAMILIES[family]).run(QUICK)
     check_rows(rows, family)

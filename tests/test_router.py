@@ -108,21 +108,19 @@ def test_a_decode_server_killed_mid_stream_fails_only_its_requests(pair):
         assert r.status_code == 200, r.text
 
 
-def test_503_in_the_vllm_shape_while_no_engine_of_a_role_is_alive():
-    lone = engine(BACKEND, "decode")
+def test_503_in_the_vllm_shape_while_no_engine_of_a_role_is_alive(pair):
+    """A second router in front of one live decode engine (the pair's second: the kill test stops the first) and
+    no prefill engine."""
+    proxy = ServeProcess("--role", "router", "--prefill", "http://127.0.0.1:9", "--decode", pair[2].url)
     try:
-        proxy = ServeProcess("--role", "router", "--prefill", "http://127.0.0.1:9", "--decode", lone.url)
-        try:
-            r = httpx.post(proxy.url + "/v1/completions", json=LONG, timeout=30)
-            assert r.status_code == 503
-            error = r.json()["error"]
-            assert error.keys() == {"message", "type", "param", "code"} and "no prefill engine" in error["message"]
-            assert httpx.get(proxy.url + "/health", timeout=10).status_code == 503
-            assert httpx.get(proxy.url + "/v1/models", timeout=10).status_code == 200
-        finally:
-            assert "Traceback" not in proxy.stop()
+        r = httpx.post(proxy.url + "/v1/completions", json=LONG, timeout=30)
+        assert r.status_code == 503
+        error = r.json()["error"]
+        assert error.keys() == {"message", "type", "param", "code"} and "no prefill engine" in error["message"]
+        assert httpx.get(proxy.url + "/health", timeout=10).status_code == 503
+        assert httpx.get(proxy.url + "/v1/models", timeout=10).status_code == 200
     finally:
-        lone.stop()
+        assert "Traceback" not in proxy.stop()
 
 
 @pytest.mark.parametrize("flags", [

@@ -55,7 +55,8 @@ def tp1_tokens() -> list[list[int]]:
         return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(**GREEDY))]
 
 
-@pytest.mark.parametrize("how", [pytest.param("guarded", marks=pytest.mark.slow), "unguarded",
+@pytest.mark.parametrize("how", [pytest.param("guarded", marks=pytest.mark.slow),   # ~8 s each; test_tp.py runs
+                                 pytest.param("unguarded", marks=pytest.mark.slow),   # tp2 in the default suite
                                  pytest.param("stdin", marks=pytest.mark.slow),
                                  pytest.param("interactive", marks=pytest.mark.slow)])
 def test_tp2_runs_from_any_main_and_leaves_no_process(how, tmp_path, tp1_tokens):
