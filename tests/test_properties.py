@@ -7,8 +7,7 @@ backend whose BackendSpec says `window_trim`, in accounting and real mode, that 
 asserts some ran, and an fp8_e4m3 machine on every backend (its budget holds exactly 2x bf16's tokens).
 
 Runs are derandomized (the same examples on every machine) and count the operations they execute; the totals
-are printed per backend. `make test` runs half the tabled examples (DEFAULT); `-m slow` runs ten times the table
-(twenty times the default).
+are printed per backend. `make test` runs 0.3 of the tabled examples (DEFAULT); `-m slow` runs ten times the table.
 """
 from __future__ import annotations
 
@@ -52,7 +51,7 @@ from kvlab.common.sampling_params import SamplingParams
 from kvlab.common.sequence import SequenceStatus
 
 STEPS = 50   # rule applications per example
-DEFAULT, LONG = 0.5, 10    # the tabled example counts are scaled by these (make test, -m slow)
+DEFAULT, LONG = 0.3, 10    # the tabled example counts are scaled by these (make test, -m slow)
 
 
 def run_machine(machine: type, examples: float) -> float:
@@ -252,7 +251,7 @@ def run_backend(backend: str, scale: float, capsys) -> int:
 @pytest.mark.parametrize("backend", backend_names())
 def test_random_operations_keep_the_books(backend, capsys):
     total = run_backend(backend, DEFAULT, capsys)
-    assert total >= 1000, f"only {total} operations ran on {backend}"
+    assert total >= 600, f"only {total} operations ran on {backend}"
 
 
 @pytest.mark.slow
@@ -297,7 +296,7 @@ WINDOW_BACKENDS = [b for b in backend_names() if get_backend(b).window_trim]
 def test_window_trimming_keeps_the_books(backend, capsys):
     totals = run_window(backend, DEFAULT, capsys)
     assert totals["trims"] > 0, f"the window never trimmed on {backend}"
-    assert sum(totals[k] for k in OPS) >= 500
+    assert sum(totals[k] for k in OPS) >= 300
 
 
 @pytest.mark.slow
@@ -316,7 +315,7 @@ def run_fp8(backend: str, scale: float, capsys) -> int:
 @pytest.mark.parametrize("backend", backend_names())
 def test_fp8_capacity_keeps_the_books(backend, capsys):
     """Every example checks the fp8 budget holds exactly 2x the bf16 tokens (4x fp32) before it runs."""
-    assert run_fp8(backend, DEFAULT, capsys) >= 250
+    assert run_fp8(backend, DEFAULT, capsys) >= 150
 
 
 @pytest.mark.slow
@@ -462,7 +461,7 @@ def run_scheduler(scale: float, capsys) -> int:
 
 def test_scheduler_random_add_abort_step(capsys):
     total = run_scheduler(DEFAULT, capsys)
-    assert total >= 2000, f"only {total} scheduler operations ran"
+    assert total >= 1200, f"only {total} scheduler operations ran"
 
 
 @pytest.mark.slow

@@ -160,6 +160,7 @@ def test_one_cache_out_of_mappings_mid_run_preempts_instead_of_raising(reference
     assert report["held"] == 0 and report["pool_maps"] == 0
 
 
+@pytest.mark.slow      # ~9 s; test_drivers_sharing_a_budget_see_each_others_growth keeps the sharing in make test
 def test_four_caches_share_one_budget_and_the_others_stay_unharmed(reference):
     """Four caches in one process, the budget enough for about two: a late cache is refused at build time or
     preempts; the first cache still gives the right outputs afterwards; closing gives every mapping back."""
