@@ -125,6 +125,20 @@ def test_gpu_check_sh_prefers_the_given_then_the_project_interpreter(tmp_path):
 
 
 # -- the first-contact selection -----------------------------------------------------------------------------------
+def test_the_script_runs_parts_in_their_own_processes_on_cpu(tmp_path):
+    """make test's representative of the dry runs below: the script, two parts, one JSON document."""
+    out = tmp_path / "two.json"
+    env = {**os.environ, "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(ROOT / "experiments" / "gpu_check.sh"), "--dry-run-cpu", "--parts",
+                           "environment,vmm_round_trip", "--out", str(out)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=240, check=False)
+    doc = json.loads(out.read_text())
+    assert proc.returncode == 0, {k: v.get("error") for k, v in doc["parts"].items()}
+    assert doc["mode"] == "cpu-dry-run" and list(doc["parts"]) == ["environment", "vmm_round_trip"]
+    assert doc["parts"]["vmm_round_trip"]["result"]["fake_leaks"] == {}
+
+
+@pytest.mark.slow      # ~25 s: eight parts, each in a process of its own
 def test_first_contact_dry_run_runs_every_part_on_cpu(tmp_path):
     out = tmp_path / "first_contact.json"
     env = {**os.environ, "PYTHON": sys.executable}

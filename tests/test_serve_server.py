@@ -172,6 +172,7 @@ def memfd_count(pid: int | str = "self") -> int:
     return count
 
 
+@pytest.mark.slow      # ~7 s; test_serve_process.py stops a real server with SIGTERM and exit 0 in make test
 def test_sigterm_during_load_exits_zero():
     memfds = memfd_count()
     env = dict(os.environ, PYTHONPATH=str(ROOT))

@@ -49,6 +49,9 @@ class Times:
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
         write = terminalreporter.write_line
+        if not self.rows:      # pytest-xdist's controller: the workers ran the tests (and wrote KVLAB_TEST_TIMES)
+            write("-- timing: no test ran in this process; with -n N set KVLAB_TEST_TIMES=FILE, or run -n 0")
+            return
         cpu = lambda r: r["cpu_s"] + r["children_cpu_s"]                               # noqa: E731
         by_file: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
         for r in self.rows:
