@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvlab.common.errors import ModelLoadError
+from kvlab.common.interrupts import interrupts_held
 from kvlab.common.kv.types import TORCH_DTYPES, KVShape
 
 if TYPE_CHECKING:
@@ -246,7 +247,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         dtype = TORCH_DTYPES[dtype] if isinstance(dtype, str) else dtype
-        with torch.device("meta"):
+        with interrupts_held(), torch.device("meta"):   # the device mode calls back into Python from C++
             # a weight given: no normal_ on a meta tensor, whose Python decomposition imports torch._dynamo (~2 s)
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
                                              _weight=torch.empty(config.vocab_size, config.hidden_size))
