@@ -30,7 +30,7 @@ from kvlab.experiments.sim.core import (
     run_cases,
 )
 from kvlab.experiments.sim.kernels import CHOICES, kernel_profile
-from kvlab.experiments.sim.layouts import CROSS_LAYER, LAYOUT_OPTION, LAYOUTS, PENALTIES, check_layout
+from kvlab.experiments.sim.layouts import CROSS_LAYER, LAYOUT_OPTION, add_layout_flags, check_layout
 from kvlab.experiments.sim.roofline import HARDWARE, hardware, model_spec
 from kvlab.experiments.workloads.requests import WorkloadSpec, build_workload, parse_workload
 
@@ -52,12 +52,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--page-size", type=flags.parse_bytes, default=2 * 2**20)
     p.add_argument("--watermark", type=float, default=0.05, help="admission watermark (paged, vmm)")
-    p.add_argument("--vmm-layout", type=flags.parse_list, default=["per-layer"],
-                   help=f"comma list of {', '.join(LAYOUTS)}: the vmm policy runs once in each (cross-layer: K and "
-                        "V each one range over every layer, experiments/sim/layouts.py)")
-    p.add_argument("--layout-penalty", choices=list(PENALTIES), default="none",
-                   help="a cross-layer case's attention penalty: none (default) or kvcached (+56%%; "
-                        "docs/evidence.md)")
+    add_layout_flags(p, "the vmm policy")
     p.add_argument("--workload", type=flags.arg_type(parse_workload), default=parse_workload("seed"),
                    help="seed | fixed:P:O | uniform:PLO-PHI:OLO-OHI | trace:FILE.jsonl")
     p.add_argument("--num-requests", type=int, default=2000)

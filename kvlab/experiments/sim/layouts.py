@@ -20,6 +20,8 @@ tokens adjacent, and whether the penalty appears on an H100/H200 is for the GPU 
 """
 from __future__ import annotations
 
+from typing import Any
+
 from kvlab.common.errors import ConfigError
 from kvlab.experiments.sim.roofline import ModelSpec, RooflineRunner
 
@@ -31,6 +33,16 @@ PENALTIES = {"none": 0.0, "kvcached": 0.56}
 PENALTY_SOURCES = {"none": "no layout penalty (default)",
                    "kvcached": "kvcached benchmarks/bench_layout, GB10: attention +56% for a cross-layer stride "
                                "(docs/evidence.md)"}
+
+
+def add_layout_flags(p: Any, each: str) -> None:
+    """--vmm-layout and --layout-penalty, for every command that simulates vmm; `each`: what runs once per layout."""
+    from kvlab.experiments.cli.flags import parse_list
+    p.add_argument("--vmm-layout", type=parse_list, default=["per-layer"],
+                   help=f"comma list of {', '.join(LAYOUTS)}: {each} runs in each (vmm-SIZE-crosslayer names one)")
+    p.add_argument("--layout-penalty", choices=list(PENALTIES), default="none",
+                   help="a cross-layer case's attention penalty: none (default) or kvcached (+56%%, kvcached's "
+                        "bench_layout on GB10; docs/evidence.md)")
 
 
 def check_layout(name: str) -> str:

@@ -23,7 +23,7 @@ from kvlab.experiments.reporting.checkpoint import keeping
 from kvlab.experiments.reporting.verdict import short_run_warning
 from kvlab.experiments.sim.core import SimCase
 from kvlab.experiments.sim.kernels import CHOICES, kernel_profile
-from kvlab.experiments.sim.layouts import CROSS_LAYER, LAYOUTS, PENALTIES, check_layout, emulated_page
+from kvlab.experiments.sim.layouts import CROSS_LAYER, add_layout_flags, check_layout, emulated_page
 from kvlab.experiments.sim.roofline import HARDWARE, hardware, model_spec
 from kvlab.experiments.sim.serve import slo, summary
 from kvlab.experiments.sim.serve.costs import PROFILES, SET_ACCESS, known_profile, profile
@@ -116,12 +116,7 @@ def add_driver_axes(p: Any) -> None:
                         "no-overlap variant)")
     p.add_argument("--set-access", choices=SET_ACCESS, default=SET_ACCESS[0],
                    help="cuMemSetAccess once per page mapped (vAttention's code; default) or once per mapped run")
-    p.add_argument("--vmm-layout", type=flags.parse_list, default=["per-layer"],
-                   help=f"comma list of {', '.join(LAYOUTS)}: each vmm-SIZE runs in each (vmm-SIZE-crosslayer "
-                        "names one)")
-    p.add_argument("--layout-penalty", choices=list(PENALTIES), default="none",
-                   help="a cross-layer case's attention penalty: none (default) or kvcached (+56%%, kvcached's "
-                        "bench_layout on GB10; docs/evidence.md)")
+    add_layout_flags(p, "each vmm-SIZE")
 
 
 @dataclass(frozen=True)

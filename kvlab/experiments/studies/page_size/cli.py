@@ -10,7 +10,7 @@ from kvlab.common.validate import check_int
 from kvlab.experiments.cli import flags
 from kvlab.experiments.limits import MAX_REQUESTS
 from kvlab.experiments.sim.kernels import CHOICES, kernel_profile
-from kvlab.experiments.sim.layouts import LAYOUTS, PENALTIES, check_layout
+from kvlab.experiments.sim.layouts import add_layout_flags, check_layout
 from kvlab.experiments.sim.roofline import HARDWARE, hardware, model_spec
 from kvlab.experiments.sim.serve import slo
 from kvlab.experiments.sim.serve.costs import PROFILES, known_profile
@@ -55,12 +55,7 @@ def add_study(which: Any) -> None:
                         f"{DEFAULT_RATIOS})")
     p.add_argument("--background-mapping", choices=("on", "off"), default="on",
                    help="vmm maps on a background thread, overlapped with the step (vAttention's step_async)")
-    p.add_argument("--vmm-layout", type=flags.parse_list, default=["per-layer"],
-                   help=f"comma list of {', '.join(LAYOUTS)}: each vmm page size runs in each (an optional axis; "
-                        "cross-layer units are labelled vmm-SIZE-crosslayer)")
-    p.add_argument("--layout-penalty", choices=list(PENALTIES), default="none",
-                   help="a cross-layer unit's attention penalty: none (default) or kvcached (+56%%, "
-                        "docs/evidence.md)")
+    add_layout_flags(p, "each vmm page size")
     p.add_argument("--prefix-caching", choices=("off", "on", "both"), default="off", help="an optional axis")
     p.add_argument("--tensor-parallel-sizes", type=flags.parse_list, default=["1"], help="an optional axis")
     p.add_argument("--no-flips", action="store_true", help="skip the kernel-ratio curve (the grid only)")
