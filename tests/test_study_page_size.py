@@ -137,6 +137,7 @@ def test_the_curve_shape_puts_the_reference_ratio_where_asked():
     (["--kernel-costs", "bogus"], "unknown --kernel-costs 'bogus'"),
     (["--driver-costs", "bogus"], "unknown --driver-costs 'bogus'"),
     (["--paged-blocks", "16,x"], "--paged-blocks takes distinct positive integers"),
+    (["--elastic-blocks", "16,0"], "--elastic-blocks takes distinct positive integers"),
     (["--tensor-parallel-sizes", "3"], "tensor"),
     (["--dataset", "nope"], "unknown --dataset-name 'nope'"),
     (["--vmm-pages", "2MiB,lots"], "bad size 'lots'"),
