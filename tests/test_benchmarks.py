@@ -158,8 +158,8 @@ def test_gpu_check_dry_run_runs_every_part_on_cpu(tmp_path):
     assert proc.returncode == 0, {k: v.get("error") for k, v in parts.items()}
     assert doc["mode"] == "cpu-dry-run" and doc["selection"] == "check"
     assert list(parts) == ["environment", "cuda_vmm", "vmm_sizes", "kernel_costs", "background_map", "layer_layout",
-                           "handoff_copy", "vmm_vs_paged", "gpu_tests", "cuda_pool", "cuda_pool_engines",
-                           "unmapped_access"]
+                           "handoff_copy", "vmm_vs_paged", "elastic_cuda", "gpu_tests", "cuda_pool",
+                           "cuda_pool_engines", "unmapped_access"]
     profile = parts["kernel_costs"]["result"]["profile"]
     assert {p["phase"] for p in profile["points"]} == {"decode", "prefill"} and profile["name"] == "measured"
     assert profile["paged_kernel"].startswith("triton_paged") and profile["contiguous_kernel"].startswith("triton")
@@ -190,6 +190,10 @@ def test_gpu_check_dry_run_runs_every_part_on_cpu(tmp_path):
     bench = parts["vmm_vs_paged"]["result"]
     assert bench["backends"]["paged"]["kernels"]["decode"] == "torch_paged"
     assert bench["identical_outputs"] == bench["workload"]["requests"]
+    elastic = parts["elastic_cuda"]["result"]
+    assert elastic["block_pool"]["fake_leaks"] == {} and elastic["block_pool"]["steps"][-1]["mapped_pages"] == 0
+    assert elastic["tiny_model"]["identical_outputs"] == elastic["tiny_model"]["requests"]
+    assert elastic["tiny_model"]["elastic"]["kernels"]["decode"] == "torch_paged"
     tests = parts["gpu_tests"]["result"]
     assert tests["files"] == ["tests/test_gpu.py"] and tests["counts"].get("skipped", 0) > 0
     assert tests["counts"].get("failed", 0) == 0 and parts["unmapped_access"]["result"]["ran"] is False

@@ -31,9 +31,9 @@ def index(rows):
 
 def test_grid_has_one_row_per_point_backend_phase(rows):
     grid = Grid()
-    paged = 9 * 3 * 7 * 4      # head dims x dtypes x block sizes x GQA ratios
+    paged = 9 * 3 * 7 * 4      # head dims x dtypes x block sizes x GQA ratios, for paged and for elastic
     vmm = 9 * 3 * 4            # the contiguous layout has no block size
-    assert grid.num_rows(3) == 3 * 2 * (paged + vmm) == 5184
+    assert grid.num_rows(3) == 3 * 2 * (2 * paged + vmm) == 9720
     assert len(rows) == grid.num_rows(3)
     assert len({grid_module.row_key(r) for r in rows}) == len(rows)
 
@@ -47,9 +47,26 @@ def test_every_fallback_names_what_it_displaced_and_why(rows):
         assert (r.kernel == r.preferred) != r.fallback
 
 
+def test_elastic_is_decided_and_counted_like_paged(rows):
+    """elastic runs paged's kernels through paged's storage: at every point and scenario it gets paged's kernel,
+    displaces the same kernels for the same reasons, and its fallbacks are counted beside paged's."""
+    assert grid_module.layout_backends() == {"paged": "paged", "vmm": "contiguous", "elastic": "paged"}
+    elastic = {grid_module.row_key(r)[2:]: r for r in rows if r.backend == "elastic"}
+    paged = {grid_module.row_key(r)[2:]: r for r in rows if r.backend == "paged"}
+    assert set(elastic) == set(paged)
+    for key, p in paged.items():
+        e = elastic[key]
+        assert (e.layout, e.kernel, e.fallback, e.reasons, e.refused) == (p.layout, p.kernel, p.fallback,
+                                                                          p.reasons, p.refused)
+    counts = summary.cause_counts(rows)
+    assert counts["cuda", "elastic"] == counts["cuda", "paged"] and counts["cuda", "elastic"]["fallbacks"] > 0
+    text = summary.format_summary(rows, default_scenarios(), Grid())
+    assert "backends paged, vmm, elastic" in text and "paged+elastic decode" in text
+
+
 def test_cpu_never_falls_back(rows):
     cpu = [r for r in rows if r.scenario == "cpu"]
-    assert {r.kernel for r in cpu if r.backend == "paged"} == {"torch_paged"}
+    assert {r.kernel for r in cpu if r.backend in ("paged", "elastic")} == {"torch_paged"}
     assert {r.kernel for r in cpu if r.backend == "vmm"} == {"torch_sdpa_contiguous"}
     assert not any(r.fallback for r in cpu)
 
@@ -87,7 +104,7 @@ def test_finding_missing_package(index):
 
 def test_summary_calls_out_the_findings(rows):
     text = summary.format_summary(rows, default_scenarios(), Grid())
-    assert "5,184 decisions" in text
+    assert "9,720 decisions" in text
     for needle in ("head_dim 80", "an fp32 model", "block size 16 refused", "a missing package",
                    "computes with head_dim 96", "ImportError: package 'flash_attn' is not installed",
                    "GQA ratio changed the kernel at 0"):
@@ -201,7 +218,12 @@ def test_fallback_cost_times_chosen_against_displaced(monkeypatch):
     [measured] = timing.fallback_costs(timer, rows, "what-if", grid, "cpu", None)
     assert measured["chosen"] == "torch_paged" and measured["displaced"] == "triton_paged"
     assert measured["cost"] is not None and measured["cost"] < 1   # the interpreter is far slower than torch
-    [na] = timing.fallback_costs(timer, rows, "cuda-ish", grid, "cpu", None)
+    timed = len(timer.results)
+    rows += [replace(r, backend="elastic") for r in rows]
+    paged, elastic = timing.fallback_costs(timer, rows, "what-if", grid, "cpu", None)
+    assert len(timer.results) == timed + 2          # one chosen/displaced pair: elastic's path is not timed again
+    assert (elastic["backend"], elastic["cost"]) == ("elastic", paged["cost"])
+    [na] = timing.fallback_costs(timer, rows[:2], "cuda-ish", grid, "cpu", None)
     assert na["cost"] is None and na["why"].startswith("flash_attn_paged cannot run here: ")
     assert "device cpu not supported" in na["why"]
     assert "instead of flash_attn_paged" in timing.format_timings(

@@ -256,3 +256,28 @@ def test_a_measuring_part_past_its_deadline_says_what_it_did_not_measure(monkeyp
     handoff = part_handoff_copy(True)
     assert all("not_measured" in row for row in handoff["rows"]) and handoff["fake_leaks"] == {}
     assert "no size measured" in handoff["failed"]
+
+
+# -- the elastic backend's CUDA path (experiments/gpu/parts_elastic.py) -----------------------------------------------
+def test_elastic_block_pool_dry_run_maps_what_the_blocks_hold():
+    """The part's block-pool half on the fake driver: memory follows the blocks at every step, a drained pool maps
+    nothing, the fake holds nothing after, and torch's factories are torch's again."""
+    import torch
+
+    from kvlab.experiments.gpu.parts_elastic import block_pool
+    factories = torch.as_tensor, torch.from_dlpack
+    out = block_pool(True)
+    assert "problems" not in out, out["problems"]
+    assert out["fake_leaks"] == {} and (torch.as_tensor, torch.from_dlpack) == factories
+    assert out["page_size"] == 2 * 2**20 and out["peak_mapped_pages"] > 0 and out["steps"][-1]["mapped_pages"] == 0
+    assert out["steps"][5]["mapped_chunks"] > out["steps"][0]["mapped_chunks"]     # growth maps chunk by chunk
+
+
+def test_elastic_block_pool_dry_run_sees_memory_that_stays_behind(monkeypatch):
+    """Chunks unmapped but their pages never given back: the part says so (a check that can fail)."""
+    from kvlab.elastic.memory import ElasticMemory
+    from kvlab.experiments.gpu.parts_elastic import block_pool
+    monkeypatch.setattr(ElasticMemory, "unmap_chunk", lambda self, chunk: self.driver.unmap_mirrored(
+        self.mirror, chunk * self.geo.chunk_bytes, self.geo.pages_of(chunk)))
+    out = block_pool(True)
+    assert any("physical handles live for" in p for p in out["problems"]), out.get("problems")

@@ -20,12 +20,14 @@ def settings(*argv: str):
 
 def test_defaults_give_every_configuration_the_same_memory():
     s = settings()
-    assert s.engines == 3 and s.total_bytes == 9 * 2**20 and [c.key for c in s.configurations] == list("abcd")
+    assert s.engines == 3 and s.total_bytes == 9 * 2**20 and [c.key for c in s.configurations] == list("abcde")
     assert s.multi.phases.models == 3 and s.multi.load.goodput == ("ttft:1000", "tpot:100")
     assert s.server_args[:2] == ("--max-model-len", "256")
-    pooled = CONFIGURATIONS["a"].server_args(s.total_bytes, 3, "p")
-    assert pooled == [["--backend", "vmm", "--kv-cache-bytes", str(9 * 2**20), "--kv-pool", "p",
-                       "--kv-pool-bytes", str(9 * 2**20)]] * 3
+    for key, backend in (("a", "vmm"), ("e", "elastic")):
+        pooled = CONFIGURATIONS[key].server_args(s.total_bytes, 3, "p")
+        assert pooled == [["--backend", backend, "--kv-cache-bytes", str(9 * 2**20), "--kv-pool", "p",
+                           "--kv-pool-bytes", str(9 * 2**20)]] * 3
+    assert CONFIGURATIONS["e"].label == "(e) elastic shared pool"
     for key, backend in (("b", "paged"), ("c", "vmm"), ("d", "reserve")):
         assert CONFIGURATIONS[key].server_args(s.total_bytes, 3, "p") == \
             [["--backend", backend, "--kv-cache-bytes", str(3 * 2**20)]] * 3
@@ -41,7 +43,7 @@ def test_odd_repeats_run_the_configurations_in_reverse():
     (["--total-bytes", "1000000"], "must be a multiple of --engines x 64 KiB"),
     (["--total-bytes", "1TiB"], "--total-bytes"),
     (["--configurations", "b,c"], "including the baseline a"),
-    (["--configurations", "a,e"], "distinct letters of a,b,c,d"),
+    (["--configurations", "a,f"], "distinct letters of a,b,c,d,e"),
     (["--configurations", "a,a"], "distinct letters"),
     (["--engines", "1"], "--engines must be an integer in [2, 16]"),
     (["--repeats", "0"], "--repeats must be an integer in [1, 100]"),
@@ -106,3 +108,23 @@ def test_the_study_end_to_end_on_tiny_servers(tmp_path):
     from kvlab.vmm.pool import UnknownPool, status
     with pytest.raises(UnknownPool):
         status(f"kvlab-ab-{os.getpid()}-0a")
+
+
+@pytest.mark.slow
+def test_elastic_servers_share_one_pool_end_to_end(tmp_path):
+    """(e): two elastic servers on one pool beside (a), one short burst each, one repeat: every request served,
+    each elastic engine's share read from the pool's books, and the pool gone after its servers."""
+    out = tmp_path / "ae"
+    rc = cli.main(["study", "pool", "--engines", "2", "--total-bytes", "4MiB", "--configurations", "a,e",
+                   "--repeats", "1", "--burst-rate", "4", "--period", "2", "--duty-cycle", "1", "--periods", "1",
+                   "--random-input-len", "32", "--random-output-len", "8", "--goodput", "ttft:60000",
+                   "--out", str(out), "--no-progress"])
+    assert rc == 0
+    runs = {r["configuration"]: r for r in json.loads((out / "runs.json").read_text())}
+    assert all(m["completed"] == m["num_prompts"] for m in runs["e"]["models"])
+    assert all(max(share) > 0 for share in runs["e"]["share_timeline"]["share"])
+    assert "(e) elastic shared pool" in (out / "table.md").read_text()
+    assert "elastic on http" in (out / "logs" / "repeat0-e" / "server0.log").read_text()
+    from kvlab.vmm.pool import UnknownPool, status
+    with pytest.raises(UnknownPool):
+        status(f"kvlab-ab-{os.getpid()}-0e")

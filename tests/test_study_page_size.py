@@ -15,7 +15,7 @@ from kvlab.experiments.sim.serve.run import run_point as serve_point
 from kvlab.experiments.studies.page_size import curve as cv
 from kvlab.experiments.studies.page_size import flips as fl
 from kvlab.experiments.studies.page_size.point import FLAT, Costs, curve_shape, kernel_spec, run_point, scaled
-from kvlab.experiments.studies.page_size.settings import Cell, StudySettings
+from kvlab.experiments.studies.page_size.settings import Cell, StudySettings, unit_label
 from kvlab.experiments.studies.page_size.study import run_study
 from kvlab.experiments.studies.page_size.verdict import verdict
 
@@ -137,6 +137,7 @@ def test_the_curve_shape_puts_the_reference_ratio_where_asked():
     (["--kernel-costs", "bogus"], "unknown --kernel-costs 'bogus'"),
     (["--driver-costs", "bogus"], "unknown --driver-costs 'bogus'"),
     (["--paged-blocks", "16,x"], "--paged-blocks takes distinct positive integers"),
+    (["--elastic-blocks", "16,0"], "--elastic-blocks takes distinct positive integers"),
     (["--tensor-parallel-sizes", "3"], "tensor"),
     (["--dataset", "nope"], "unknown --dataset-name 'nope'"),
     (["--vmm-pages", "2MiB,lots"], "bad size 'lots'"),
@@ -286,3 +287,64 @@ def test_sigterm_leaves_a_partial_report_and_exit_130(tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "Traceback" not in err, err       # the pool's workers end quietly
     assert "INTERRUPTED after" in (out / "report.txt").read_text() and "interrupted" in err.splitlines()[-1]
+
+
+ELASTIC = SimCase("elastic", 1.0, watermark=0.05, elastic_block_size=16, elastic_page_size=2 * 2**20)
+
+
+def test_an_elastic_unit_pays_the_paged_kernel_and_the_driver(tmp_path):
+    """elastic runs paged kernels over mapped pages: both turned costs reach it."""
+    base, spec = kernel_profile("vattention-vs-vllm"), replace(SPEC, num_requests=16)
+
+    def duration(costs):
+        return run_point(ELASTIC, kernel_spec(spec, base, costs, tmp_path), costs, 8.0, 1, None)["duration"]
+    today = duration(Costs())
+    assert duration(Costs(kernel_scale=3.0)) > today
+    assert duration(Costs(driver_scale=500.0)) > today
+
+
+def test_the_elastic_arm_is_one_unit_per_block_and_page_and_off_by_default():
+    s = StudySettings(SPEC, {}, (0,), (Cell("zero", "none"),), (16,), (64 * 1024, 2 * 2**20))
+    assert [unit_label(c) for c in s.cases()] == ["paged-16", "vmm-64KiB", "vmm-2MiB"]
+    s = replace(s, elastic_blocks=(16, 32))
+    assert [unit_label(c) for c in s.cases()][3:] == ["elastic-16-64KiB", "elastic-16-2MiB", "elastic-32-64KiB",
+                                                     "elastic-32-2MiB"]
+
+
+def test_the_elastic_effects_pair_elastic_with_its_block_and_vmm_with_its_page():
+    from kvlab.experiments.studies.page_size.elasticity import effects
+    rates = {"paged-16": [10.0, 12.0], "paged-128": [11.0, 13.0], "vmm-2MiB": [8.0, 9.0],
+             "elastic-16-2MiB": [9.0, 10.8], "elastic-32-2MiB": [5.0, 6.0]}
+    found = {(e["effect"], e["over"]): e for e in effects(rates, "paged-128")}
+    same = found["elasticity, paged layout", "elastic-16-2MiB / paged-16"]
+    assert same["ratio"] == pytest.approx(0.9) and same["ci95"] == pytest.approx([0.9, 0.9])
+    assert found["elasticity, paged layout", "elastic-32-2MiB / paged-128"]["ratio"] == pytest.approx(11 / 24)
+    assert found["contiguity, elastic memory", "vmm-2MiB / elastic-16-2MiB"]["ratio"] == pytest.approx(17 / 19.8)
+    assert len(found) == 4
+
+
+def elastic_fake_search(job):
+    """fake_search, with elastic-16-2MiB serving 0.9x paged-16's rate at every seed."""
+    found = fake_search(job)
+    if found["unit"].startswith("elastic-"):
+        paged = fake_search(replace(job, case=PAGED))
+        found.update(slo_rate=0.9 * paged["slo_rate"], output_throughput=90 * paged["slo_rate"], tokens_per_unit=16)
+    return found
+
+
+def test_the_cli_elastic_arm_splits_layout_from_elasticity(tmp_path, capsys, monkeypatch):
+    from kvlab.experiments.studies.page_size import probe
+    ran = []
+    monkeypatch.setattr(probe, "search", lambda job: ran.append(job) or elastic_fake_search(job))
+    flags = ["--no-flips", "--no-plots", "--elastic-blocks", "16", "--jobs", "1"]
+    assert main([*TINY, "--out", str(tmp_path), *flags]) == 0
+    out = capsys.readouterr().out
+    assert "layout and elasticity apart" in out
+    assert "elasticity, paged layout elastic-16-2MiB / paged-16 = 0.900 [0.900, 0.900]" in out
+    cell = study_doc(tmp_path)["cells"]["driver cuda-a100, kernel vattention-vs-vllm"]
+    assert set(cell["units"]) == {"paged-16", "vmm-2MiB", "elastic-16-2MiB"} and len(ran) == 6
+    vmm_over_elastic = next(e for e in cell["elastic_effects"] if e["effect"] == "contiguity, elastic memory")
+    paged = 10 / cv.reference_ratio(kernel_profile("vattention-vs-vllm"))
+    assert vmm_over_elastic["ratio"] == pytest.approx(7.05 / (0.9 * paged))
+    rows = list(csv.DictReader((tmp_path / "study.csv").open()))
+    assert [r["unit"] for r in rows] == ["paged-16", "vmm-2MiB", "elastic-16-2MiB"]

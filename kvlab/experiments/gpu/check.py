@@ -21,6 +21,8 @@ Two selections of the same parts: the check (default, under 8 minutes: gpu_check
   triton_vs_sdpa   the compiled Triton paged kernel against SDPA, timed beside it (--parts)
   triton_kernel    the same kernel on first contact's three cases                          (first contact)
   vmm_vs_paged     the tiny model through the LLM API on cuda                              (check)
+  elastic_cuda     the elastic backend on the CUDA driver: its block pool's chunks follow  (check)
+                   the blocks; greedy tokens equal paged's (experiments/gpu/parts_elastic.py)
   gpu_tests        pytest -m gpu                                                           (check)
   cuda_pool        the pool's CUDA chunks shared by two processes: export, import, map,    (check)
                    write in one, read in the other, tear down (experiments/gpu/parts_pool.py)
@@ -46,6 +48,7 @@ from typing import Any
 from kvlab.experiments.gpu import (
     parts_background,
     parts_driver,
+    parts_elastic,
     parts_engine,
     parts_handoff,
     parts_kernels,
@@ -66,7 +69,8 @@ PARTS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "layer_layout": parts_layout.part_layer_layout, "handoff_copy": parts_handoff.part_handoff_copy,
     "vmm_cache": parts_engine.part_vmm_cache,
     "triton_vs_sdpa": parts_triton.part_triton_vs_sdpa, "triton_kernel": parts_triton.part_triton_kernel,
-    "vmm_vs_paged": parts_engine.part_vmm_vs_paged, "gpu_tests": parts_engine.part_gpu_tests,
+    "vmm_vs_paged": parts_engine.part_vmm_vs_paged, "elastic_cuda": parts_elastic.part_elastic_cuda,
+    "gpu_tests": parts_engine.part_gpu_tests,
     "cuda_pool": parts_pool.part_cuda_pool, "cuda_pool_engines": parts_pool_engines.part_cuda_pool_engines,
     "unmapped_access": parts_driver.part_unmapped_access,
 }
@@ -75,7 +79,7 @@ PARTS: dict[str, Callable[[bool], dict[str, Any]]] = {
 PART_SECONDS = {"environment": 60, "unmapped_view": 15, "vmm_round_trip": 20, "vmm_latency": 20, "cuda_vmm": 45,
                 "vmm_sizes": 40, "kernel_costs": 110, "background_map": 45, "layer_layout": 60, "handoff_copy": 40,
                 "vmm_cache": 30, "triton_vs_sdpa": 110, "triton_kernel": 60, "vmm_vs_paged": 90,
-                "gpu_tests": 150, "cuda_pool": 75, "cuda_pool_engines": 100,
+                "elastic_cuda": 30, "gpu_tests": 120, "cuda_pool": 75, "cuda_pool_engines": 100,
                 "unmapped_access": 25}
 
 
@@ -89,8 +93,8 @@ class Selection:
 
 # The parts that settle the simulator's unknowns run first, so a check cut at its budget keeps them.
 CHECK = Selection("check", ("environment", "cuda_vmm", "vmm_sizes", "kernel_costs", "background_map", "layer_layout",
-                            "handoff_copy", "vmm_vs_paged", "gpu_tests", "cuda_pool", "cuda_pool_engines",
-                            "unmapped_access"), 450, "gpu_check.json")
+                            "handoff_copy", "vmm_vs_paged", "elastic_cuda", "gpu_tests", "cuda_pool",
+                            "cuda_pool_engines", "unmapped_access"), 450, "gpu_check.json")
 FIRST_CONTACT = Selection("first-contact", ("environment", "unmapped_view", "vmm_round_trip", "vmm_latency",
                                             "vmm_sizes", "vmm_cache", "triton_kernel", "unmapped_access"), 150,
                           "first_contact.json")

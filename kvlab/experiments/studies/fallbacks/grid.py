@@ -31,9 +31,11 @@ class Grid:
     kv_dtypes: tuple[str, ...] = ("auto",)      # the KV-cache dtype axis (auto = the model dtype; fp8 variants)
 
     def num_rows(self, num_scenarios: int) -> int:
-        """Rows of the paged layout vary with block size; rows of the contiguous one (no blocks) do not."""
+        """Rows of a paged-layout backend vary with block size; rows of a contiguous one (no blocks) do not."""
         shapes = len(self.head_dims) * len(self.dtypes) * len(self.gqa_ratios)
-        return num_scenarios * len(PHASES) * shapes * (len(self.block_sizes) + 1) * len(self.kv_dtypes)
+        layouts = list(layout_backends().values())
+        points = layouts.count("paged") * len(self.block_sizes) + len(layouts) - layouts.count("paged")
+        return num_scenarios * len(PHASES) * shapes * points * len(self.kv_dtypes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,13 +88,16 @@ class Row:
 
 
 def layout_backends() -> dict[str, str]:
-    """Backend -> layout, one backend per attention layout: the first registered backend that hands kernels
-    that layout (paged -> paged, vmm -> contiguous). Kernels are chosen by layout, so one backend speaks for all
-    that share it."""
+    """Backend -> layout: the first registered backend of each attention layout (paged -> paged, vmm ->
+    contiguous), and every other backend of the paged layout (elastic). Kernels are chosen by layout, so vmm
+    speaks for reserve; each block-table backend gets rows of its own because each sets its block size on its
+    own (--block-size, --elastic-block-size) and a paged kernel's rules bite at block sizes, so elastic's
+    fallbacks are counted beside paged's rather than assumed."""
     first: dict[str, str] = {}
     for spec in REGISTRY.specs():
         first.setdefault(spec.layout, spec.name)
-    return {name: layout for layout, name in first.items()}
+    listed = set(first.values())
+    return {spec.name: spec.layout for spec in REGISTRY.specs() if spec.name in listed or spec.layout == "paged"}
 
 
 def grid_points(grid: Grid, layout: str) -> Iterator[tuple[int, str, int | None, int]]:

@@ -37,6 +37,15 @@ def fallback_paths(rows: list[Row]) -> Counter:
     return paths
 
 
+def shared_paths(rows: list[Row]) -> dict[tuple, list[str]]:
+    """fallback_paths with the backends that took a path equally often on one line (paged and elastic run the
+    same kernels): (count, scenario, phase, chosen, displaced) -> backends, most frequent first."""
+    grouped: dict[tuple, list[str]] = {}
+    for (scen, backend, phase, kernel, displaced), n in fallback_paths(rows).most_common():
+        grouped.setdefault((n, scen, phase, kernel, displaced), []).append(backend)
+    return grouped
+
+
 def gqa_sensitivity(rows: list[Row]) -> int:
     """How many (scenario, backend, phase, head_dim, dtype, block) points change kernel with the GQA ratio."""
     kernels: dict[tuple, set[str]] = {}
@@ -69,8 +78,9 @@ FINDINGS = [
     ("an fp32 model",
      [at("cuda+fa+fi", "paged", "decode", 128, "float32", 256),
       at("cuda+fa+fi", "vmm", "decode", 128, "float32", None)]),
-    ("block size 16 refused by upstream flash-attn's paged path",
-     [at("cuda+fa+fi", "paged", "decode", 128, "bfloat16", 16)]),
+    ("block size 16 refused by upstream flash-attn's paged path (elastic's blocks alike)",
+     [at("cuda+fa+fi", "paged", "decode", 128, "bfloat16", 16),
+      at("cuda+fa+fi", "elastic", "decode", 128, "bfloat16", 16)]),
     ("a missing package (this machine's packages on an H200)",
      [at("cuda", "paged", "decode", 128, "bfloat16", 256),
       at("cuda", "vmm", "decode", 128, "bfloat16", None)]),
@@ -93,14 +103,14 @@ def findings(rows: list[Row]) -> list[tuple[str, list[str]]]:
 def format_summary(rows: list[Row], scenarios: list[Scenario], grid: Grid) -> str:
     lines = [(f"kvlab fallbacks: {len(rows):,} decisions; head_dim {list(grid.head_dims)}, "
               f"dtype {list(grid.dtypes)}, block {list(grid.block_sizes)} (paged only), "
-              f"GQA {list(grid.gqa_ratios)} (H_kv={NUM_KV_HEADS}); backends paged and vmm; "
-              "prefill and decode"), ""]
+              f"GQA {list(grid.gqa_ratios)} (H_kv={NUM_KV_HEADS}); backends "
+              f"{', '.join(dict.fromkeys(r.backend for r in rows))}; prefill and decode"), ""]
     lines += ["Scenarios"] + [f"  {s.name:<11} {s.label}; packages {', '.join(sorted(s.env.packages or ()))}"
                               for s in scenarios] + [""]
     lines.append("Chosen kernel (number of decisions)")
     for (scen, backend, phase), c in kernel_counts(rows).items():
         kernels = ", ".join(f"{k} {n}" for k, n in c.most_common())
-        lines.append(f"  {scen:<11} {backend:<6} {phase:<8} {kernels}")
+        lines.append(f"  {scen:<11} {backend:<7} {phase:<8} {kernels}")
     lines += ["", "Fallbacks by cause (a decision refused for several reasons counts under each)"]
     counts = cause_counts(rows)
     causes = [c for c in CAUSES if any(cc[c] for cc in counts.values())]
@@ -109,9 +119,10 @@ def format_summary(rows: list[Row], scenarios: list[Scenario], grid: Grid) -> st
     for (scen, backend), c in counts.items():
         cells = [scen.ljust(11), backend.ljust(7), c["decisions"], c["fallbacks"], *(c[x] for x in causes)]
         lines.append("  " + " ".join(f"{v:>{max(9, len(h))}}" for v, h in zip(cells, header, strict=True)))
-    lines += ["", "Fallback paths (chosen <- displaced [causes]), most frequent first"]
-    for (scen, backend, phase, kernel, displaced), n in fallback_paths(rows).most_common(12):
-        lines.append(f"  {n:>5}  {scen:<11} {backend:<6} {phase:<8} {kernel} <- {'; '.join(displaced)}")
+    lines += ["", "Fallback paths (chosen <- displaced [causes]), most frequent first; backends joined by + took "
+              "the same path as often"]
+    for (n, scen, phase, kernel, displaced), backends in list(shared_paths(rows).items())[:12]:
+        lines.append(f"  {n:>5}  {scen:<11} {'+'.join(backends):<13} {phase:<8} {kernel} <- {'; '.join(displaced)}")
     lines += ["", f"The GQA ratio changed the kernel at {gqa_sensitivity(rows)} of the other grid points", ""]
     lines.append("Example findings")
     for title, found in findings(rows):

@@ -5,9 +5,8 @@ Two parts:
    kernel contract (PagedMetadata / ContiguousMetadata from `base_metadata`), each output checked against
    dense causal attention. Triton on CPU runs in the interpreter (about 5 ms per program and loop step), so
    only on a tiny shape, beside torch_paged on the same shape.
-2. Fallback costs: for each fallback path the study found for this machine, the chosen kernel at that
-   configuration against the displaced kernel at the nearest configuration it accepts (same model, the refused
-   block size / dtype / head dim moved to an accepted value), when the displaced kernel runs here at all.
+2. Fallback costs: for each fallback path found for this machine, the chosen kernel against the displaced one at
+   the nearest configuration it accepts (the refused block size / dtype / head dim moved), if it runs here.
 """
 from __future__ import annotations
 
@@ -252,26 +251,32 @@ def nearest_accepted(decl: KernelDecl, spec: AttentionSpec, phase: str, grid_val
 def fallback_costs(timer: Timer, rows: list[Row], scenario: str, grid_values: dict[str, tuple],
                    device: str, cc) -> list[dict[str, Any]]:
     picked = [r for r in rows if r.scenario == scenario]
-    costs = []
+    costs, timed = [], {}
     for (_, backend, phase, kernel, _), count in fallback_paths(picked).most_common():
         row = next(r for r in picked
                    if (r.backend, r.phase, r.kernel) == (backend, phase, kernel) and r.fallback)
         spec = resolve(spec_for(row.layout, device, cc, row.dtype, row.head_dim, row.block_size,
                                 row.gqa_ratio))
         displaced = by_name(row.displaced[0])
-        near, why = nearest_accepted(displaced, spec, phase, grid_values)
         entry = {"backend": backend, "phase": phase, "chosen": kernel, "displaced": displaced.name,
                  "decisions": count, "at": f"head_dim {row.head_dim}, {row.dtype}, block {row.block_size}"}
-        if near is None:
-            costs.append({**entry, "cost": None, "why": f"{displaced.name} cannot run here: {why}"})
-            continue
-        a = timer.run(by_name(kernel), spec, phase, SHAPES[phase])
-        b = timer.run(displaced, near, phase, SHAPES[phase])
-        ratio = a["median_ms"] / b["median_ms"] if "median_ms" in a and "median_ms" in b else None
-        timed_at = f"head_dim {near.head_dim}, {near.dtype}, block {near.block_size}"
-        costs.append({**entry, "cost": ratio,
-                      "why": a.get("error") or b.get("error") or f"displaced kernel timed at {timed_at}"})
+        key = (spec, phase, kernel, displaced.name)     # paged and elastic share their kernels: timed once
+        timed[key] = timed.get(key) or fallback_cost(timer, spec, phase, kernel, displaced, grid_values)
+        costs.append({**entry, **timed[key]})
     return costs
+
+
+def fallback_cost(timer: Timer, spec: AttentionSpec, phase: str, kernel: str, displaced: KernelDecl,
+                  grid_values: dict[str, tuple]) -> dict[str, Any]:
+    """The chosen kernel's time over the displaced one's at the nearest configuration it accepts."""
+    near, why = nearest_accepted(displaced, spec, phase, grid_values)
+    if near is None:
+        return {"cost": None, "why": f"{displaced.name} cannot run here: {why}"}
+    a = timer.run(by_name(kernel), spec, phase, SHAPES[phase])
+    b = timer.run(displaced, near, phase, SHAPES[phase])
+    ratio = a["median_ms"] / b["median_ms"] if "median_ms" in a and "median_ms" in b else None
+    at = f"head_dim {near.head_dim}, {near.dtype}, block {near.block_size}"
+    return {"cost": ratio, "why": a.get("error") or b.get("error") or f"displaced kernel timed at {at}"}
 
 
 def measure(rows: list[Row], threads: int = 1, repeats: int = 10, grid_values: dict[str, tuple] | None = None,

@@ -56,6 +56,10 @@ def add_study(which: Any) -> None:
     p.add_argument("--background-mapping", choices=("on", "off"), default="on",
                    help="vmm maps on a background thread, overlapped with the step (vAttention's step_async)")
     add_layout_flags(p, "each vmm page size")
+    p.add_argument("--elastic-blocks", type=flags.parse_list, default=[],
+                   help="an optional arm: elastic (paged blocks and kernels over pages mapped on demand) at these "
+                        "block sizes, comma list, each over each --vmm-pages size; splits layout from elasticity "
+                        "(default: none)")
     p.add_argument("--prefix-caching", choices=("off", "on", "both"), default="off", help="an optional axis")
     p.add_argument("--tensor-parallel-sizes", type=flags.parse_list, default=["1"], help="an optional axis")
     p.add_argument("--no-flips", action="store_true", help="skip the kernel-ratio curve (the grid only)")
@@ -126,7 +130,7 @@ def settings_from(args: argparse.Namespace) -> StudySettings:
     checked_cells = cells(args)           # checks --seeds too: before the range of seeds is built
     return StudySettings(spec, args.slo, tuple(range(args.seed, args.seed + args.seeds)), checked_cells,
                          positive_ints("--paged-blocks", args.paged_blocks), tuple(args.vmm_pages), layouts,
-                         args.budget_gb,
+                         positive_ints("--elastic-blocks", args.elastic_blocks), args.budget_gb,
                          flips=not args.no_flips, kernel_ratios=tuple(args.kernel_ratios),
                          driver_flips=args.driver_flips, jobs=args.jobs, ray=args.ray,
                          progress=not args.no_progress, out=args.out, save=not args.no_save,

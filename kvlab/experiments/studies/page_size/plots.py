@@ -1,6 +1,7 @@
-"""study.png: SLO rate against tokens per unit, one line per profile and layout (paged solid, vmm dashed), 95%
-intervals as bars. curve.png: each vmm unit's SLO rate over the best paged block's against the paged/contiguous
-kernel ratio, the 95% band shaded, the tie at 1, the published figures as vertical marks (docs/evidence.md)."""
+"""study.png: SLO rate against tokens per unit, one line per profile and layout (paged solid, vmm dashed, the
+optional elastic arm dotted), 95% intervals as bars. curve.png: each vmm unit's SLO rate over the best paged
+block's against the paged/contiguous kernel ratio, the 95% band shaded, the tie at 1, the published figures as
+vertical marks (docs/evidence.md)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,9 +21,11 @@ def plot_units(cells: dict[str, Any], path: Path) -> None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
     for i, (label, cell) in enumerate(cells.items()):
-        for layout, style in (("paged", "-o"), ("vmm", "--s")):
+        for layout, style in (("paged", "-o"), ("vmm", "--s"), ("elastic", ":^")):
             units = sorted((u for name, u in cell["units"].items() if name.startswith(layout + "-")),
                            key=lambda u: u["tokens_per_unit"])
+            if not units:
+                continue
             y = [u["slo_rate"] for u in units]
             err = [[u["slo_rate"] - u["slo_rate_ci95"][0] for u in units],
                    [u["slo_rate_ci95"][1] - u["slo_rate"] for u in units]]

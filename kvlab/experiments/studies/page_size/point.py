@@ -4,7 +4,8 @@ The contiguous kernel's advantage is the simulator's kernel term (experiments/si
 point of the cell's kernel profile, paged time / contiguous time = r, becomes 1 + kernel_scale x (r - 1) (FLAT,
 a 2x slowdown at every phase, context and block size, stands in for a profile that charges paged-16 nothing). The scaled
 profile reaches the simulator as `measured:FILE`, written where the search runs (a pool worker or a Ray node).
-The driver's latency is the profile's vmm calls (cuMemMap, cuMemSetAccess, cuMemUnmap) times `driver_scale`.
+The driver's latency is the profile's map calls (cuMemMap, cuMemSetAccess, cuMemUnmap; vmm's and elastic's) times
+`driver_scale`.
 Requests and arrivals come from sim/serve/run.py's `plan` (identical for every backend: paired seeds); the
 prefix workloads add token ids."""
 from __future__ import annotations
@@ -83,7 +84,8 @@ def run_point(case: SimCase, spec: ServeSpec, costs: Costs, rate: float, seed: i
     """`kvlab simulate serve`'s latency keys for one run; stopped early (no figures) once the SLO is missed."""
     requests = requests_for(spec, rate, seed)
     settings = spec.settings(seed)
-    ledger = CostLedger(turned_profile(spec, costs, case.options.get("page_size")), spec.background_mapping)
+    page = case.options.get("page_size", case.options.get("elastic_page_size"))
+    ledger = CostLedger(turned_profile(spec, costs, page), spec.background_mapping)
     factory = TapFactory(ledger, watch(stop_on_miss, requests, settings))
     try:
         row = run_case(case, settings, requests, tap=factory)

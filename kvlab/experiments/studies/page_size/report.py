@@ -26,6 +26,12 @@ def cell_table(label: str, cell: dict[str, Any]) -> str:
     return table(head, body, f"{label}: at the profile's own costs")
 
 
+def effects_table(label: str, found: list[dict[str, Any]]) -> str:
+    from kvlab.experiments.reporting.tables import table
+    body = [[e["effect"], e["over"], f"{e['ratio']:.3f} {bracket(e['ci95'], '.3f')}"] for e in found]
+    return table(["effect", "SLO rates", "ratio [95% CI]"], body, f"{label}: layout and elasticity apart")
+
+
 def curve_table(label: str, c: dict[str, Any]) -> str:
     from kvlab.experiments.reporting.tables import table
     vmm = list(c["break_even"])
@@ -65,6 +71,8 @@ def report(s: StudySettings, result: dict[str, Any]) -> str:
     parts = [head, sources(s)]
     for label, cell in result["cells"].items():
         parts.append(cell_table(label, cell))
+        if cell.get("elastic_effects"):
+            parts.append(effects_table(label, cell["elastic_effects"]))
         if cell.get("curve"):
             parts.append(curve_table(label, cell["curve"]))
     if any(c.get("curve") for c in result["cells"].values()):

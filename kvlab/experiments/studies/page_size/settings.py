@@ -37,6 +37,7 @@ class StudySettings:
     paged_blocks: tuple[int, ...] = (16, 32, 128)
     vmm_pages: tuple[int, ...] = (64 * 1024, 256 * 1024, 2 * 1024 ** 2)
     vmm_layouts: tuple[str, ...] = ("per-layer",)   # each vmm page size runs in each (experiments/sim/layouts.py)
+    elastic_blocks: tuple[int, ...] = ()  # the optional elastic arm: these block sizes over each vmm page size
     budget_gb: float = 60.0
     watermark: float = 0.05
     slo_start: float = 4.0
@@ -56,11 +57,15 @@ class StudySettings:
         vmm = [SimCase("vmm", self.budget_gb, page_size=p, watermark=self.watermark,
                        **({LAYOUT_OPTION: CROSS_LAYER} if layout == CROSS_LAYER else {}))
                for p in self.vmm_pages for layout in self.vmm_layouts]
-        return paged + vmm
+        elastic = [SimCase("elastic", self.budget_gb, watermark=self.watermark, elastic_block_size=b,
+                           elastic_page_size=p) for b in self.elastic_blocks for p in self.vmm_pages]
+        return paged + vmm + elastic
 
 
 def unit_label(case: SimCase) -> str:
-    """paged-16, vmm-2MiB, vmm-2MiB-crosslayer: the study's name for a backend and its unit."""
+    """paged-16, vmm-2MiB, vmm-2MiB-crosslayer, elastic-16-2MiB: the study's name for a backend and its unit."""
+    if case.policy == "elastic":
+        return f"elastic-{case.options['elastic_block_size']}-{format_page(case.options['elastic_page_size'])}"
     if case.policy == "vmm":
         layout = "-crosslayer" if case.layout == CROSS_LAYER else ""
         return f"vmm-{format_page(case.options['page_size'])}{layout}"

@@ -8,7 +8,7 @@ from typing import Any
 
 from kvlab.experiments.sim.serve.stats import bootstrap_mean
 from kvlab.experiments.sim.serve.summary import slo_summary
-from kvlab.experiments.studies.page_size import curve
+from kvlab.experiments.studies.page_size import curve, elasticity
 
 
 def per_seed(searches: list[dict[str, Any]], unit: str, key: str) -> list[float]:
@@ -36,7 +36,9 @@ def cell_summary(searches: list[dict[str, Any]], units: list[str], seeds: int) -
                   "per_seed": rates[u], "output_throughput": mean, "output_throughput_ci95": [lo, hi],
                   "tokens_per_unit": max(per_seed(searches, u, "tokens_per_unit")),
                   "ratio_to_best_paged": folded["ratios"].get(u, {"ratio": 1.0, "ci95": [1.0, 1.0]})}
-    return {"best_paged": best_paged, "units": out}
+    summary = {"best_paged": best_paged, "units": out}
+    split = elasticity.effects(rates, best_paged)
+    return {**summary, "elastic_effects": split} if split else summary
 
 
 def curve_summary(searches: list[dict[str, Any]], today: list[dict[str, Any]], scales: dict[float, float],

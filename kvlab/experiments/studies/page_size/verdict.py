@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from kvlab.experiments.studies.page_size.elasticity import sentence
+
 RATE_LIMIT = 1e5           # slo.search's default high limit: a rate above it passed everywhere
 R = "paged/contiguous decode kernel ratio"
 
@@ -66,6 +68,8 @@ def verdict(cells: dict[str, dict[str, Any]]) -> str:
     sentences = []
     for label, cell in cells.items():
         sentences.append(winner_sentence(label, cell))
+        if cell.get("elastic_effects"):
+            sentences.append(sentence(label, cell["elastic_effects"]))
         c = cell.get("curve")
         if c:
             sentences.extend(break_even_sentence(u, b, c["points"]) for u, b in c["break_even"].items())

@@ -19,16 +19,18 @@ from kvlab.experiments.loadgen.multi import MultiSpec, model_plans
 from kvlab.experiments.loadgen.multi_cli import MAX_MODELS, add_phase_flags, phases_from
 from kvlab.experiments.studies.pool.settings import BASELINE, CONFIGURATIONS, PoolStudySettings
 
-POOL_PAGE = 64 * 1024            # the pool's and vmm's default page: every split is whole pages
+POOL_PAGE = 64 * 1024            # the pool's, vmm's and elastic's default page: every split is whole pages
 DEFAULT_SLO = ["ttft:1000", "tpot:100"]
 
 
 def add_study(which: Any) -> None:
-    p = which.add_parser("pool", help="one shared KV pool for vmm servers vs static splits, phase-shifted bursts",
+    p = which.add_parser("pool", help="one shared KV pool for vmm (or elastic) servers vs static splits, "
+                                      "phase-shifted bursts",
                          description="The same KV memory as (a) one shared pool for N vmm servers, (b) a static "
-                                     "equal split for N paged servers, (c) the same for vmm, (d) for reserve; the "
-                                     "same phase-shifted bursts against each, repeated with the order alternated; "
-                                     "p99 TTFT/TPOT and SLO attainment per model (docs/pool-ab.md).")
+                                     "equal split for N paged servers, (c) the same for vmm, (d) for reserve, (e) "
+                                     "one shared pool for N elastic servers (paged kernels over the pool's pages); "
+                                     "the same phase-shifted bursts against each, repeated with the order "
+                                     "alternated; p99 TTFT/TPOT and SLO attainment per model (docs/pool-ab.md).")
     p.add_argument("--engines", type=int, default=3, help="servers (models) per configuration")
     p.add_argument("--total-bytes", type=flags.parse_bytes, default=9 * 2**20,
                    help="the KV memory every configuration shares out (default 9MiB)")

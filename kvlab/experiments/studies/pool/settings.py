@@ -8,7 +8,8 @@ from kvlab.experiments.loadgen.multi import MultiSpec
 
 @dataclass(frozen=True, slots=True)
 class Configuration:
-    """One way to give N servers the same memory: one shared pool (vmm only) or a static equal split."""
+    """One way to give N servers the same memory: one shared pool (vmm or elastic engines) or a static equal
+    split."""
     key: str
     backend: str
     pooled: bool
@@ -28,7 +29,8 @@ class Configuration:
 
 
 CONFIGURATIONS = {c.key: c for c in (Configuration("a", "vmm", True), Configuration("b", "paged", False),
-                                     Configuration("c", "vmm", False), Configuration("d", "reserve", False))}
+                                     Configuration("c", "vmm", False), Configuration("d", "reserve", False),
+                                     Configuration("e", "elastic", True))}
 BASELINE = "a"
 
 
