@@ -49,13 +49,14 @@ def pool_name() -> str:
 class TwoEngines(RuleBasedStateMachine):
     kinds: tuple[str, str] = ("vmm", "vmm")       # each engine's backend: both map pages of PAGE bytes
     overrides: dict = {}
+    backend_overrides: dict[str, dict] = {}       # options for one backend's engines only
     totals: Counter = Counter()
 
     def __init__(self) -> None:
         super().__init__()
         self.holder = pool.create(pool_name(), TOTAL * PAGE, PAGE, engine="holder", ceiling=0)
         self.w = [Workload(self.kinds[who], False, seed=who, kv_pool=self.holder.name, check_invariants=True,
-                           **self.overrides) for who in ENGINES]
+                           **self.overrides, **self.backend_overrides.get(self.kinds[who], {})) for who in ENGINES]
         self.limits = {who: (0, TOTAL) for who in ENGINES}
 
     def engine(self, who: int) -> str:
@@ -173,6 +174,7 @@ class TwoEngines(RuleBasedStateMachine):
                 extra = w.cache.stats().extra          # cached groups (vmm) or chunks (elastic) given, by this rule
                 type(self).totals["evicted"] += extra.get("evicted_for_pool", 0)       # or a steward
                 type(self).totals["chunks_given"] += extra.get("chunks_given", 0)
+                type(self).totals["compaction_moves"] += extra.get("compaction_moves", 0)
                 type(self).totals[f"{w.backend} ops"] += w.num_ops
                 type(self).totals[f"{w.backend} refused"] += w.ops["refused"]
                 w.drain()
@@ -264,7 +266,9 @@ DEFAULT, LONG = 0.3, 3
 
 
 class VmmAndElastic(TwoEngines):
+    """The elastic engine compacts (elastic_compact 0): blocks move, and chunks unmap, after its frees."""
     kinds = ("vmm", "elastic")
+    backend_overrides = {"elastic": {"elastic_compact": 0}}
 
 
 class VmmAndElasticCaching(TwoCachingEngines):
@@ -282,7 +286,8 @@ def run_mixed(machines: tuple, scale: float, capsys) -> Counter:
         print(f"\n[pool machine] vmm + elastic: {sum(totals[k] for k in OPS)} operations ({totals['limit']} limit "
               f"changes, {totals['answer']} give-backs, {totals['chunks_given']} elastic chunks given, "
               f"{totals['prefix_hit_tokens']} prefix-hit tokens), {totals['refused']} refused; elastic "
-              f"{totals['elastic ops']} operations, {totals['elastic refused']} refused")
+              f"{totals['elastic ops']} operations, {totals['elastic refused']} refused, "
+              f"{totals['compaction_moves']} blocks moved")
     return totals
 
 
