@@ -9,6 +9,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from kvlab.common.kv.seam import timed
 from kvlab.common.kv.types import CacheStats, KVShape
 from kvlab.elastic.block_pool import ElasticBlockPool
 from kvlab.elastic.chunks import ChunkBooks
@@ -78,6 +79,7 @@ class ElasticAllocator(PagedAllocator):
         super().swap_out(seq)
         self._compact()
 
+    @timed
     def _compact(self) -> None:
         if self.compact_spare >= 0:
             self.compaction_moves += compact(self.pool, list(self.seqs.values()), self.block_size, self.emit,
