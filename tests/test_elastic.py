@@ -2,13 +2,17 @@
 memory follows the blocks (a chunk is mapped exactly while it keeps a block, and while nothing has been freed the
 mapped bytes exceed the held blocks' by less than one chunk per layer and K/V); an engine that frees everything
 unmaps everything; page-aware placement never maps more than naive placement on the same run; and on CUDA (the
-fake driver) the physical handles follow the mapped chunks."""
+fake driver) the physical handles follow the mapped chunks. With compaction (elastic_compact 0), after any operation,
+frees in random order included, no chunk is mapped past what the held blocks need, and the tokens stay paged's."""
 from __future__ import annotations
 
 import random
+from collections import Counter
 
+import hypothesis.strategies as st
 import pytest
-from helpers.invariants import SHAPE
+from helpers.invariants import MAX_LEN, SHAPE, Workload
+from hypothesis import HealthCheck, given, settings
 
 from kvlab import LLM, SamplingParams
 from kvlab.common.config import make_config
@@ -43,11 +47,11 @@ def test_greedy_tokens_equal_paged(prefix):
     assert greedy("elastic", prefix) == greedy("paged", prefix)
 
 
-def run_checked(placement: str, prefix: bool = False, cap: int = -1) -> dict[str, int]:
+def run_checked(placement: str, prefix: bool = False, cap: int = -1, compact: int = -1) -> dict[str, int]:
     """Drive an elastic engine step by step, checking memory against the blocks after every step; returns the
     worst slack (mapped chunks beyond what the held blocks fill, packed) and the end state."""
     llm = LLM(backend="elastic", elastic_placement=placement, enable_prefix_caching=prefix,
-              elastic_cached_blocks=cap, **TINY)
+              elastic_cached_blocks=cap, elastic_compact=compact, **TINY)
     engine, rng = llm.engine, random.Random(1)
     for p in prompts(24, seed=2):
         engine.add_request(p, SamplingParams(max_tokens=rng.randint(1, 60), temperature=0.0, ignore_eos=True))
@@ -91,6 +95,99 @@ def test_an_engine_that_frees_everything_unmaps_everything_even_with_a_prefix_ca
 def test_a_warm_prefix_cache_keeps_its_chunks_mapped():
     r = run_checked("page-aware", prefix=True)
     assert r["end_mapped"] > 0, "the free cached blocks' chunks were unmapped: their content is gone"
+
+
+# -- compaction (elastic_compact): blocks move out of sparse chunks after frees ----------------------------------
+@pytest.mark.slow     # ~15 s under load: three engine runs; the random-operations test below is the fast one
+def test_compaction_keeps_mapped_memory_within_a_page_per_layer_and_kv_after_frees():
+    """Requests finishing in random order leave live blocks spread over chunks: placement alone leaves chunks
+    mapped past what the held blocks fill (5 on this run); with compaction there is none after any step."""
+    loose, packed = run_checked("page-aware"), run_checked("page-aware", compact=0)
+    assert loose["worst"] > 0, "the run no longer fragments: this test checks nothing"
+    assert packed["worst"] == 0 and packed["end_mapped"] == 0, packed
+    assert run_checked("page-aware", compact=1)["worst"] <= 1
+
+
+@pytest.mark.parametrize("prefix", [False, True])
+def test_greedy_tokens_with_compaction_equal_paged(prefix):
+    llm = LLM(backend="elastic", enable_prefix_caching=prefix, elastic_compact=0, **TINY)
+    try:
+        outs = llm.generate(prompts(10), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+        moves = llm.cache_stats().extra["compaction_moves"]
+    finally:
+        llm.engine.close()
+    assert moves > 0, "nothing moved: the test checks nothing"
+    assert [o.outputs[0].token_ids for o in outs] == greedy("paged", prefix)
+
+
+SHARED = [list(range(10, 26)), list(range(40, 52))]     # prefixes of whole 4-token blocks: prefix-cache hits
+
+
+def slack_chunks(allocator) -> int:
+    """Mapped chunks past the fewest that hold the held blocks (referenced, or free and cached)."""
+    pool = allocator.pool
+    held = pool.num_used() + len(pool.cached_free)
+    return len(pool.books.mapped) - -(-held // pool.books.geo.blocks_per_chunk)
+
+
+def random_step(w: Workload, rng: random.Random) -> None:
+    """One random operation of the scheduler's kinds; admissions start with a shared prefix half the time."""
+    live, swapped, waiting = w.ids("live"), w.ids("swapped"), w.ids("waiting")
+    op = rng.choice(["admit", "admit", "write", "write", "grow", "fork", "free", "free", "abort", "swap_out",
+                     "swap_in", "preempt", "readmit"])
+    if op == "admit":
+        tail = [rng.randint(3, 999) for _ in range(rng.randint(1, 30))]
+        prompt = (rng.choice(SHARED) + tail if rng.random() < 0.5 else tail)[:MAX_LEN - 1]
+        w.admit(prompt, rng.randint(1, 30), rng.randint(1, len(prompt)))
+    elif op == "readmit" and waiting:
+        w.readmit(rng.choice(waiting), rng.randint(1, 40))
+    elif op == "write" and live:
+        w.write([(sid, rng.randint(1, 12)) for sid in rng.sample(live, min(len(live), rng.randint(1, 3)))])
+    elif op in ("grow", "fork", "free", "preempt") and live:
+        sid = rng.choice(live)
+        w.grow(sid, rng.randint(1, 12)) if op == "grow" else getattr(w, op)(sid)
+    elif op == "abort" and w.tracked:
+        w.abort(rng.choice(sorted(w.tracked)))
+    elif op == "swap_out" and (computed := [s for s in live if w.seq(s).num_computed_tokens]):
+        w.swap_out(rng.choice(computed))
+    elif op == "swap_in" and swapped:
+        w.swap_in(swapped[0])
+
+
+def compaction_property(seed: int, prefix: bool, ops: int) -> Counter:
+    """Random operations on a small real elastic cache with compaction: after each, every check of the reliability
+    workload (its books, and its K/V read back through the block tables, so moved blocks kept their data) and no
+    chunk mapped past what the held blocks need: mapped bytes within one page per layer and K/V of theirs."""
+    rng = random.Random(seed)
+    w = Workload("elastic", False, seed, elastic_compact=0, enable_prefix_caching=prefix, check_invariants=True)
+    for _ in range(ops):
+        random_step(w, rng)
+        w.check()
+        assert slack_chunks(w.cache) <= 0, f"{slack_chunks(w.cache)} chunks mapped past the held blocks' need"
+    moves = w.cache.stats().extra["compaction_moves"]
+    w.drain()
+    return w.ops + Counter(moves=moves)
+
+
+@pytest.mark.parametrize("prefix", [False, True])
+def test_compaction_keeps_memory_within_a_page_of_the_blocks_over_random_operations(prefix):
+    totals = Counter()
+    for seed in range(3):
+        totals += compaction_property(seed, prefix, 60)
+    assert totals["moves"] > 0 and totals["free"] > 0 and (totals["prefix_hit_tokens"] > 0) == prefix, totals
+
+
+@pytest.mark.slow
+@given(seed=st.integers(0, 2**31 - 1), prefix=st.booleans())
+@settings(max_examples=60, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+def test_compaction_keeps_memory_within_a_page_of_the_blocks_long(seed, prefix):
+    compaction_property(seed, prefix, 150)
+
+
+def test_the_compaction_option_is_checked():
+    with pytest.raises(ConfigError, match="elastic_compact must be -1") as e:
+        make_config(backend="elastic", elastic_compact=-2)
+    assert "\n" not in str(e.value)
 
 
 def test_the_blocks_are_paged_s_and_a_partial_last_chunk_maps_only_its_pages():

@@ -125,3 +125,38 @@ def test_the_pool_options_keep_their_spellings_for_either_backend(tmp_path):
         config = make_config(toml)
         assert (config.kv_pool, config.kv_pool_bytes) == ("t", 1 << 20)
         assert make_config(toml, kv_pool="flag").kv_pool == "flag"        # a flag beats the file
+
+
+def test_pool_status_names_each_engine_by_its_backend(capsys):
+    """The books name an elastic engine `elastic-PID-TAG` and a vmm engine `vmm-PID-TAG`: `kvlab pool status`
+    shows which backend holds what, and `kvlab pool limit` reaches the elastic engine by that name."""
+    from helpers.invariants import SHAPE, backend_config
+
+    from kvlab.common.kv.seam import create_cache
+    from kvlab.experiments.cli.main import main
+    with pool.create(pool_name(), 64 * PAGE, page_size=PAGE) as holder:
+        caches = [create_cache(backend_config(b, kv_pool=holder.name), SHAPE) for b in ("elastic", "vmm")]
+        try:
+            names = sorted(e.name for e in holder.status().engines if e.name != holder.engine)
+            assert [n.rsplit("-", 1)[0] for n in names] == [f"elastic-{os.getpid()}", f"vmm-{os.getpid()}"]
+            assert caches[0].allocator.driver.member.engine == names[0]
+            assert main(["pool", "status", holder.name]) == 0
+            out = capsys.readouterr().out
+            assert names[0] in out and names[1] in out
+            assert main(["pool", "limit", holder.name, names[0], "--max", f"{8 * PAGE}"]) == 0
+            assert holder.status().engine(names[0]).ceiling == 8
+        finally:
+            for cache in caches:
+                cache.close()
+        assert [e.name for e in holder.status().engines] == [holder.engine]
+
+
+def test_a_member_cannot_take_another_engines_name():
+    with pool.create(pool_name(), 4 * PAGE, page_size=PAGE, engine="first") as holder:
+        with pool.join(holder.name, engine="second") as second:
+            with pytest.raises(pool.PoolError, match="already in the pool"):
+                second.rename("first")
+            with pytest.raises(pool.PoolError, match="bad engine name"):
+                second.rename("no spaces")
+            second.rename("third")
+            assert [e.name for e in holder.status().engines] == ["first", "third"] and second.engine == "third"

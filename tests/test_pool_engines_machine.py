@@ -7,7 +7,8 @@ give it), the books say each engine holds exactly the pool pages its driver back
 ranges exactly those (check_pool), and the two engines' pages never overlap: neither can see the other's data.
 
 A second variant runs the other engine in its own process (tests/helpers/invariants.py's random workload, every check
-after every operation) while the machine drives this one."""
+after every operation) while the machine drives this one. A mixed pool (issue 38) runs a vmm and an elastic engine
+(paged blocks over chunks mapped on demand) through the same rules and checks."""
 from __future__ import annotations
 
 import json
@@ -46,14 +47,16 @@ def pool_name() -> str:
 
 
 class TwoEngines(RuleBasedStateMachine):
+    kinds: tuple[str, str] = ("vmm", "vmm")       # each engine's backend: both map pages of PAGE bytes
     overrides: dict = {}
+    backend_overrides: dict[str, dict] = {}       # options for one backend's engines only
     totals: Counter = Counter()
 
     def __init__(self) -> None:
         super().__init__()
         self.holder = pool.create(pool_name(), TOTAL * PAGE, PAGE, engine="holder", ceiling=0)
-        self.w = [Workload("vmm", False, seed=who, kv_pool=self.holder.name, check_invariants=True, **self.overrides)
-                  for who in ENGINES]
+        self.w = [Workload(self.kinds[who], False, seed=who, kv_pool=self.holder.name, check_invariants=True,
+                           **self.overrides, **self.backend_overrides.get(self.kinds[who], {})) for who in ENGINES]
         self.limits = {who: (0, TOTAL) for who in ENGINES}
 
     def engine(self, who: int) -> str:
@@ -168,7 +171,12 @@ class TwoEngines(RuleBasedStateMachine):
     def teardown(self):
         try:
             for w in reversed(self.w):      # the later engine's threads and mappings are not in the earlier's baseline
-                type(self).totals["evicted"] += w.cache.stats().extra["evicted_for_pool"]   # by this rule or a steward
+                extra = w.cache.stats().extra          # cached groups (vmm) or chunks (elastic) given, by this rule
+                type(self).totals["evicted"] += extra.get("evicted_for_pool", 0)       # or a steward
+                type(self).totals["chunks_given"] += extra.get("chunks_given", 0)
+                type(self).totals["compaction_moves"] += extra.get("compaction_moves", 0)
+                type(self).totals[f"{w.backend} ops"] += w.num_ops
+                type(self).totals[f"{w.backend} refused"] += w.ops["refused"]
                 w.drain()
                 type(self).totals.update(w.ops)
             assert self.holder.status().used == 0, "the engines left pages in the pool"
@@ -248,6 +256,51 @@ def test_a_give_back_evicts_idle_cached_groups_above_the_floor():
         finally:
             w.drain()
             w.kv.close()
+
+
+# -- a mixed pool: a vmm and an elastic engine (issue 38) ----------------------------------------------------------
+# Both map 4 KiB pages; the elastic engine maps a chunk (one page in each of its 4 planes) at a time and answers
+# asks by forgetting the cached blocks of whole chunks. The tabled example counts run scaled by DEFAULT (the
+# default suite) or in full (-m slow), as tests/test_properties.py's machines do.
+DEFAULT, LONG = 0.3, 3
+
+
+class VmmAndElastic(TwoEngines):
+    """The elastic engine compacts (elastic_compact 0): blocks move, and chunks unmap, after its frees."""
+    kinds = ("vmm", "elastic")
+    backend_overrides = {"elastic": {"elastic_compact": 0}}
+
+
+class VmmAndElasticCaching(TwoCachingEngines):
+    kinds = ("vmm", "elastic")
+
+
+MIXED = ((VmmAndElastic, 20), (VmmAndElasticCaching, 10))      # (machine, tabled examples)
+
+
+def run_mixed(machines: tuple, scale: float, capsys) -> Counter:
+    totals = Counter()
+    for machine, examples in machines:
+        run(type(machine.__name__ + "Machine", (machine,), {"totals": totals}), max(2, round(examples * scale)))
+    with capsys.disabled():
+        print(f"\n[pool machine] vmm + elastic: {sum(totals[k] for k in OPS)} operations ({totals['limit']} limit "
+              f"changes, {totals['answer']} give-backs, {totals['chunks_given']} elastic chunks given, "
+              f"{totals['prefix_hit_tokens']} prefix-hit tokens), {totals['refused']} refused; elastic "
+              f"{totals['elastic ops']} operations, {totals['elastic refused']} refused, "
+              f"{totals['compaction_moves']} blocks moved")
+    return totals
+
+
+def test_a_vmm_and_an_elastic_engine_on_one_pool_keep_their_books_and_their_data(capsys):
+    """The default suite's representative: the machine without prefix caching (about 2 s on an idle machine)."""
+    t = run_mixed(MIXED[:1], DEFAULT, capsys)
+    assert sum(t[k] for k in OPS) >= 40 and t["elastic ops"] >= 20 and t["refused"] > 0 and t["answer"]
+
+
+@pytest.mark.slow     # ~35 s (load 7): both machines, prefix caching included, 3x their tabled examples
+def test_a_vmm_and_an_elastic_engine_on_one_pool_long(capsys):
+    t = run_mixed(MIXED, LONG, capsys)
+    assert sum(t[k] for k in OPS) >= 1000 and t["elastic refused"] > 0 and t["prefix_hit_tokens"] and t["chunks_given"]
 
 
 # -- the other engine in another process --------------------------------------------------------------------------

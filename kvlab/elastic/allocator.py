@@ -9,13 +9,16 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from kvlab.common.kv.seam import timed
 from kvlab.common.kv.types import CacheStats, KVShape
 from kvlab.elastic.block_pool import ElasticBlockPool
 from kvlab.elastic.chunks import ChunkBooks
+from kvlab.elastic.compaction import MovablePrefixCache, compact
 from kvlab.elastic.geometry import ChunkGeometry
 from kvlab.elastic.memory import ElasticMemory, driver_page_size, open_driver
 from kvlab.elastic.pooling import PoolSeat
 from kvlab.paged.allocator import PagedAllocator
+from kvlab.paged.prefix_cache import PrefixIndex
 from kvlab.vmm.drivers.machine_pool import NO_POOL
 
 if TYPE_CHECKING:
@@ -41,6 +44,10 @@ class ElasticAllocator(PagedAllocator):
         """`driver`: the caller's (the simulated shared pool's); else the device's, over `kv_pool` if set."""
         opts = config.options_of("elastic")
         super().__init__(config.replace(block_size=opts.elastic_block_size), shape)
+        if self.prefix_cache is not None:      # its entries follow a block that compaction moves
+            self.prefix_cache = MovablePrefixCache()
+            self.prefix = PrefixIndex(self.prefix_cache, self.block_size)
+        self.compact_spare, self.compaction_moves = opts.elastic_compact, 0      # -1: never move blocks
         if driver is None:
             driver = open_driver(shape.device, opts.elastic_page_size, accounting_only, config.kv_pool,
                                  config.kv_pool_bytes)
@@ -60,9 +67,23 @@ class ElasticAllocator(PagedAllocator):
         self.seat = PoolSeat(driver.pool, self.pool, self.lock)
 
     units_needed = locked(PagedAllocator.units_needed)
-    free = locked(PagedAllocator.free)
     fork = locked(PagedAllocator.fork)
-    swap_out = locked(PagedAllocator.swap_out)
+
+    @locked
+    def free(self, seq: Sequence) -> None:
+        super().free(seq)
+        self._compact()
+
+    @locked
+    def swap_out(self, seq: Sequence) -> None:
+        super().swap_out(seq)
+        self._compact()
+
+    @timed
+    def _compact(self) -> None:
+        if self.compact_spare >= 0:
+            self.compaction_moves += compact(self.pool, list(self.seqs.values()), self.block_size, self.emit,
+                                             self.compact_spare)
 
     @locked
     def num_free_units(self) -> int:
@@ -80,6 +101,12 @@ class ElasticAllocator(PagedAllocator):
 
     @locked
     def allocate(self, seq: Sequence, num_tokens: int, reserve_units: int = 0) -> int | None:
+        hit = self._allocate(seq, num_tokens, reserve_units)
+        if self.window is not None:      # the window may have dropped blocks
+            self._compact()
+        return hit
+
+    def _allocate(self, seq: Sequence, num_tokens: int, reserve_units: int) -> int | None:
         if self.machine_pool is NO_POOL:
             return super().allocate(seq, num_tokens, reserve_units)
         blocks = self.units_needed(seq, num_tokens)
@@ -120,6 +147,7 @@ class ElasticAllocator(PagedAllocator):
             "chunk_maps": books.chunk_maps, "chunk_unmaps": books.chunk_unmaps, "store_pages": mem["store_pages"],
             "cached_free_blocks": len(self.pool.cached_free), "cap_evictions": self.pool.cap_evictions,
             "chunks_given": self.pool.chunks_given, "pool_refusals": self.seat.refusals,
+            "compaction_moves": self.compaction_moves,
             **({"pool": pool} if (pool := self.machine_pool.stats()) else {}),
         })
         return stats

@@ -14,6 +14,8 @@ back (kvcached issue #359, docs/architecture.md "elastic").
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from kvlab.elastic.chunks import ChunkBooks
 from kvlab.paged.block_pool import BlockPool
 from kvlab.paged.prefix_cache import PrefixCache
@@ -130,6 +132,30 @@ class ElasticBlockPool(BlockPool):
             self.chunks_given += 1
             given += geo.planes * geo.pages_of(chunk)
         return given
+
+    def move_blocks(self, moves: dict[int, int]) -> None:
+        """Each new block (free, uncached, in a mapped chunk) takes over its old block's state: its references, or
+        its place among the free cached blocks, and its prefix-cache entry (elastic/compaction.py); the old blocks
+        become free and uncached, and their chunks unmap once empty. The caller copied the data and rewrote the
+        tables first."""
+        chunk_of = self.books.geo.chunk_of
+        for old, new in moves.items():
+            del self._free[new]
+            self.books.take(new)
+            self.ref_counts[new], self.ref_counts[old] = self.ref_counts[old], 0
+            if self.prefix_cache is not None:
+                self.prefix_cache.move(old, new)
+            if old in self.cached_free:
+                del self.cached_in[chunk_of(old)][old]
+                if not self.cached_in[chunk_of(old)]:
+                    del self.cached_in[chunk_of(old)]
+                self.cached_in.setdefault(chunk_of(new), {})[new] = None
+        # a moved cached block keeps its place in the eviction order; the old ids go to the front (reused first)
+        self.cached_free = dict.fromkeys(moves.get(b, b) for b in self.cached_free)
+        self._free = OrderedDict.fromkeys([*moves, *(moves.get(b, b) for b in self._free)])
+        pinned = self.num_used() > 0
+        for old in moves:
+            self.books.drop(old, pinned)
 
     def _victim(self) -> int:
         if not self.page_aware:

@@ -20,6 +20,9 @@ class ElasticOptions:
         "help": "elastic: page-aware (fill mapped pages first, evict cached blocks page by page) or naive"})
     elastic_cached_blocks: int = field(default=-1, metadata={
         "help": "elastic: most free prefix-cached blocks kept mapped (-1: no cap, as paged)"})
+    elastic_compact: int = field(default=-1, metadata={
+        "help": "elastic: after frees, move held blocks (a copy each) out of sparse pages so at most N pages per "
+                "layer and K/V past what the held blocks need stay mapped (-1: never move blocks)"})
 
     def validate(self) -> None:
         check_positive(self, "elastic_block_size", "elastic_page_size")
@@ -28,6 +31,8 @@ class ElasticOptions:
         if self.elastic_page_size % mmap.PAGESIZE:
             raise ConfigError(f"elastic_page_size {self.elastic_page_size} is not a multiple of the host page size "
                               f"{mmap.PAGESIZE}")
+        if self.elastic_compact < -1:
+            raise ConfigError(f"elastic_compact must be -1 (off) or >= 0, got {self.elastic_compact}")
         if self.elastic_cached_blocks < -1:
             raise ConfigError(f"elastic_cached_blocks must be -1 (no cap) or >= 0, got {self.elastic_cached_blocks}")
 

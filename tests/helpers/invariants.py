@@ -152,12 +152,16 @@ def probe_of(cache: KVCache):
 
 def own_free_units(cache: Allocator) -> int:
     """The cache's own free units: on a pool, before what the pool can give now (which other engines change)."""
-    return cache.growth.free_units() if on_a_pool(cache) else cache.num_free_units()
+    if not on_a_pool(cache):
+        return cache.num_free_units()
+    return cache.growth.free_units() if cache.name == "vmm" else cache.pool.num_free()
 
 
 def on_a_pool(cache: Allocator) -> bool:
-    """A vmm cache whose pages come from a machine-wide pool (its MachinePool is not the do-nothing one)."""
-    return cache.name == "vmm" and cache.pool.elastic
+    """A vmm or elastic cache whose pages come from a machine-wide pool (its MachinePool is not the do-nothing
+    one; elastic's `pool` is its block pool)."""
+    machine_pool = {"vmm": "pool", "elastic": "machine_pool"}.get(cache.name)
+    return machine_pool is not None and getattr(cache, machine_pool).elastic
 
 
 def check_capacity(cache: Allocator) -> None:
@@ -242,19 +246,21 @@ def check_pool(cache: KVCache) -> None:
     spare, kept (prefix-cached data, exactly the cache's groups) or loose (held for maps to come)."""
     allocator = cache.allocator
     driver, member = allocator.driver, allocator.driver.member
-    with allocator._lock:               # the pool's steward thread gives pages back under this lock
+    elastic = allocator.name == "elastic"
+    with allocator.lock if elastic else allocator._lock:   # the pool's steward thread gives pages back under it
         memory = driver.os
         backing, owned, loose = dict(memory.backing), member.owned(), list(memory.loose)
         want = {addr: backing[page] for addr, page in memory.mapped.items()}
         kernel = kernel_pool_maps(member.name, driver.page_size, driver.regions)
         in_use, idle, kept = set(memory.refs), set(memory.idle), set(memory.kept)
-        cached = len(allocator.prefix.cache) if allocator.prefix is not None else 0
+        # elastic keeps no pages: a cached block keeps its chunk mapped instead
+        cached = len(allocator.prefix.cache) if not elastic and allocator.prefix is not None else 0
         held = member.record().held
     assert len(set(backing.values())) == len(backing), "two local pages share one pool page"
     assert sorted([*backing.values(), *loose]) == owned and held == len(owned), \
         f"the books give the engine {len(owned)} pages (held {held}), its driver backs {len(backing)}"
     assert kernel == want, "the kernel maps pool pages the driver does not list (or misses some)"
-    assert len(kept) == cached * allocator.geo.num_tensors and kept <= set(backing), \
+    assert len(kept) == cached * (0 if elastic else allocator.geo.num_tensors) and kept <= set(backing), \
         "the driver keeps other pages than the prefix cache's, or lost one's pool page"
     assert not in_use & idle and not idle & kept and in_use | idle | kept == set(backing), \
         "a held pool page is neither mapped, spare nor kept (or two of them)"
