@@ -230,3 +230,16 @@ def test_page_aware_placement_brings_the_idle_footprint_to_its_floor():
     assert naive["cached_blocks"] == aware["cached_blocks"] == 32
     assert aware["idle_mapped_bytes"] <= aware["packed_bytes"] + aware["chunk_bytes"], aware
     assert aware["idle_mapped_bytes"] < naive["idle_mapped_bytes"], (aware, naive)
+
+
+def test_compaction_is_refused_on_an_engine_with_a_kv_handoff():
+    """A handoff reads block tables from its own thread; compaction would move blocks under it."""
+    from kvlab.common.config import make_config
+    from kvlab.common.errors import ConfigError
+    from kvlab.common.kv.seam import create_cache
+    from kvlab.common.kv.types import KVShape
+    shape = KVShape(num_layers=2, num_kv_heads=2, head_dim=16, num_q_heads=4)
+    config = make_config(backend="elastic", elastic_compact=0, kv_role="prefill", kv_cache_bytes=1 << 20,
+                         max_model_len=256)
+    with pytest.raises(ConfigError, match="elastic_compact .* kv_role 'prefill'"):
+        create_cache(config, shape, accounting_only=True)

@@ -9,6 +9,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from kvlab.common.errors import ConfigError
 from kvlab.common.kv.seam import timed
 from kvlab.common.kv.types import CacheStats, KVShape
 from kvlab.elastic.block_pool import ElasticBlockPool
@@ -43,6 +44,9 @@ class ElasticAllocator(PagedAllocator):
                  driver: VirtualMemory | None = None) -> None:
         """`driver`: the caller's (the simulated shared pool's); else the device's, over `kv_pool` if set."""
         opts = config.options_of("elastic")
+        if opts.elastic_compact >= 0 and config.kv_role != "colocated":
+            raise ConfigError(f"elastic_compact moves blocks that a KV handoff may be reading from another thread; "
+                              f"it is for colocated engines, not kv_role {config.kv_role!r}: use one of them")
         super().__init__(config.replace(block_size=opts.elastic_block_size), shape)
         if self.prefix_cache is not None:      # its entries follow a block that compaction moves
             self.prefix_cache = MovablePrefixCache()
