@@ -387,6 +387,25 @@ def test_background_mapping_under_concurrent_growth(make_cache):
     assert any(name.startswith("kvlab-vmm-mapper") for name in threads)
 
 
+def test_map_ahead_jobs_start_when_the_step_reads_its_rows_not_while_it_is_scheduled(make_cache):
+    """The scheduler's allocate calls never wait for the worker: a step's jobs start together when the storage reads
+    the rows (right before the forward pass), and the slot's next allocate waits for its own job only."""
+    cache = make_cache(groups=8, background_mapping=True, max_model_len=4 * TPP)
+    a, b = seq(0, TPP - 1), seq(1, TPP - 1)
+    for s in (a, b):
+        cache.allocator.allocate(s, TPP - 1)                  # near a boundary: asks for the next page
+    mapper = cache.allocator.mapper
+    assert sorted(mapper.wanted) == [0, 1] and not mapper.pending   # asked for, not started
+    assert cache.stats().extra["lookahead_pages"] == 0
+    cache.allocator.rows([], check=False)                     # the step's rows: both jobs start, as one
+    assert not mapper.wanted and len(set(mapper.pending.values())) == 1
+    a.num_computed_tokens = TPP - 1
+    cache.allocator.allocate(a, TPP + 1)                      # waits for its job: the page is already there
+    assert cache.stats().extra["lookahead_pages"] == 2
+    assert [len(s.groups) for s in slots(cache)[:2]] == [2, 2]
+    cache.check_invariants()
+
+
 def test_a_background_mapping_error_reaches_the_caller(make_cache):
     class WorkerFails(HostMemory):
         def map(self, addr, first_page, num_pages):

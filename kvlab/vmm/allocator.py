@@ -133,18 +133,18 @@ class VMMAllocator(Allocator):
     @timed_allocate
     def allocate(self, seq: Sequence, num_tokens: int, reserve_units: int = 0) -> int | None:
         if self.plain and not reserve_units:
-            if self.mapper.pending:   # this slot's job (mapping since the last step, so done by now) and its error;
-                self._fence(seq)      # other slots' jobs go on: they change slots only under the lock
+            mapper = self.mapper
+            if mapper.enabled:   # this slot's job (it mapped during the last forward pass) and its error; other
+                mapper.fence_one(self.table.slot_of.get(seq.seq_id))   # slots' jobs change slots only under the lock
             with self._lock:   # the per-step decode path (growth.in_place, the one fast path)
                 slot = self.table.of(seq.seq_id)
                 if self.growth.in_place(slot, num_tokens):
-                    if self.mapper.enabled:
-                        self.mapper.request(slot, num_tokens)
+                    if mapper.enabled:
+                        mapper.request(slot, num_tokens)
                     return 0
         if not self._fits(seq, num_tokens, reserve_units):
             return None
-        if self.mapper.pending:
-            self._fence(seq)
+        self._fence(seq)
         with self._lock:
             if seq.seq_id in self.swap.swapped:
                 raise RequestError(f"sequence {seq.seq_id} is swapped out; swap_in before allocate")
@@ -156,7 +156,7 @@ class VMMAllocator(Allocator):
     @timed
     def free(self, seq: Sequence) -> None:
         try:
-            self._fence(seq)
+            self._fence(seq, drop=True)
         finally:   # a background error surfaces here, but the sequence is freed all the same
             with self._lock:
                 self.swap.drop(seq.seq_id, self.emit)
@@ -179,7 +179,7 @@ class VMMAllocator(Allocator):
 
     @timed
     def swap_out(self, seq: Sequence) -> None:
-        self._fence(seq)
+        self._fence(seq, drop=True)
         with self._lock:
             slot = self.table.owned(seq.seq_id, "cannot swap out sequence")
             self.swap.save(seq, slot, self.emit)   # the storage copies the K/V out before the pages go
@@ -199,8 +199,12 @@ class VMMAllocator(Allocator):
                 self.prefix.track(seq)
             return True
 
-    def _fence(self, *seqs: Sequence) -> None:
-        self.mapper.fence([self.table.slot_of.get(seq.seq_id) for seq in seqs])
+    def _fence(self, seq: Sequence, drop: bool = False) -> None:
+        """Wait for the sequence's map-ahead job (`drop`: the slot is given up, so a job not launched is not)."""
+        index = self.table.slot_of.get(seq.seq_id)
+        if drop:
+            self.mapper.wanted.pop(index, None)
+        self.mapper.fence([index])
 
     # -- what the storage asks each step --------------------------------------------------------------------
     def rows(self, items: list[BatchItem], check: bool) -> tuple[list[int], list[int]]:
@@ -210,6 +214,7 @@ class VMMAllocator(Allocator):
         waited for (only finished ones' errors raised): they map pages past the held tokens, which no row reads."""
         self.mapper.fence([])
         with self._lock:
+            self.mapper.launch()   # this step's map-ahead jobs run while the model does
             if check:
                 self.check_invariants()
             slots = [self.table.covering(it.seq.seq_id, it.context_len) for it in items]
@@ -260,7 +265,7 @@ class VMMAllocator(Allocator):
                 "slot_of": dict(self.table.slot_of),
                 "refs": list(self.free_pages.refs),
                 "swapped": {sid: kv.tokens for sid, kv in self.swap.swapped.items()},
-                "pending": sorted(self.mapper.pending),
+                "pending": self.mapper.in_flight(),
                 "places": [{"offset": offset, "mapped": dict(region.mapped)}   # no addresses: ranks compare it
                            for region, offset in self.ranges.places],
                 "reclaimable_units": self.table.excess,

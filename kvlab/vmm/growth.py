@@ -34,46 +34,71 @@ MapAhead = Callable[[int, int, int], bool]   # (slot index, owner seq_id, target
 
 
 class BackgroundMapper:
+    """Maps pages ahead of the slots that will need them soon, on a worker thread while the model runs. A step's
+    requests are collected while it is scheduled and launched together when the step's rows are read (`launch`,
+    right before the forward pass), so the worker never competes for the lock with the scheduler's allocate calls;
+    a slot's job is fenced (waited for) before its next allocate."""
+
     def __init__(self, geo: Geometry, lock: threading.RLock, map_ahead: MapAhead, enabled: bool) -> None:
         self.geo = geo
         self.lock = lock
         self.seconds = 0.0                      # worker time spent mapping
-        self.pending: dict[int, Future] = {}    # slot index -> its in-flight job
+        self.pending: dict[int, Future] = {}    # slot index -> its launched job (one job maps a whole step's)
+        self.wanted: dict[int, tuple[int, int]] = {}   # slot index -> (owner, target pages): not launched yet
         self._map_ahead = map_ahead
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvlab-vmm-mapper") if enabled else None
         self.enabled = enabled
 
     def request(self, slot: Slot, tokens: int) -> None:
-        """Map ahead of a slot that now holds `tokens` tokens, if it is near its next page."""
-        if self._executor is None:
-            return
+        """Map ahead of a slot that now holds `tokens` tokens, if it is near its next page (at the next launch)."""
         ahead = max(1, self.geo.tokens_per_page // LOOKAHEAD_FRACTION)
         target = min(self.geo.pages_for(tokens + ahead), self.geo.pages_per_slot)
         if target > len(slot.groups) and slot.index not in self.pending:
-            self.pending[slot.index] = self._executor.submit(self._run, slot.index, slot.seq_id, target)
+            self.wanted[slot.index] = (slot.seq_id, target)
 
-    def _run(self, index: int, seq_id: int, target: int) -> None:
+    def launch(self) -> None:
+        """Start the wanted jobs as one on the worker (the step's books are settled; the forward pass is next)."""
+        if not self.wanted:
+            return
+        jobs, self.wanted = list(self.wanted.items()), {}
+        future = self._executor.submit(self._run, jobs)
+        for index, _ in jobs:
+            self.pending[index] = future
+
+    def _run(self, jobs: list[tuple[int, tuple[int, int]]]) -> None:
         with self.lock:
             t0 = time.perf_counter()
-            if self._map_ahead(index, seq_id, target):
+            mapped = [self._map_ahead(index, seq_id, target) for index, (seq_id, target) in jobs]
+            if any(mapped):
                 self.seconds += time.perf_counter() - t0
 
+    def fence_one(self, index: int | None) -> None:
+        """Before a slot changes: launch and wait for its job; re-raise a background error here, in the caller.
+        Call without the lock (the job takes it)."""
+        if index in self.wanted:
+            self.launch()
+        future = self.pending.pop(index, None)
+        if future is not None:
+            future.result()
+
     def fence(self, indices: list[int | None]) -> None:
-        """Wait for in-flight mapping of these slots; re-raise any background error here, in the caller."""
-        if not self.pending:
-            return
+        """Wait for these slots' jobs, then re-raise any finished job's error here, in the caller."""
         for index in indices:
-            future = self.pending.pop(index, None) if index is not None else None
-            if future is not None:
-                future.result()
+            self.fence_one(index)
         for index, future in list(self.pending.items()):
             if future.done():
                 del self.pending[index]
                 future.result()
 
+    def in_flight(self) -> list[int]:
+        """The slots whose map-ahead job is wanted or running."""
+        running = {i for i, future in self.pending.items() if not future.done()}
+        return sorted(running | self.wanted.keys())
+
     def close(self) -> BaseException | None:
         """Stop the worker; returns the first error a job left behind (the caller raises it)."""
         error = None
+        self.wanted.clear()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             for future in self.pending.values():

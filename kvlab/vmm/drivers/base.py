@@ -99,6 +99,10 @@ class VirtualMemory:
         first = checks.va_page(region, offset, num_pages, self.page_size)
         checks.store_pages(page, num_pages, len(self.store_maps))
         checks.unmapped(region, first, num_pages)
+        self._map_checked(region, offset, first, page, num_pages)
+
+    def _map_checked(self, region: Region, offset: int, first: int, page: int, num_pages: int) -> None:
+        """`map` once its request passed the checks (VA page `first` is `offset`'s)."""
         delta = region_map_delta(region, first, num_pages, page, self.page_size, self.merges)
         self.mappings.check(delta, "map")
         t0 = time.perf_counter()
@@ -123,6 +127,10 @@ class VirtualMemory:
         """`unmap` on an open or a closed driver (a range close() deferred until its last view died)."""
         first = checks.va_page(region, offset, num_pages, self.page_size)
         checks.mapped(region, first, num_pages)
+        self._unmap_checked(region, offset, first, num_pages)
+
+    def _unmap_checked(self, region: Region, offset: int, first: int, num_pages: int) -> None:
+        """`_unmap` once its request passed the checks (VA page `first` is `offset`'s)."""
         delta = region_unmap_delta(region, first, num_pages, self.page_size, self.merges)
         self.mappings.check(delta, "unmap")   # splitting a merged mapping adds VMAs
         t0 = time.perf_counter()
@@ -162,8 +170,8 @@ class VirtualMemory:
             checks.unmapped(region, va, num_pages)
             before.append((region, va, {}))
         try:
-            for i, (region, base) in enumerate(mirror.places):
-                self.map(region, base + offset, page + i * mirror.store_stride, num_pages)
+            for i, (region, va, _) in enumerate(before):
+                self._map_checked(region, mirror.places[i][1] + offset, va, page + i * mirror.store_stride, num_pages)
         except BaseException as exc:
             self.repair.undo(exc, "map", offset, num_pages, before)
             raise
@@ -180,8 +188,8 @@ class VirtualMemory:
             pages = region.mapped
             before.append((region, va, {i: pages[i] for i in range(va, va + num_pages)}))
         try:
-            for region, base in mirror.places:
-                self.unmap(region, base + offset, num_pages)
+            for (region, va, _), (_, base) in zip(before, mirror.places):
+                self._unmap_checked(region, base + offset, va, num_pages)
         except BaseException as exc:
             self.repair.undo(exc, "unmap", offset, num_pages, before)
             raise
