@@ -37,7 +37,7 @@ class EngineLoop:
         self.send = send
         self.inbox = inbox if inbox is not None else queue.SimpleQueue()    # get(timeout) / get_nowait()
         self.live: set[str] = set()                   # engine thread only: requests accepted, not yet ended
-        self.events: list[Event] = []                 # this loop turn's, for the next EventBatch
+        self.events: list[Event | StepTokens] = []    # this loop turn's, for the next EventBatch
         self.waiting = 0                               # the scheduler's waiting queue after the last step
         self.stalled = False                           # the last step ran nothing: requests wait for memory
         self.sent_waiting = 0
