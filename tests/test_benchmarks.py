@@ -208,3 +208,12 @@ def test_hf_continuous_batching_rows_on_smollm2():
     check_rows(rows, "hf_cb")
     last = rows[-1]
     assert last.goal is not None and last.value > 0 and last.detail["greedy_outputs_equal"] >= 1
+
+
+def test_engine_loop_overhead_runs_both_loops_to_the_end():
+    """The served engine loop and the bare step loop each finish every request, repeat after repeat, on one
+    engine (the loop leaves it open), and the share is computed from the pairs."""
+    from kvlab.experiments.bench import engine_loop_overhead, serving_overhead
+    d = engine_loop_overhead.measure("paged", repeats=2, reqs=serving_overhead.workload(4, 8, 8))
+    assert len(d["bare_cpu_s"]) == len(d["loop_cpu_s"]) == 2
+    assert all(x > 0 for x in d["bare_cpu_s"] + d["loop_cpu_s"]) and math.isfinite(d["loop_extra_cpu_share"])

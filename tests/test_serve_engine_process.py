@@ -21,6 +21,7 @@ from kvlab.common.outputs import CompletionOutput, RequestOutput
 from kvlab.common.sampling_params import SamplingParams
 from kvlab.experiments.serve import events as ev
 from kvlab.experiments.serve.engine_process import ProcessEngine
+from kvlab.experiments.serve.handles import EngineHandle
 
 ROOT = Path(__file__).resolve().parents[1]
 LONG = {"model": "tiny", "prompt": "long", "max_tokens": 900, "ignore_eos": True}
@@ -89,7 +90,8 @@ def test_every_message_pickles_as_its_fields():
                 ev.StatsQuery(7), ev.StatsReply(7, b"text", {"running": 1.0}), ev.ProcessSetup(["/x"], 20),
                 ev.EngineReady(None, 1, None), ev.EngineFailed(ModelLoadError("no model")),
                 ev.EventBatch([ev.AcceptedEvent("r1"), ev.RejectedEvent("r2", "full", 503),
-                               ev.TokensEvent("r1", [[5], []]), ev.FinishedEvent("r1", out),
+                               ev.TokensEvent("r1", [[5], []]), ev.StepTokens({"r1": [[6]], "r2": [[7]]}, {}),
+                               ev.FinishedEvent("r1", out),
                                ev.AbortedEvent("r3")], waiting=2)]
     for msg in messages:
         back = pickle.loads(pickle.dumps(msg))
@@ -97,6 +99,25 @@ def test_every_message_pickles_as_its_fields():
         cls, fields = msg.__reduce__()
         assert cls is type(msg) and isinstance(fields, tuple), msg
     assert str(pickle.loads(pickle.dumps(messages[7])).error) == "no model"
+
+
+def test_a_steps_tokens_reach_each_stream_in_order_with_their_logprobs():
+    """A step's tokens cross as one StepTokens; the server side hands each stream its TokensEvent, in the engine's
+    order, between the events before the step and those after it; a stream that ended gets nothing."""
+    got: list[tuple[str, object]] = []
+    handle = EngineHandle(8, lambda command: None)
+    for rid in ("a", "b", "gone"):
+        handle.submit(rid, [1], SamplingParams(max_tokens=2), lambda e, rid=rid: got.append((rid, e)))
+    out = RequestOutput("a", None, [1], [CompletionOutput(0, [5, 6], None, "length")])
+    lp = [[(-0.5, {5: -0.5})]]
+    batch = ev.EventBatch([ev.AcceptedEvent("a"), ev.AcceptedEvent("b"), ev.RejectedEvent("gone", "no", 400),
+                           ev.StepTokens({"b": [[7]], "gone": [[8]], "a": [[5, 6]]}, {"a": lp}),
+                           ev.FinishedEvent("a", out)], waiting=0)
+    handle.deliver(pickle.loads(pickle.dumps(batch)))
+    assert got == [("a", ev.AcceptedEvent("a")), ("b", ev.AcceptedEvent("b")), ("gone", ev.RejectedEvent("gone", "no")),
+                   ("b", ev.TokensEvent("b", [[7]], None)), ("a", ev.TokensEvent("a", [[5, 6]], lp)),
+                   ("a", ev.FinishedEvent("a", out))]
+    assert list(handle.streams) == ["b"] and handle.pending == 0
 
 
 def test_ctrl_c_while_the_engine_process_starts_is_no_traceback():

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -19,6 +19,8 @@ from kvlab.experiments.loadgen.datasets import LoadRequest
 from kvlab.experiments.loadgen.latency import RequestRecord
 
 BACKENDS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
+READ_BUFFER = 1 << 20
+MAX_LINE = 2 * READ_BUFFER       # aiohttp's own limit for one line (twice the read buffer)
 
 
 @dataclass(frozen=True)
@@ -89,10 +91,7 @@ async def send(session: aiohttp.ClientSession, target: Target, body: dict, req: 
 async def read_stream(resp: aiohttp.ClientResponse, r: RequestRecord, t0: float) -> None:
     """Times each streamed token into `r`; output_tokens from the server's usage, else the chunks counted."""
     last, chunks, usage, texts = t0, 0, None, []
-    async for line in resp.content:                       # one SSE line at a time
-        if not line.startswith(b"data:"):
-            continue
-        data = line[5:].strip()
+    async for data in sse_data(resp.content):
         if data == b"[DONE]":
             break
         chunk = json.loads(data)
@@ -111,6 +110,23 @@ async def read_stream(resp: aiohttp.ClientResponse, r: RequestRecord, t0: float)
             texts.append(text)
     r.generated_text = "".join(texts)
     r.output_tokens = usage if isinstance(usage, int) and chunks else chunks
+
+
+async def sse_data(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+    """Each `data:` line's value (stripped), read as the bytes arrive: one await per read rather than per line,
+    since each streamed token is two lines (its data and a blank one). A line longer than MAX_LINE is a
+    ValueError, as aiohttp's own line reader raises."""
+    pending = b""
+    async for piece in content.iter_any():
+        lines = (pending + piece).split(b"\n")
+        pending = lines.pop()
+        if len(pending) > MAX_LINE:
+            raise ValueError(f"an SSE line longer than {MAX_LINE} bytes")
+        for line in lines:
+            if line.startswith(b"data:"):
+                yield line[5:].strip()
+    if pending.startswith(b"data:"):                     # the stream ended without a final newline
+        yield pending[5:].strip()
 
 
 async def served_model(session: aiohttp.ClientSession, base_url: str) -> str:
@@ -149,7 +165,7 @@ async def run_load(target: Target | str, requests: Sequence[LoadRequest], arriva
     in_flight = peak = 0
     timeout = client_timeout(target.timeouts)
     connector = aiohttp.TCPConnector(limit=limit)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector, read_bufsize=1 << 20) as session:
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector, read_bufsize=READ_BUFFER) as session:
         model = model or target.model or await served_model(session, target.base_url.rstrip("/"))
         t0 = time.perf_counter() if start_at is None else start_at
 

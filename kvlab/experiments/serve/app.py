@@ -33,6 +33,7 @@ from kvlab.experiments.serve.handles import EngineGone, EngineHandle
 from kvlab.experiments.serve.logprobs import LogprobWriter, merge
 from kvlab.experiments.serve.protocol import ApiError, Submission
 from kvlab.experiments.serve.schema import describe_request_bodies
+from kvlab.experiments.serve.token_chunk import TokenChunks
 
 KVLAB_VERSION = importlib.metadata.version("kvlab")
 
@@ -317,8 +318,13 @@ class CompletionReply:
             if self.echo:
                 yield "".join(self.chunk([self.choice(i, self.echo, None, delta=True) | {"token_ids": []}],
                                          self.running_usage()) for i in range(self.sub.params.n))
+            plain = None if self.writer is not None or self.sub.continuous_usage else \
+                TokenChunks(self.rid, self.created, self.model(), self.sub.chat)
             while not self.done:
                 for i, ids, text in self.apply(await self.events.get()):
+                    if plain is not None:                      # the same bytes, formatted once per request
+                        yield plain.chunk(i, text, ids)
+                        continue
                     choice = self.choice(i, text, None, True, self.piece_logprobs(i, ids)) | {"token_ids": ids}
                     yield self.chunk([choice], self.running_usage())
             tail = []                                          # one write for the last events

@@ -23,6 +23,7 @@ class Sample:
     decoded: str = ""                   # text decoded so far: sent, plus what is held back (a stop string's start)
     prefix_offset: int = 0              # token_ids[prefix_offset:read_offset] decoded to the end of `decoded`
     read_offset: int = 0
+    window_text: str | None = ""        # that window's text: None until decoded (once per move of the offsets)
     finish_reason: str | None = None
     scans: list[StopScan] = field(default_factory=list)     # one per stop string, fed `decoded` as it grows
 
@@ -61,11 +62,13 @@ class Decoding:
 
     def _new_text(self, s: Sample, final: bool) -> str:
         ids = s.token_ids
-        before = self.decode(ids[s.prefix_offset:s.read_offset])
+        before = s.window_text
+        if before is None:                  # held text re-decodes only the growing window, not this one too
+            before = s.window_text = self.decode(ids[s.prefix_offset:s.read_offset])
         after = self.decode(ids[s.prefix_offset:])
         if len(after) <= len(before) or (after.endswith(REPLACEMENT) and not final):
             return ""
-        s.prefix_offset, s.read_offset = s.read_offset, len(ids)
+        s.prefix_offset, s.read_offset, s.window_text = s.read_offset, len(ids), None
         return after[len(before):]
 
     def _stop_at(self, text: str, sent: int) -> int | None:

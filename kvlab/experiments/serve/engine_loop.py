@@ -1,7 +1,7 @@
 """The engine loop: the only code that touches the Engine. Commands (experiments/serve/events.py) arrive through
 an inbox (a thread-safe queue in a thread, the pipe in an engine process); each step's StepResult becomes the
-requests' events, and once per loop turn `send` gets them as one EventBatch, so an engine process sends one
-message per step.
+requests' events (its tokens as one StepTokens), and once per loop turn `send` gets them as one EventBatch, so an
+engine process sends one message per step.
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from kvlab.experiments.serve.events import (
     EventBatch,
     FinishedEvent,
     RejectedEvent,
+    StepTokens,
     StopCommand,
-    TokensEvent,
 )
 
 log = logging.getLogger("kvlab.serve")
@@ -37,7 +37,7 @@ class EngineLoop:
         self.send = send
         self.inbox = inbox if inbox is not None else queue.SimpleQueue()    # get(timeout) / get_nowait()
         self.live: set[str] = set()                   # engine thread only: requests accepted, not yet ended
-        self.events: list[Event] = []                 # this loop turn's, for the next EventBatch
+        self.events: list[Event | StepTokens] = []    # this loop turn's, for the next EventBatch
         self.waiting = 0                               # the scheduler's waiting queue after the last step
         self.stalled = False                           # the last step ran nothing: requests wait for memory
         self.sent_waiting = 0
@@ -133,8 +133,8 @@ class EngineLoop:
 
     def _step(self) -> None:
         result = self.engine.step()
-        lps = result.new_logprobs
-        self.events += [TokensEvent(rid, new, lps.get(rid)) for rid, new in result.new_tokens.items()]
+        if result.new_tokens:
+            self.events.append(StepTokens(result.new_tokens, result.new_logprobs))
         now = time.perf_counter()
         for out in result.finished:
             self.live.discard(out.request_id)

@@ -3,7 +3,9 @@ turn, an EventBatch of each request's events. In an engine process they are pick
 message per step, so each record pickles as its class and field values, about as cheaply as a bare tuple.
 
 A request's events, in order: AcceptedEvent or RejectedEvent; then TokensEvent any number of times; then
-FinishedEvent or AbortedEvent once (aborted: by the client, or the server is stopping).
+FinishedEvent or AbortedEvent once (aborted: by the client, or the server is stopping). A step's TokensEvents cross
+as one StepTokens (the step's dicts as the engine returned them: two dicts pickle in C, where one record per
+request costs a Python call each); the server side splits it into TokensEvents in the same order.
 """
 from __future__ import annotations
 
@@ -75,6 +77,19 @@ class TokensEvent:
 
 
 @record
+class StepTokens:
+    """One step's TokensEvents: Engine.step()'s new_tokens and new_logprobs, as they came."""
+    new_tokens: dict[str, list[list[int]]]
+    new_logprobs: dict[str, list[list]]
+
+    def split(self) -> list[TokensEvent]:
+        lps = self.new_logprobs
+        if not lps:
+            return [TokensEvent(rid, new) for rid, new in self.new_tokens.items()]
+        return [TokensEvent(rid, new, lps.get(rid)) for rid, new in self.new_tokens.items()]
+
+
+@record
 class FinishedEvent:
     request_id: str
     output: RequestOutput
@@ -90,8 +105,9 @@ Event = AcceptedEvent | RejectedEvent | TokensEvent | FinishedEvent | AbortedEve
 
 @record
 class EventBatch:
-    """One loop turn's events, and the scheduler's waiting queue after it (the server's admission counts it)."""
-    events: list[Event]
+    """One loop turn's events (a step's tokens as one StepTokens), and the scheduler's waiting queue after it (the
+    server's admission counts it)."""
+    events: list[Event | StepTokens]
     waiting: int
 
 

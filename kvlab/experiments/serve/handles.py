@@ -24,6 +24,7 @@ from kvlab.experiments.serve.events import (
     Event,
     EventBatch,
     RejectedEvent,
+    StepTokens,
     TokensEvent,
 )
 
@@ -76,8 +77,14 @@ class EngineHandle:
         self.last_waiting = batch.waiting
         streams = self.streams
         for event in batch.events:
+            if type(event) is StepTokens:
+                for tokens in event.split():
+                    stream = streams.get(tokens.request_id)
+                    if stream is not None:             # else ended already (the engine was gone)
+                        stream.sink(tokens)
+                continue
             stream = streams.get(event.request_id)
-            if stream is None:                         # ended already (the engine was gone)
+            if stream is None:
                 continue
             if type(event) is not TokensEvent:
                 self._settle(stream, event)

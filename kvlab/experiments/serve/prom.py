@@ -17,7 +17,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 RESET_STEPS = 4096
-READ_EVERY_S = 0.2
+READ_EVERY_S = 1.0         # the run record's counts, while stepping: building the record takes milliseconds
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 COUNTED = ("preemptions", "recomputed_tokens", "num_steps")                  # RunMetrics, since the last reset
 CACHE_COUNTED = ("map_calls", "unmap_calls", "map_seconds", "unmap_seconds")  # CacheStats, since the start

@@ -1,6 +1,7 @@
 """Served against offline at saturation (tiny model): `kvlab serve` output tok/s over offline `LLM.generate` on the
 same 64 requests (32 prompt + 64 output tokens, all at t = 0), the load generator on the same machine. The goal
-is issue 13's: HTTP and streaming cost at most 15%. The engine-in-a-thread row is a reference, held to nothing.
+is issue 39's: HTTP and streaming cost at most 5% (issue 13's was 15%). The engine-in-a-thread row is a
+reference, held to nothing.
 The measurement itself is experiments/bench/serving_overhead.py.
 """
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 from kvlab.experiments.bench.perf.harness import Goal, Result, Settings
 
 FAMILY = "serving"
-GOAL = Goal(">=", 0.85)
+GOAL = Goal(">=", 0.95)
 MAX_REPEATS = 9          # one pair is about 2 s on a 2-core CPU, plus ~5 s to start the server
 
 
