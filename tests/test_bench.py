@@ -121,3 +121,10 @@ def test_bench_records_provenance_per_request_rows_and_units(tiny_bench):
     assert len(requests) == 3 * 12 and {"ttft_ms", "tpot_ms", "e2e_ms", "arrival_ms"} <= set(requests[0])
     by_backend = {b: sum(int(q["output_tokens"]) for q in requests if q["backend"] == b) for b in config["backends"]}
     assert set(by_backend.values()) == {runs[0]["output_tokens"]}
+
+
+def test_the_report_counts_the_drivers_os_calls_beside_the_allocator_share():
+    from kvlab.experiments.bench.report import os_calls
+    vmm = {"cache": {"map_calls": 9624, "unmap_calls": 6704, "map_seconds": 0.1, "unmap_seconds": 0.11}}
+    assert os_calls(vmm) == "16,328 (0.21)"
+    assert os_calls({"cache": {"map_calls": 0, "unmap_calls": 0}}) == "-"    # paged, reserve: no OS calls

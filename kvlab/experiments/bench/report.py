@@ -28,6 +28,7 @@ def side_by_side(runs: list[dict[str, Any]]) -> str:
         ("TPOT p50 ms", timed("tpot_p50", ms)),
         ("allocator share", timed("allocator_share", pct)),
         ("  bg mapper s (not in share)", lambda r: f"{(r.get('cache_extra') or {}).get('background_seconds', 0):.2f}"),
+        ("  OS map+unmap calls (s)", os_calls),
         ("scheduler s", timed("scheduler_seconds", lambda v: f"{v:.2f}")),
         ("wall s", timed("wall_seconds", lambda v: f"{v:.1f}")),
         ("steps", lambda r: fmt(r["num_steps"])),
@@ -45,6 +46,15 @@ def side_by_side(runs: list[dict[str, Any]]) -> str:
     verdicts = [verdict(r["backend"], r["repeats_output_tokens_per_s"], first["backend"],
                         first["repeats_output_tokens_per_s"], "output tok/s") + kernel_note(r, first) for r in runs[1:]]
     return "\n".join([table(["", *(r["backend"] for r in runs)], body), "", *verdicts])
+
+
+def os_calls(run: dict[str, Any]) -> str:
+    """The driver's map and unmap calls and their seconds, both threads (the floor under a page-mapping
+    allocator's share: each page group moved is one call per tensor)."""
+    cache = run.get("cache") or {}
+    calls = cache.get("map_calls", 0) + cache.get("unmap_calls", 0)
+    seconds = cache.get("map_seconds", 0.0) + cache.get("unmap_seconds", 0.0)
+    return f"{calls:,} ({seconds:.2f})" if calls else "-"
 
 
 def kernels_of(run: dict[str, Any]) -> str:
