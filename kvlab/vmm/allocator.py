@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from kvlab.common.errors import ConfigError, OutOfKVCache, RequestError
 from kvlab.common.kv.seam import Allocator, timed, timed_allocate
 from kvlab.common.kv.types import CacheStats, KVShape
-from kvlab.vmm.free_pages import FreePages
+from kvlab.vmm.free_pages import FreePages, PageCounters
 from kvlab.vmm.geometry import make_geometry
 from kvlab.vmm.growth import BackgroundMapper, PrefixAliases, SlotGrowth
 from kvlab.vmm.pages import SlotPages
@@ -47,6 +47,9 @@ if TYPE_CHECKING:
     from kvlab.vmm.drivers.machine_pool import MachinePool
 
 log = logging.getLogger("kvlab.vmm")
+# The page counters stats() reports in `extra` (the rest have CacheStats fields of their own); read by name, not
+# through dataclasses.asdict, which deep-copies: stats() runs every engine step.
+COUNTER_EXTRAS = tuple(f.name for f in dataclasses.fields(PageCounters) if f.name not in CacheStats.__slots__)
 
 
 class VMMAllocator(Allocator):
@@ -132,12 +135,13 @@ class VMMAllocator(Allocator):
 
     @timed_allocate
     def allocate(self, seq: Sequence, num_tokens: int, reserve_units: int = 0) -> int | None:
-        if self.plain and not reserve_units:
+        index = self.table.slot_of.get(seq.seq_id)   # changed only by this thread's calls
+        if self.plain and not reserve_units and index is not None:
             mapper = self.mapper
             if mapper.enabled:   # this slot's job (it mapped during the last forward pass) and its error; other
-                mapper.fence_one(self.table.slot_of.get(seq.seq_id))   # slots' jobs change slots only under the lock
+                mapper.fence_one(index)   # slots' jobs change slots only under the lock
             with self._lock:   # the per-step decode path (growth.in_place, the one fast path)
-                slot = self.table.of(seq.seq_id)
+                slot = self.table.slots[index]
                 if self.growth.in_place(slot, num_tokens):
                     if mapper.enabled:
                         mapper.request(slot, num_tokens)
@@ -247,7 +251,7 @@ class VMMAllocator(Allocator):
                        "map_refusals": d.map_refusals, "deferred_releases": d.deferred_releases,
                        **(self.prefix.stats() if self.prefix is not None else {"prefix_caching": "off"}),
                        **({"pool": pool} if (pool := self.pool.stats()) else {}),
-                       **{k: v for k, v in dataclasses.asdict(counters).items() if k not in CacheStats.__slots__}})
+                       **{k: getattr(counters, k) for k in COUNTER_EXTRAS}})
 
     def snapshot(self) -> dict[str, Any]:
         """Plain data: the geometry, each slot (owner, held tokens, page groups: -1 for the `dropped` leading pages a

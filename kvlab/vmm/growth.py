@@ -114,6 +114,7 @@ class SlotGrowth:
                  pool: MachinePool) -> None:
         self.pages, self.prefix, self.swap, self.window, self.pool = pages, prefix, swap, window, pool
         self.geo, self.table, self.free_pages = pages.geo, pages.table, pages.free_pages
+        self.tokens_per_page = self.geo.tokens_per_page
 
     # -- cost -----------------------------------------------------------------------------------------------
     def free_units(self) -> int:
@@ -161,7 +162,7 @@ class SlotGrowth:
     def in_place(self, slot: Slot | None, num_tokens: int) -> bool:
         """The one fast path (a decode step's): the slot's mapped pages already cover `num_tokens` and none is
         shared (no copy-on-write due), so the slot only holds more of them. False: take the full path."""
-        if slot is None or self.free_pages.num_shared or self.geo.pages_for(num_tokens) > len(slot.groups):
+        if slot is None or self.free_pages.num_shared or -(-num_tokens // self.tokens_per_page) > len(slot.groups):
             return False
         if num_tokens > slot.held:
             self.table.hold(slot, num_tokens)
