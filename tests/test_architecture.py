@@ -263,3 +263,13 @@ def test_an_entry_point_backend_gets_cli_flags_a_toml_table_and_builds(slab_by_e
     cache = create_cache(config, SHAPE, accounting_only=True)
     assert cache.name == "slab" and cache.allocator.num_total_units() == config.kv_cache_bytes // (
         config.max_model_len * SHAPE.bytes_per_token) - 2
+
+
+def test_a_decode_step_within_its_page_walks_down_the_vmm_rooms_without_a_driver_call():
+    """The per-step path (issue 35's walk, tests/helpers/vmm_walk.py): the allocator, then the pages' books, no
+    memory room (nothing is mapped when no page boundary is crossed) and no return to a room it left; a step that
+    crosses into a new page reaches the driver."""
+    from helpers.vmm_walk import returns, walks
+    found = walks()
+    assert found["decode, same page"] == ["allocator", "pages"] and returns(found["decode, same page"]) == 0
+    assert "memory" in found["decode, new page"] and "memory" in found["admission"]
