@@ -294,9 +294,10 @@ def run_mixed(machines: tuple, scale: float, capsys) -> Counter:
 def test_a_vmm_and_an_elastic_engine_on_one_pool_keep_their_books_and_their_data(capsys):
     """The default suite's representative: the machine without prefix caching (about 2 s on an idle machine)."""
     t = run_mixed(MIXED[:1], DEFAULT, capsys)
-    # how many draws find a sequence to act on depends on the pool's threads: 63 operations (30 elastic) alone,
-    # 45 (15 elastic) inside the parallel suite
-    assert sum(t[k] for k in OPS) >= 30 and t["elastic ops"] >= 8 and t["refused"] > 0 and t["answer"]
+    # every operation's books and data are checked inside the machine; here only that both engines worked. How
+    # many draws act, and whether the pool ran short, depends on the pool's threads: 63 operations (30 elastic, 4
+    # refused) alone, 45 (15 elastic, 4 or 0 refused) inside the parallel suite. Refusals are the slow run's to show.
+    assert sum(t[k] for k in OPS) >= 30 and t["elastic ops"] >= 8 and sum(t[k] for k in OPS) > t["elastic ops"]
 
 
 @pytest.mark.slow     # ~35 s (load 7): both machines, prefix caching included, 3x their tabled examples
