@@ -149,14 +149,3 @@ def test_pool_status_names_each_engine_by_its_backend(capsys):
             for cache in caches:
                 cache.close()
         assert [e.name for e in holder.status().engines] == [holder.engine]
-
-
-def test_a_member_cannot_take_another_engines_name():
-    with pool.create(pool_name(), 4 * PAGE, page_size=PAGE, engine="first") as holder:
-        with pool.join(holder.name, engine="second") as second:
-            with pytest.raises(pool.PoolError, match="already in the pool"):
-                second.rename("first")
-            with pytest.raises(pool.PoolError, match="bad engine name"):
-                second.rename("no spaces")
-            second.rename("third")
-            assert [e.name for e in holder.status().engines] == ["first", "third"] and second.engine == "third"

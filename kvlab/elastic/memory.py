@@ -14,7 +14,6 @@ from kvlab.common.errors import ConfigError
 from kvlab.elastic.geometry import ChunkGeometry
 from kvlab.vmm.drivers.base import VirtualMemory
 from kvlab.vmm.drivers.factory import make_driver
-from kvlab.vmm.pool.enroll import engine_label
 from kvlab.vmm.pool.errors import PageSizeMismatch
 
 
@@ -24,17 +23,10 @@ def open_driver(device: str, page_size: int, accounting_only: bool, pool: str | 
     `pool`, the pooled driver over that machine-wide pool (created with `pool_bytes` if none serves it yet),
     whose page must be elastic's (the pool's books count one page size), named in the books `elastic-PID-TAG`."""
     try:
-        driver = make_driver(device, page_size, accounting_only, pool, pool_bytes)
+        return make_driver(device, page_size, accounting_only, pool, pool_bytes, backend="elastic")
     except PageSizeMismatch as e:
         raise ConfigError(f"pool {pool!r} has a page size {e.pool_page}, not the engine's elastic_page_size "
                           f"{page_size}; set elastic_page_size (--elastic-page-size) to {e.pool_page}") from None
-    if (member := getattr(driver, "member", None)) is not None:     # the pooled driver joins as vmm-PID-TAG
-        try:
-            member.rename(engine_label("elastic"))
-        except BaseException:
-            driver.close()
-            raise
-    return driver
 
 
 def driver_page_size(driver: VirtualMemory) -> int:

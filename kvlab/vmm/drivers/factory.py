@@ -9,8 +9,9 @@ from kvlab.vmm.drivers.cuda_device import cuda_index
 
 
 def make_driver(device: str, page_size: int, accounting_only: bool, pool: str | None = None,
-                pool_bytes: int | None = None) -> VirtualMemory:
-    """`pool`: draw physical pages from that machine-wide pool (created with `pool_bytes`)."""
+                pool_bytes: int | None = None, backend: str = "vmm") -> VirtualMemory:
+    """`pool`: draw physical pages from that machine-wide pool (created with `pool_bytes`), named in its books
+    after `backend`."""
     kind = device.split(":")[0]
     if kind not in ("cpu", "cuda"):
         raise ConfigError(f"unknown device {device!r} for the vmm backend; use cpu or cuda[:N]")
@@ -18,7 +19,7 @@ def make_driver(device: str, page_size: int, accounting_only: bool, pool: str | 
         return AccountingVirtualMemory(page_size, merges=kind == "cpu")
     if pool is not None:
         from kvlab.vmm.drivers.pooled import PooledVirtualMemory
-        return PooledVirtualMemory(pool, page_size, pool_bytes, device)
+        return PooledVirtualMemory(pool, page_size, pool_bytes, device, backend=backend)
     if kind == "cpu":
         from kvlab.vmm.drivers.host import HostVirtualMemory
         return HostVirtualMemory(page_size)

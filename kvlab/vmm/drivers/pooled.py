@@ -327,16 +327,18 @@ class PoolAccount:
 
 class PooledVirtualMemory(VirtualMemory):
     """Virtual memory over pool `pool` (joined, or created with `pool_bytes` if it does not exist) on `device`
-    (cpu, or cuda[:N]; `driver`: the cuda.bindings driver module or a fake); `self.pool` is its account there."""
+    (cpu, or cuda[:N]; `driver`: the cuda.bindings driver module or a fake), in the books as `backend`-PID-TAG;
+    `self.pool` is its account there."""
 
     def __init__(self, pool: str, page_size: int, pool_bytes: int | None = None, device: str = "cpu",
-                 populate: bool = True, driver: Any = None) -> None:
+                 populate: bool = True, driver: Any = None, backend: str = "vmm") -> None:
         if device.split(":")[0] == "cpu":
             from kvlab.vmm.drivers.pooled_host import host_pool_pages
-            member, pages, budget = *host_pool_pages(pool, pool_bytes, page_size, populate), process_budget()
+            member, pages = host_pool_pages(pool, pool_bytes, page_size, populate, backend)
+            budget = process_budget()
         else:
             from kvlab.vmm.drivers.pooled_cuda import cuda_pool_pages
-            member, pages, budget = *cuda_pool_pages(pool, pool_bytes, page_size, device, driver), None
+            member, pages, budget = *cuda_pool_pages(pool, pool_bytes, page_size, device, driver, backend), None
         memory = PooledMemory(member, pages.page_size, pages)
         super().__init__(memory, pages.page_size, None, budget)
         self.member = member

@@ -81,11 +81,11 @@ class ChunkMaker:
         return fds
 
 
-def cuda_pool_pages(pool: str, nbytes: int | None, page_size: int, device: str,
-                    driver: Any = None) -> tuple[PoolMember, CudaPoolPages]:
+def cuda_pool_pages(pool: str, nbytes: int | None, page_size: int, device: str, driver: Any = None,
+                    backend: str = "vmm") -> tuple[PoolMember, CudaPoolPages]:
     """An engine's way in: join pool `pool` (importing its chunks) or create it (making them) on `device`."""
     def enter(memory: CudaMemory, maker: ChunkMaker) -> PoolMember:
-        return join_or_create(pool, nbytes, memory.page_size, memory.cuda.device, maker)
+        return join_or_create(pool, nbytes, memory.page_size, memory.cuda.device, maker, backend)
     return on_device(device, page_size, driver, nbytes, enter)
 
 

@@ -39,8 +39,9 @@ class HostPoolPages:
         self.memory.close(store_maps)
 
 
-def host_pool_pages(pool: str, nbytes: int | None, page_size: int, populate: bool) -> tuple[PoolMember, HostPoolPages]:
-    member = join_or_create(pool, nbytes, page_size)
+def host_pool_pages(pool: str, nbytes: int | None, page_size: int, populate: bool,
+                    backend: str = "vmm") -> tuple[PoolMember, HostPoolPages]:
+    member = join_or_create(pool, nbytes, page_size, backend=backend)
     try:
         return member, HostPoolPages(member, page_size, populate)
     except BaseException:

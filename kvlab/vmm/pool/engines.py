@@ -11,17 +11,11 @@ import numpy as np
 
 from kvlab.common.machine import fmt_bytes
 from kvlab.vmm.pool.errors import LimitError, PoolError
-from kvlab.vmm.pool.rendezvous import NAME
 
 NAME_BYTES = 48
 ENGINE = np.dtype([("in_use", "<i8"), ("pid", "<i8"), ("floor", "<i8"), ("ceiling", "<i8"), ("held", "<i8"),
                    ("given", "<i8"), ("taken", "<i8"), ("name", f"S{NAME_BYTES}"),
                    ("givable", "<i8")])      # pages the engine holds without need, as it last published (a hint)
-
-
-def check_engine_name(engine: str) -> None:
-    if not NAME.fullmatch(engine) or len(engine) > NAME_BYTES:
-        raise PoolError(f"bad engine name {engine!r}: use 1-48 letters, digits, '.', '_' or '-'")
 
 
 @dataclass(frozen=True)

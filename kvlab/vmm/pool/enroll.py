@@ -11,7 +11,6 @@ from kvlab.common import memfd
 from kvlab.common.errors import ConfigError
 from kvlab.vmm.pool import locks, rendezvous
 from kvlab.vmm.pool.attachment import Attachment, liveness_byte
-from kvlab.vmm.pool.engines import check_engine_name
 from kvlab.vmm.pool.errors import LimitError, PageSizeMismatch, PoolError, PoolExists, UnknownPool
 from kvlab.vmm.pool.ledger import HOST, MAX_PAGES, Ledger, ledger_bytes, to_pages
 from kvlab.vmm.pool.member import PoolMember
@@ -20,6 +19,11 @@ from kvlab.vmm.pool.steward import Steward
 
 DEFAULT_PAGE_SIZE = 64 * 1024
 MAX_ENGINES = 64
+
+
+def check_engine_name(engine: str) -> None:
+    if not rendezvous.NAME.fullmatch(engine) or len(engine) > 48:
+        raise PoolError(f"bad engine name {engine!r}: use 1-48 letters, digits, '.', '_' or '-'")
 
 
 def enroll(attachment: Attachment, engine: str | None, floor: int, ceiling: int | None,
@@ -121,16 +125,12 @@ def new_books(name: str, page_size: int, total: int, device: int, memory_fds: li
     return fd
 
 
-def engine_label(backend: str) -> str:
-    """An engine's name in the books: its backend, pid and a random tag (two engines of one process differ)."""
-    return f"{backend}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-
-
 def join_or_create(name: str, nbytes: int | None, page_size: int, device: int = HOST,
-                   memory: Callable[[], list[int]] | None = None) -> PoolMember:
+                   memory: Callable[[], list[int]] | None = None, backend: str = "vmm") -> PoolMember:
     """An engine's way in: join pool `name`, or create it with `nbytes` (and `memory`, as `create`) if it does
-    not exist and a size was given; the pool must hold its pages on `device`, in pages of `page_size`."""
-    engine = engine_label("vmm")
+    not exist and a size was given; the pool must hold its pages on `device`, in pages of `page_size`. The
+    engine goes by `backend`-PID-TAG in the books."""
+    engine = f"{backend}-{os.getpid()}-{uuid.uuid4().hex[:12]}"     # unique: two engines of one process included
     try:
         member = join(name, engine=engine)
     except UnknownPool:

@@ -191,12 +191,6 @@ class Ledger:
         """The engine's count of pages it holds without need (a hint for askers: never read by take)."""
         self.engines[slot]["givable"] = max(0, givable)
 
-    def rename(self, slot: int, name: str) -> None:
-        other = self.table.find(name)
-        if other is not None and other != slot:
-            raise PoolError(f"an engine named {name!r} is already in the pool; give another name")
-        self.engines[slot]["name"] = name.encode()[:NAME_BYTES]
-
     def set_limits(self, slot: int, floor: int, ceiling: int) -> None:
         """Each intermediate state is valid too: the floor goes first unless it would pass the old ceiling."""
         self.table.check_limits(slot, floor, ceiling)

@@ -16,7 +16,7 @@ import numpy as np
 
 from kvlab.vmm.pool import locks
 from kvlab.vmm.pool.attachment import Attachment, liveness_byte
-from kvlab.vmm.pool.engines import EngineRecord, check_engine_name
+from kvlab.vmm.pool.engines import EngineRecord
 from kvlab.vmm.pool.errors import PoolError
 from kvlab.vmm.pool.ledger import HOST
 from kvlab.vmm.pool.status import PoolStatus, read_status
@@ -132,13 +132,6 @@ class PoolMember:
         self._steward.on_wanted = answer
         if givable is not None:
             self._steward.on_round = lambda: self.publish(givable())
-
-    def rename(self, engine: str) -> None:
-        """Go by another name in the books (a backend's own label, enroll.engine_label)."""
-        check_engine_name(engine)
-        with self._usable().locked() as ledger:
-            ledger.rename(self.index, engine)
-        self.engine = engine
 
     def record(self) -> EngineRecord:
         with self._usable().locked() as ledger:
