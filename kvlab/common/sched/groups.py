@@ -31,11 +31,11 @@ class SingleGroup:
         p = req.params
         self.generators = (None if p.seed is None else
                            [torch.Generator().manual_seed(generator_seed(p.seed, i)) for i in range(p.n)])
-        self.fixed_spec = SampleSpec(p, 1, None if self.generators is None else [self.generators[0]])
+        self._spec = SampleSpec(p, 1, None if self.generators is None else [self.generators[0]])
 
     def spec(self, seq: Sequence) -> SampleSpec:
         """How the runner samples `seq`'s logits row this step."""
-        return self.fixed_spec
+        return self._spec
 
     def on_samples(self, seq: Sequence, samples: list[Sample], spec: SampleSpec) -> None:
         self.life.append(self.req, seq, *samples[0])
@@ -102,7 +102,7 @@ class BeamGroup(SingleGroup):
     def __init__(self, req: Request, life: Lifecycle) -> None:
         super().__init__(req, life)
         req.beam = self.state = BeamState(req.params.beam_width)
-        self.fixed_spec = SampleSpec(req.params, 2 * req.params.beam_width, None, beam=True)
+        self._spec = SampleSpec(req.params, 2 * req.params.beam_width, None, beam=True)
 
     def on_samples(self, seq: Sequence, samples: list[Sample], spec: SampleSpec) -> None:
         self.state.stash[seq.seq_id] = samples

@@ -34,7 +34,7 @@ from kvlab.common.errors import RequestError
 from kvlab.common.request import KVImport, Request, Sample, SampleSpec, SchedulerOutput, SchedulerStats
 from kvlab.common.sampling_params import SamplingParams
 from kvlab.common.sched.admission import Admission
-from kvlab.common.sched.groups import SingleGroup, make_group
+from kvlab.common.sched.groups import make_group
 from kvlab.common.sched.lifecycle import Lifecycle
 from kvlab.common.sched.preemption import Preemption
 from kvlab.common.sched.queues import Queues
@@ -207,8 +207,7 @@ class Scheduler:
             logits = start + n == length
             items.append(BatchItem(seq, start, n, logits))
             if logits:
-                group = req_of[seq.seq_id].group     # a SingleGroup's spec is fixed: its spec() inlined
-                specs[seq.seq_id] = group.fixed_spec if type(group) is SingleGroup else group.spec(seq)
+                specs[seq.seq_id] = req_of[seq.seq_id].group.spec(seq)
             budget -= n
             i += 1
         return budget
@@ -220,26 +219,19 @@ class Scheduler:
         logits, or a bare token id (a runner without logits: every requested sample gets it, logprob 0)."""
         if now is not None:
             self.life.now = now
-        computed, specs, req_of, append = 0, out.specs, self.queues.req_of, self.life.append
-        for item in out.items:            # once per running sequence per step, so kept flat
+        computed, specs, req_of = 0, out.specs, self.queues.req_of
+        for item in out.items:
             seq = item.seq
             if seq.status is not RUNNING:
                 continue
-            n = item.num_tokens
-            seq.num_computed_tokens = item.start + n
-            computed += n
+            seq.num_computed_tokens = item.start + item.num_tokens
+            computed += item.num_tokens
             if not item.needs_logits:
                 continue
-            seq_id = seq.seq_id
-            value, req = sampled.get(seq_id), req_of[seq_id]
-            group = req.group
+            spec, value, group = specs[seq.seq_id], sampled.get(seq.seq_id), req_of[seq.seq_id].group
             if type(value) is int:        # a runner without logits: the token for every sample, logprob 0
-                if type(group) is SingleGroup:
-                    append(req, seq, value, 0.0)         # SingleGroup.on_token, inlined
-                else:
-                    group.on_token(seq, value, specs[seq_id])
+                group.on_token(seq, value, spec)
             else:
-                spec = specs[seq_id]
                 group.on_samples(seq, _samples(value, seq, spec), spec)
         self.stats.computed_tokens += computed
         self.queues.prune_running()

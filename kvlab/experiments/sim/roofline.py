@@ -231,12 +231,6 @@ class RooflineRunner:
         self.step_seconds = 0.0
         self.attention_seconds = 0.0
         self.driver_seconds = 0.0
-        # the step's roofline terms, read once (each is a property chain): a tp=1 step without a kernel term is
-        # charged from these with the same arithmetic as RooflineCost.step_seconds
-        model = cost.model
-        self.weight_bytes, self.kv_bytes = model.weight_bytes, model.kv_bytes_per_token
-        self.bandwidth = cost.hardware.bandwidth
-        self.plain = kernel is None and model.tp == 1 and not cost.model_prefill
 
     def clock(self) -> float:
         return self.now
@@ -282,15 +276,6 @@ class RooflineRunner:
 
     def charge_step(self, kv_tokens: int, prefill: int, decode: int, attention: float) -> None:
         # all-reduced activations: the decode tokens, and the prefill tokens when prefill is charged at all
-        if self.plain:               # step_seconds(kv_tokens, prefill, decode) and kv_read_seconds, inlined
-            step = (self.weight_bytes + kv_tokens * self.kv_bytes) / self.bandwidth
-            attention = kv_tokens * self.kv_bytes / self.bandwidth
-            self.now += step
-            self.step_seconds += step
-            self.attention_seconds += attention
-            self.steps += 1
-            self.prefill_tokens += prefill
-            return
         comm_tokens = decode + (prefill if self.cost.model_prefill else 0)
         if self.kernel is None:
             step = self.cost.step_seconds(kv_tokens, prefill, comm_tokens)

@@ -60,18 +60,14 @@ class ServeTap:
             if self.ledger.driver_s != driver:
                 self.apportion(self.ledger.driver_s - driver, self.ledger.exposed_s - exposed)
         now = self.runner.now
-        watch, tokens = self.watch, self.tokens
-        for item in out.items:              # once per running sequence per step, so kept flat
+        watch = self.watch
+        for item in out.items:
             if item.needs_logits:
                 seq = item.seq
-                times = tokens.get(seq.request_id)
-                if times is None:
-                    times = tokens[seq.request_id] = []
+                times = self.tokens.setdefault(seq.request_id, [])
                 times.append(now)
-                if watch is not None:
-                    n = len(times)
-                    if n == 1 or n == seq.max_tokens:
-                        watch.on_token(seq.request_id, n, seq.arrival_time, seq.max_tokens, now)
+                if watch is not None and (len(times) == 1 or len(times) == seq.max_tokens):
+                    watch.on_token(seq.request_id, len(times), seq.arrival_time, seq.max_tokens, now)
         if watch is not None:
             watch.check(now)
         return sampled
