@@ -14,12 +14,11 @@ from kvlab.common.kv.seam import timed
 from kvlab.common.kv.types import CacheStats, KVShape
 from kvlab.elastic.block_pool import ElasticBlockPool
 from kvlab.elastic.chunks import ChunkBooks
-from kvlab.elastic.compaction import MovablePrefixCache, compact
+from kvlab.elastic.compaction import compact
 from kvlab.elastic.geometry import ChunkGeometry
 from kvlab.elastic.memory import ElasticMemory, driver_page_size, open_driver
 from kvlab.elastic.pooling import PoolSeat
 from kvlab.paged.allocator import PagedAllocator
-from kvlab.paged.prefix_cache import PrefixIndex
 from kvlab.vmm.drivers.machine_pool import NO_POOL
 
 if TYPE_CHECKING:
@@ -48,9 +47,6 @@ class ElasticAllocator(PagedAllocator):
             raise ConfigError(f"elastic_compact moves blocks that a KV handoff may be reading from another thread; "
                               f"it is for colocated engines, not kv_role {config.kv_role!r}: use one of them")
         super().__init__(config.replace(block_size=opts.elastic_block_size), shape)
-        if self.prefix_cache is not None:      # its entries follow a block that compaction moves
-            self.prefix_cache = MovablePrefixCache()
-            self.prefix = PrefixIndex(self.prefix_cache, self.block_size)
         self.compact_spare, self.compaction_moves = opts.elastic_compact, 0      # -1: never move blocks
         if driver is None:
             driver = open_driver(shape.device, opts.elastic_page_size, accounting_only, config.kv_pool,

@@ -12,17 +12,6 @@ from collections.abc import Callable
 from kvlab.common.kv.types import CopyKV
 from kvlab.elastic.block_pool import ElasticBlockPool
 from kvlab.paged.block_table import SeqBlocks
-from kvlab.paged.prefix_cache import PrefixCache
-
-
-class MovablePrefixCache(PrefixCache):
-    """Paged's prefix cache, whose entries can follow a block to its new id."""
-
-    def move(self, old: int, new: int) -> None:
-        entry = self._entry_of.pop(old, None)
-        if entry is not None:
-            self._entry_of[new] = entry
-            self._block_of[entry[0]] = new
 
 
 def chunks_needed(pool: ElasticBlockPool) -> int:

@@ -53,6 +53,13 @@ class PrefixCache:
         if entry is not None:
             del self._block_of[entry[0]]
 
+    def move(self, old: int, new: int) -> None:
+        """The cached data now lives in block `new` (elastic's compaction copied it there)."""
+        entry = self._entry_of.pop(old, None)
+        if entry is not None:
+            self._entry_of[new] = entry
+            self._block_of[entry[0]] = new
+
     def is_cached(self, block: int) -> bool:
         return block in self._entry_of
 
