@@ -207,7 +207,7 @@ class VMMAllocator(Allocator):
         """Wait for the sequence's map-ahead job (`drop`: the slot is given up, so a job not launched is not)."""
         index = self.table.slot_of.get(seq.seq_id)
         if drop:
-            self.mapper.wanted.pop(index, None)
+            self.mapper.cancel(index)
         self.mapper.fence([index])
 
     # -- what the storage asks each step --------------------------------------------------------------------

@@ -72,6 +72,10 @@ class BackgroundMapper:
             if any(mapped):
                 self.seconds += time.perf_counter() - t0
 
+    def cancel(self, index: int | None) -> None:
+        """Forget a slot's job that has not started (its slot is being given up)."""
+        self.wanted.pop(index, None)
+
     def fence_one(self, index: int | None) -> None:
         """Before a slot changes: launch and wait for its job; re-raise a background error here, in the caller.
         Call without the lock (the job takes it)."""
