@@ -88,16 +88,20 @@ def test_the_table_pairs_each_repeat_with_the_baseline():
     assert flat[1]["p99_ttft_ms_vs_a_median"] == 50 and flat[0]["p99_ttft_ms_vs_a_median"] is None
 
 
+def run_tiny_study(out, configurations: str, repeats: int) -> int:
+    """Two tiny engines on 4 MiB, one short burst each."""
+    return cli.main(["study", "pool", "--engines", "2", "--total-bytes", "4MiB", "--configurations", configurations,
+                     "--repeats", str(repeats), "--burst-rate", "4", "--period", "2", "--duty-cycle", "1",
+                     "--periods", "1", "--random-input-len", "32", "--random-output-len", "8", "--goodput",
+                     "ttft:60000", "--out", str(out), "--no-progress"])
+
+
 @pytest.mark.slow
 def test_the_study_end_to_end_on_tiny_servers(tmp_path):
     """Two engines, the pool against the paged split, one short burst each, two repeats: the files, the table,
     the plot, and every pool gone after its servers."""
     out = tmp_path / "ab"
-    rc = cli.main(["study", "pool", "--engines", "2", "--total-bytes", "4MiB", "--configurations", "a,b",
-                   "--repeats", "2", "--burst-rate", "4", "--period", "2", "--duty-cycle", "1", "--periods", "1",
-                   "--random-input-len", "32", "--random-output-len", "8", "--goodput", "ttft:60000",
-                   "--out", str(out), "--no-progress"])
-    assert rc == 0
+    assert run_tiny_study(out, "a,b", 2) == 0
     runs = json.loads((out / "runs.json").read_text())
     assert [(r["repeat"], r["configuration"]) for r in runs] == [(0, "a"), (0, "b"), (1, "b"), (1, "a")]
     assert all(m["completed"] == m["num_prompts"] for r in runs for m in r["models"])
@@ -115,11 +119,7 @@ def test_elastic_servers_share_one_pool_end_to_end(tmp_path):
     """(e): two elastic servers on one pool beside (a), one short burst each, one repeat: every request served,
     each elastic engine's share read from the pool's books, and the pool gone after its servers."""
     out = tmp_path / "ae"
-    rc = cli.main(["study", "pool", "--engines", "2", "--total-bytes", "4MiB", "--configurations", "a,e",
-                   "--repeats", "1", "--burst-rate", "4", "--period", "2", "--duty-cycle", "1", "--periods", "1",
-                   "--random-input-len", "32", "--random-output-len", "8", "--goodput", "ttft:60000",
-                   "--out", str(out), "--no-progress"])
-    assert rc == 0
+    assert run_tiny_study(out, "a,e", 1) == 0
     runs = {r["configuration"]: r for r in json.loads((out / "runs.json").read_text())}
     assert all(m["completed"] == m["num_prompts"] for m in runs["e"]["models"])
     assert all(max(share) > 0 for share in runs["e"]["share_timeline"]["share"])

@@ -84,8 +84,6 @@ class StepTokens:
 
     def split(self) -> list[TokensEvent]:
         lps = self.new_logprobs
-        if not lps:
-            return [TokensEvent(rid, new) for rid, new in self.new_tokens.items()]
         return [TokensEvent(rid, new, lps.get(rid)) for rid, new in self.new_tokens.items()]
 
 
