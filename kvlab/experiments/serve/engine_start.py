@@ -66,13 +66,16 @@ def start_child(fd: int, close_in_child: Callable[[], None],
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     sys.stdout.flush()
     sys.stderr.flush()
-    pid = os.fork()
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})   # until the child has left the terminal's
+    pid = os.fork()                                                      # process group and ignores Ctrl-C
     if pid:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
         return ForkedChild(pid)
     code = 1
     try:                      # the child: never returns into the server's code
         os.setsid()
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
         close_in_child()
         os.dup2(2, 1)
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
