@@ -88,11 +88,11 @@ def test_the_table_pairs_each_repeat_with_the_baseline():
     assert flat[1]["p99_ttft_ms_vs_a_median"] == 50 and flat[0]["p99_ttft_ms_vs_a_median"] is None
 
 
-def run_tiny_study(out, configurations: str, repeats: int) -> int:
+def run_tiny_study(out, configurations: str, repeats: int, output_len: int = 8) -> int:
     """Two tiny engines on 4 MiB, one short burst each."""
     return cli.main(["study", "pool", "--engines", "2", "--total-bytes", "4MiB", "--configurations", configurations,
                      "--repeats", str(repeats), "--burst-rate", "4", "--period", "2", "--duty-cycle", "1",
-                     "--periods", "1", "--random-input-len", "32", "--random-output-len", "8", "--goodput",
+                     "--periods", "1", "--random-input-len", "32", "--random-output-len", str(output_len), "--goodput",
                      "ttft:60000", "--out", str(out), "--no-progress"])
 
 
@@ -117,9 +117,11 @@ def test_the_study_end_to_end_on_tiny_servers(tmp_path):
 @pytest.mark.slow
 def test_elastic_servers_share_one_pool_end_to_end(tmp_path):
     """(e): two elastic servers on one pool beside (a), one short burst each, one repeat: every request served,
-    each elastic engine's share read from the pool's books, and the pool gone after its servers."""
+    each elastic engine's share read from the pool's books, and the pool gone after its servers. The outputs are
+    long enough for a request to span the 0.2 s share samples: an elastic engine gives its pages back as soon as
+    its requests end (a vmm engine parks them), so 8-token outputs could end between two samples."""
     out = tmp_path / "ae"
-    assert run_tiny_study(out, "a,e", 1) == 0
+    assert run_tiny_study(out, "a,e", 1, output_len=128) == 0
     runs = {r["configuration"]: r for r in json.loads((out / "runs.json").read_text())}
     assert all(m["completed"] == m["num_prompts"] for m in runs["e"]["models"])
     assert all(max(share) > 0 for share in runs["e"]["share_timeline"]["share"])
