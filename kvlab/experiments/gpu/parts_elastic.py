@@ -71,21 +71,10 @@ def cuda_driver(dry: bool) -> Iterator[Any]:
         return
     import sys
 
-    import torch
-    saved = torch.as_tensor, torch.from_dlpack
-    sys.modules["fakes.fake_cuda"].torch_interop(Patcher(), drv)
-    try:
+    import pytest  # the dry run's fake lives with the tests, and so does what patches torch for it
+    with pytest.MonkeyPatch.context() as patch:
+        sys.modules["fakes.fake_cuda"].torch_interop(patch, drv)
         yield drv
-    finally:
-        torch.as_tensor, torch.from_dlpack = saved
-
-
-class Patcher:
-    """The one call of pytest's monkeypatch that the fake's torch_interop makes."""
-
-    @staticmethod
-    def setattr(target: Any, name: str, value: Any) -> None:
-        setattr(target, name, value)
 
 
 def block_pool(dry: bool) -> dict[str, Any]:
