@@ -102,7 +102,7 @@ class ElasticAllocator(PagedAllocator):
     @locked
     def allocate(self, seq: Sequence, num_tokens: int, reserve_units: int = 0) -> int | None:
         hit = self._allocate(seq, num_tokens, reserve_units)
-        if self.window is not None:      # the window may have dropped blocks
+        if self.compact_spare >= 0:   # a window may have dropped blocks; chunk 0 may be mapped again as padding
             self._compact()
         return hit
 
