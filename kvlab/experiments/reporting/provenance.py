@@ -60,8 +60,13 @@ def served_config(argv: list[str]) -> dict[str, Any]:
     return engine_config(flags.engine_config(vars(parser.parse_args(["serve", *argv], argparse.Namespace()))))
 
 
+PLAIN = frozenset({float, int, str, bool, type(None)})
+
+
 def jsonable(value: Any) -> Any:
     """Plain JSON values: dataclasses as dicts, tuples and sets as lists, paths and anything else as text."""
+    if type(value) in PLAIN:          # most of a results file: returned before the slower tests below
+        return value
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         value = dataclasses.asdict(value)
     if isinstance(value, dict):

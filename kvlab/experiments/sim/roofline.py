@@ -13,7 +13,7 @@ At tp=1 every figure is the unsharded model's, unchanged.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -164,6 +164,10 @@ class RooflineCost:
     model: ModelSpec
     model_prefill: bool = False      # off, as in the seed article
     mfu: float = 0.5
+    # the model's figures every step reads, worked out once (ModelSpec derives each from its config per call)
+    _weight_bytes: int = field(init=False, repr=False, compare=False)
+    _kv_bytes_per_token: int = field(init=False, repr=False, compare=False)
+    _flops_per_token: float = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not 0 < self.mfu <= 1:
@@ -171,14 +175,17 @@ class RooflineCost:
         if self.model.tp > 1 and self.hardware.link_bandwidth <= 0:
             raise ConfigError(f"hardware {self.hardware.name!r} has no interconnect bandwidth; tensor parallelism "
                               f"needs link_bandwidth > 0")
+        object.__setattr__(self, "_weight_bytes", self.model.weight_bytes)
+        object.__setattr__(self, "_kv_bytes_per_token", self.model.kv_bytes_per_token)
+        object.__setattr__(self, "_flops_per_token", self.model.flops_per_token)
 
     def decode_seconds(self, kv_tokens: int) -> float:
         """One step that reads all weights and `kv_tokens` cached tokens."""
-        return (self.model.weight_bytes + kv_tokens * self.model.kv_bytes_per_token) / self.hardware.bandwidth
+        return (self._weight_bytes + kv_tokens * self._kv_bytes_per_token) / self.hardware.bandwidth
 
     def kv_read_seconds(self, kv_tokens: int) -> float:
         """Reading `kv_tokens` cached tokens' K/V at full bandwidth: the roofline's attention time."""
-        return kv_tokens * self.model.kv_bytes_per_token / self.hardware.bandwidth
+        return kv_tokens * self._kv_bytes_per_token / self.hardware.bandwidth
 
     def attention_compute_seconds(self, query_key_pairs: float) -> float:
         """QK^T and PV over `query_key_pairs` (query, key) pairs in every layer and head, at `mfu` of peak."""
@@ -188,7 +195,7 @@ class RooflineCost:
 
     def prefill_seconds(self, tokens: int) -> float:
         """Compute-bound prefill (or recompute) of `tokens` tokens at `mfu` of peak."""
-        return tokens * self.model.flops_per_token / (self.hardware.peak_flops * self.mfu)
+        return tokens * self._flops_per_token / (self.hardware.peak_flops * self.mfu)
 
     def allreduce_seconds(self, tokens: int) -> float:
         """One ring all-reduce of [tokens, hidden] over tp ranks: 2(tp-1) steps, each moving 1/tp of the bytes

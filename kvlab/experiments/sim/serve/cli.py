@@ -25,9 +25,9 @@ from kvlab.experiments.sim.core import SimCase
 from kvlab.experiments.sim.kernels import CHOICES, kernel_profile
 from kvlab.experiments.sim.layouts import CROSS_LAYER, add_layout_flags, check_layout, emulated_page
 from kvlab.experiments.sim.roofline import HARDWARE, hardware, model_spec
-from kvlab.experiments.sim.serve import slo, summary
+from kvlab.experiments.sim.serve import search_pool, slo, summary
 from kvlab.experiments.sim.serve.costs import PROFILES, SET_ACCESS, known_profile, profile
-from kvlab.experiments.sim.serve.grid import Saved, pool_chain, pool_map, saved_points
+from kvlab.experiments.sim.serve.grid import Saved, pool_map, saved_points
 from kvlab.experiments.sim.serve.run import (
     SHARE_KEYS,
     ServeSpec,
@@ -249,55 +249,42 @@ def _point(a: tuple[SimCase, ServeSpec, float, int]) -> dict[str, Any]:
     return run_point(*a)
 
 
-def _search(a: tuple[SimCase, ServeSpec, int, dict[str, float], float, float, bool, float]) -> dict[str, Any]:
-    case, spec, seed, target, start, tol, early_stop, step = a
-    stop = target if early_stop else None
-    found = slo.search(lambda rate: run_point(case, spec, rate, seed, stop_on_miss=stop), target, start, tol,
-                       step=step)
-    return {"backend": backend_label(case), "seed": seed, "slo_rate": found.rate,
-            "evaluations": found.evaluations, "runs": list(found.results.values())}
-
-
-def _search_concurrency(a: tuple[SimCase, ServeSpec, int, dict[str, float], float, float, bool]) -> dict[str, Any]:
-    case, spec, seed, target, start, rate, early_stop = a
-    stop = target if early_stop else None
-    found = slo.search_int(lambda n: run_point(case, spec, rate, seed, max_concurrency=n, stop_on_miss=stop),
-                           target, int(start), high_limit=spec.num_requests)
-    return {"backend": backend_label(case), "seed": seed, "slo_max_concurrency": found.rate,
-            "evaluations": found.evaluations, "runs": list(found.results.values())}
-
-
 def slo_jobs(s: ServeSettings, cases: list[SimCase]) -> tuple:
-    """(worker function, its jobs, the searched key) for the SLO search's axis."""
+    """(a job's Search, the jobs, the searched key) for the SLO search's axis."""
     if s.search == "max-concurrency":
         rates = parse_rates(list(s.request_rates))
         if len(rates) != 1:
             raise ConfigError("--search max-concurrency runs at one rate: give one --request-rates value (or inf)")
-        return (_search_concurrency, [(c, s.spec, seed, s.slo, s.slo_start, rates[0], s.early_stop)
-                                      for c in cases for seed in s.seeds], "slo_max_concurrency")
-    return (_search, [(c, s.spec, seed, s.slo, s.slo_start, s.slo_tolerance, s.early_stop, 2.0)
-                      for c in cases for seed in s.seeds], "slo_rate")
+        return (search_pool.concurrency_search, [(c, s.spec, seed, s.slo, s.slo_start, rates[0], s.early_stop)
+                                                 for c in cases for seed in s.seeds], "slo_max_concurrency")
+    return (search_pool.rate_search, [(c, s.spec, seed, s.slo, s.slo_start, s.slo_tolerance, s.early_stop, 2.0)
+                                      for c in cases for seed in s.seeds], "slo_rate")
 
 
 def run_searches(s: ServeSettings, cases: list[SimCase], saved: Saved | None = None) -> tuple[list[dict], str]:
-    """Every (backend, seed) search. On the rate axis, unless --independent-seeds: each backend's first seed
-    searches from --slo-start; its other seeds then start at that answer with 5% brackets (WARM_STEP), as soon
-    as it is known, which takes about half the runs. Every answer is still verified on its own seed: it passed
-    at lo and missed at hi."""
-    fn, jobs, key = slo_jobs(s, cases)
+    """Every (backend, seed) search, point by point over the workers (search_pool.py). On the rate axis, unless
+    --independent-seeds: each backend's first seed searches from --slo-start; its other seeds then start at that
+    answer with 5% brackets (WARM_STEP), as soon as it is known, which takes about half the runs. Every answer is
+    still verified on its own seed: it passed at lo and missed at hi."""
+    make, jobs, key = slo_jobs(s, cases)
     seeds = s.seeds
-    if s.search != "request-rate" or len(seeds) == 1 or s.independent_seeds:
-        return pool_map(fn, jobs, s.jobs, s.progress, unit="search", saved=saved), key
-
-    def warm(first: dict[str, Any]) -> list[tuple]:
-        """The backend's other seeds, started at its first seed's answer (none found: from --slo-start)."""
-        mine = [j for j in jobs if j[2] != seeds[0] and backend_label(j[0]) == first["backend"]]
-        return [(*j[:4], first[key], *j[5:7], WARM_STEP) for j in mine] if first[key] > 0 else mine
-
-    searches = pool_chain(fn, [j for j in jobs if j[2] == seeds[0]], lambda f: warm(f) if f["seed"] == seeds[0]
-                          else [], len(jobs), s.jobs, s.progress, saved=saved)
     order = {label: i for i, label in enumerate(backend_label(c) for c in cases)}
-    return sorted(searches, key=lambda s: (order[s["backend"]], s["seed"])), key
+
+    def warm(first: dict[str, Any]) -> list[search_pool.Search]:
+        """The backend's other seeds, started at its first seed's answer (none found: from --slo-start)."""
+        if first["seed"] != seeds[0]:
+            return []
+        mine = [j for j in jobs if j[2] != seeds[0] and backend_label(j[0]) == first["backend"]]
+        return [make((*j[:4], first[key], *j[5:7], WARM_STEP) if first[key] > 0 else j) for j in mine]
+
+    if s.search != "request-rate" or len(seeds) == 1 or s.independent_seeds:
+        first, follow = [make(j) for j in jobs], lambda found: []
+    else:
+        first, follow = [make(j) for j in jobs if j[2] == seeds[0]], warm
+        for search in first:
+            search.gating = True
+    found = search_pool.run_searches(search_pool.run_one, first, follow, len(jobs), s.jobs, s.progress, saved)
+    return sorted(found, key=lambda f: (order[f["backend"]], f["seed"])), key
 
 
 def run(args: argparse.Namespace) -> int:

@@ -35,7 +35,7 @@ def pool_map(fn: Callable[[Any], Any], jobs_args: list[Any], jobs: int, progress
     """fn over every job, results in job order; with `saved`, only the jobs it does not hold run."""
     keys = [saved.key(a) for a in jobs_args] if saved else []
     todo = [a for a, k in zip(jobs_args, keys) if k not in saved.checkpoint] if saved else jobs_args
-    bar = _bar(len(jobs_args), progress, unit, desc)
+    bar = optional_bar(len(jobs_args), progress, unit, desc)
     if bar:
         bar.update(len(jobs_args) - len(todo))
     try:
@@ -69,7 +69,7 @@ def pool_chain(fn: Callable[[Any], Any], first: list[Any], follow: Callable[[Any
     """Run `first`; each result r adds the jobs `follow(r)`, which start as soon as a worker is free (no
     barrier between the two kinds). `total`: every job expected, for the progress bar. Completion order. A job
     `saved` holds is taken from it (and its follow-ups added) without running."""
-    bar = _bar(total, progress, unit, "simulate serve")
+    bar = optional_bar(total, progress, unit, "simulate serve")
     try:
         if jobs <= 1:
             return _chain_serial(fn, first, follow, bar, saved)
@@ -129,7 +129,7 @@ def _chain_pool(pool: Any, fn: Callable, first: list[Any], follow: Callable, bar
     return out
 
 
-def _bar(total: int, enabled: bool, unit: str, desc: str) -> Any:
+def optional_bar(total: int, enabled: bool, unit: str, desc: str) -> Any:
     if not enabled:
         return None
     from kvlab.experiments.reporting.tables import progress_bar

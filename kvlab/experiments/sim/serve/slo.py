@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,31 +46,45 @@ class SearchResult:
     results: dict[float, dict[str, Any]] = field(default_factory=dict)
 
 
-def _judge(evaluate: Callable[[Any], dict[str, Any]], slo: dict[str, float], out: SearchResult
-           ) -> Callable[[Any], bool]:
-    """evaluate + meets, recording every point and its result in `out`."""
-    def ok(x: Any) -> bool:
-        result = evaluate(x)
-        passed = meets(result, slo)
-        out.evaluations.append((x, passed))
-        out.results[x] = result
-        return passed
-    return ok
+def _judged(x: Any, slo: dict[str, float], out: SearchResult) -> Generator[Any, dict[str, Any], bool]:
+    """Yield `x` to be evaluated; the result sent back is judged by `meets` and recorded in `out`."""
+    result = yield x
+    passed = meets(result, slo)
+    out.evaluations.append((x, passed))
+    out.results[x] = result
+    return passed
+
+
+def evaluated(steps: Generator[Any, dict[str, Any], SearchResult], evaluate: Callable[[Any], dict[str, Any]]
+              ) -> SearchResult:
+    """Run a search's steps (search_steps, search_int_steps) to the end, evaluating each point it yields."""
+    try:
+        x = next(steps)
+        while True:
+            x = steps.send(evaluate(x))
+    except StopIteration as done:
+        return done.value
 
 
 def search(evaluate: Callable[[float], dict[str, Any]], slo: dict[str, float], start: float = 1.0,
            rel_tol: float = 0.02, low_limit: float = 1e-3, high_limit: float = 1e5, step: float = 2.0
            ) -> SearchResult:
-    """Bracket from `start` by factors of `step` (a step below 2, for a start near the answer, squares after
-    each try, up to 2), then bisect geometrically until hi / lo - 1 <= rel_tol. The answer passed at lo and
-    missed at hi, whatever the start."""
+    """search_steps, evaluating each rate with `evaluate` in turn."""
+    return evaluated(search_steps(slo, start, rel_tol, low_limit, high_limit, step), evaluate)
+
+
+def search_steps(slo: dict[str, float], start: float = 1.0, rel_tol: float = 0.02, low_limit: float = 1e-3,
+                 high_limit: float = 1e5, step: float = 2.0) -> Generator[float, dict[str, Any], SearchResult]:
+    """Yields each rate to try and takes its result back (send): a caller may evaluate many searches' points
+    at once. Bracket from `start` by factors of `step` (a step below 2, for a start near the answer, squares
+    after each try, up to 2), then bisect geometrically until hi / lo - 1 <= rel_tol. The answer passed at lo
+    and missed at hi, whatever the start."""
     out = SearchResult(0.0)
-    ok = _judge(evaluate, slo, out)
     lo = hi = start
-    if ok(start):
+    if (yield from _judged(start, slo, out)):
         while hi < high_limit:
             lo, hi, step = hi, hi * step, min(step * step, 2.0)
-            if not ok(hi):
+            if not (yield from _judged(hi, slo, out)):
                 break
         else:                                     # passed up to the limit
             out.rate = hi
@@ -78,33 +92,38 @@ def search(evaluate: Callable[[float], dict[str, Any]], slo: dict[str, float], s
     else:
         while lo > low_limit:
             hi, lo, step = lo, lo / step, min(step * step, 2.0)
-            if ok(lo):
+            if (yield from _judged(lo, slo, out)):
                 break
         else:
             return out
     while hi / lo - 1 > rel_tol:
         mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+        lo, hi = (mid, hi) if (yield from _judged(mid, slo, out)) else (lo, mid)
     out.rate = lo
     return out
 
 
 def search_int(evaluate: Callable[[int], dict[str, Any]], slo: dict[str, float], start: int = 4,
                high_limit: int = 10**6) -> SearchResult:
+    """search_int_steps, evaluating each integer with `evaluate` in turn."""
+    return evaluated(search_int_steps(slo, start, high_limit), evaluate)
+
+
+def search_int_steps(slo: dict[str, float], start: int = 4, high_limit: int = 10**6
+                     ) -> Generator[int, dict[str, Any], SearchResult]:
     """The highest integer (e.g. max_concurrency) meeting every target, assuming a larger value never helps:
     bracket by doubling or halving from `start`, then bisect on integers to adjacent pass/fail. 0: 1 fails;
-    `high_limit` when it passes there."""
+    `high_limit` when it passes there. Yields and takes back points as search_steps."""
     out = SearchResult(0)
-    ok = _judge(evaluate, slo, out)
     n = max(1, min(int(start), high_limit))
-    if ok(n):
+    if (yield from _judged(n, slo, out)):
         lo = n
         while True:
             if lo >= high_limit:
                 out.rate = lo
                 return out
             hi = min(lo * 2, high_limit)
-            if not ok(hi):
+            if not (yield from _judged(hi, slo, out)):
                 break
             lo = hi
     else:
@@ -113,11 +132,11 @@ def search_int(evaluate: Callable[[int], dict[str, Any]], slo: dict[str, float],
             if hi == 1:
                 return out
             lo = hi // 2
-            if ok(lo):
+            if (yield from _judged(lo, slo, out)):
                 break
             hi = lo
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+        lo, hi = (mid, hi) if (yield from _judged(mid, slo, out)) else (lo, mid)
     out.rate = lo
     return out

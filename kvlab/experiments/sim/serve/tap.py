@@ -7,6 +7,7 @@ map_unmap_s is the SIMULATED driver time, not host time: each step's ledger char
 evenly over the requests of the sequences holding KV in that step, the engine's apportioning rule."""
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any
 
 from kvlab.common.kv.registry import get_backend
@@ -33,7 +34,7 @@ class ServeTap:
         paged = get_backend(allocator.name).layout == "paged"
         self.block_size = allocator.tokens_per_unit if paged else 0
         self.last = self._counters()
-        self.tokens: dict[str, list[float]] = {}
+        self.tokens: defaultdict[str, list[float]] = defaultdict(list)   # request id -> its tokens' times
         self.zero = ledger.profile.is_zero
         self.engine: Any = None
         self.map_unmap: dict[str, list[float]] = {}     # request id -> [driver seconds, of them exposed]
@@ -60,14 +61,16 @@ class ServeTap:
             if self.ledger.driver_s != driver:
                 self.apportion(self.ledger.driver_s - driver, self.ledger.exposed_s - exposed)
         now = self.runner.now
-        watch = self.watch
-        for item in out.items:
+        tokens, watch = self.tokens, self.watch
+        for item in out.items:         # once per running sequence per step, so kept flat
             if item.needs_logits:
                 seq = item.seq
-                times = self.tokens.setdefault(seq.request_id, [])
+                times = tokens[seq.request_id]
                 times.append(now)
-                if watch is not None and (len(times) == 1 or len(times) == seq.max_tokens):
-                    watch.on_token(seq.request_id, len(times), seq.arrival_time, seq.max_tokens, now)
+                if watch is not None:
+                    count = len(times)
+                    if count == 1 or count == seq.max_tokens:
+                        watch.on_token(seq.request_id, count, seq.arrival_time, seq.max_tokens, now)
         if watch is not None:
             watch.check(now)
         return sampled
