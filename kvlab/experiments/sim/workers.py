@@ -1,13 +1,22 @@
-"""The simulator's worker processes: a pool whose workers leave Ctrl-C to the parent and die with it."""
+"""The simulator's worker processes: a pool whose workers leave Ctrl-C to the parent and die with it, and whose
+parent stops waiting when a worker dies (multiprocessing's pool replaces a dead worker but loses its task: the wait
+for that result would never end)."""
 from __future__ import annotations
 
 import multiprocessing
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from kvlab.common.errors import KvlabError
+
 STRAGGLER_WAIT_S = 2.0   # after the pool's own terminate, how long a child may take to go before it is killed
+POLL_S = 0.5             # how often a wait for results looks at the workers
+
+
+class WorkerDied(KvlabError):
+    """A worker process ended while the pool was working: the task it held is lost."""
 
 
 def _ignore_sigint() -> None:
@@ -15,8 +24,53 @@ def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+class LivePool:
+    """The pool's calls the simulator makes (imap, imap_unordered, apply_async), with every wait for results
+    broken off every POLL_S to look at the workers: one that ended (killed, out of memory) raises WorkerDied."""
+
+    def __init__(self, pool: Any, workers: list[Any]) -> None:
+        self.pool, self.workers = pool, workers
+
+    def check(self) -> None:
+        """Raise WorkerDied if a worker has ended (call while waiting: workers end only when the pool does)."""
+        for worker in self.workers:
+            if worker.exitcode is not None:
+                raise WorkerDied(f"simulator worker {worker.pid} ended ({_how(worker.exitcode)}) while it held a "
+                                 "run; that run is lost and the pool is stopped")
+
+    def map(self, fn: Callable[[Any], Any], args: Iterable[Any]) -> list[Any]:
+        return list(self.imap(fn, args))
+
+    def imap(self, fn: Callable[[Any], Any], args: Iterable[Any]) -> Iterator[Any]:
+        return self._watched(self.pool.imap(fn, args))
+
+    def imap_unordered(self, fn: Callable[[Any], Any], args: Iterable[Any]) -> Iterator[Any]:
+        return self._watched(self.pool.imap_unordered(fn, args))
+
+    def apply_async(self, *args: Any, **kwargs: Any) -> Any:
+        return self.pool.apply_async(*args, **kwargs)
+
+    def _watched(self, results: Any) -> Iterator[Any]:
+        while True:
+            try:
+                yield results.next(POLL_S)
+            except StopIteration:
+                return
+            except multiprocessing.TimeoutError:
+                self.check()
+
+
+def _how(exitcode: int) -> str:
+    if exitcode >= 0:
+        return f"exit code {exitcode}"
+    try:
+        return f"killed by {signal.Signals(-exitcode).name}"
+    except ValueError:
+        return f"killed by signal {-exitcode}"
+
+
 @contextmanager
-def worker_pool(processes: int) -> Iterator[Any]:
+def worker_pool(processes: int) -> Iterator[LivePool]:
     """A process pool whose workers are terminated, not awaited, when the parent is interrupted or fails: a
     Ctrl-C stops every worker at once and leaves no orphan behind.
 
@@ -25,13 +79,15 @@ def worker_pool(processes: int) -> Iterator[Any]:
     terminates it, so no moment is left where the pool is made and not yet in anyone's hands."""
     held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
+        others = set(multiprocessing.active_children())
         pool = multiprocessing.get_context().Pool(processes, initializer=_ignore_sigint)
+        workers = [child for child in multiprocessing.active_children() if child not in others]
     except BaseException:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
         raise
     try:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)   # a Ctrl-C held while the workers forked: raised here
-        yield pool
+        yield LivePool(pool, workers)
         pool.close()
     except BaseException:
         pool.terminate()

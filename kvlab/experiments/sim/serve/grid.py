@@ -114,6 +114,7 @@ def _chain_pool(pool: Any, fn: Callable, first: list[Any], follow: Callable, bar
         try:
             item = done.get(timeout=0.5)       # a timeout keeps the wait interruptible by Ctrl-C
         except queue.Empty:
+            pool.check()                       # a dead worker's result would never come
             continue
         pending -= 1
         if isinstance(item, BaseException):

@@ -102,6 +102,8 @@ class _Driver:
             try:
                 item = self.done.get(timeout=0.5)       # a timeout keeps the wait interruptible by Ctrl-C
             except queue.Empty:
+                if self.pool is not None:
+                    self.pool.check()                    # a dead worker's result would never come
                 continue
             if isinstance(item, BaseException):
                 raise item
