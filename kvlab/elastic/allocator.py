@@ -82,7 +82,7 @@ class ElasticAllocator(PagedAllocator):
     @timed
     def _compact(self) -> None:
         if self.compact_spare >= 0:
-            self.compaction_moves += compact(self.pool, list(self.seqs.values()), self.block_size, self.emit,
+            self.compaction_moves += compact(self.pool, self.seqs.values(), self.block_size, self.emit,
                                              self.compact_spare)
 
     @locked

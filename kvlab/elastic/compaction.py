@@ -7,7 +7,7 @@ moves with it, so what a later prompt can hit stays the same.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from kvlab.common.kv.types import CopyKV
 from kvlab.elastic.block_pool import ElasticBlockPool
@@ -20,7 +20,7 @@ def chunks_needed(pool: ElasticBlockPool) -> int:
     return -(-held // pool.books.geo.blocks_per_chunk)
 
 
-def compact(pool: ElasticBlockPool, tables: list[SeqBlocks], block_size: int, emit: Callable[[CopyKV], None],
+def compact(pool: ElasticBlockPool, tables: Collection[SeqBlocks], block_size: int, emit: Callable[[CopyKV], None],
             spare: int = 0) -> int:
     """Empty the sparsest chunks (never chunk 0 while a block is in use: it stays mapped as the tables' padding)
     into loose blocks of the others, chunk 0 first, then the fullest, until the mapped chunks are at most `spare`
