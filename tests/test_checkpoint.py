@@ -13,7 +13,7 @@ from kvlab.experiments.reporting.checkpoint import (
     resumed_argv,
     without_resume,
 )
-from kvlab.experiments.sim.serve.grid import Saved, pool_chain, pool_map
+from kvlab.experiments.sim.serve.grid import Saved, pool_map
 
 ARGV = ["simulate", "serve", "--num-prompts", "10", "--out", "X"]
 
@@ -36,19 +36,6 @@ def test_points_are_kept_as_they_finish_and_a_resume_runs_only_the_rest(tmp_path
     assert pool_map(counted, [1, 2, 3, 4], 1, saved=Saved(again, lambda x: f"point {x}")) == \
         [square(x) for x in (1, 2, 3, 4)]
     assert calls == [3, 4] and again.resumed == 2
-
-
-def test_a_chain_takes_saved_results_and_still_adds_their_follow_ups(tmp_path):
-    cp = Checkpoint(tmp_path, ARGV, {}, total=4, resume=False)
-    cp.record("point 1", square(1))
-    calls = []
-
-    def counted(x):
-        calls.append(x)
-        return square(x)
-    out = pool_chain(counted, [1], lambda r: [r["x"] + 10] if r["x"] < 10 else [], 2, 1,
-                     saved=Saved(cp, lambda x: f"point {x}"))
-    assert calls == [11] and [r["x"] for r in out] == [1, 11] and "point 11" in cp
 
 
 def test_an_interrupt_leaves_a_readable_partial_report(tmp_path):

@@ -1,11 +1,10 @@
-"""What makes the SLO search cheap without changing its answers: warm-started brackets for later seeds, and the
-pool that starts those searches as soon as their hint is known."""
+"""What makes the SLO search cheap without changing its answers: warm-started brackets for later seeds (the pool
+that starts those searches as soon as their hint is known: tests/test_sim_serve_search_pool.py)."""
 from __future__ import annotations
 
 import pytest
 
 from kvlab.experiments.sim.serve import slo
-from kvlab.experiments.sim.serve.grid import pool_chain
 
 TARGET = slo.parse_slo("p99_ttft_ms<=2000,p99_tpot_ms<=50")
 
@@ -37,28 +36,6 @@ def test_a_warm_start_near_the_answer_takes_fewer_runs_than_doubling():
 def test_the_default_step_is_the_old_doubling():
     evaluated = [r for r, _ in slo.search(planted(100.0), TARGET, start=4.0).evaluations]
     assert evaluated[:6] == [4.0, 8.0, 16.0, 32.0, 64.0, 128.0]
-
-
-def _square(x: int) -> int:
-    return x * x
-
-
-@pytest.mark.parametrize("jobs", [1, 2])
-def test_pool_chain_runs_follow_ups_as_results_arrive(jobs):
-    follow = {4: [5, 6], 9: [7]}
-    got = pool_chain(_square, [2, 3], lambda r: follow.get(r, []), total=5, jobs=jobs)
-    assert sorted(got) == [4, 9, 25, 36, 49]
-
-
-def _boom(x: int) -> int:
-    if x == 3:
-        raise ValueError("bad job 3")
-    return x
-
-
-def test_pool_chain_raises_a_workers_error():
-    with pytest.raises(ValueError, match="bad job 3"):
-        pool_chain(_boom, [1, 2], lambda r: [3] if r == 1 else [], total=3, jobs=2)
 
 
 @pytest.mark.slow     # ~14 s: three seeds of a real search, twice; the tests above check the warm start's parts

@@ -1,11 +1,10 @@
-"""Run many independent points (or SLO searches) in a process pool. Ctrl-C: the workers ignore SIGINT, the parent
-terminates them all (simulation.worker_pool) and the CLI exits 130 with one line. With a Saved (a checkpoint and
-the key of each job), every finished job is recorded as it finishes and a job the checkpoint holds is not run
-again (reporting/checkpoint.py)."""
+"""Run many independent points in a process pool (the SLO searches run in sim/serve/search_pool.py). Ctrl-C: the
+workers ignore SIGINT, the parent terminates them all (simulation.worker_pool) and the CLI exits 130 with one line.
+With a Saved (a checkpoint and the key of each job), every finished job is recorded as it finishes and a job the
+checkpoint holds is not run again (reporting/checkpoint.py)."""
 from __future__ import annotations
 
 import dataclasses
-import queue
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
@@ -61,72 +60,6 @@ def _map(fn: Callable[[Any], Any], jobs_args: list[Any], jobs: int, bar: Any, sa
     with worker_pool(min(jobs, len(jobs_args))) as pool:
         for a, r in zip(jobs_args, pool.imap(fn, jobs_args)):
             finished(a, r)
-    return out
-
-
-def pool_chain(fn: Callable[[Any], Any], first: list[Any], follow: Callable[[Any], list[Any]], total: int,
-               jobs: int, progress: bool = False, unit: str = "search", saved: Saved | None = None) -> list[Any]:
-    """Run `first`; each result r adds the jobs `follow(r)`, which start as soon as a worker is free (no
-    barrier between the two kinds). `total`: every job expected, for the progress bar. Completion order. A job
-    `saved` holds is taken from it (and its follow-ups added) without running."""
-    bar = optional_bar(total, progress, unit, "simulate serve")
-    try:
-        if jobs <= 1:
-            return _chain_serial(fn, first, follow, bar, saved)
-        with worker_pool(jobs) as pool:
-            return _chain_pool(pool, fn, first, follow, bar, saved)
-    finally:
-        if bar:
-            bar.close()
-
-
-def _chain_serial(fn: Callable, first: list[Any], follow: Callable, bar: Any, saved: Saved | None) -> list[Any]:
-    out, todo = [], list(first)
-    while todo:
-        a = todo.pop(0)
-        if saved and saved.key(a) in saved.checkpoint:
-            r = saved.checkpoint.get(saved.key(a))
-        else:
-            r = fn(a)
-            if saved:
-                saved.checkpoint.record(saved.key(a), r)
-        out.append(r)
-        todo.extend(follow(r))
-        bar and bar.update(1)
-    return out
-
-
-def _chain_pool(pool: Any, fn: Callable, first: list[Any], follow: Callable, bar: Any,
-                saved: Saved | None) -> list[Any]:
-    done: queue.SimpleQueue = queue.SimpleQueue()
-    out: list[Any] = []
-    pending = 0
-
-    def submit(a: Any) -> None:
-        if saved and saved.key(a) in saved.checkpoint:
-            done.put((a, saved.checkpoint.get(saved.key(a)), True))
-        else:
-            pool.apply_async(fn, (a,), callback=lambda r: done.put((a, r, False)), error_callback=done.put)
-    for a in first:
-        submit(a)
-        pending += 1
-    while pending:
-        try:
-            item = done.get(timeout=0.5)       # a timeout keeps the wait interruptible by Ctrl-C
-        except queue.Empty:
-            pool.check()                       # a dead worker's result would never come
-            continue
-        pending -= 1
-        if isinstance(item, BaseException):
-            raise item
-        a, r, was_saved = item
-        if saved and not was_saved:
-            saved.checkpoint.record(saved.key(a), r)
-        out.append(r)
-        bar and bar.update(1)
-        for b in follow(r):
-            submit(b)
-            pending += 1
     return out
 
 
