@@ -1,12 +1,13 @@
 """The virtual-memory seam: reserve address space, map physical store pages into it, view it as a tensor.
 
-`VirtualMemory` keeps every piece of bookkeeping (what is mapped where, mapping counts, limits, timings) and
-validates each request before the OS/driver sees it (vmm/drivers/checks.py); a composed `OSMemory`
-(vmm/drivers/types.py) only makes the real calls: vmm/drivers/host.py (mmap + memfd), vmm/drivers/cuda.py (CUDA
-VMM driver API) and vmm/drivers/accounting.py (no memory, the simulator's mode). Places always mapped in lockstep
-(the cache's 2L tensors) are mapped with one `map_mirrored` call; a composed `MirrorRepair`
-(vmm/drivers/mirror.py) undoes a failed one, and a composed `Teardown` (vmm/drivers/teardown.py) does
-`release`/`close`. Not thread-safe: the cache serialises every call under its lock.
+`VirtualMemory` keeps every piece of bookkeeping (what is mapped where, mapping counts, limits, timings: its
+`PageBooks` base) and validates each request before the OS/driver sees it (vmm/drivers/checks.py); a composed
+`OSMemory` (vmm/drivers/types.py) only makes the real calls: vmm/drivers/host.py (mmap + memfd),
+vmm/drivers/cuda.py (CUDA VMM driver API) and vmm/drivers/accounting.py (no memory, the simulator's mode). Places
+always mapped in lockstep (the cache's 2L tensors) are mapped with one `map_mirrored` call, and a change of the
+vmm cache's pages goes down as one batch of them (`apply`); a composed `MirrorRepair` (vmm/drivers/mirror.py)
+undoes a failed one, and a composed `Teardown` (vmm/drivers/teardown.py) does `release`/`close`. Not thread-safe:
+the cache serialises every call under its lock.
 
 When a call fails the books still say exactly what is mapped: `map`/`unmap` book the pages an OS call got through
 before failing (`PartialCall`), the mirrored calls undo the places already done (all or nothing), and `release`/
@@ -15,6 +16,7 @@ before failing (`PartialCall`), the mirrored calls undo the places already done 
 from __future__ import annotations
 
 import gc
+import logging
 import time
 import weakref
 from array import array
@@ -28,23 +30,19 @@ from kvlab.vmm.drivers.machine_pool import NO_POOL, MachinePool
 from kvlab.vmm.drivers.map_budget import MapBudget, MappingCount
 from kvlab.vmm.drivers.mirror import MirrorRepair
 from kvlab.vmm.drivers.teardown import Teardown
-from kvlab.vmm.drivers.types import DriverStats, Mirror, OSMemory, PartialCall, Region
+from kvlab.vmm.drivers.types import DriverStats, Mirror, Moves, OSMemory, PartialCall, Region, TornMirror
 from kvlab.vmm.drivers.vmas import region_map_delta, region_unmap_delta
 
-__all__ = ["DriverStats", "Mirror", "OSMemory", "PartialCall", "Region", "VirtualMemory"]
+__all__ = ["DriverStats", "Mirror", "OSMemory", "PageBooks", "PartialCall", "Region", "VirtualMemory"]
+log = logging.getLogger("kvlab.vmm")
 
 
-class VirtualMemory:
-    """Reserve -> create store -> map/unmap store pages at page-aligned offsets -> tensor views -> release/close,
-    over the OS calls of `os` (host, cuda, accounting: vmm/drivers/host.py, cuda.py, accounting.py).
-
-    `mapping_limit`: the most mappings this driver may create (None: no limit). `budget`: the process-wide map
-    budget this driver draws on with every other (vmm/drivers/map_budget.py); `mappings` checks and books both.
-    The public calls all read and write the same books (page tables, store map counts, stats); repairs after a
-    failed mirrored call and teardown are composed parts (`repair`, `teardown`). `pool`: the machine-wide pool the
-    physical pages come from (vmm/drivers/machine_pool.py; none unless the driver is pooled)."""
-
-    pool: MachinePool = NO_POOL
+class PageBooks:
+    """The driver's books over the OS calls of `os` (host, cuda, accounting: vmm/drivers/host.py, cuda.py,
+    accounting.py): reserved ranges, the page store, and checked, booked map/unmap of one place (page tables, store
+    map counts, stats). `mapping_limit`: the most mappings this driver may create (None: no limit). `budget`: the
+    process-wide map budget this driver draws on with every other (vmm/drivers/map_budget.py); `mappings` checks
+    and books both."""
 
     def __init__(self, os: OSMemory, page_size: int, mapping_limit: int | None = None,
                  budget: MapBudget | None = None) -> None:
@@ -57,12 +55,6 @@ class VirtualMemory:
         self.regions: list[Region] = []
         self.store_maps = array("i")          # VA mappings of each store page
         self.closed = False
-        self.repair = MirrorRepair(self)
-        self.teardown = Teardown(self)
-
-    def granularity(self) -> int:
-        """The smallest page size the OS/driver allows; page_size is a multiple of it."""
-        return self.os.granularity()
 
     def reserve(self, nbytes: int) -> Region:
         """Reserve virtual address space (rounded up to whole pages); no physical memory."""
@@ -145,6 +137,58 @@ class VirtualMemory:
         self.stats.unmap_calls += calls
         self._book_unmap(region, first, num_pages, delta)
 
+    def _book_map(self, region: Region, first: int, page: int, num_pages: int, delta: int) -> None:
+        region.pages.update(zip(range(first, first + num_pages), range(page, page + num_pages)))
+        store_maps = self.store_maps
+        for p in range(page, page + num_pages):
+            store_maps[p] += 1
+        region.vmas += delta
+        self.mappings.add(delta)
+        st = self.stats
+        st.mapped_pages += num_pages
+        st.pages_mapped += num_pages
+
+    def _book_unmap(self, region: Region, first: int, num_pages: int, delta: int) -> None:
+        pages, store_maps = region.pages, self.store_maps
+        for i in range(first, first + num_pages):
+            store_maps[pages.pop(i)] -= 1
+        region.vmas += delta
+        self.mappings.add(delta)
+        st = self.stats
+        st.mapped_pages -= num_pages
+        st.pages_unmapped += num_pages
+
+    def live_views(self, region: Region | None = None) -> int:
+        def count() -> int:
+            return sum(r.live_views for r in self.regions if region is None or r is region)
+        if count():
+            gc.collect()   # views kept only by reference cycles must not block a release
+        return count()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise DriverError(f"the {self.name} virtual-memory driver is closed")
+
+
+class VirtualMemory(PageBooks):
+    """Reserve -> create store -> map/unmap store pages at page-aligned offsets -> tensor views -> release/close.
+    On top of the books: places mapped in lockstep (the cache's 2L tensors: `mirror`, the mirrored calls and
+    `apply`, a batch of them), release and close, store memory and views. Repairs after a failed mirrored call and
+    teardown are composed parts (`repair`, `teardown`). `pool`: the machine-wide pool the physical pages come from
+    (vmm/drivers/machine_pool.py; none unless the driver is pooled)."""
+
+    pool: MachinePool = NO_POOL
+
+    def __init__(self, os: OSMemory, page_size: int, mapping_limit: int | None = None,
+                 budget: MapBudget | None = None) -> None:
+        super().__init__(os, page_size, mapping_limit, budget)
+        self.repair = MirrorRepair(self)
+        self.teardown = Teardown(self)
+
+    def granularity(self) -> int:
+        """The smallest page size the OS/driver allows; page_size is a multiple of it."""
+        return self.os.granularity()
+
     # -- places mapped in lockstep (the cache's 2L tensors) -------------------------------------------------
     def mirror(self, places: list[tuple[Region, int]], span: int, store_stride: int) -> Mirror:
         """Declare places (range, offset) of `span` bytes each that are always mapped in lockstep."""
@@ -202,6 +246,45 @@ class VirtualMemory:
                   for region, base in mirror.places]
         self.repair.clear(places, offset, num_pages)
 
+    def apply(self, mirror: Mirror, moves: Moves) -> None:
+        """Carry out a batch of mirrored calls in order (one change of the vmm cache's pages): hold pool pages,
+        unmap (or clear), map. The first failure stops it; a failed map first unmaps the maps of the batch before
+        it. `moves` says afterwards how far it got."""
+        if moves.hold:
+            self.pool.hold(moves.hold)
+        for i, (offset, num_pages) in enumerate(moves.unmaps):
+            try:
+                (self.clear_mirrored if i in moves.clear else self.unmap_mirrored)(mirror, offset, num_pages)
+            except TornMirror:
+                moves.torn = ("unmap", i)
+                raise
+            moves.unmapped += 1
+        for i, (offset, page, num_pages) in enumerate(moves.maps):
+            try:
+                self.map_mirrored(mirror, offset, page, num_pages)
+            except TornMirror:
+                moves.torn, moves.mapped = ("map", i), i + 1   # partly mapped: it counts as mapped
+                raise
+            except BaseException:
+                self._unmap_back(mirror, moves, i)
+                raise
+            moves.mapped += 1
+
+    def _unmap_back(self, mirror: Mirror, moves: Moves, failed: int) -> None:
+        """Unmap the batch's maps before map `failed`, last first; if one of those unmaps fails too, it and the
+        maps before it stay mapped (`moves.mapped`)."""
+        for i in range(failed - 1, -1, -1):
+            offset, _, num_pages = moves.maps[i]
+            try:
+                self.unmap_mirrored(mirror, offset, num_pages)
+            except DriverError as exc:
+                if isinstance(exc, TornMirror):
+                    moves.torn = ("map", i)
+                log.error("vmm: undoing a failed map failed too (%s); the %d maps before it stay mapped", exc, i + 1)
+                moves.mapped = i + 1
+                return
+        moves.mapped = 0
+
     # -- the end of a range, of the driver (vmm/drivers/teardown.py) ---------------------------------------
     def release(self, region: Region) -> None:
         """Unmap what is still mapped and free the reservation; refused while a view of it is alive."""
@@ -211,27 +294,6 @@ class VirtualMemory:
         """Release every range and the page store. Idempotent; always completes (a range a view still reads is released
         when its last view dies)."""
         self.teardown.close()
-
-    def _book_map(self, region: Region, first: int, page: int, num_pages: int, delta: int) -> None:
-        region.pages.update(zip(range(first, first + num_pages), range(page, page + num_pages)))
-        store_maps = self.store_maps
-        for p in range(page, page + num_pages):
-            store_maps[p] += 1
-        region.vmas += delta
-        self.mappings.add(delta)
-        st = self.stats
-        st.mapped_pages += num_pages
-        st.pages_mapped += num_pages
-
-    def _book_unmap(self, region: Region, first: int, num_pages: int, delta: int) -> None:
-        pages, store_maps = region.pages, self.store_maps
-        for i in range(first, first + num_pages):
-            store_maps[pages.pop(i)] -= 1
-        region.vmas += delta
-        self.mappings.add(delta)
-        st = self.stats
-        st.mapped_pages -= num_pages
-        st.pages_unmapped += num_pages
 
     # -- store memory and views ---------------------------------------------------------------------------
     def discard(self, page: int, num_pages: int = 1) -> None:
@@ -259,17 +321,6 @@ class VirtualMemory:
         region.live_views += 1
         weakref.finalize(holder, _view_dropped, region)
         return raw.view(dtype).as_strided(shape, strides)
-
-    def live_views(self, region: Region | None = None) -> int:
-        def count() -> int:
-            return sum(r.live_views for r in self.regions if region is None or r is region)
-        if count():
-            gc.collect()   # views kept only by reference cycles must not block a release
-        return count()
-
-    def _check_open(self) -> None:
-        if self.closed:
-            raise DriverError(f"the {self.name} virtual-memory driver is closed")
 
 
 def _view_dropped(region: Region) -> None:

@@ -1,7 +1,7 @@
 """The plain data the virtual-memory drivers share: a reserved range (`Region`), mirrored places (`Mirror`), the
 counters (`DriverStats`), the two partial-failure errors, `OSMemory`, the OS calls each driver makes (host, cuda,
-accounting), and `Books`, what the composed parts (vmm/drivers/mirror.py, vmm/drivers/teardown.py) need of a
-driver. A leaf: it imports nothing of vmm."""
+accounting), `Moves`, a batch of mirrored calls, and `Books`, what the composed parts (vmm/drivers/mirror.py,
+vmm/drivers/teardown.py) need of a driver. A leaf: it imports nothing of vmm."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -78,6 +78,21 @@ class DriverStats:
     map_refusals: int = 0        # maps refused for lack of OS mappings (MapBudgetExhausted)
     deferred_releases: int = 0   # ranges close() left to be released when their last tensor view dies
     per_place_fallbacks: int = 0  # accounting driver: mirrors booked place by place after a direct call
+
+
+@dataclass(slots=True)
+class Moves:
+    """One change's mirrored calls, carried out in order by `VirtualMemory.apply`: hold `hold` pool pages, unmap the
+    `unmaps` (offset, pages; those whose index is in `clear` are cleared instead: torn places), then map the `maps`
+    (offset, store page, pages). Afterwards, also after a failure: the first `unmapped` unmaps and the first
+    `mapped` maps took effect, and `torn` names the call ("unmap" or "map", index) whose places were left apart."""
+    unmaps: list[tuple[int, int]] = field(default_factory=list)
+    maps: list[tuple[int, int, int]] = field(default_factory=list)
+    hold: int = 0
+    clear: set[int] = field(default_factory=set)
+    unmapped: int = 0
+    mapped: int = 0
+    torn: tuple[str, int] | None = None
 
 
 class OSMemory(Protocol):
