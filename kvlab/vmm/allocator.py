@@ -2,13 +2,15 @@
 D]; physical pages are mapped into a sequence's row (its slot) as it grows, so unmodified contiguous kernels run on
 them (vmm/storage.py).
 
-The backend is three rooms, each calling only the one below it (docs/architecture.md):
+The backend is three rooms; a call walks down them once, never back to a room it left (docs/architecture.md):
 - the allocator (this module, vmm/growth.py, vmm/swap.py, vmm/sharing.py): the books of which sequence holds which
   pages, what a growth costs and its one fast path (`SlotGrowth.in_place`), prefix aliases, swap, the background
-  mapper, and what the engine does for other engines on a machine-wide pool (give back, hand off);
-- the pages (vmm/pages.py, vmm/free_pages.py, vmm/slots.py, vmm/prefix.py, vmm/geometry.py): page groups moved
-  between the free list and slot rows, mapped in every tensor in runs;
+  mapper, and what the engine does for other engines on a machine-wide pool (give back, hand off); it decides
+  from the books and hands a growth to the pages in one call;
+- the pages (vmm/pages.py, vmm/reclaim.py, vmm/free_pages.py, vmm/slots.py, vmm/prefix.py): page groups moved
+  between the free list and slot rows, each move booked first and its driver calls handed down as one batch;
 - the memory (vmm/drivers/): a `VirtualMemory` driver (host, cuda, accounting, pooled) and its `MachinePool`.
+vmm/geometry.py, the layout's constants and arithmetic, is read by all three.
 
 A unit is a page group: one page in each of the 2L tensors (vmm/geometry.py). This class is the front: the seam's
 calls under one lock. It is bookkeeping only: the K/V bytes it decides to move (a page copied for copy-on-write, a
@@ -44,7 +46,6 @@ if TYPE_CHECKING:
     from kvlab.common.config import EngineConfig
     from kvlab.common.sequence import Sequence
     from kvlab.vmm.drivers.base import VirtualMemory
-    from kvlab.vmm.drivers.machine_pool import MachinePool
 
 log = logging.getLogger("kvlab.vmm")
 # The page counters stats() reports in `extra` (the rest have CacheStats fields of their own); read by name, not
@@ -59,12 +60,10 @@ class VMMAllocator(Allocator):
     unit_name = "page"
 
     def __init__(self, config: EngineConfig, shape: KVShape, driver: VirtualMemory,
-                 single_range: bool | None = None, pool: MachinePool | None = None) -> None:
-        """`pool`: the machine-wide pool the driver's pages come from (default: the driver's own, none unless it
-        is a pooled driver)."""
+                 single_range: bool | None = None) -> None:
         opts = config.options_of("vmm")
         self.config, self.shape, self.driver = config, shape, driver
-        self.pool = pool = driver.pool if pool is None else pool
+        self.pool = pool = driver.pool   # the machine-wide pool the driver's pages come from (NO_POOL: none)
         window = shape.sliding_window
         if window is not None and config.enable_prefix_caching:
             raise ConfigError("vmm: prefix caching with a sliding-window model is not supported (the window unmaps "
@@ -247,7 +246,7 @@ class VMMAllocator(Allocator):
                        "pages_unmapped": d.pages_unmapped, "mapping_limit": self.driver.mapping_limit,
                        "reclaimable_units": table.excess, "live_slots": len(table.slot_of),
                        "stale_slots": len(table.stale), "background_seconds": self.mapper.seconds,
-                       "per_place_fallbacks": d.per_place_fallbacks,
+                       "per_place_fallbacks": d.per_place_fallbacks, "torn_pages": len(self.pages.calls.torn),
                        "map_refusals": d.map_refusals, "deferred_releases": d.deferred_releases,
                        **(self.prefix.stats() if self.prefix is not None else {"prefix_caching": "off"}),
                        **({"pool": pool} if (pool := self.pool.stats()) else {}),

@@ -24,7 +24,6 @@ class PageCounters:
     reclaimed_units: int = 0       # pages unmapped to make room (stale slots, pages mapped ahead)
     lookahead_pages: int = 0       # pages the background mapper mapped ahead of need
     lookahead_skipped: int = 0     # background jobs that found no free group
-    torn_pages: int = 0            # pages waiting to be cleared after a TornMirror
     window_dropped_pages: int = 0  # page groups unmapped below a sliding window (back to the free list)
     evicted_for_pool: int = 0      # idle cached groups evicted to give their pages to other engines on the pool
 
@@ -113,6 +112,20 @@ class FreePages:
             self.free[g] = 1
         self.num_free += len(groups)
         return len(groups)
+
+    def unown(self, groups: list[int]) -> None:
+        """Groups booked for one slot that the driver did not map: free again."""
+        for g in groups:
+            self.refs[g] = 0
+        self.return_untaken(groups)
+
+    def retake(self, groups: list[int]) -> None:
+        """Reclaimed groups whose slot lists them again after all (their unmap did not happen). A reclaimed group
+        is exclusive and never cached (pages no live token needs), so put_back freed it."""
+        for g in groups:
+            assert self.refs[g] == 0 and self.free[g], f"group {g} was taken while its unmap was pending"
+            self.free[g], self.refs[g] = 0, 1
+        self.num_free -= len(groups)
 
     def return_untaken(self, groups: Iterable[int]) -> None:
         """After a failed mapping: groups taken but never owned are free again."""

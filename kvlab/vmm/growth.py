@@ -126,10 +126,13 @@ class SlotGrowth:
         return self.free_pages.num_free + self.table.excess + self.free_pages.num_idle()
 
     def available_units(self) -> int:
-        """What can be taken now: free units, the unmapped ones only as far as the machine-wide pool can back them
-        (other engines hold the rest; with no pool its room is unbounded)."""
-        free = self.free_pages
-        return self.table.excess + free.num_idle() + min(free.num_free, self.pool.room_pages() // self.geo.num_tensors)
+        """What can be taken now: free units, the unmapped ones only as far as a machine-wide pool can back them
+        (other engines hold the rest). Read from the books, with no call into the pages room (the walk)."""
+        unmapped = self.free_pages.num_free
+        if self.pool.elastic:
+            unmapped = min(unmapped, self.pool.room_pages() // self.geo.num_tensors)
+        idle = 0 if self.prefix is None else len(self.prefix.cache.idle)
+        return self.table.excess + idle + unmapped
 
     def fits(self, seq: Sequence, num_tokens: int, reserve_units: int) -> bool:
         """Whether growing to `num_tokens` leaves `reserve_units` free (asked for every running sequence every
@@ -138,7 +141,7 @@ class SlotGrowth:
             return False
         index = self.table.slot_of.get(seq.seq_id)
         if index is None:
-            if not self.table.has_free():
+            if len(self.table.slot_of) >= self.geo.num_slots:   # no free slot
                 return False
             need = self.units_to_admit(seq, num_tokens)
         else:
@@ -174,7 +177,8 @@ class SlotGrowth:
 
     def grow(self, seq: Sequence, num_tokens: int, emit: MoveSink) -> int | None:
         """Make the sequence hold `num_tokens`; returns the prefix-hit tokens, or None when out of OS mappings."""
-        slot = self.table.of(seq.seq_id)
+        index = self.table.slot_of.get(seq.seq_id)
+        slot = None if index is None else self.table.slots[index]
         if slot is not None and self.prefix is not None:
             self.prefix.register(seq, slot)
         if slot is not None and self.window is not None:
@@ -213,32 +217,21 @@ class SlotGrowth:
             self.pages.drop_all(self.table.slots[index])
 
     def _grow(self, seq: Sequence, slot: Slot | None, num_tokens: int, emit: MoveSink) -> int:
+        """Decided here, done by the pages room in one call (claiming a slot first for a first allocation)."""
         claimed, hit = slot is None, 0
-        if claimed:
-            slot, hit = self._claim(seq, num_tokens)
+        if claimed and self.prefix is not None:   # its cached prefix pages aliased in
+            slot, hit = self.prefix.claim(seq, num_tokens)
+        elif claimed:
+            slot = self.table.claim(seq.seq_id, num_tokens)
         try:
-            self._hold(slot, seq, max(seq.num_computed_tokens, hit), num_tokens)
-            self.pages.copy_on_write(slot, max(seq.num_computed_tokens, hit), num_tokens, emit)   # hits: not written
-            self.pages.grow(slot, self.geo.pages_for(num_tokens))
+            self.pages.grow(slot, max(seq.num_computed_tokens, hit), num_tokens, emit)   # hits: not written
         except BaseException:
             if claimed:   # a failed first allocation leaves the sequence holding nothing
                 if self.prefix is not None:
                     self.prefix.forget(seq.seq_id)
                 self.pages.release(slot)
             raise
-        self.table.hold(slot, max(slot.held, num_tokens))
         return hit
-
-    def _hold(self, slot: Slot, seq: Sequence, start: int, num_tokens: int) -> None:
-        """A machine-wide pool: take the pool pages of every map this growth makes (copies, new groups, each in
-        every tensor: one driver call per tensor) in one ledger step before the first. A refusal then comes before
-        anything changed, and it asks the other engines for the growth's whole shortfall at once, not for one
-        tensor's page (its one wait in the step got that page, and the next tensor's map was refused)."""
-        new = max(0, self.geo.pages_for(num_tokens) - len(slot.groups))
-        new += len(self.pages.shared_pages(slot, start, num_tokens))
-        unmapped = min(new, self.free_pages.num_free)   # the others come from parked or cached groups: already backed
-        if unmapped:
-            self.pool.hold(unmapped * self.geo.num_tensors)
 
     def retire(self, seq: Sequence, slot: Slot) -> None:
         """The sequence gives its slot up (freed, swapped out): its computed pages stay findable (prefix caching)."""
@@ -246,12 +239,6 @@ class SlotGrowth:
             self.prefix.register(seq, slot)
             self.prefix.forget(seq.seq_id)
         self.pages.release(slot)
-
-    def _claim(self, seq: Sequence, num_tokens: int) -> tuple[Slot, int]:
-        """A slot for a first allocation (with its cached prefix pages aliased in); returns it and the hit tokens."""
-        if self.prefix is None:
-            return self.table.claim(seq.seq_id, num_tokens), 0
-        return self.prefix.claim(seq, num_tokens)
 
     def map_ahead(self, index: int, seq_id: int, target: int) -> bool:
         """The background mapper's job: mapping ahead is skipped, not failed, when the OS mappings are spent."""

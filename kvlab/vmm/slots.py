@@ -197,6 +197,10 @@ class SlotTable:
         elif before:
             self.ahead.discard(slot.index)
 
+    def sort_stale(self) -> None:
+        """Stale slots oldest freed first again (a slot whose reclaim was undone became stale anew)."""
+        self.stale = dict.fromkeys(sorted(self.stale, key=lambda i: self.slots[i].freed_at))
+
     def live(self) -> list[Slot]:
         return [self.slots[i] for i in sorted(self.slot_of.values())]
 

@@ -64,7 +64,7 @@ class SwapSpace:
         if saved.dropped:   # pages below the window stay unmapped
             with self.pages.table.accounting(slot):
                 self.pages.open_window(slot, saved.dropped)
-        self.pages.grow(slot, self.geo.pages_for(saved.tokens))
+        self.pages.extend(slot, self.geo.pages_for(saved.tokens))
 
     def _start(self, saved: SwappedKV) -> int:
         """The first token saved: none below the window's unmapped pages."""

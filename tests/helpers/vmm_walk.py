@@ -16,8 +16,10 @@ from kvlab.common.kv.types import KVShape
 from kvlab.common.sequence import Sequence
 from kvlab.vmm.build import build_vmm
 
+# vmm/geometry.py is no room: the layout's constants and arithmetic (pages_for), read by all three like KVShape.
 ROOMS = {"allocator": ("vmm/allocator.py", "vmm/growth.py", "vmm/swap.py", "vmm/sharing.py"),
-         "pages": ("vmm/pages.py", "vmm/free_pages.py", "vmm/slots.py", "vmm/prefix.py", "vmm/geometry.py"),
+         "pages": ("vmm/pages.py", "vmm/page_calls.py", "vmm/reclaim.py", "vmm/free_pages.py", "vmm/slots.py",
+                   "vmm/prefix.py"),
          "memory": ("vmm/drivers/",)}
 PAGE, TPP = 4096, 32
 SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=16, num_q_heads=4)   # 128 B per token per layer: 32 a page

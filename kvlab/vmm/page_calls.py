@@ -1,0 +1,101 @@
+"""The driver side of the vmm pages room (vmm/pages.py): where page j of slot s sits in every tensor
+(s * row_bytes + j * page_size), the batch (`Moves`) that carries out a booked move (the reclaimed tails' unmaps,
+then a slot's new runs, one mirrored call per run of consecutive groups), and the torn pages: (slot, page)s a call
+left maybe not mapped alike in every tensor because it failed and so did its undo. A torn page is cleared, not
+unmapped, when it goes; until then check_invariants reports it and the cache must be closed."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvlab.vmm.drivers.types import Moves
+
+if TYPE_CHECKING:
+    from kvlab.vmm.drivers.base import VirtualMemory
+    from kvlab.vmm.drivers.types import Mirror
+    from kvlab.vmm.geometry import Geometry
+    from kvlab.vmm.reclaim import Reclaimed
+    from kvlab.vmm.slots import Slot
+
+Spot = tuple[int, int, int]   # an unmap's slot, first page and page count
+
+
+class PageCalls:
+    def __init__(self, geo: Geometry, driver: VirtualMemory, mirror: Mirror) -> None:
+        self.driver, self.mirror = driver, mirror
+        self.row_bytes, self.page_size = geo.row_bytes, geo.page_size
+        self.torn: set[tuple[int, int]] = set()   # (slot, page)
+
+    def at(self, slot: int, page: int) -> int:
+        """Where page `page` of slot `slot` sits inside each tensor."""
+        return slot * self.row_bytes + page * self.page_size
+
+    def moves(self, reclaimed: list[Reclaimed], slot: Slot, first: int, groups: list[int], hold: int = 0) -> Moves:
+        """The batch of booked moves: the reclaimed tails' unmaps (torn ones cleared), then `groups` mapped at
+        pages `first`.. of `slot` (one call per run), after holding `hold` pool pages."""
+        at = self.at
+        clear = {i for i, spot in enumerate(spots(reclaimed)) if self.any_torn(*spot)} if self.torn else set()
+        return Moves([(at(s.index, f), len(g)) for s, f, g in reclaimed],
+                     [(at(slot.index, first + start), groups[start], n) for start, n in group_runs(groups)],
+                     hold, clear)
+
+    def apply(self, moves: Moves, unmaps: list[Spot], slot: int = 0, first: int = 0) -> None:
+        """`driver.apply` with the torn pages kept up to date (`unmaps`: where the unmaps are; the maps start at
+        page `first` of `slot`)."""
+        try:
+            self.driver.apply(self.mirror, moves)
+        except BaseException:
+            self.mark_torn(moves, unmaps, slot, first)
+            raise
+        if moves.clear:
+            self.cleared(moves, unmaps)
+
+    def unmap(self, slot: int, first: int, count: int) -> None:
+        """Unmap pages [first, first + count) of the slot in every tensor, all or nothing (torn ones are cleared)."""
+        clear = {0} if self.any_torn(slot, first, count) else set()
+        self.apply(Moves([(self.at(slot, first), count)], clear=clear), [(slot, first, count)])
+
+    def any_torn(self, slot: int, first: int, count: int) -> bool:
+        return bool(self.torn) and any((slot, j) in self.torn for j in range(first, first + count))
+
+    def first_torn(self, slot: int) -> int | None:
+        return min((j for s, j in self.torn if s == slot), default=None)
+
+    def mark_torn(self, moves: Moves, unmaps: list[Spot], slot: int, first: int) -> None:
+        """After a failed batch: the pages of the call that left its places apart, if one did."""
+        if moves.torn is None:
+            return
+        kind, i = moves.torn
+        if kind == "unmap":
+            self.torn_run(*unmaps[i])
+        else:
+            offset, _, count = moves.maps[i]
+            self.torn_run(slot, first + (offset - moves.maps[0][0]) // self.page_size, count)
+
+    def torn_run(self, slot: int, first: int, count: int) -> None:
+        self.torn.update((slot, j) for j in range(first, first + count))
+
+    def cleared(self, moves: Moves, unmaps: list[Spot]) -> None:
+        """Torn pages the batch cleared are torn no more."""
+        for i in moves.clear:
+            slot, first, count = unmaps[i]
+            self.torn.difference_update((slot, j) for j in range(first, first + count))
+
+
+def spots(reclaimed: list[Reclaimed]) -> list[Spot]:
+    return [(slot.index, first, len(groups)) for slot, first, groups in reclaimed]
+
+
+def mapped_groups(moves: Moves) -> int:
+    """Groups in the maps of the batch that took effect."""
+    return sum(count for _, _, count in moves.maps[:moves.mapped])
+
+
+def group_runs(groups: list[int]) -> list[tuple[int, int]]:
+    """(index, length) runs of consecutive group ids (each run is one mirrored call)."""
+    out: list[tuple[int, int]] = []
+    for i, g in enumerate(groups):
+        if out and groups[out[-1][0]] + out[-1][1] == g:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((i, 1))
+    return out
