@@ -273,3 +273,33 @@ def test_a_decode_step_within_its_page_walks_down_the_vmm_rooms_without_a_driver
     found = walks()
     assert found["decode, same page"] == ["allocator", "pages"] and returns(found["decode, same page"]) == 0
     assert "memory" in found["decode, new page"] and "memory" in found["admission"]
+
+
+# -- sizes a reader can hold (issue 35) -----------------------------------------------------------------------------
+MAX_METHODS, MAX_LINES = 20, 400
+
+
+def methods_of(tree: ast.Module) -> dict[str, int]:
+    """Each class's methods: every def in its body but properties (read as attributes)."""
+    def is_property(f: ast.FunctionDef) -> bool:
+        return any(isinstance(d, ast.Name) and d.id == "property" for d in f.decorator_list)
+    return {node.name: sum(isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and not is_property(f)
+                           for f in node.body)
+            for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
+
+
+def test_no_class_has_more_than_20_methods_and_no_module_more_than_400_lines():
+    big_classes, long_modules = [], []
+    for name, path in project_modules().items():
+        source = path.read_text()
+        if len(source.splitlines()) > MAX_LINES:
+            long_modules.append(f"{name}: {len(source.splitlines())} lines")
+        big_classes += [f"{name}.{cls}: {n} methods" for cls, n in methods_of(ast.parse(source)).items()
+                        if n > MAX_METHODS]
+    assert not big_classes and not long_modules, big_classes + long_modules
+
+
+def test_the_method_count_counts_every_def_but_properties():
+    tree = ast.parse("class A:\n    @property\n    def p(self): ...\n" + "".join(
+        f"    def m{i}(self): ...\n" for i in range(MAX_METHODS + 1)))
+    assert methods_of(tree) == {"A": MAX_METHODS + 1}
