@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvlab.common.errors import ConfigError
+from kvlab.common.kv.dtype_names import KV_CACHE_DTYPES
 from kvlab.common.kv.options import check_choice, check_positive, check_types
 from kvlab.common.kv.registry import REGISTRY
-from kvlab.common.kv.types import KV_CACHE_DTYPES
 from kvlab.common.limits import MAX_MODEL_LEN, MAX_SEED
 from kvlab.common.machine import check_fits_in_ram, max_threads
 from kvlab.common.validate import check_int, check_number, shown

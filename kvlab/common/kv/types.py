@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 
+from kvlab.common.kv.dtype_names import FP8_NAMES
+
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # vLLM's kv_cache_dtype names -> the fp8 format stored (1 byte; kept in uint8 tensors, CPU torch lacks fp8 ops)
-FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-KV_CACHE_DTYPES = ("auto", *FP8_DTYPES)
+FP8_DTYPES = dict(zip(FP8_NAMES, (torch.float8_e4m3fn, torch.float8_e5m2), strict=True))
 
 
 @dataclass(frozen=True, slots=True)
