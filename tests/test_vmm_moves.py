@@ -1,5 +1,5 @@
-"""vmm growth books its page moves first and hands the driver side to the memory room in one go
-(vmm/pages.py, vmm/drivers/slot_maps.py). These tests fail an OS call at each point of a growth that reclaims
+"""vmm growth books its page moves first and hands the driver side to the memory room in one batch (vmm/pages.py,
+vmm/page_calls.py, `VirtualMemory.apply`). These tests fail an OS call at each point of a growth that reclaims
 parked pages from two freed slots and maps new runs, and check that the books are put back to exactly what the
 kernel maps; and that the walk from `allocate` visits the allocator, the pages and the memory once each."""
 from __future__ import annotations
