@@ -4,6 +4,8 @@ parked pages from two freed slots and maps new runs, and check that the books ar
 kernel maps; and that the walk from `allocate` visits the allocator, the pages and the memory once each."""
 from __future__ import annotations
 
+from concurrent.futures import wait
+
 import pytest
 from helpers.flaky_memory import FlakyMemory, kernel_pages
 from helpers.vmm_walk import returns, walks
@@ -121,3 +123,139 @@ def test_the_walk_from_allocate_never_returns_to_a_room_it_left():
     assert found["admission"] == found["decode, new page"] == ["allocator", "pages", "memory"]
     assert found["decode, same page"] == ["allocator", "pages"]
     assert all(returns(stays) == 0 for stays in found.values())
+
+
+# -- background mapping: the unmaps of reclaimed pages are put off to the mapper's next job ---------------------------
+def put_off_growth(memory: FlakyMemory):
+    """`reclaiming_growth` with background mapping on; no sequence is near its next page, so no map-ahead job is
+    wanted."""
+    config = make_config(backend="vmm", page_size=PAGE, kv_cache_bytes=6 * 4 * PAGE, max_model_len=4 * TPP,
+                         max_num_seqs=4, max_num_batched_tokens=256, background_mapping=True)
+    cache = build_vmm(config, SHAPE, driver=HostVirtualMemory(memory=memory))
+    alloc = cache.allocator
+    half = TPP // 2
+    a, b, c, d = (Sequence(i, str(i), list(range(n)), 8) for i, n in enumerate((half, half, half, 2 * TPP - 4)))
+    for seq in (a, c, b, d):
+        alloc.allocate(seq, seq.num_tokens)
+    alloc.free(a)
+    alloc.free(b)
+    c.num_computed_tokens = half
+    assert not alloc.mapper.wanted
+    return cache, c
+
+
+def run_put_off(cache) -> None:
+    """What a step's rows() does before the forward pass: launch the mapper's jobs; then wait for them."""
+    alloc = cache.allocator
+    alloc.rows([], check=False)
+    mapper = alloc.mapper
+    wait([*mapper.pending.values(), *([mapper.unmapping] if mapper.unmapping is not None else [])])
+    mapper.fence([])                                              # a job's error is raised here, as in a step
+
+
+def test_with_background_mapping_a_growth_maps_now_and_its_unmaps_run_with_the_next_job():
+    memory = FlakyMemory(PAGE)
+    cache, c = put_off_growth(memory)
+    alloc = cache.allocator
+    unmaps = memory.calls["unmap"]
+    alloc.allocate(c, 4 * TPP)
+    assert memory.calls["unmap"] == unmaps                        # nothing unmapped on the step
+    assert sorted(map(tuple, alloc.snapshot()["put_off"])) == [(0, 0, 1), (2, 0, 1)]   # a's page, then b's
+    assert_books_are_the_kernels(cache)                            # the old places still map the pages: counted
+    run_put_off(cache)
+    assert memory.calls["unmap"] == unmaps + 2 * 4 and alloc.snapshot()["put_off"] == []
+    assert_books_are_the_kernels(cache)
+    cache.close()
+
+
+def test_a_row_with_unmaps_put_off_runs_them_before_it_maps_again():
+    """A new sequence claims a's old slot before the mapper ran: the unmap goes first, on the step."""
+    memory = FlakyMemory(PAGE)
+    cache, c = put_off_growth(memory)
+    alloc = cache.allocator
+    alloc.allocate(c, 4 * TPP)
+    alloc.free(c)                                                 # c's 4 pages park: slots 0 and 2 are empty rows
+    e = Sequence(9, "9", list(range(3 * TPP)), 8)
+    assert alloc.allocate(e, 3 * TPP) == 0
+    assert_books_are_the_kernels(cache)
+    run_put_off(cache)
+    assert alloc.snapshot()["put_off"] == []
+    assert_books_are_the_kernels(cache)
+    cache.close()
+
+
+def test_a_put_off_unmap_that_fails_is_raised_at_the_next_step_and_stays_put_off():
+    memory = FlakyMemory(PAGE)
+    cache, c = put_off_growth(memory)
+    alloc = cache.allocator
+    alloc.allocate(c, 4 * TPP)
+    memory.fail_next("unmap", 4)                                  # b's page, first tensor (a's went first)
+    with pytest.raises(DriverError, match="injected unmap failure"):
+        run_put_off(cache)
+    assert [tuple(s) for s in alloc.snapshot()["put_off"]] == [(2, 0, 1)]
+    assert_books_are_the_kernels(cache)
+    run_put_off(cache)                                            # the OS works again: the next job unmaps it
+    assert alloc.snapshot()["put_off"] == []
+    assert_books_are_the_kernels(cache)
+    cache.close()
+
+
+def test_a_fork_into_a_row_with_unmaps_put_off_runs_them_first():
+    memory = FlakyMemory(PAGE)
+    cache, c = put_off_growth(memory)
+    alloc = cache.allocator
+    alloc.allocate(c, 4 * TPP)
+    c.num_computed_tokens = 4 * TPP
+    child = Sequence(7, "7", list(range(4 * TPP)), 8)
+    alloc.fork(c, child)                                          # the child's row is a's old one: flushed first
+    assert alloc.snapshot()["slot_of"][child.seq_id] in (0, 2)
+    assert_books_are_the_kernels(cache)
+    cache.close()
+
+
+def test_a_live_row_whose_page_mapped_ahead_was_reclaimed_runs_the_put_off_unmap_before_it_grows():
+    """X maps a page ahead (the mapper's job); Y's admission reclaims it, putting its unmap off; Y ends; X grows
+    into that page: its row's put-off unmap runs first (else the new map would land on a mapped page)."""
+    memory = FlakyMemory(PAGE)
+    config = make_config(backend="vmm", page_size=PAGE, kv_cache_bytes=7 * 4 * PAGE, max_model_len=4 * TPP,
+                         max_num_seqs=4, max_num_batched_tokens=256, background_mapping=True)
+    cache = build_vmm(config, SHAPE, driver=HostVirtualMemory(memory=memory))
+    alloc = cache.allocator
+    x, z, y = (Sequence(i, str(i), list(range(n)), 8) for i, n in enumerate((2 * TPP - 1, 3 * TPP - 4, TPP + 4)))
+    for seq in (x, z):
+        alloc.allocate(seq, seq.num_tokens)
+    run_put_off(cache)                                            # the mapper maps x's third page ahead
+    assert len(alloc.table.of(x.seq_id).groups) == 3
+    alloc.allocate(y, y.num_tokens)                               # the last free group and x's page ahead
+    assert [tuple(s) for s in alloc.snapshot()["put_off"]] == [(0, 2, 1)]
+    alloc.free(y)
+    x.num_computed_tokens = x.num_tokens
+    alloc.allocate(x, 2 * TPP + 1)                                # into page 2 again: reclaims y's parked page
+    assert_books_are_the_kernels(cache)
+    run_put_off(cache)
+    assert alloc.snapshot()["put_off"] == []
+    assert_books_are_the_kernels(cache)
+    cache.close()
+
+
+def test_a_map_ahead_into_a_row_with_an_unmap_put_off_runs_it_first():
+    """As above, but x's next page comes from the mapper: its job (launched by x's own next allocate) runs the
+    row's put-off unmap before it maps."""
+    memory = FlakyMemory(PAGE)
+    config = make_config(backend="vmm", page_size=PAGE, kv_cache_bytes=7 * 4 * PAGE, max_model_len=4 * TPP,
+                         max_num_seqs=4, max_num_batched_tokens=256, background_mapping=True)
+    cache = build_vmm(config, SHAPE, driver=HostVirtualMemory(memory=memory))
+    alloc = cache.allocator
+    x, z, y = (Sequence(i, str(i), list(range(n)), 8) for i, n in enumerate((2 * TPP - 1, 3 * TPP - 4, TPP + 4)))
+    for seq in (x, z):
+        alloc.allocate(seq, seq.num_tokens)
+    run_put_off(cache)
+    alloc.allocate(y, y.num_tokens)
+    alloc.free(y)
+    x.num_computed_tokens = x.num_tokens
+    alloc.allocate(x, 2 * TPP)                                    # within its pages, near the next: a job is wanted
+    assert alloc.table.of(x.seq_id).index in alloc.mapper.wanted
+    alloc.allocate(x, 2 * TPP)                                    # fences x's job: it runs now, on the worker
+    assert len(alloc.table.of(x.seq_id).groups) == 3
+    assert_books_are_the_kernels(cache)
+    cache.close()

@@ -85,6 +85,7 @@ class VMMAllocator(Allocator):
         self.swap = SwapSpace(self.pages, shape.bytes_per_token)
         self.growth = SlotGrowth(self.pages, self.prefix, self.swap, window, pool)
         self.mapper = BackgroundMapper(geo, self._lock, self.growth.map_ahead, opts.background_mapping)
+        self.pages.calls.putting_off = self.mapper.enabled   # the mapper runs the unmaps growths put off
         self.closed = False
         self.plain = cache is None and window is None    # allocate's in-place path applies
         self.also_fits: Callable[[int], bool] = _any_units  # a further limit on the units a growth takes (what-ifs)
@@ -217,7 +218,8 @@ class VMMAllocator(Allocator):
         waited for (only finished ones' errors raised): they map pages past the held tokens, which no row reads."""
         self.mapper.fence([])
         with self._lock:
-            self.mapper.launch()   # this step's map-ahead jobs run while the model does
+            calls = self.pages.calls   # this step's map-ahead jobs and put-off unmaps run while the model does
+            self.mapper.launch(calls.flush_all if calls.put_off else None)
             if check:
                 self.check_invariants()
             slots = [self.table.covering(it.seq.seq_id, it.context_len) for it in items]
@@ -269,6 +271,7 @@ class VMMAllocator(Allocator):
                 "refs": list(self.free_pages.refs),
                 "swapped": {sid: kv.tokens for sid, kv in self.swap.swapped.items()},
                 "pending": self.mapper.in_flight(),
+                "put_off": [list(spot) for spots in self.pages.calls.put_off.values() for spot in spots],
                 "places": [{"offset": offset, "mapped": dict(region.mapped)}   # no addresses: ranks compare it
                            for region, offset in self.ranges.places],
                 "reclaimable_units": self.table.excess,
@@ -285,7 +288,7 @@ class VMMAllocator(Allocator):
             free = self.free_pages
             assert free.num_free + len(needed) + self.table.excess + free.num_idle() == self.geo.num_groups, \
                 "free + used + reclaimable + idle cached != total pages"
-            self.ranges.check_mapped(self.driver, self.geo, self.table.slots)
+            self.ranges.check_mapped(self.driver, self.geo, self.table.slots, self.pages.calls.put_off)
 
     def close(self) -> None:
         """Stop the mapper and release the driver (a range a view still reads is released when that view dies)."""

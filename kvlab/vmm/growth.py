@@ -6,6 +6,10 @@ slot with its cached leading pages aliased in, mapped again at the same page ind
 if written (`PrefixAliases`). With background mapping, a worker thread maps the pages a slot will need soon, off
 the critical path (`BackgroundMapper`): it changes the cache's tables only under the cache's lock; before the cache
 touches a slot it fences that slot (waits for its job), and a worker error is re-raised there, in the caller.
+The same worker also runs the unmaps a growth on the step put off: a growth that reclaims a parked page (or one
+mapped ahead) maps it at its new place at once and leaves the old place mapped, listed by no slot, until the next
+job unmaps it during the forward pass (vmm/page_calls.py); a row whose unmaps are put off runs them before anything
+maps there again.
 """
 from __future__ import annotations
 
@@ -45,6 +49,7 @@ class BackgroundMapper:
         self.seconds = 0.0                      # worker time spent mapping
         self.pending: dict[int, Future] = {}    # slot index -> its launched job (one job maps a whole step's)
         self.wanted: dict[int, tuple[int, int]] = {}   # slot index -> (owner, target pages): not launched yet
+        self.unmapping: Future | None = None    # the last job that runs unmaps growths put off
         self._map_ahead = map_ahead
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvlab-vmm-mapper") if enabled else None
         self.enabled = enabled
@@ -56,20 +61,25 @@ class BackgroundMapper:
         if target > len(slot.groups) and slot.index not in self.pending:
             self.wanted[slot.index] = (slot.seq_id, target)
 
-    def launch(self) -> None:
-        """Start the wanted jobs as one on the worker (the step's books are settled; the forward pass is next)."""
-        if not self.wanted:
+    def launch(self, unmaps: Callable[[], None] | None = None) -> None:
+        """Start the wanted jobs as one on the worker (the step's books are settled; the forward pass is next),
+        after `unmaps`: the unmaps the step's growths put off."""
+        if not self.wanted and unmaps is None:
             return
         jobs, self.wanted = list(self.wanted.items()), {}
-        future = self._executor.submit(self._run, jobs)
+        future = self._executor.submit(self._run, jobs, unmaps)
         for index, _ in jobs:
             self.pending[index] = future
+        if unmaps is not None:
+            self.unmapping = future
 
-    def _run(self, jobs: list[tuple[int, tuple[int, int]]]) -> None:
+    def _run(self, jobs: list[tuple[int, tuple[int, int]]], unmaps: Callable[[], None] | None) -> None:
         with self.lock:
             t0 = time.perf_counter()
+            if unmaps is not None:
+                unmaps()
             mapped = [self._map_ahead(index, seq_id, target) for index, (seq_id, target) in jobs]
-            if any(mapped):
+            if unmaps is not None or any(mapped):
                 self.seconds += time.perf_counter() - t0
 
     def cancel(self, index: int | None) -> None:
@@ -93,6 +103,9 @@ class BackgroundMapper:
             if future.done():
                 del self.pending[index]
                 future.result()
+        if self.unmapping is not None and self.unmapping.done():
+            future, self.unmapping = self.unmapping, None
+            future.result()
 
     def in_flight(self) -> list[int]:
         """The slots whose map-ahead job is wanted or running."""
@@ -105,9 +118,10 @@ class BackgroundMapper:
         self.wanted.clear()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
-            for future in self.pending.values():
+            for future in [*self.pending.values(), *([self.unmapping] if self.unmapping is not None else [])]:
                 error = error or future.exception()
             self.pending.clear()
+            self.unmapping = None
         return error
 
 
@@ -212,7 +226,9 @@ class SlotGrowth:
             return None
 
     def drop_stale(self) -> None:
-        """Unmap the parked pages of freed slots (kept for reuse): their mappings and memory go back."""
+        """Unmap the parked pages of freed slots (kept for reuse) and the unmaps put off: their mappings and memory
+        go back."""
+        self.pages.calls.flush_all()
         for index in list(self.table.stale):
             self.pages.drop_all(self.table.slots[index])
 

@@ -2,7 +2,13 @@
 (s * row_bytes + j * page_size), the batch (`Moves`) that carries out a booked move (the reclaimed tails' unmaps,
 then a slot's new runs, one mirrored call per run of consecutive groups), and the torn pages: (slot, page)s a call
 left maybe not mapped alike in every tensor because it failed and so did its undo. A torn page is cleared, not
-unmapped, when it goes; until then check_invariants reports it and the cache must be closed."""
+unmapped, when it goes; until then check_invariants reports it and the cache must be closed.
+
+With background mapping a growth puts the unmaps of the tails it reclaimed off (`put_off`): the page's memory is
+mapped at its new place at once and stays mapped at the old one, which no slot lists (no kernel reads it), until
+the mapper's next job runs the unmaps during the forward pass. CUDA and the host both map one physical page at two
+places. Anything that maps in a row runs that row's put-off unmaps first (`flush`); one that fails stays put off
+and its error reaches the caller at the next fence, as any mapper error."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -24,6 +30,8 @@ class PageCalls:
         self.driver, self.mirror = driver, mirror
         self.row_bytes, self.page_size = geo.row_bytes, geo.page_size
         self.torn: set[tuple[int, int]] = set()   # (slot, page)
+        self.put_off: dict[int, list[Spot]] = {}  # slot -> unmaps a growth put off (pages its row no longer lists)
+        self.putting_off = False                  # growths put their reclaimed tails' unmaps off (the mapper runs them)
 
     def at(self, slot: int, page: int) -> int:
         """Where page `page` of slot `slot` sits inside each tensor."""
@@ -37,6 +45,23 @@ class PageCalls:
         return Moves([(at(s.index, f), len(g)) for s, f, g in reclaimed],
                      [(at(slot.index, first + start), groups[start], n) for start, n in group_runs(groups)],
                      hold, clear)
+
+    def flush(self, slot: int) -> None:
+        """Run the unmaps put off in the slot's row (before anything maps there again); those not done stay put off."""
+        spots = self.put_off.pop(slot, None)
+        if spots is None:
+            return
+        clear = {i for i, spot in enumerate(spots) if self.any_torn(*spot)} if self.torn else set()
+        moves = Moves([(self.at(*spot[:2]), spot[2]) for spot in spots], clear=clear)
+        try:
+            self.apply(moves, spots)
+        finally:
+            if moves.unmapped < len(spots):
+                self.put_off[slot] = spots[moves.unmapped:]
+
+    def flush_all(self) -> None:
+        for slot in list(self.put_off):
+            self.flush(slot)
 
     def apply(self, moves: Moves, unmaps: list[Spot], slot: int = 0, first: int = 0) -> None:
         """`driver.apply` with the torn pages kept up to date (`unmaps`: where the unmaps are; the maps start at

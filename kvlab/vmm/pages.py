@@ -79,18 +79,27 @@ class SlotPages:
     def extend(self, slot: Slot, pages: int, hold: int = 0, tokens: int = 0) -> None:
         """Map the slot up to `pages` pages and let its owner write `tokens` (`hold`: pool pages to hold first):
         booked first (tails reclaimed, groups taken and listed, tokens held), then carried out in one batch."""
-        first, held = len(slot.groups), slot.held
+        first, held, calls = len(slot.groups), slot.held, self.calls
         if pages <= first:
             if tokens > held:
                 self.table.hold(slot, tokens)
             return
+        if calls.put_off:   # unmaps put off in this row run before it maps there again
+            calls.flush(slot.index)
         new, reclaimed = self.reclaim.obtain(pages - first, slot, keep=pages, prefer=_after_last(slot))
         with self.table.accounting(slot):
             slot.groups.extend(new)
         self.free_pages.own(new)
         if tokens > held:
             self.table.hold(slot, tokens)
-        self._carry_out(self.calls.moves(reclaimed, slot, first, new, hold), reclaimed, slot, first, held)
+        if not calls.putting_off or not reclaimed:
+            self._carry_out(calls.moves(reclaimed, slot, first, new, hold), reclaimed, slot, first, held)
+            return
+        # Background mapping: the reclaimed pages stay mapped at their old place until the mapper's next job unmaps
+        # them, during the forward pass; the new place maps them now. No slot lists the old place: nothing reads it.
+        self._carry_out(calls.moves([], slot, first, new, hold), reclaimed, slot, first, held)
+        for spot in spots(reclaimed):
+            calls.put_off.setdefault(spot[0], []).append(spot)
 
     def map_ahead(self, index: int, seq_id: int, target: int) -> bool:
         """Map pages the slot will need soon, from the free list and parked pages of freed slots (never pages a
@@ -98,6 +107,8 @@ class SlotPages:
         slot, free = self.table.slots[index], self.free_pages
         if slot.seq_id != seq_id or len(slot.groups) >= target:
             return False
+        if self.calls.put_off:
+            self.calls.flush(index)
         reclaimed: list[Reclaimed] = []
         if free.num_free < target - len(slot.groups):   # parked pages of freed slots: anyone's
             self.reclaim.stale(target - len(slot.groups) - free.num_free, reclaimed)
@@ -241,6 +252,8 @@ class SlotPages:
         holds nothing) and the error raised."""
         slot = self.table.claim(seq_id, tokens, fewest_pages)
         try:
+            if self.calls.put_off:
+                self.calls.flush(slot.index)
             fill(slot)
         except BaseException:
             self.release(slot)

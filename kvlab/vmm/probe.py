@@ -47,12 +47,12 @@ class VMMProbe:
         slot_refs = Counter(g for s in slots for g in s["groups"][s["dropped"]:])
         assert all(g == -1 for s in slots for g in s["groups"][:s["dropped"]]), "a window-dropped page is listed"
         assert all(snap["refs"][g] == slot_refs.get(g, 0) for g in range(geo["num_groups"])), "group refcounts drift"
-        mappers = _mappers(snap)
+        mappers, put_off = _mappers(snap)
         store_maps = snap["driver"]["store_maps"]
         total = sum(len(place["mapped"]) for place in snap["places"])
         assert snap["driver"]["mapped_pages"] == total == sum(store_maps), "driver mapping counts drift"
         for store_page, where in mappers.items():
-            assert store_maps[store_page] == len(where)
+            assert store_maps[store_page] == len(where) + put_off[store_page]
             if len(where) > 1:
                 _check_shared(store_page, where, slots, may_share)
         for sid, seq in live.items():
@@ -73,7 +73,8 @@ class VMMProbe:
         assert not snap["slot_of"] and not snap["swapped"] and not snap["pending"]
         stale = sum(len(s["groups"]) for s in snap["slots"])
         assert snap["reclaimable_units"] == stale, "mapped pages beyond the reclaimable stale ones"
-        assert snap["driver"]["mapped_pages"] == stale * snap["geometry"]["num_tensors"]
+        put_off = sum(count for _, _, count in snap["put_off"])   # unmaps background mapping runs next step
+        assert snap["driver"]["mapped_pages"] == (stale + put_off) * snap["geometry"]["num_tensors"]
         _check_idle(snap)
 
     def check_closed(self, cache: KVCache) -> None:
@@ -96,16 +97,24 @@ def _check_idle(snap: dict[str, Any]) -> None:
     assert snap["free_groups"] + stale + len(idle) == groups, "pages leaked: free + stale + idle != total"
 
 
-def _mappers(snap: dict[str, Any]) -> dict[int, list[tuple[int, int]]]:
-    """Pool page -> the (slot, page) of every place mapping it, from the driver's own page tables."""
+def _mappers(snap: dict[str, Any]) -> tuple[dict[int, list[tuple[int, int]]], Counter]:
+    """Pool page -> the (slot, page) of every place mapping it, from the driver's own page tables, and pool page ->
+    how many more places map it whose unmap a growth put off (background mapping: no slot lists them any more)."""
     geo = snap["geometry"]
+    put_off = {(slot, j) for slot, first, count in snap["put_off"] for j in range(first, first + count)}
     mappers: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    put_off_maps: Counter = Counter()
     for place in snap["places"]:
         for va, store_page in place["mapped"].items():
             rel = va * geo["page_size"] - place["offset"]
-            if 0 <= rel < geo["tensor_bytes"]:
-                mappers[store_page].append((rel // geo["row_bytes"], rel % geo["row_bytes"] // geo["page_size"]))
-    return mappers
+            if not 0 <= rel < geo["tensor_bytes"]:
+                continue
+            where = (rel // geo["row_bytes"], rel % geo["row_bytes"] // geo["page_size"])
+            if where in put_off:
+                put_off_maps[store_page] += 1
+            else:
+                mappers[store_page].append(where)
+    return mappers, put_off_maps
 
 
 def _check_shared(store_page: int, where: list[tuple[int, int]], slots: list[dict[str, Any]],

@@ -66,9 +66,18 @@ class Ranges:
             places = [(driver.reserve(geo.tensor_bytes), 0) for _ in range(geo.num_tensors)]
         return cls(places, driver.mirror(places, geo.tensor_bytes, geo.num_groups))
 
-    def check_mapped(self, driver: AddressSpace, geo: Geometry, slots: list[Slot]) -> None:
-        """Every page the slots claim is mapped by the driver at the right store page, and no other."""
+    def check_mapped(self, driver: AddressSpace, geo: Geometry, slots: list[Slot],
+                     put_off: dict[int, list[tuple[int, int, int]]]) -> None:
+        """Every page the slots claim is mapped by the driver at the right store page, and no other but those whose
+        unmap a growth put off (`put_off`: slot -> (slot, first page, pages))."""
         total = 0
+        for spots in put_off.values():
+            for slot, first, count in spots:
+                for region, offset in self.places:
+                    va = (offset + slot * geo.row_bytes + first * geo.page_size) // geo.page_size
+                    assert all(v in region.mapped for v in range(va, va + count)), \
+                        f"slot {slot} pages {first}..{first + count - 1}: an unmap put off finds nothing mapped"
+                total += count * geo.num_tensors
         for slot in slots:
             for j, g in enumerate(slot.groups[slot.dropped:], slot.dropped):
                 for t, (region, offset) in enumerate(self.places):
