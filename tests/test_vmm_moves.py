@@ -168,15 +168,17 @@ def test_with_background_mapping_a_growth_maps_now_and_its_unmaps_run_with_the_n
     cache.close()
 
 
-def test_a_row_with_unmaps_put_off_runs_them_before_it_maps_again():
-    """A new sequence claims a's old slot before the mapper ran: the unmap goes first, on the step."""
+def test_an_admission_beside_rows_with_unmaps_put_off_keeps_the_books_and_the_next_job_runs_them():
+    """c ends and a new sequence takes its parked row before the mapper ran: the put-off places (a's and b's old
+    rows) are still counted, and the next job unmaps them."""
     memory = FlakyMemory(PAGE)
     cache, c = put_off_growth(memory)
     alloc = cache.allocator
     alloc.allocate(c, 4 * TPP)
-    alloc.free(c)                                                 # c's 4 pages park: slots 0 and 2 are empty rows
+    alloc.free(c)                                                 # c's 4 pages park in its row
     e = Sequence(9, "9", list(range(3 * TPP)), 8)
-    assert alloc.allocate(e, 3 * TPP) == 0
+    assert alloc.allocate(e, 3 * TPP) == 0 and alloc.table.of(e.seq_id).index == 1
+    assert alloc.snapshot()["put_off"]
     assert_books_are_the_kernels(cache)
     run_put_off(cache)
     assert alloc.snapshot()["put_off"] == []
