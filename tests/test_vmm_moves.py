@@ -153,6 +153,20 @@ def run_put_off(cache) -> None:
     mapper.fence([])                                              # a job's error is raised here, as in a step
 
 
+def assert_the_next_job_runs_the_put_off_unmaps(cache) -> None:
+    assert_books_are_the_kernels(cache)                            # the put-off places are counted
+    run_put_off(cache)
+    assert cache.allocator.snapshot()["put_off"] == []
+    assert_books_are_the_kernels(cache)
+
+
+def grown_with_put_off(memory: FlakyMemory):
+    """`put_off_growth` after c's growth: a's and b's old places wait for the mapper."""
+    cache, c = put_off_growth(memory)
+    cache.allocator.allocate(c, 4 * TPP)
+    return cache, c
+
+
 def test_with_background_mapping_a_growth_maps_now_and_its_unmaps_run_with_the_next_job():
     memory = FlakyMemory(PAGE)
     cache, c = put_off_growth(memory)
@@ -171,54 +185,40 @@ def test_with_background_mapping_a_growth_maps_now_and_its_unmaps_run_with_the_n
 def test_an_admission_beside_rows_with_unmaps_put_off_keeps_the_books_and_the_next_job_runs_them():
     """c ends and a new sequence takes its parked row before the mapper ran: the put-off places (a's and b's old
     rows) are still counted, and the next job unmaps them."""
-    memory = FlakyMemory(PAGE)
-    cache, c = put_off_growth(memory)
+    cache, c = grown_with_put_off(FlakyMemory(PAGE))
     alloc = cache.allocator
-    alloc.allocate(c, 4 * TPP)
     alloc.free(c)                                                 # c's 4 pages park in its row
     e = Sequence(9, "9", list(range(3 * TPP)), 8)
     assert alloc.allocate(e, 3 * TPP) == 0 and alloc.table.of(e.seq_id).index == 1
     assert alloc.snapshot()["put_off"]
-    assert_books_are_the_kernels(cache)
-    run_put_off(cache)
-    assert alloc.snapshot()["put_off"] == []
-    assert_books_are_the_kernels(cache)
+    assert_the_next_job_runs_the_put_off_unmaps(cache)
     cache.close()
 
 
 def test_a_put_off_unmap_that_fails_is_raised_at_the_next_step_and_stays_put_off():
     memory = FlakyMemory(PAGE)
-    cache, c = put_off_growth(memory)
-    alloc = cache.allocator
-    alloc.allocate(c, 4 * TPP)
+    cache, _ = grown_with_put_off(memory)
     memory.fail_next("unmap", 4)                                  # b's page, first tensor (a's went first)
     with pytest.raises(DriverError, match="injected unmap failure"):
         run_put_off(cache)
-    assert [tuple(s) for s in alloc.snapshot()["put_off"]] == [(2, 0, 1)]
-    assert_books_are_the_kernels(cache)
-    run_put_off(cache)                                            # the OS works again: the next job unmaps it
-    assert alloc.snapshot()["put_off"] == []
-    assert_books_are_the_kernels(cache)
+    assert [tuple(s) for s in cache.allocator.snapshot()["put_off"]] == [(2, 0, 1)]
+    assert_the_next_job_runs_the_put_off_unmaps(cache)            # the OS works again
     cache.close()
 
 
 def test_a_fork_into_a_row_with_unmaps_put_off_runs_them_first():
-    memory = FlakyMemory(PAGE)
-    cache, c = put_off_growth(memory)
-    alloc = cache.allocator
-    alloc.allocate(c, 4 * TPP)
+    cache, c = grown_with_put_off(FlakyMemory(PAGE))
     c.num_computed_tokens = 4 * TPP
     child = Sequence(7, "7", list(range(4 * TPP)), 8)
-    alloc.fork(c, child)                                          # the child's row is a's old one: flushed first
-    assert alloc.snapshot()["slot_of"][child.seq_id] in (0, 2)
+    cache.allocator.fork(c, child)                                # the child's row is a's old one: flushed first
+    assert cache.allocator.snapshot()["slot_of"][child.seq_id] in (0, 2)
     assert_books_are_the_kernels(cache)
     cache.close()
 
 
-def test_a_live_row_whose_page_mapped_ahead_was_reclaimed_runs_the_put_off_unmap_before_it_grows():
-    """X maps a page ahead (the mapper's job); Y's admission reclaims it, putting its unmap off; Y ends; X grows
-    into that page: its row's put-off unmap runs first (else the new map would land on a mapped page)."""
-    memory = FlakyMemory(PAGE)
+def ahead_reclaimed(memory: FlakyMemory):
+    """x maps its third page ahead (the mapper's job); y's admission reclaims it, putting its unmap off (x's row,
+    page 2); y ends, its two pages parked. Returns the cache and x, all of its tokens computed."""
     config = make_config(backend="vmm", page_size=PAGE, kv_cache_bytes=7 * 4 * PAGE, max_model_len=4 * TPP,
                          max_num_seqs=4, max_num_batched_tokens=256, background_mapping=True)
     cache = build_vmm(config, SHAPE, driver=HostVirtualMemory(memory=memory))
@@ -226,35 +226,29 @@ def test_a_live_row_whose_page_mapped_ahead_was_reclaimed_runs_the_put_off_unmap
     x, z, y = (Sequence(i, str(i), list(range(n)), 8) for i, n in enumerate((2 * TPP - 1, 3 * TPP - 4, TPP + 4)))
     for seq in (x, z):
         alloc.allocate(seq, seq.num_tokens)
-    run_put_off(cache)                                            # the mapper maps x's third page ahead
+    run_put_off(cache)
     assert len(alloc.table.of(x.seq_id).groups) == 3
     alloc.allocate(y, y.num_tokens)                               # the last free group and x's page ahead
     assert [tuple(s) for s in alloc.snapshot()["put_off"]] == [(0, 2, 1)]
     alloc.free(y)
     x.num_computed_tokens = x.num_tokens
-    alloc.allocate(x, 2 * TPP + 1)                                # into page 2 again: reclaims y's parked page
-    assert_books_are_the_kernels(cache)
-    run_put_off(cache)
-    assert alloc.snapshot()["put_off"] == []
-    assert_books_are_the_kernels(cache)
+    return cache, x
+
+
+def test_a_live_row_whose_page_mapped_ahead_was_reclaimed_runs_the_put_off_unmap_before_it_grows():
+    """x grows into that page again: its row's put-off unmap runs first (else the new map would land on a mapped
+    page)."""
+    cache, x = ahead_reclaimed(FlakyMemory(PAGE))
+    cache.allocator.allocate(x, 2 * TPP + 1)                      # reclaims a page y parked
+    assert_the_next_job_runs_the_put_off_unmaps(cache)
     cache.close()
 
 
 def test_a_map_ahead_into_a_row_with_an_unmap_put_off_runs_it_first():
     """As above, but x's next page comes from the mapper: its job (launched by x's own next allocate) runs the
     row's put-off unmap before it maps."""
-    memory = FlakyMemory(PAGE)
-    config = make_config(backend="vmm", page_size=PAGE, kv_cache_bytes=7 * 4 * PAGE, max_model_len=4 * TPP,
-                         max_num_seqs=4, max_num_batched_tokens=256, background_mapping=True)
-    cache = build_vmm(config, SHAPE, driver=HostVirtualMemory(memory=memory))
+    cache, x = ahead_reclaimed(FlakyMemory(PAGE))
     alloc = cache.allocator
-    x, z, y = (Sequence(i, str(i), list(range(n)), 8) for i, n in enumerate((2 * TPP - 1, 3 * TPP - 4, TPP + 4)))
-    for seq in (x, z):
-        alloc.allocate(seq, seq.num_tokens)
-    run_put_off(cache)
-    alloc.allocate(y, y.num_tokens)
-    alloc.free(y)
-    x.num_computed_tokens = x.num_tokens
     alloc.allocate(x, 2 * TPP)                                    # within its pages, near the next: a job is wanted
     assert alloc.table.of(x.seq_id).index in alloc.mapper.wanted
     alloc.allocate(x, 2 * TPP)                                    # fences x's job: it runs now, on the worker
