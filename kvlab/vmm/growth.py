@@ -137,7 +137,7 @@ class SlotGrowth:
     # -- cost -----------------------------------------------------------------------------------------------
     def free_units(self) -> int:
         """Free groups, reclaimable mapped ones and idle cached ones: all can be taken."""
-        return self.free_pages.num_free + self.table.excess + self.free_pages.num_idle()
+        return self.free_pages.num_free + self.table.excess + self._idle_units()
 
     def available_units(self) -> int:
         """What can be taken now: free units, the unmapped ones only as far as a machine-wide pool can back them
@@ -145,8 +145,11 @@ class SlotGrowth:
         unmapped = self.free_pages.num_free
         if self.pool.elastic:
             unmapped = min(unmapped, self.pool.room_pages() // self.geo.num_tensors)
-        idle = 0 if self.prefix is None else len(self.prefix.cache.idle)
-        return self.table.excess + idle + unmapped
+        return self.table.excess + self._idle_units() + unmapped
+
+    def _idle_units(self) -> int:
+        """Cached groups no slot maps (prefix caching): free once evicted."""
+        return 0 if self.prefix is None else len(self.prefix.cache.idle)
 
     def fits(self, seq: Sequence, num_tokens: int, reserve_units: int) -> bool:
         """Whether growing to `num_tokens` leaves `reserve_units` free (asked for every running sequence every

@@ -41,18 +41,25 @@ class PageCalls:
         """The batch of booked moves: the reclaimed tails' unmaps (torn ones cleared), then `groups` mapped at
         pages `first`.. of `slot` (one call per run), after holding `hold` pool pages."""
         at = self.at
-        clear = {i for i, spot in enumerate(spots(reclaimed)) if self.any_torn(*spot)} if self.torn else set()
         return Moves([(at(s.index, f), len(g)) for s, f, g in reclaimed],
                      [(at(slot.index, first + start), groups[start], n) for start, n in group_runs(groups)],
-                     hold, clear)
+                     hold, self.clear_of(spots(reclaimed)))
+
+    def clear_of(self, unmaps: list[Spot]) -> set[int]:
+        """The unmaps (by index) that touch a torn page: they clear instead."""
+        return {i for i, spot in enumerate(unmaps) if self.any_torn(*spot)} if self.torn else set()
+
+    def put_off_tails(self, unmaps: list[Spot]) -> None:
+        """Leave these unmaps to the mapper's next job (`flush_all`)."""
+        for spot in unmaps:
+            self.put_off.setdefault(spot[0], []).append(spot)
 
     def flush(self, slot: int) -> None:
         """Run the unmaps put off in the slot's row (before anything maps there again); those not done stay put off."""
         spots = self.put_off.pop(slot, None)
         if spots is None:
             return
-        clear = {i for i, spot in enumerate(spots) if self.any_torn(*spot)} if self.torn else set()
-        moves = Moves([(self.at(*spot[:2]), spot[2]) for spot in spots], clear=clear)
+        moves = Moves([(self.at(*spot[:2]), spot[2]) for spot in spots], clear=self.clear_of(spots))
         try:
             self.apply(moves, spots)
         finally:
@@ -76,8 +83,8 @@ class PageCalls:
 
     def unmap(self, slot: int, first: int, count: int) -> None:
         """Unmap pages [first, first + count) of the slot in every tensor, all or nothing (torn ones are cleared)."""
-        clear = {0} if self.any_torn(slot, first, count) else set()
-        self.apply(Moves([(self.at(slot, first), count)], clear=clear), [(slot, first, count)])
+        unmaps = [(slot, first, count)]
+        self.apply(Moves([(self.at(slot, first), count)], clear=self.clear_of(unmaps)), unmaps)
 
     def any_torn(self, slot: int, first: int, count: int) -> bool:
         return bool(self.torn) and any((slot, j) in self.torn for j in range(first, first + count))

@@ -84,22 +84,18 @@ class SlotPages:
             if tokens > held:
                 self.table.hold(slot, tokens)
             return
-        if calls.put_off:   # unmaps put off in this row run before it maps there again
-            calls.flush(slot.index)
         new, reclaimed = self.reclaim.obtain(pages - first, slot, keep=pages, prefer=_after_last(slot))
         with self.table.accounting(slot):
             slot.groups.extend(new)
         self.free_pages.own(new)
         if tokens > held:
             self.table.hold(slot, tokens)
-        if not calls.putting_off or not reclaimed:
-            self._carry_out(calls.moves(reclaimed, slot, first, new, hold), reclaimed, slot, first, held)
-            return
         # Background mapping: the reclaimed pages stay mapped at their old place until the mapper's next job unmaps
         # them, during the forward pass; the new place maps them now. No slot lists the old place: nothing reads it.
-        self._carry_out(calls.moves([], slot, first, new, hold), reclaimed, slot, first, held)
-        for spot in spots(reclaimed):
-            calls.put_off.setdefault(spot[0], []).append(spot)
+        put_off = calls.putting_off and reclaimed
+        self._carry_out(calls.moves([] if put_off else reclaimed, slot, first, new, hold), reclaimed, slot, first, held)
+        if put_off:
+            calls.put_off_tails(spots(reclaimed))
 
     def map_ahead(self, index: int, seq_id: int, target: int) -> bool:
         """Map pages the slot will need soon, from the free list and parked pages of freed slots (never pages a
@@ -107,8 +103,6 @@ class SlotPages:
         slot, free = self.table.slots[index], self.free_pages
         if slot.seq_id != seq_id or len(slot.groups) >= target:
             return False
-        if self.calls.put_off:
-            self.calls.flush(index)
         reclaimed: list[Reclaimed] = []
         if free.num_free < target - len(slot.groups):   # parked pages of freed slots: anyone's
             self.reclaim.stale(target - len(slot.groups) - free.num_free, reclaimed)
@@ -129,6 +123,8 @@ class SlotPages:
         """Carry out `moves` (PageCalls.moves); on failure put the books back to what the driver did: the groups
         listed after page `first` of `slot` that it did not map, `held` tokens, the tails it did not unmap."""
         try:
+            if self.calls.put_off:   # unmaps put off in this row run before it maps there again
+                self.calls.flush(slot.index)
             self.driver.apply(self.mirror, moves)
         except BaseException:
             self.calls.mark_torn(moves, spots(reclaimed), slot.index, first)
@@ -237,6 +233,8 @@ class SlotPages:
         accounting."""
         moves = self.calls.moves([], slot, len(slot.groups), groups)
         try:
+            if self.calls.put_off:   # unmaps put off in this row run before it maps there again
+                self.calls.flush(slot.index)
             self.calls.apply(moves, [], slot.index, len(slot.groups))
         finally:
             kept = groups[:mapped_groups(moves)]
@@ -252,8 +250,6 @@ class SlotPages:
         holds nothing) and the error raised."""
         slot = self.table.claim(seq_id, tokens, fewest_pages)
         try:
-            if self.calls.put_off:
-                self.calls.flush(slot.index)
             fill(slot)
         except BaseException:
             self.release(slot)
