@@ -333,6 +333,31 @@ def test_fork_shares_pages_and_copies_a_shared_page_on_write(make_cache):
     assert cache.allocator.snapshot()["refs"][p.groups[0]] == 1 and c.groups == []   # a free slot keeps no shared page
 
 
+def test_a_copy_on_write_never_takes_a_page_under_the_tokens_the_slot_holds(make_cache):
+    """A fork child holds what its parent allocated (40 tokens, two pages), more than it has computed (4). Writing
+    token 4 copies the shared page 0; the only unit to copy into is an idle cached page. Reclaiming took the
+    child's own page 1 first, as if 5 tokens were all it held: the slot kept 40 tokens on one page (issue 39's
+    slow property run found it)."""
+    cache = make_cache(groups=4, enable_prefix_caching=True)
+    alloc = cache.allocator
+    cached = seq(0, TPP)
+    alloc.allocate(cached, TPP)
+    cached.num_computed_tokens = TPP
+    alloc.free(cached)                                     # its page stays cached, idle: evictable
+    parent = Sequence(1, "1", [1000 + i for i in range(40)], max_tokens=64)
+    alloc.allocate(parent, 40)
+    parent.num_computed_tokens = 4
+    child = Sequence(2, "2", list(parent.token_ids), max_tokens=64)
+    child.num_computed_tokens = 4
+    alloc.fork(parent, child)
+    alloc.allocate(Sequence(3, "3", [2000 + i for i in range(TPP)], max_tokens=64), TPP)   # the last free group
+    assert alloc.num_free_units() == 1 and alloc.units_needed(child, 5) == 1
+    assert alloc.allocate(child, 5) == 0
+    c = slots(cache)[alloc.snapshot()["slot_of"][2]]
+    assert c.held == 40 and len(c.groups) == 2 and cache.stats().cow_copies == 1
+    cache.check_invariants()
+
+
 def test_fork_needs_a_slot_and_a_parent(make_cache):
     cache = make_cache(max_num_seqs=2)
     a, b = seq(0, 10), seq(1, 10)

@@ -45,7 +45,8 @@ class Reclaim:
             count -= self._tail(slot, min(count, len(slot.groups) - self.geo.pages_for(slot.held)), out)
             if count <= 0:
                 return
-        if count > 0:
+        if count > 0:   # never a page under the tokens it holds (a fork child may hold more than it asks for)
+            keep = max(keep, self.geo.pages_for(requester.held))
             self._tail(requester, min(count, len(requester.groups) - keep), out)
 
     def stale(self, count: int, out: list[Reclaimed]) -> int:
