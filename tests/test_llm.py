@@ -16,7 +16,8 @@ from kvlab.common import engine as engine_module
 from kvlab.common.config import make_config
 from kvlab.common.engine import Engine
 from kvlab.common.errors import ConfigError, KvlabError, RequestError
-from kvlab.common.model import LlamaForCausalLM, ModelConfig
+from kvlab.common.model import LlamaForCausalLM
+from kvlab.common.model_config import ModelConfig
 
 BACKENDS = ["paged", "vmm", "reserve"]
 SMALL = dict(kv_cache_bytes=512 * 4096, max_model_len=128, page_size=4096, block_size=8, threads=1)

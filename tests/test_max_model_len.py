@@ -16,7 +16,8 @@ from kvlab.common.config import make_config
 from kvlab.common.errors import ConfigError, ModelLoadError
 from kvlab.common.llm import LLM
 from kvlab.common.loader import load_model, read_model_config
-from kvlab.common.model import LlamaForCausalLM, ModelConfig
+from kvlab.common.model import LlamaForCausalLM
+from kvlab.common.model_config import ModelConfig
 from kvlab.common.presets import TINY_CONFIG
 from kvlab.common.sampling_params import SamplingParams
 

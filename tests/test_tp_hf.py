@@ -11,7 +11,8 @@ import torch
 from kvlab.common.dist.shard import SafetensorsReader, build_shard, shard_config
 from kvlab.common.llm import LLM
 from kvlab.common.loader import load_model
-from kvlab.common.model import LlamaForCausalLM, ModelConfig
+from kvlab.common.model import LlamaForCausalLM
+from kvlab.common.model_config import ModelConfig
 from kvlab.common.sampling_params import SamplingParams
 
 CONFIG = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=8,

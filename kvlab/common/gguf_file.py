@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 from kvlab.common.errors import ModelLoadError
-from kvlab.common.model import LlamaForCausalLM, ModelConfig
+from kvlab.common.model import LlamaForCausalLM
+from kvlab.common.model_config import ModelConfig
 from kvlab.common.tokenizer import BPETokenizer
 from kvlab.common.weights import assign_weights, check_fits, first_line, make_config
 

@@ -12,8 +12,9 @@ import torch
 
 from kvlab.common.errors import ConfigError, KvlabError, ModelLoadError
 from kvlab.common.gguf_file import load_gguf
-from kvlab.common.kv.types import TORCH_DTYPES
-from kvlab.common.model import LLAMA3_ROPE_KEYS, LlamaForCausalLM, ModelConfig
+from kvlab.common.kv.torch_dtypes import TORCH_DTYPES
+from kvlab.common.model import LlamaForCausalLM
+from kvlab.common.model_config import LLAMA3_ROPE_KEYS, ModelConfig
 from kvlab.common.presets import PRESETS, load_preset
 from kvlab.common.tokenizer import BPETokenizer
 from kvlab.common.validate import user_path

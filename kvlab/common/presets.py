@@ -8,7 +8,8 @@ from pathlib import Path
 
 from kvlab.common.errors import ModelLoadError
 from kvlab.common.gguf_file import load_gguf
-from kvlab.common.model import LlamaForCausalLM, ModelConfig
+from kvlab.common.model import LlamaForCausalLM
+from kvlab.common.model_config import ModelConfig
 from kvlab.common.tokenizer import ByteTokenizer
 
 TINY_CONFIG = ModelConfig(

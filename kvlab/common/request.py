@@ -3,14 +3,15 @@ step's output, and the scheduler's counters."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvlab.common.attention.metadata import BatchItem
 from kvlab.common.sampling_params import SamplingParams
 from kvlab.common.sched.beam import BeamState
 from kvlab.common.sequence import Sequence
+
+if TYPE_CHECKING:
+    import torch
 
 Sample = tuple[int, float]          # (token id, log-probability)
 
@@ -138,3 +139,11 @@ class SchedulerStats:
 
 def generator_seed(seed: int, index: int) -> int:
     return (seed * 1_000_003 + index) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def seeded_generators(seed: int | None, n: int) -> list[torch.Generator] | None:
+    """One CPU generator per draw of a seeded request; None when unseeded (torch is imported only then)."""
+    if seed is None:
+        return None
+    import torch
+    return [torch.Generator().manual_seed(generator_seed(seed, i)) for i in range(n)]

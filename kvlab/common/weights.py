@@ -11,7 +11,8 @@ import torch
 
 from kvlab.common.errors import ConfigError, ModelLoadError
 from kvlab.common.machine import fmt_bytes, ram_bytes
-from kvlab.common.model import LlamaForCausalLM, ModelConfig
+from kvlab.common.model import LlamaForCausalLM
+from kvlab.common.model_config import ModelConfig
 
 log = logging.getLogger("kvlab.common.loader")
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)     # buffers some old checkpoints saved

@@ -6,7 +6,6 @@ from typing import TYPE_CHECKING
 from kvlab.common.kv.seam import KVCache, NullStorage
 from kvlab.common.kv.types import KVShape
 from kvlab.paged.allocator import PagedAllocator
-from kvlab.paged.storage import PagedStorage
 
 if TYPE_CHECKING:
     from kvlab.common.config import EngineConfig
@@ -16,5 +15,7 @@ def build_paged(config: EngineConfig, shape: KVShape, accounting_only: bool = Fa
     """A real storage reads the allocator's tables; the cache hands it the allocator's orders. Accounting mode
     has the null storage, which discards them."""
     allocator = PagedAllocator(config, shape)
-    storage = NullStorage() if accounting_only else PagedStorage(config, shape, allocator)
-    return KVCache(allocator=allocator, storage=storage, shape=shape)
+    if accounting_only:
+        return KVCache(allocator=allocator, storage=NullStorage(), shape=shape)
+    from kvlab.paged.storage import PagedStorage  # torch: not for the simulator's accounting caches
+    return KVCache(allocator=allocator, storage=PagedStorage(config, shape, allocator), shape=shape)

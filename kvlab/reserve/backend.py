@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING
 
 from kvlab.common.kv.seam import KVCache, NullStorage
 from kvlab.reserve.allocator import ReserveAllocator
-from kvlab.reserve.storage import ReserveStorage
 
 if TYPE_CHECKING:
     from kvlab.common.config import EngineConfig
@@ -16,5 +15,7 @@ if TYPE_CHECKING:
 
 def build_reserve(config: EngineConfig, shape: KVShape, accounting_only: bool = False) -> KVCache:
     books = ReserveAllocator(config, shape)
-    storage = NullStorage() if accounting_only else ReserveStorage(config, shape, books)
-    return KVCache(allocator=books, storage=storage, shape=shape)
+    if accounting_only:
+        return KVCache(allocator=books, storage=NullStorage(), shape=shape)
+    from kvlab.reserve.storage import ReserveStorage  # torch: not for the simulator's accounting caches
+    return KVCache(allocator=books, storage=ReserveStorage(config, shape, books), shape=shape)

@@ -9,7 +9,6 @@ from kvlab.common.kv.seam import KVCache, NullStorage
 from kvlab.common.kv.types import KVShape
 from kvlab.vmm.allocator import VMMAllocator
 from kvlab.vmm.drivers.factory import make_driver
-from kvlab.vmm.storage import KVViews, VMMStorage
 
 if TYPE_CHECKING:
     from kvlab.common.config import EngineConfig
@@ -26,6 +25,7 @@ def build_vmm(config: EngineConfig, shape: KVShape, accounting_only: bool = Fals
     allocator = VMMAllocator(config, shape, driver, single_range)
     if accounting_only:
         return KVCache(allocator=allocator, storage=NullStorage(), shape=shape)
+    from kvlab.vmm.storage import KVViews, VMMStorage  # torch: not for the simulator's accounting caches
     try:
         views = KVViews(allocator.driver, allocator.geo, shape, allocator.ranges)
         storage = VMMStorage(allocator, views, shape, config.kernel, config.check_invariants, config.kv_cache_scale)

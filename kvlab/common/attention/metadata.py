@@ -4,9 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 if TYPE_CHECKING:
+    import torch
+
     from kvlab.common.sequence import Sequence
 
 @dataclass(slots=True)
@@ -84,6 +84,7 @@ def kernel_workspace(meta: AttentionMetadata) -> dict:
 
 def base_metadata(items: list[BatchItem], device: str = "cpu") -> dict[str, Any]:
     """The common metadata fields as constructor kwargs; backends extend them."""
+    import torch  # here, not at the top: the scheduler's BatchItem is read where torch is not (the simulator)
     query = [it.num_tokens for it in items]
     context = [it.context_len for it in items]
     cu = [0]

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from kvlab.common.errors import ConfigError, ModelLoadError
-from kvlab.common.model import LlamaForCausalLM, ModelConfig
+from kvlab.common.model import LlamaForCausalLM
+from kvlab.common.model_config import ModelConfig
 from kvlab.common.weights import IGNORED_SUFFIXES
 from torch import nn
 

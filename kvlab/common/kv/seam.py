@@ -22,11 +22,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
-
 from kvlab.common.kv.types import CacheStats, CopyKV, DropSavedKV, KVMove, KVShape, MoveSink, RestoreKV, SaveKV, discard
 
 if TYPE_CHECKING:
+    import torch
+
     from kvlab.common.attention.metadata import AttentionMetadata, BatchItem
     from kvlab.common.sequence import Sequence
 
@@ -151,6 +151,8 @@ class Storage(ABC):
 
     def build_dispatcher(self, shape: KVShape, layout: str, kernel: str, **spec: Any) -> None:
         """Pick this storage's kernels for its layout and shape (refusals and fallbacks are recorded)."""
+        import torch
+
         from kvlab.common.attention.dispatch import AttentionSpec, make_dispatcher
         device = torch.device(shape.device)
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None

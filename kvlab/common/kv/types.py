@@ -12,15 +12,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from kvlab.common.kv.dtype_names import COMPUTE_DTYPE_BYTES, FP8_NAMES
 
-from kvlab.common.kv.dtype_names import FP8_NAMES
-
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# vLLM's kv_cache_dtype names -> the fp8 format stored (1 byte; kept in uint8 tensors, CPU torch lacks fp8 ops)
-FP8_DTYPES = dict(zip(FP8_NAMES, (torch.float8_e4m3fn, torch.float8_e5m2), strict=True))
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,24 +32,28 @@ class KVShape:
     kv_cache_dtype: str = "auto"       # auto (= dtype) | fp8_e4m3 | fp8_e5m2 (stored as 1-byte values)
     sliding_window: int | None = None  # every layer attends to its last W tokens only (Mistral); None: all
 
+    # The torch dtypes are imported when asked for: sizing a cache (the simulator) needs no torch.
     @property
     def torch_dtype(self) -> torch.dtype:
+        from kvlab.common.kv.torch_dtypes import TORCH_DTYPES
         return TORCH_DTYPES[self.dtype]
 
     @property
     def fp8_dtype(self) -> torch.dtype | None:
         """The fp8 format K/V are stored in, or None when they are stored in the compute dtype."""
+        from kvlab.common.kv.torch_dtypes import FP8_DTYPES
         return FP8_DTYPES.get(self.kv_cache_dtype)
 
     @property
     def cache_dtype(self) -> torch.dtype:
         """The dtype of the cache tensors: uint8 bytes holding fp8 values, else the compute dtype."""
+        import torch
         return torch.uint8 if self.fp8_dtype is not None else self.torch_dtype
 
     @property
     def itemsize(self) -> int:
         """Bytes of one stored K or V element (1 with an fp8 cache)."""
-        return torch.tensor([], dtype=self.cache_dtype).element_size()
+        return 1 if self.kv_cache_dtype in FP8_NAMES else COMPUTE_DTYPE_BYTES[self.dtype]
 
     @property
     def bytes_per_token_per_layer(self) -> int:

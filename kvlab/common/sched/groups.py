@@ -12,10 +12,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-
 from kvlab.common.attention.metadata import BatchItem
-from kvlab.common.request import SampleSpec, generator_seed
+from kvlab.common.request import SampleSpec, seeded_generators
 from kvlab.common.sched.beam import BeamState, select_beams
 
 if TYPE_CHECKING:
@@ -29,8 +27,7 @@ class SingleGroup:
         self.req = req
         self.life = life
         p = req.params
-        self.generators = (None if p.seed is None else
-                           [torch.Generator().manual_seed(generator_seed(p.seed, i)) for i in range(p.n)])
+        self.generators = seeded_generators(p.seed, p.n)
         self._spec = SampleSpec(p, 1, None if self.generators is None else [self.generators[0]])
 
     def spec(self, seq: Sequence) -> SampleSpec:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from kvlab.common.errors import ConfigError
 from kvlab.common.kv.types import KVShape
-from kvlab.common.model import ModelConfig
+from kvlab.common.model_config import ModelConfig
 
 if TYPE_CHECKING:
     from kvlab.common.request import SchedulerOutput

@@ -4,15 +4,16 @@ from __future__ import annotations
 import logging
 from array import array
 from collections.abc import Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kvlab.common.errors import DriverError
 from kvlab.vmm.drivers import checks
 from kvlab.vmm.drivers.base import VirtualMemory
 from kvlab.vmm.drivers.mirror_books import MirrorBooks
 from kvlab.vmm.drivers.types import Mirror, Region
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("kvlab.vmm")
 

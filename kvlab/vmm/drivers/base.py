@@ -21,8 +21,7 @@ import time
 import weakref
 from array import array
 from itertools import pairwise
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvlab.common.errors import DriverError
 from kvlab.vmm.drivers import checks
@@ -32,6 +31,9 @@ from kvlab.vmm.drivers.mirror import MirrorRepair
 from kvlab.vmm.drivers.teardown import Teardown
 from kvlab.vmm.drivers.types import DriverStats, Mirror, Moves, OSMemory, PartialCall, Region, TornMirror
 from kvlab.vmm.drivers.vmas import region_map_delta, region_unmap_delta
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["DriverStats", "Mirror", "OSMemory", "PageBooks", "PartialCall", "Region", "VirtualMemory"]
 log = logging.getLogger("kvlab.vmm")
@@ -311,7 +313,7 @@ class VirtualMemory(PageBooks):
         """A zero-copy tensor over the range (never reads memory). `strides` in elements, default contiguous;
         `offset` in bytes from the start of the range."""
         self._check_open()
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         strides = strides or contiguous_strides(shape)
         span = itemsize * (1 + sum((n - 1) * s for n, s in zip(shape, strides))) if all(shape) else 0
         if offset % itemsize or offset < 0 or offset + span > region.nbytes:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from kvlab.common.errors import ConfigError
 from kvlab.vmm.drivers.accounting import AccountingVirtualMemory
 from kvlab.vmm.drivers.base import VirtualMemory
-from kvlab.vmm.drivers.cuda_device import cuda_index
 
 
 def make_driver(device: str, page_size: int, accounting_only: bool, pool: str | None = None,
@@ -24,4 +23,5 @@ def make_driver(device: str, page_size: int, accounting_only: bool, pool: str | 
         from kvlab.vmm.drivers.host import HostVirtualMemory
         return HostVirtualMemory(page_size)
     from kvlab.vmm.drivers.cuda import CudaVirtualMemory
+    from kvlab.vmm.drivers.cuda_device import cuda_index
     return CudaVirtualMemory(cuda_index(device), page_size)

@@ -26,7 +26,7 @@ from kvlab.common.attention.declarations import REGISTRY, KernelDecl
 from kvlab.common.attention.dispatch import resolve
 from kvlab.common.attention.metadata import BatchItem, ContiguousMetadata, PagedMetadata, base_metadata
 from kvlab.common.attention.spec import AttentionSpec
-from kvlab.common.kv.types import TORCH_DTYPES
+from kvlab.common.kv.torch_dtypes import TORCH_DTYPES
 from kvlab.common.sequence import Sequence
 from kvlab.experiments.studies.fallbacks.grid import Grid, Row
 from kvlab.experiments.studies.fallbacks.summary import fallback_paths
