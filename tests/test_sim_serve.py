@@ -7,7 +7,7 @@ import pytest
 
 from kvlab.common.errors import ConfigError
 from kvlab.experiments.cli.main import main
-from kvlab.experiments.loadgen.sweep import ROW_KEYS
+from kvlab.experiments.loadgen.rows import ROW_KEYS
 from kvlab.experiments.sim.core import HOST_TIMED, SimCase, SimSettings, run_case
 from kvlab.experiments.sim.roofline import hardware, model_spec
 from kvlab.experiments.sim.serve import slo

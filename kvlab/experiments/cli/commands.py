@@ -22,7 +22,7 @@ COMMANDS = {
                     "a machine-wide KV page pool shared by engines (create, status, limit)"),
     "sharing": Command("kvlab.experiments.studies.sharing",
                        "KV memory saved by sharing: parallel sampling and beam search"),
-    "serve": Command("kvlab.experiments.serve", "an OpenAI-compatible HTTP server over one backend"),
+    "serve": Command("kvlab.experiments.serve.cli", "an OpenAI-compatible HTTP server over one backend"),
     "prefix": Command("kvlab.experiments.studies.prefix",
                       "prefix-cache hit rate and savings vs unit size, paged vs vmm"),
     "calibrate": Command("kvlab.experiments.bench.calibrate",

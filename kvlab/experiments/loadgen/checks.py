@@ -61,7 +61,7 @@ def check_traffic(args: argparse.Namespace) -> None:
 
 
 def rates_of(args: argparse.Namespace) -> list[float]:
-    from kvlab.experiments.loadgen.sweep import parse_rates
+    from kvlab.experiments.loadgen.rows import parse_rates
     return parse_rates(args.request_rates) if args.request_rates else [args.request_rate]
 
 

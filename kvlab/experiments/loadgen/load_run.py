@@ -3,7 +3,6 @@ seed only) and the vLLM-named result. Shared by `kvlab bench serve` and the pair
 from __future__ import annotations
 
 import asyncio
-import math
 import sys
 from dataclasses import dataclass, replace
 from typing import Any
@@ -16,6 +15,7 @@ from kvlab.experiments.limits import MAX_SPAN_S
 from kvlab.experiments.loadgen import datasets, latency, prompts
 from kvlab.experiments.loadgen.arrivals import arrival_times
 from kvlab.experiments.loadgen.client import Target, run_load
+from kvlab.experiments.loadgen.rows import attribution_totals, request_log
 
 
 @dataclass(frozen=True)
@@ -94,20 +94,6 @@ def per_request(records: list[latency.RequestRecord]) -> dict[str, list]:
             "generated_texts": [r.generated_text for r in records], "errors": [r.error for r in records]}
 
 
-ATTRIBUTED = ("kv_wait_s", "num_preemptions", "recomputed_tokens", "map_unmap_s")
-
-
-def request_log(r: latency.RequestRecord) -> dict[str, Any]:
-    """One request of the run: client timings plus the server's KV attribution (absent for a non-kvlab server)."""
-    return {"start_s": r.start, "ttft_s": r.ttft, "e2el_s": r.latency, "prompt_len": r.prompt_len,
-            "output_tokens": r.output_tokens, "success": r.success, "error": r.error} | \
-        {k: r.kvlab.get(k) for k in ATTRIBUTED}
-
-
-def attribution_totals(records: list[latency.RequestRecord]) -> dict[str, float]:
-    """Sums over the run's requests of what the server attributed to each (NaN when it reported nothing)."""
-    seen = [r.kvlab for r in records if r.kvlab]
-    return {f"total_{k}": (sum(e.get(k) or 0 for e in seen) if seen else math.nan) for k in ATTRIBUTED}
 
 
 def format_result(r: dict[str, Any]) -> str:

@@ -17,8 +17,9 @@ from kvlab.common.errors import ConfigError
 from kvlab.experiments.loadgen import latency
 from kvlab.experiments.loadgen.client import Target, run_load
 from kvlab.experiments.loadgen.datasets import LoadRequest
-from kvlab.experiments.loadgen.load_run import LoadSpec, attribution_totals, load_requests, request_log
+from kvlab.experiments.loadgen.load_run import LoadSpec, load_requests
 from kvlab.experiments.loadgen.phases import Phases
+from kvlab.experiments.loadgen.rows import attribution_totals, request_log
 from kvlab.experiments.loadgen.sampler import StatsSampler
 
 LEAD_S = 0.5          # from setting the shared clock to arrival 0.0: every stream's client is ready by then

@@ -22,28 +22,13 @@ from typing import Any, NamedTuple
 
 import httpx
 
-from kvlab.common.errors import ConfigError
 from kvlab.experiments.loadgen.load_run import LoadSpec, bench_once
+from kvlab.experiments.loadgen.rows import SWEEP_ROW_KEYS
 from kvlab.experiments.loadgen.sampler import StatsSampler
 from kvlab.experiments.serve.process import launch, stop, wait_serving
 
 log = logging.getLogger("kvlab.bench.serve")
 START_TIMEOUT_S = 120
-ROW_KEYS = ("backend", "request_rate", "completed", "failed", "duration", "request_throughput",
-            "output_throughput", "request_goodput", "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms",
-            "p50_itl_ms", "p99_itl_ms", "p50_e2el_ms", "p99_e2el_ms", "max_concurrent_requests", "server_preemptions",
-            "total_kv_wait_s", "total_num_preemptions", "total_recomputed_tokens", "total_map_unmap_s")
-SWEEP_ROW_KEYS = (*ROW_KEYS[:2], "repeat", *ROW_KEYS[2:])      # simulate serve's CSV shares ROW_KEYS, no repeats
-
-
-def parse_rates(items: list[str]) -> list[float]:
-    try:
-        rates = [float(x) for x in items]
-    except ValueError:
-        raise ConfigError(f"bad --request-rates {','.join(items)}: numbers or inf, e.g. 1,2,4,inf") from None
-    if any(not r > 0 for r in rates):
-        raise ConfigError("every request rate must be > 0 (or inf)")
-    return rates
 
 
 @contextlib.contextmanager

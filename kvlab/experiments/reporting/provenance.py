@@ -54,7 +54,7 @@ def served_config(argv: list[str]) -> dict[str, Any]:
     import argparse
 
     from kvlab.experiments.cli import flags
-    from kvlab.experiments.serve.server import add_parser
+    from kvlab.experiments.serve.cli import add_parser
     parser = flags.KvlabParser(prog="kvlab")
     add_parser(parser.add_subparsers(dest="command"))
     return engine_config(flags.engine_config(vars(parser.parse_args(["serve", *argv], argparse.Namespace()))))

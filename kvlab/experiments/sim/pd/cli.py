@@ -15,7 +15,7 @@ from kvlab.common.errors import ConfigError
 from kvlab.common.validate import check_int, check_number
 from kvlab.experiments.cli import flags
 from kvlab.experiments.limits import MAX_REQUESTS, MAX_SPAN_S
-from kvlab.experiments.loadgen.sweep import parse_rates
+from kvlab.experiments.loadgen.rows import parse_rates
 from kvlab.experiments.reporting.checkpoint import keeping
 from kvlab.experiments.reporting.tables import table
 from kvlab.experiments.sim.gpu_figures import LINKS, MEMORY_UTILIZATION, kv_budget_gb, link

@@ -18,7 +18,7 @@ from kvlab.common.validate import check_int, check_number
 from kvlab.experiments.cli import flags
 from kvlab.experiments.limits import MAX_BUDGET_GB, MAX_REQUESTS, MAX_SPAN_S
 from kvlab.experiments.loadgen import latency
-from kvlab.experiments.loadgen.sweep import ROW_KEYS, parse_rates
+from kvlab.experiments.loadgen.rows import ROW_KEYS, parse_rates
 from kvlab.experiments.reporting.checkpoint import keeping
 from kvlab.experiments.reporting.verdict import short_run_warning
 from kvlab.experiments.sim.core import SimCase

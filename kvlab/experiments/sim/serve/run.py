@@ -14,7 +14,7 @@ from kvlab.common.validate import shown
 from kvlab.experiments.loadgen import latency
 from kvlab.experiments.loadgen.arrivals import arrival_times
 from kvlab.experiments.loadgen.datasets import draw_lengths
-from kvlab.experiments.loadgen.load_run import attribution_totals, request_log
+from kvlab.experiments.loadgen.rows import attribution_totals, request_log
 from kvlab.experiments.sim.core import SimCase, SimSettings, format_page, run_case
 from kvlab.experiments.sim.serve.costs import CostLedger, DriverProfile, profile
 from kvlab.experiments.sim.serve.early_stop import SloMissed, SloWatch, stopped_result
