@@ -24,6 +24,7 @@ from kvlab.common.kv.seam import KVCache
 from kvlab.common.kv.types import CopyKV, DropSavedKV, KVShape, RestoreKV, SaveKV
 from kvlab.common.sequence import Sequence
 from kvlab.vmm.build import build_vmm
+from kvlab.vmm.drivers.accounting import AccountingVirtualMemory
 from kvlab.vmm.drivers.host import HostMemory, HostVirtualMemory
 from kvlab.vmm.storage import KVViews, VMMStorage
 
@@ -331,6 +332,25 @@ def test_fork_shares_pages_and_copies_a_shared_page_on_write(make_cache):
     cache.allocator.free(child)
     c = slots(cache)[c.index]
     assert cache.allocator.snapshot()["refs"][p.groups[0]] == 1 and c.groups == []   # a free slot keeps no shared page
+
+
+@pytest.mark.parametrize("merges", [True, False])
+def test_a_growth_takes_a_freed_slots_parked_pages_whole_where_one_call_unmaps_a_run(make_cache, merges):
+    """Host mmap unmaps a run in one call, so a freed slot's tail goes whole and later growths only map; CUDA
+    unmaps page by page, so only the page needed goes and the rest stay parked for a later owner."""
+    cache = make_cache(groups=4, max_model_len=4 * TPP, accounting_only=True,
+                       driver=AccountingVirtualMemory(PAGE, merges=merges))
+    a, b = seq(0, 3 * TPP), seq(1, TPP)
+    cache.allocator.allocate(a, 3 * TPP)
+    cache.allocator.allocate(b, TPP)
+    cache.allocator.free(a)                      # three pages parked in a's freed slot
+    cache.allocator.allocate(b, TPP + 1)         # b needs one more: no group is free
+    parked = [len(s.groups) for s in slots(cache) if s.seq_id is None and s.groups]
+    unmap_calls = cache.stats().unmap_calls
+    assert (parked, cache.allocator.free_pages.num_free) == (([], 2) if merges else ([2], 0))
+    assert unmap_calls == SHAPE.num_layers * 2   # one unmap per tensor either way (a run of 3, or one page)
+    cache.allocator.allocate(b, 2 * TPP + 1)     # the next page: free already (whole), or one more unmap
+    assert cache.stats().unmap_calls == unmap_calls * (1 if merges else 2)
 
 
 def test_a_copy_on_write_never_takes_a_page_under_the_tokens_the_slot_holds(make_cache):
@@ -729,5 +749,6 @@ def test_the_background_mapper_takes_parked_pages_of_freed_slots(make_cache):
     cache.allocator.allocate(b, TPP)               # fences that job
     by_seq = {s.seq_id: s for s in slots(cache)}
     assert len(by_seq[1].groups) == 2              # the mapper unmapped a parked page and mapped it ahead for b
-    assert [len(s.groups) for s in slots(cache) if s.seq_id is None and s.groups] == [1]
+    assert [len(s.groups) for s in slots(cache) if s.seq_id is None and s.groups] == []   # a's tail went whole
+    assert cache.allocator.free_pages.num_free == 1                                       # the other one waits
     assert cache.stats().extra["lookahead_pages"] == 1

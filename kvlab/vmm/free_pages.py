@@ -6,6 +6,7 @@ tensor: taking runs of consecutive groups lets neighbouring mappings merge (host
 """
 from __future__ import annotations
 
+import re
 from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -14,6 +15,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from kvlab.vmm.prefix import PagePrefixCache
     from kvlab.vmm.slots import Slot
+
+FREE_RUN = re.compile(b"\x01+")   # a run of free groups in FreePages.free
 
 
 @dataclass(slots=True)
@@ -40,22 +43,25 @@ class FreePages:
         self.num_shared = 0                           # groups more than one slot maps (0: no copy-on-write)
 
     def take(self, count: int, prefer: int | None) -> list[int]:
-        """Prefer the groups right after `prefer`, then the first run of `count` free groups, then any."""
-        taken: list[int] = []
-
-        def take(g: int) -> None:
-            self.free[g] = 0
-            taken.append(g)
+        """Prefer the groups right after `prefer`, then the first run of the rest, then the longest runs: each run
+        is one map call per tensor."""
+        free, taken = self.free, []
         g = prefer if prefer is not None else self.num_groups
-        while len(taken) < count and g < self.num_groups and self.free[g]:
-            take(g)
+        while len(taken) < count and g < self.num_groups and free[g]:
+            free[g] = 0
+            taken.append(g)
             g += 1
         rest = count - len(taken)
-        start = self.free.find(b"\x01" * rest) if rest else -1
-        for g in range(start, start + rest) if start >= 0 else ():
-            take(g)
-        while len(taken) < count:
-            take(self.free.find(b"\x01"))
+        if rest:
+            start = free.find(b"\x01" * rest)
+            runs = [(rest, start)] if start >= 0 else sorted(
+                ((m.end() - m.start(), m.start()) for m in FREE_RUN.finditer(free)), key=lambda r: (-r[0], r[1]))
+            for length, first in runs:
+                n = min(length, count - len(taken))
+                free[first:first + n] = bytes(n)
+                taken.extend(range(first, first + n))
+                if len(taken) == count:
+                    break
         self.num_free -= count
         return taken
 

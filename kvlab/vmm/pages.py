@@ -48,7 +48,7 @@ class SlotPages:
                  table: SlotTable) -> None:
         self.geo, self.driver, self.mirror, self.free_pages, self.table = geo, driver, mirror, free_pages, table
         self.counters = PageCounters()
-        self.reclaim = Reclaim(geo, free_pages, table, self.counters)
+        self.reclaim = Reclaim(geo, free_pages, table, self.counters, whole_tails=driver.unmaps_runs)
         self.calls = PageCalls(geo, driver, mirror)   # the driver side: batches, addresses, torn pages
 
     def shared_pages(self, slot: Slot, start: int, end: int) -> list[int]:

@@ -18,8 +18,14 @@ Reclaimed = tuple["Slot", int, list[int]]   # a tail booked as reclaimed: its sl
 
 
 class Reclaim:
-    def __init__(self, geo: Geometry, free_pages: FreePages, table: SlotTable, counters: PageCounters) -> None:
+    """`whole_tails`: a freed slot's parked pages go all at once (where one call unmaps a run however long, so the
+    pages past the need wait on the free list for the next growths, which then only map); else only as many as
+    needed (where unmaps cost per page, CUDA's)."""
+
+    def __init__(self, geo: Geometry, free_pages: FreePages, table: SlotTable, counters: PageCounters,
+                 whole_tails: bool = False) -> None:
         self.geo, self.free_pages, self.table, self.counters = geo, free_pages, table, counters
+        self.whole_tails = whole_tails
 
     def obtain(self, count: int, requester: Slot, keep: int, prefer: int | None) -> tuple[list[int], list[Reclaimed]]:
         """`count` groups taken from the free list (the ones right after `prefer` if free), and the tails reclaimed
@@ -50,12 +56,13 @@ class Reclaim:
             self._tail(requester, min(count, len(requester.groups) - keep), out)
 
     def stale(self, count: int, out: list[Reclaimed]) -> int:
-        """Book up to `count` parked pages, oldest freed slots first; returns how many are still wanted."""
+        """Book parked pages of the oldest freed slots until `count` are booked (whole tails: see the class);
+        returns how many are still wanted."""
         table = self.table
         while count > 0 and table.stale:
             slot = table.slots[next(iter(table.stale))]
-            count -= self._tail(slot, min(count, len(slot.groups)), out)
-        return count
+            count -= self._tail(slot, len(slot.groups) if self.whole_tails else min(count, len(slot.groups)), out)
+        return max(count, 0)
 
     def _tail(self, slot: Slot, n: int, out: list[Reclaimed]) -> int:
         if n <= 0:

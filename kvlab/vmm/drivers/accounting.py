@@ -132,6 +132,7 @@ class NoMemory:
 
     def __init__(self, page_size: int, merges: bool) -> None:
         self.page_size, self.merges = page_size, merges
+        self.unmaps_runs = merges   # the host's calls (cpu), else CUDA's
         self._next_base = 1 << 40
 
     def granularity(self) -> int:

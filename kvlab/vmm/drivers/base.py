@@ -48,7 +48,7 @@ class PageBooks:
 
     def __init__(self, os: OSMemory, page_size: int, mapping_limit: int | None = None,
                  budget: MapBudget | None = None) -> None:
-        self.os, self.name, self.merges = os, os.name, os.merges
+        self.os, self.name, self.merges, self.unmaps_runs = os, os.name, os.merges, os.unmaps_runs
         self.page_size = page_size
         self.mapping_limit = mapping_limit
         self.budget = budget

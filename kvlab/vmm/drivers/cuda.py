@@ -43,6 +43,7 @@ class CudaMemory:
 
     name = "cuda"
     merges = False   # every cuMemMap is its own mapping
+    unmaps_runs = False
 
     def __init__(self, device: int = 0, page_size: int | None = None, driver: Any = None) -> None:
         self.cuda = CudaDevice(device, driver)

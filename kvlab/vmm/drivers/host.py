@@ -53,6 +53,7 @@ class HostMemory:
 
     name = "host"
     merges = True
+    unmaps_runs = True
 
     def __init__(self, page_size: int = DEFAULT_PAGE_SIZE, populate: bool = True) -> None:
         if not sys.platform.startswith("linux"):

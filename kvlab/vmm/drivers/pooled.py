@@ -65,6 +65,7 @@ class PooledMemory:
     def __init__(self, member: PoolMember, page_size: int, pages: PoolPageMapper) -> None:
         self.member, self.page_size, self.pages = member, page_size, pages
         self.name = pages.name
+        self.unmaps_runs = pages.memory.unmaps_runs   # unmaps are the device driver's own
         self.backing: dict[int, int] = {}     # local page -> pool page
         self.idle: dict[int, None] = {}       # backed local pages no mapping uses, oldest first: the spares
         self.loose: list[int] = []            # pool pages held for maps to come, backing no local page yet

@@ -98,9 +98,11 @@ class Moves:
 class OSMemory(Protocol):
     """The calls a driver makes of the OS (or the CUDA driver), each one thing with no books: vmm/drivers/base.py
     checks every request and books what changed. `merges`: whether neighbouring mappings of consecutive store pages
-    coalesce into one OS mapping (Linux VMAs do; CUDA mappings do not)."""
+    coalesce into one OS mapping (Linux VMAs do; CUDA mappings do not). `unmaps_runs`: whether one call unmaps a
+    run of pages however long (an mmap does; CUDA unmaps page by page)."""
     name: str
     merges: bool
+    unmaps_runs: bool
 
     def granularity(self) -> int:
         """The smallest page size the OS/driver allows; page_size is a multiple of it."""
