@@ -303,7 +303,10 @@ def test_a_vmm_and_an_elastic_engine_on_one_pool_keep_their_books_and_their_data
 @pytest.mark.slow     # ~35 s (load 7): both machines, prefix caching included, 3x their tabled examples
 def test_a_vmm_and_an_elastic_engine_on_one_pool_long(capsys):
     t = run_mixed(MIXED, LONG, capsys)
-    assert sum(t[k] for k in OPS) >= 1000 and t["elastic refused"] > 0 and t["prefix_hit_tokens"] and t["chunks_given"]
+    # Whether an ask lands while the elastic engine has a whole idle chunk depends on the pool's threads: 1 chunk
+    # given alone (the same before and after 1d57d21), 0 once beside the rest of the slow suite. So the chunks are
+    # only reported here; tests/test_elastic_pool.py gives them deterministically.
+    assert sum(t[k] for k in OPS) >= 1000 and t["elastic refused"] > 0 and t["prefix_hit_tokens"] and t["answer"]
 
 
 # -- the other engine in another process --------------------------------------------------------------------------
