@@ -85,7 +85,7 @@ class VMMAllocator(Allocator):
         self.swap = SwapSpace(self.pages, shape.bytes_per_token)
         self.growth = SlotGrowth(self.pages, self.prefix, self.swap, window, pool)
         self.mapper = BackgroundMapper(geo, self._lock, self.growth.map_ahead, opts.background_mapping)
-        self.pages.calls.putting_off = self.mapper.enabled   # the mapper runs the unmaps growths put off
+        self.pages.put_off_unmaps(self.mapper.enabled)     # the mapper runs the unmaps growths put off
         self.closed = False
         self.plain = cache is None and window is None    # allocate's in-place path applies
         self.also_fits: Callable[[int], bool] = _any_units  # a further limit on the units a growth takes (what-ifs)

@@ -51,6 +51,13 @@ class SlotPages:
         self.reclaim = Reclaim(geo, free_pages, table, self.counters, whole_tails=driver.unmaps_runs)
         self.calls = PageCalls(geo, driver, mirror)   # the driver side: batches, addresses, torn pages
 
+    def put_off_unmaps(self, enabled: bool) -> None:
+        """Growths leave their reclaimed tails' unmaps to the background mapper (`enabled`). Then a freed slot's
+        tail is reclaimed only as far as needed: its unmaps are off the step anyway, and the pages it keeps parked
+        save a later admission its maps, which are on the step."""
+        self.calls.putting_off = enabled
+        self.reclaim.whole_tails = self.driver.unmaps_runs and not enabled
+
     def shared_pages(self, slot: Slot, start: int, end: int) -> list[int]:
         """Pages of `slot` that writes to positions [start, end) touch and another slot also maps."""
         if not self.free_pages.num_shared:   # no fork shares a page: the per-step path stops here
