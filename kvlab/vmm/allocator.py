@@ -80,12 +80,12 @@ class VMMAllocator(Allocator):
         keeper = KeptGroups(pool, geo.num_groups, geo.num_tensors)
         cache = PagePrefixCache(geo.tokens_per_page, keeper=keeper) if config.enable_prefix_caching else None
         self.free_pages, self.table = FreePages(geo.num_groups, cache), SlotTable(geo)
-        self.pages = SlotPages(geo, driver, self.ranges.mirror, self.free_pages, self.table)
+        self.pages = SlotPages(geo, driver, self.ranges.mirror, self.free_pages, self.table,
+                               put_off=opts.background_mapping)   # the mapper runs the unmaps growths put off
         self.prefix = PrefixAliases(cache, self.table, self.pages) if cache is not None else None
         self.swap = SwapSpace(self.pages, shape.bytes_per_token)
         self.growth = SlotGrowth(self.pages, self.prefix, self.swap, window, pool)
         self.mapper = BackgroundMapper(geo, self._lock, self.growth.map_ahead, opts.background_mapping)
-        self.pages.put_off_unmaps(self.mapper.enabled)     # the mapper runs the unmaps growths put off
         self.closed = False
         self.plain = cache is None and window is None    # allocate's in-place path applies
         self.also_fits: Callable[[int], bool] = _any_units  # a further limit on the units a growth takes (what-ifs)

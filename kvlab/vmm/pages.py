@@ -45,18 +45,14 @@ class SlotPages:
     """Moves of page groups: booked here, carried out by the driver in one batch each."""
 
     def __init__(self, geo: Geometry, driver: VirtualMemory, mirror: Mirror, free_pages: FreePages,
-                 table: SlotTable) -> None:
+                 table: SlotTable, put_off: bool = False) -> None:
         self.geo, self.driver, self.mirror, self.free_pages, self.table = geo, driver, mirror, free_pages, table
         self.counters = PageCounters()
-        self.reclaim = Reclaim(geo, free_pages, table, self.counters, whole_tails=driver.unmaps_runs)
+        # With `put_off` (background mapping) a freed slot's tail is reclaimed only as far as needed: its unmaps are
+        # off the step anyway, and the pages it keeps parked save a later admission its maps, which are on the step.
+        self.reclaim = Reclaim(geo, free_pages, table, self.counters, whole_tails=driver.unmaps_runs and not put_off)
         self.calls = PageCalls(geo, driver, mirror)   # the driver side: batches, addresses, torn pages
-
-    def put_off_unmaps(self, enabled: bool) -> None:
-        """Growths leave their reclaimed tails' unmaps to the background mapper (`enabled`). Then a freed slot's
-        tail is reclaimed only as far as needed: its unmaps are off the step anyway, and the pages it keeps parked
-        save a later admission its maps, which are on the step."""
-        self.calls.putting_off = enabled
-        self.reclaim.whole_tails = self.driver.unmaps_runs and not enabled
+        self.calls.putting_off = put_off              # growths leave their reclaimed tails' unmaps to the mapper
 
     def shared_pages(self, slot: Slot, start: int, end: int) -> list[int]:
         """Pages of `slot` that writes to positions [start, end) touch and another slot also maps."""

@@ -20,7 +20,7 @@ Reclaimed = tuple["Slot", int, list[int]]   # a tail booked as reclaimed: its sl
 class Reclaim:
     """`whole_tails`: a freed slot's parked pages go all at once (where one call unmaps a run however long, so the
     pages past the need wait on the free list for the next growths, which then only map); else only as many as
-    needed (where unmaps cost per page, CUDA's, or run off the step: vmm/pages.py's put_off_unmaps)."""
+    needed (where unmaps cost per page, CUDA's, or run off the step: background mapping)."""
 
     def __init__(self, geo: Geometry, free_pages: FreePages, table: SlotTable, counters: PageCounters,
                  whole_tails: bool = False) -> None:
