@@ -26,12 +26,12 @@ Spot = tuple[int, int, int]   # an unmap's slot, first page and page count
 
 
 class PageCalls:
-    def __init__(self, geo: Geometry, driver: VirtualMemory, mirror: Mirror) -> None:
+    def __init__(self, geo: Geometry, driver: VirtualMemory, mirror: Mirror, putting_off: bool) -> None:
         self.driver, self.mirror = driver, mirror
         self.row_bytes, self.page_size = geo.row_bytes, geo.page_size
         self.torn: set[tuple[int, int]] = set()   # (slot, page)
         self.put_off: dict[int, list[Spot]] = {}  # slot -> unmaps a growth put off (pages its row no longer lists)
-        self.putting_off = False                  # growths put their reclaimed tails' unmaps off (the mapper runs them)
+        self.putting_off = putting_off            # growths put their reclaimed tails' unmaps off (the mapper runs them)
 
     def at(self, slot: int, page: int) -> int:
         """Where page `page` of slot `slot` sits inside each tensor."""

@@ -51,8 +51,7 @@ class SlotPages:
         # With `put_off` (background mapping) a freed slot's tail is reclaimed only as far as needed: its unmaps are
         # off the step anyway, and the pages it keeps parked save a later admission its maps, which are on the step.
         self.reclaim = Reclaim(geo, free_pages, table, self.counters, whole_tails=driver.unmaps_runs and not put_off)
-        self.calls = PageCalls(geo, driver, mirror)   # the driver side: batches, addresses, torn pages
-        self.calls.putting_off = put_off              # growths leave their reclaimed tails' unmaps to the mapper
+        self.calls = PageCalls(geo, driver, mirror, put_off)   # the driver side: batches, addresses, torn pages
 
     def shared_pages(self, slot: Slot, start: int, end: int) -> list[int]:
         """Pages of `slot` that writes to positions [start, end) touch and another slot also maps."""

@@ -23,7 +23,7 @@ class Reclaim:
     needed (where unmaps cost per page, CUDA's, or run off the step: background mapping)."""
 
     def __init__(self, geo: Geometry, free_pages: FreePages, table: SlotTable, counters: PageCounters,
-                 whole_tails: bool = False) -> None:
+                 whole_tails: bool) -> None:
         self.geo, self.free_pages, self.table, self.counters = geo, free_pages, table, counters
         self.whole_tails = whole_tails
 
