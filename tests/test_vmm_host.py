@@ -52,7 +52,8 @@ def test_reserve_costs_no_resident_memory_and_mapping_does(vm):
     assert region.nbytes == 32 * GiB
     assert status_kib("VmRSS") - rss0 < 8 * 1024          # 32 GiB reserved, < 8 MiB resident
     vm.create_store(256)
-    assert status_kib("RssShmem") - shmem0 < 1024         # an empty pool holds nothing either
+    assert os.fstat(vm.os.fd).st_blocks * 512 == 256 * vm.page_size   # the store's memory, allocated up front
+    assert status_kib("RssShmem") - shmem0 < 1024         # but none of it is mapped yet
     view = vm.tensor_view(region, torch.uint8, (16 * MiB,))
     vm.map(region, 8 * GiB, 0, 256)                        # 16 MiB somewhere in the middle
     view_mid = vm.tensor_view(region, torch.uint8, (16 * MiB,), offset=8 * GiB)
@@ -62,6 +63,34 @@ def test_reserve_costs_no_resident_memory_and_mapping_does(vm):
     assert status_kib("VmRSS") - rss0 < 64 * 1024
     assert int(view_mid[::4096].sum()) == 7 * 4096
     del view, view_mid
+
+
+def test_a_lazy_store_allocates_its_pages_on_first_map_only():
+    vm = HostVirtualMemory(page_size=64 * KiB, populate=False)
+    try:
+        region = vm.reserve(4 * vm.page_size)
+        vm.create_store(4)
+        assert os.fstat(vm.os.fd).st_blocks == 0
+        vm.map(region, 0, 1)
+        vm.tensor_view(region, torch.uint8, (vm.page_size,)).fill_(1)
+        assert os.fstat(vm.os.fd).st_blocks * 512 == vm.page_size
+    finally:
+        vm.close()
+
+
+def test_a_grown_store_allocates_the_new_pages_and_a_regrown_one_zeroes_them(vm):
+    region = vm.reserve(4 * vm.page_size)
+    vm.create_store(2)
+    vm.map(region, 0, 1)
+    view = vm.tensor_view(region, torch.uint8, (vm.page_size,))
+    view.fill_(9)
+    vm.unmap(region, 0)
+    vm.resize_store(1)                                             # page 1 punched out
+    vm.resize_store(4)                                             # pages 1-3 allocated again
+    assert os.fstat(vm.os.fd).st_blocks * 512 == 4 * vm.page_size
+    vm.map(region, 0, 1)
+    assert int(view.sum()) == 0
+    del view
 
 
 def test_memfd_pool_is_named_in_proc_maps(vm):

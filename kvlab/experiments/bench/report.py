@@ -31,6 +31,7 @@ def side_by_side(runs: list[dict[str, Any]]) -> str:
         ("  OS map+unmap calls (s)", os_calls),
         ("scheduler s", timed("scheduler_seconds", lambda v: f"{v:.2f}")),
         ("wall s", timed("wall_seconds", lambda v: f"{v:.1f}")),
+        ("engine build s (KV memory)", timed("build_seconds", lambda v: f"{v:.2f}")),
         ("steps", lambda r: fmt(r["num_steps"])),
         ("peak units used", lambda r: f"{r['peak_used_units']:,}/{r['total_units']:,} {r['unit_name']}s"),
         ("kernels (prefill, decode)", kernels_of),

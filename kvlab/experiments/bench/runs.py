@@ -32,7 +32,7 @@ def run_rounds(plan: BenchPlan, model: Any, tokenizer: Any, repeats: int, progre
 
 
 TIMED_KEYS = ("output_tokens_per_s", "total_tokens_per_s", "ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90",
-              "allocator_seconds", "allocator_share", "scheduler_seconds", "wall_seconds")
+              "allocator_seconds", "allocator_share", "scheduler_seconds", "wall_seconds", "build_seconds")
 
 
 def median_run(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -51,7 +51,9 @@ def bench_backend(name: str, plan: BenchPlan, model: Any, tokenizer: Any, label:
     from kvlab.common.capacity import warn_capacity
     from kvlab.common.engine import Engine
     config = plan.configs[name]
+    built = time.perf_counter()
     engine = Engine.from_model(config, model, tokenizer)
+    built = time.perf_counter() - built         # the KV store's memory is allocated here (not in the steps)
     if warn:
         warn_capacity(config, engine.cache)
     try:
@@ -68,6 +70,7 @@ def bench_backend(name: str, plan: BenchPlan, model: Any, tokenizer: Any, label:
     finally:
         engine.close()
     row = {k: getattr(m, k) for k in RUN_KEYS}
+    row["build_seconds"] = built
     row["cache"] = {k: v for k, v in stats.to_dict().items() if k != "extra"}
     row["cache_extra"] = stats.extra
     row["tp_comm"] = comm

@@ -1,7 +1,8 @@
 """Real virtual memory on the host (Linux mmap over a memfd): the CPU analog of CUDA VMM.
 
 reserve  = mmap(PROT_NONE, MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE)      (cuMemAddressReserve)
-store    = one memfd named "kvlab-kv", page i at file offset i * page     (cuMemCreate handles)
+store    = one memfd named "kvlab-kv", page i at file offset i * page,    (cuMemCreate handles)
+           its pages faulted in (zero-filled) when the store is created or grown
 map      = mmap(PROT_READ|PROT_WRITE, MAP_SHARED|MAP_FIXED, memfd, i * page)   (cuMemMap + cuMemSetAccess)
 unmap    = the same range remapped PROT_NONE (stays reserved)              (cuMemUnmap)
 discard  = fallocate(PUNCH_HOLE|KEEP_SIZE): the store gives memory back     (cuMemRelease)
@@ -48,8 +49,10 @@ DEFAULT_PAGE_SIZE = 64 * 1024
 
 
 class HostMemory:
-    """The host's OS calls (`OSMemory`). `populate`: fault pages in at map time (MAP_POPULATE) so the cost is paid,
-    and measured, in `map`. `collected`: what releases the memory if the driver is collected unclosed."""
+    """The host's OS calls (`OSMemory`). `populate`: the store's memory is allocated when the store is created or
+    grown, as the CUDA driver's cuMemCreate handles are (and vAttention creates its whole physical pool up front),
+    not zero-filled by a map on the step; a map fills its page tables (MAP_POPULATE), so no first access faults.
+    False: both on first touch. `collected`: what releases the memory if the driver is collected unclosed."""
 
     name = "host"
     merges = True
@@ -96,6 +99,17 @@ class HostMemory:
             self._file_pages = new_pages
         elif new_pages < old_pages:
             self.discard(new_pages, old_pages - new_pages)
+        if self.populate and new_pages > old_pages:
+            self.fault_in(old_pages, new_pages - old_pages)
+
+    def fault_in(self, first_page: int, num_pages: int) -> None:
+        """Allocate (zero-fill) store pages [first_page, + num_pages) through one passing mapping of them."""
+        nbytes = num_pages * self.page_size
+        addr = self.mmap_at("fault in store pages", None, nbytes, PROT_RW, MAP_SHARED | MAP_POPULATE, self.fd,
+                            first_page * self.page_size)
+        if self.libc.munmap(addr, nbytes) != 0:
+            err = ctypes.get_errno()
+            raise DriverError(f"munmap of the passing mapping of store pages failed: {os.strerror(err)}")
 
     def map(self, addr: int, first_page: int, num_pages: int) -> int:
         flags = MAP_SHARED | MAP_FIXED | (MAP_POPULATE if self.populate else 0)
