@@ -18,6 +18,7 @@ from kvlab.common.kv.dtype_names import KV_CACHE_DTYPES
 from kvlab.common.kv.options import check_choice, check_positive, check_types
 from kvlab.common.kv.registry import REGISTRY
 from kvlab.common.limits import MAX_MODEL_LEN, MAX_SEED
+from kvlab.common.linear_names import LINEAR_CHOICES
 from kvlab.common.machine import check_fits_in_ram, max_threads
 from kvlab.common.validate import check_int, check_number, shown
 
@@ -53,6 +54,7 @@ class EngineConfig:
     kv_cache_scale: float = 0.0          # fp8 scale for every layer's K and V; 0 = per layer from the first prefill
     device: str = "cpu"
     kernel: str = "auto"                 # auto or a registry name
+    linear: str = "auto"                 # the Linear layers' GEMM: auto | onednn | torch (common/linear.py)
     seed: int = 0
     threads: int = 1                     # torch threads; 0 = torch's own default. 1 measured fastest on the
                                          # 2-vCPU box (docs/experiments.md "Threads"): more threads spin and thrash
@@ -128,6 +130,7 @@ def validate(cfg: EngineConfig) -> None:
     check_choice("preemption_mode", cfg.preemption_mode, PREEMPTION_MODES)
     check_choice("dtype", cfg.dtype, DTYPES)
     check_choice("kv_cache_dtype", cfg.kv_cache_dtype, KV_CACHE_DTYPES)
+    check_choice("linear", cfg.linear, LINEAR_CHOICES)
     check_kv_cache_scale(cfg.kv_cache_scale, cfg.kv_cache_dtype)
     if not 0.0 <= cfg.watermark < 1.0:
         raise ConfigError(f"watermark must be a fraction in [0, 1), got {cfg.watermark!r}")

@@ -82,6 +82,7 @@ class Engine:
             cache, runner = build_tp(config, model)
         else:
             cache = create_cache(config, model.kv_shape(config.dtype, config.device))
+            model.use_linear(config.linear)
             runner = TorchRunner(model, cache.storage, seed=config.seed, max_model_len=config.max_model_len)
         c = model.config
         return cls(config, cache, runner, tokenizer, c.eos_token_ids, c.vocab_size, **kwargs)

@@ -17,6 +17,7 @@ from torch import nn
 from kvlab.common.interrupts import interrupts_held
 from kvlab.common.kv.torch_dtypes import TORCH_DTYPES
 from kvlab.common.kv.types import KVShape
+from kvlab.common.linear import TORCH, LinearImpl, choose_linear
 from kvlab.common.model_config import ModelConfig
 
 if TYPE_CHECKING:
@@ -60,6 +61,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 # -- layers -----------------------------------------------------------------------------------------------
 
+class Linear(nn.Linear):
+    """A bias-free nn.Linear whose GEMM is the model's choice (`LlamaForCausalLM.use_linear`, common/linear.py)."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features, bias=False)
+        self.gemm = TORCH.fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gemm(x, self.weight)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -85,8 +97,8 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
         self.sliding_window = config.sliding_window
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size)
+        self.o_proj = Linear(self.q_size, config.hidden_size)
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """q [..., H, D], k and v [..., H_kv, D], RoPE applied; all contiguous."""
@@ -122,8 +134,8 @@ class MLP(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -169,13 +181,22 @@ class LlamaForCausalLM(nn.Module):
                                              _weight=torch.empty(config.vocab_size, config.hidden_size))
             self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size)
         self.to_empty(device=device)
         self.to(dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope_len = 0
         self.ensure_rope_len(config.max_position_embeddings)
+        self.linear = TORCH
+
+    def use_linear(self, requested: str) -> LinearImpl:
+        """Run every Linear layer through the GEMM `requested` picks (common/linear.py); returns the choice."""
+        self.linear = choose_linear(requested, self.dtype, self.device)
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.gemm = self.linear.fn
+        return self.linear
 
     @property
     def dtype(self) -> torch.dtype:

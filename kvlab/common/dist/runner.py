@@ -85,6 +85,7 @@ class TPRunner:
         self.groups = init_groups(0, tp, port, self.config.device)
         shard = build_shard(model.config, 0, tp, model_reader(model), model.dtype, device, self.groups.device,
                             self.timer)
+        shard.use_linear(self.config.linear)
         inner = rank_cache(self.config, shard, 0)
         self.recorder = RecordingAllocator(inner.allocator)
         self.cache = KVCache(allocator=self.recorder, storage=inner.storage, shape=inner.shape)

@@ -66,6 +66,7 @@ def load_shard(config: Any, rank: int, tp: int, groups: Groups):
         model_config, read = full.config, model_reader(full)
     model = build_shard(model_config, rank, tp, read, config.dtype, device, groups.device, CommTimer())
     model.ensure_rope_len(config.max_model_len)
+    model.use_linear(config.linear)
     return model
 
 

@@ -36,6 +36,7 @@ def side_by_side(runs: list[dict[str, Any]]) -> str:
         ("peak units used", lambda r: f"{r['peak_used_units']:,}/{r['total_units']:,} {r['unit_name']}s"),
         ("kernels (prefill, decode)", kernels_of),
         ("kernel fallbacks", lambda r: str(len(r["kernel_fallbacks"]))),
+        ("linear layers' GEMM", lambda r: r["linear"]),
         ("outputs = first backend", lambda r: f"{r['outputs_match_first']}/{r['num_requests']}"),
     ]
     if any(r.get("tp_comm") for r in runs):       # tensor parallelism: rank 0's communication per step

@@ -71,6 +71,7 @@ def bench_backend(name: str, plan: BenchPlan, model: Any, tokenizer: Any, label:
         engine.close()
     row = {k: getattr(m, k) for k in RUN_KEYS}
     row["build_seconds"] = built
+    row["linear"] = engine.runner.model.linear.name      # the Linear layers' GEMM (common/linear.py)
     row["cache"] = {k: v for k, v in stats.to_dict().items() if k != "extra"}
     row["cache_extra"] = stats.extra
     row["tp_comm"] = comm

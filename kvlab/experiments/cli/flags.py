@@ -114,6 +114,7 @@ def add_engine_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> 
         "kv_cache_dtype": {"help": "auto | fp8_e4m3 | fp8_e5m2: K/V stored as 1-byte fp8 (twice the tokens of bf16)"},
         "kv_cache_scale": {"type": float, "help": "fp8 KV scale; 0 (default) = per layer from the first prefill"},
         "kernel": {"help": "attention kernel: auto or a registry name"},
+        "linear": {"help": "the Linear layers' GEMM: auto (oneDNN for float32 on the CPU), onednn or torch"},
         "seed": {"type": int}, "threads": {"type": int, "help": "torch threads (default 1; 0 = torch default)"},
         "tensor_parallel_size": {"type": int, "help": "ranks sharding the model and KV heads (CPU: gloo)"},
         "handoff_timeout_s": {"type": float, "metavar": "S",

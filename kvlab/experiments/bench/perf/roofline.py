@@ -1,17 +1,17 @@
 """How close the engine's decode comes to this CPU's own limit for the model: its matmuls.
 
-At each batch size B the limit is B tokens per (time of one decode step's matmuls at B rows): every Linear of
-every layer (fused q|k|v, o, fused gate|up, down) and the LM head, timed in the model's own order on its own
-weights, on the run's torch threads. The engine's decode rate is B requests generating D1 and then D2 tokens
-each (greedy, no EOS): B * (D2 - D1) / (t2 - t1), so prefill and the fixed cost of a generate() cancel. The share
-is that rate over the limit; what is left is attention, norms, RoPE, sampling and the engine's own Python.
+At each batch size B the limit is B tokens per (time of one decode step's matmuls at B rows): every Linear of every
+layer (fused q|k|v, o, fused gate|up, down) and the LM head, timed in the model's own order on its own weights,
+through the GEMM the engine runs them with (common/linear.py), on the run's torch threads. The engine's decode rate
+is B requests generating D1 and then D2 tokens each (greedy, no EOS): B * (D2 - D1) / (t2 - t1), so prefill and the
+fixed cost of a generate() cancel. The share is that rate over the limit; what is left is attention, norms, RoPE,
+sampling and the engine's own Python.
 """
 from __future__ import annotations
 
 import time
 
 import torch
-import torch.nn.functional as F
 
 from kvlab.experiments.bench.perf.harness import Goal, Result, Settings, measure
 
@@ -31,14 +31,14 @@ def matmul_weights(model) -> list[torch.Tensor]:
 
 
 def matmul_seconds(model, batch: int, repeats: int) -> float:
-    """Median seconds of one decode step's matmuls at `batch` rows."""
-    weights = matmul_weights(model)
+    """Median seconds of one decode step's matmuls at `batch` rows, through the model's own GEMM."""
+    weights, gemm = matmul_weights(model), model.linear.fn
     inputs = [torch.randn(batch, w.shape[1], dtype=w.dtype) for w in weights]
 
     def step() -> None:
         with torch.inference_mode():
             for x, w in zip(inputs, weights):
-                F.linear(x, w)
+                gemm(x, w)
     return measure(step, repeats, warmup=2, inner=5).median
 
 
@@ -84,7 +84,8 @@ def run(settings: Settings) -> list[Result]:
                 rate = decode_rate(llm, batch, short, long, repeats)
                 rows.append(Result(FAMILY, f"{name}: decode / matmul limit at batch {batch}", rate / limit, "x",
                                    GOAL if batch >= GOAL_BATCH else None,
-                                   note=f"{rate:.0f} of {limit:.0f} tok/s ({settings.threads} thread(s))",
+                                   note=f"{rate:.0f} of {limit:.0f} tok/s ({settings.threads} thread(s), "
+                                        f"{model.linear.name} GEMM)",
                                    detail={"decode_tok_s": rate, "matmul_limit_tok_s": limit, "batch": batch}))
         finally:
             llm.close()

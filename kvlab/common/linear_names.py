@@ -1,0 +1,3 @@
+"""The names `EngineConfig.linear` takes (common/linear.py), importable without torch."""
+
+LINEAR_CHOICES = ("auto", "onednn", "torch")
