@@ -208,6 +208,8 @@ def test_hf_continuous_batching_rows_on_smollm2():
     check_rows(rows, "hf_cb")
     last = rows[-1]
     assert last.goal is not None and last.value > 0 and last.detail["greedy_outputs_equal"] >= 1
+    same_gemm = rows[-2]                   # vmm on HF's own GEMM: the engine's margin alone
+    assert "F.linear" in same_gemm.name and same_gemm.goal is None and same_gemm.value > 0
 
 
 def test_engine_loop_overhead_runs_both_loops_to_the_end():
