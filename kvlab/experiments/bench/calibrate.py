@@ -1,7 +1,7 @@
 """`kvlab calibrate`: measure this machine's map/unmap latency per page size with the host VMM driver
-(vmm/drivers/host.py: memfd pool, MAP_FIXED mappings, populated at map time) and write the `host` driver
-profile that `kvlab simulate serve --driver-costs host` reads. `kvlab calibrate --kernels` measures the
-kernels part instead (bench/kernel_costs.py: contiguous SDPA against the paged gather path) and writes the
+(vmm/drivers/host.py: memfd pool allocated at creation, MAP_FIXED mappings populated at map time) and write the
+`host` driver profile that `kvlab simulate serve --driver-costs host` reads. `kvlab calibrate --kernels` measures
+the kernels part instead (bench/kernel_costs.py: contiguous SDPA against the paged gather path) and writes the
 kernel profile that `--kernel-costs cpu` reads."""
 from __future__ import annotations
 
