@@ -36,7 +36,7 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 
-TORCH = LinearImpl("torch", "requested", F.linear)
+TORCH = LinearImpl("torch", "requested, or a bare model's default", F.linear)
 
 
 def choose_linear(requested: str, dtype: torch.dtype, device: torch.device | str) -> LinearImpl:
