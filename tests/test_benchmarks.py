@@ -70,6 +70,28 @@ def test_family_runs_and_reports_rows(family):
     assert len(goals) == expected_goals[family]
 
 
+def test_the_roofline_share_is_the_median_of_rounds_that_time_both_halves(monkeypatch):
+    """Each round times the limit, then the rate, at that round's machine speed: a round at half speed halves
+    both, and the share (decode at half the limit) stays 0.5."""
+    from kvlab.experiments.bench.perf import roofline
+    speed = iter([1.0, 2.0, 1.0])                       # the round's slowdown
+    step_seconds, slow = [], [1.0]
+
+    def fake_measure(fn, repeats, warmup=1, inner=1):
+        if warmup == 0:                                 # a round's timed limit: 0.01 s a step at full speed
+            slow[0] = next(speed)
+            step_seconds.append(0.01 * slow[0])
+            return Timing.of([step_seconds[-1]])
+        return Timing.of([0.01])
+    monkeypatch.setattr(roofline, "measure", fake_measure)
+    monkeypatch.setattr(roofline, "matmul_step", lambda model, batch: lambda: None)
+    # decode at half the limit: (long - short) tokens take twice a step's matmul time per token
+    monkeypatch.setattr(roofline, "generate_seconds", lambda llm, batch: lambda n: 0.02 * n * slow[0])
+    share, rate, limit = roofline.paired_share(None, None, batch=4, short=8, long=40, repeats=3)
+    assert share == pytest.approx(0.5) and rate == pytest.approx(200.0) and limit == pytest.approx(400.0)
+    assert step_seconds == [0.01, 0.02, 0.01]
+
+
 @pytest.mark.triton_cpu
 def test_attention_rows_cover_both_layouts_and_the_triton_kernel():
     from kvlab.experiments.bench.perf import attention

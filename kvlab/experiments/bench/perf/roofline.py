@@ -4,12 +4,14 @@ At each batch size B the limit is B tokens per (time of one decode step's matmul
 layer (fused q|k|v, o, fused gate|up, down) and the LM head, timed in the model's own order on its own weights,
 through the GEMM the engine runs them with (common/linear.py), on the run's torch threads. The engine's decode rate
 is B requests generating D1 and then D2 tokens each (greedy, no EOS): B * (D2 - D1) / (t2 - t1), so prefill and the
-fixed cost of a generate() cancel. The share is that rate over the limit; what is left is attention, norms, RoPE,
-sampling and the engine's own Python.
+fixed cost of a generate() cancel. The share is that rate over the limit, the median of rounds that each time both
+(`paired_share`); what is left is attention, norms, RoPE, sampling and the engine's own Python.
 """
 from __future__ import annotations
 
+import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -30,8 +32,8 @@ def matmul_weights(model) -> list[torch.Tensor]:
     return weights + [model.lm_head.weight]
 
 
-def matmul_seconds(model, batch: int, repeats: int) -> float:
-    """Median seconds of one decode step's matmuls at `batch` rows, through the model's own GEMM."""
+def matmul_step(model, batch: int) -> Callable[[], None]:
+    """One decode step's matmuls at `batch` rows, through the model's own GEMM."""
     weights, gemm = matmul_weights(model), model.linear.fn
     inputs = [torch.randn(batch, w.shape[1], dtype=w.dtype) for w in weights]
 
@@ -39,11 +41,11 @@ def matmul_seconds(model, batch: int, repeats: int) -> float:
         with torch.inference_mode():
             for x, w in zip(inputs, weights):
                 gemm(x, w)
-    return measure(step, repeats, warmup=2, inner=5).median
+    return step
 
 
-def decode_rate(llm, batch: int, short: int, long: int, repeats: int) -> float:
-    """Decode tokens/s of `batch` requests at once: the extra tokens of a long run over its extra seconds."""
+def generate_seconds(llm, batch: int) -> Callable[[int], float]:
+    """Seconds for `batch` requests to generate n tokens each, at once."""
     from kvlab import SamplingParams
     prompts = [[3 + (7 * i + j) % 200 for j in range(PROMPT_LEN)] for i in range(batch)]
 
@@ -52,9 +54,22 @@ def decode_rate(llm, batch: int, short: int, long: int, repeats: int) -> float:
         t0 = time.perf_counter()
         llm.generate(prompts, params)
         return time.perf_counter() - t0
-    run(2)                                                    # warm-up
-    pairs = sorted(run(long) - run(short) for _ in range(repeats))
-    return batch * (long - short) / pairs[len(pairs) // 2]
+    return run
+
+
+def paired_share(llm, model, batch: int, short: int, long: int, repeats: int) -> tuple[float, float, float]:
+    """(share, decode tok/s, limit tok/s), each the median over `repeats` rounds. A round times the limit (one
+    step's matmuls, 5 calls) and then the decode rate (the extra tokens of a long generate over its extra
+    seconds) back to back, so a machine whose speed drifts during the run moves both halves of a round alike."""
+    step, generate = matmul_step(model, batch), generate_seconds(llm, batch)
+    generate(2)                                               # warm-up
+    measure(step, 1, warmup=2)
+    rounds = []
+    for _ in range(repeats):
+        limit = batch / measure(step, 1, warmup=0, inner=5).median
+        rate = batch * (long - short) / (generate(long) - generate(short))
+        rounds.append((rate / limit, rate, limit))
+    return tuple(statistics.median(r[i] for r in rounds) for i in range(3))
 
 
 def models(settings: Settings) -> list[str]:
@@ -73,16 +88,15 @@ def run(settings: Settings) -> list[Result]:
     rows = []
     batches = (4,) if settings.quick else (1, GOAL_BATCH, 32)
     short, long = (2, 6) if settings.quick else (8, 40)
-    repeats = min(settings.repeats, 3)
+    repeats = min(settings.repeats, 5)
     for name in models(settings):
         llm = LLM(name, backend="paged", max_num_seqs=max(batches), max_model_len=PROMPT_LEN + long + 8,
                   threads=settings.threads, seed=settings.seed)
         try:
             model = llm.engine.runner.model
             for batch in batches:
-                limit = batch / matmul_seconds(model, batch, settings.repeats)
-                rate = decode_rate(llm, batch, short, long, repeats)
-                rows.append(Result(FAMILY, f"{name}: decode / matmul limit at batch {batch}", rate / limit, "x",
+                share, rate, limit = paired_share(llm, model, batch, short, long, repeats)
+                rows.append(Result(FAMILY, f"{name}: decode / matmul limit at batch {batch}", share, "x",
                                    GOAL if batch >= GOAL_BATCH else None,
                                    note=f"{rate:.0f} of {limit:.0f} tok/s ({settings.threads} thread(s), "
                                         f"{model.linear.name} GEMM)",
