@@ -1,6 +1,7 @@
 """The simulator's worker pool (kvlab/experiments/sim/workers.py): a Ctrl-C that arrives while its workers fork is
 raised once the pool exists, inside the block that terminates it: no worker is left behind; and a worker killed
-mid-task ends the wait for its result instead of hanging it."""
+mid-task ends the wait for its result instead of hanging it; a pool terminate stuck on a worker's lock does not
+hold up the block's own error."""
 from __future__ import annotations
 
 import multiprocessing
@@ -68,3 +69,42 @@ def test_the_search_pool_stops_when_a_worker_dies():
     with pytest.raises(workers.WorkerDied, match="killed by SIGKILL"):
         search_pool.run_searches(_die_on, [search], lambda found: [], total=1, jobs=2)
     assert multiprocessing.active_children() == []
+
+
+STUCK_TERMINATE = """
+import multiprocessing, sys, time
+from kvlab.experiments.sim import workers
+workers.TERMINATE_WAIT_S, workers.STRAGGLER_WAIT_S = 1.0, 0.5
+
+def hold_the_result_lock(_):
+    frame = sys._getframe()
+    while 'outqueue' not in frame.f_locals:   # multiprocessing.pool.worker's frame holds the result queue
+        frame = frame.f_back
+    frame.f_locals['outqueue']._wlock.acquire()
+    time.sleep(120)
+
+if __name__ == '__main__':
+    started = time.monotonic()
+    try:
+        with workers.worker_pool(2) as pool:
+            pool.apply_async(hold_the_result_lock, (0,))
+            time.sleep(1.0)
+            raise RuntimeError('the block failed')
+    except RuntimeError as exc:
+        left = multiprocessing.active_children()
+        print('raised', exc, 'after', round(time.monotonic() - started, 1), 's, children', left)
+"""
+
+
+def test_a_failed_block_is_not_held_up_by_a_pool_terminate_that_hangs(tmp_path):
+    """multiprocessing.Pool.terminate sends the result queue a last message, under the queue's write lock; a worker
+    that holds that lock (killed, or stuck, while it sent a result) makes terminate wait forever. The pool stops
+    waiting for it, kills what is left, and the block's own error comes out."""
+    import subprocess
+    import sys
+    script = tmp_path / "stuck_terminate.py"
+    script.write_text(STUCK_TERMINATE)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "raised the block failed" in done.stdout and "children []" in done.stdout, done.stdout

@@ -1,10 +1,11 @@
 """The simulator's worker processes: a pool whose workers leave Ctrl-C to the parent and die with it, and whose
 parent stops waiting when a worker dies (multiprocessing's pool replaces a dead worker but loses its task: the wait
-for that result would never end)."""
+for that result would never end), and when the pool's own terminate hangs (`_terminated`)."""
 from __future__ import annotations
 
 import multiprocessing
 import signal
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 from kvlab.common.errors import KvlabError
 
 STRAGGLER_WAIT_S = 2.0   # after the pool's own terminate, how long a child may take to go before it is killed
+TERMINATE_WAIT_S = 5.0   # how long the pool's own terminate may take before the parent stops waiting for it
 POLL_S = 0.5             # how often a wait for results looks at the workers
 
 
@@ -90,11 +92,23 @@ def worker_pool(processes: int) -> Iterator[LivePool]:
         yield LivePool(pool, workers)
         pool.close()
     except BaseException:
-        pool.terminate()
-        _kill_stragglers()
+        if _terminated(pool):
+            pool.join()
         raise
-    finally:
-        pool.join()
+    pool.join()
+
+
+def _terminated(pool: Any) -> bool:
+    """Terminate the pool, waiting at most TERMINATE_WAIT_S; then kill any child left. False: the pool's own
+    terminate is still stuck, and nobody waits for it. It can wait forever: a worker it kills while that worker
+    sends a result holds the result queue's write lock for good, and the pool's task handler, which sends that
+    queue a last message, then blocks on the lock (CPython's multiprocessing.Pool). The pool's threads are
+    daemons, so a stuck one does not keep the process alive."""
+    stopping = threading.Thread(target=pool.terminate, name="kvlab-pool-terminate", daemon=True)
+    stopping.start()
+    stopping.join(TERMINATE_WAIT_S)
+    _kill_stragglers()
+    return not stopping.is_alive()
 
 
 def _kill_stragglers() -> None:
