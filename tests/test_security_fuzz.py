@@ -3,6 +3,7 @@ engine's pull (headers, lengths, descriptors, timing) and forged or broken joins
 must end as a one-line refusal (or a success); afterwards the engine or pool answers the next valid request."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -169,7 +170,9 @@ def fuzz_join(cases: int, seed: int) -> None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.connect(rendezvous.address(holder.name))
             if rng.random() < 0.5:
-                sock.sendall(bytes(rng.randrange(256) for _ in range(rng.randint(1, 64))))
+                junk = bytes(rng.randrange(256) for _ in range(rng.randint(1, 64)))
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):   # the holder may hang up first
+                    sock.sendall(junk)
             sock.close()
         joined = pool.join(holder.name)
         assert joined.status().total == 16
