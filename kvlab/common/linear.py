@@ -45,13 +45,14 @@ def choose_linear(requested: str, dtype: torch.dtype, device: torch.device | str
         raise ConfigError(f"unknown linear {requested!r}; choose one of: {', '.join(LINEAR_CHOICES)}")
     if requested == "torch":
         return TORCH
-    why_not = onednn_unusable(dtype, torch.device(device))
+    device = torch.device(device)
+    why_not = onednn_unusable(dtype, device)
     if why_not is None:
         return LinearImpl("onednn", "requested" if requested == "onednn" else "auto: float32 on the CPU",
                           onednn_linear)
     if requested == "onednn":
         raise ConfigError(f"linear onednn is not usable here: {why_not}; use linear auto or torch")
-    if dtype == torch.float32 and torch.device(device).type == "cpu":   # where oneDNN was expected: say why not
+    if dtype == torch.float32 and device.type == "cpu":   # where oneDNN was expected: say why not
         log.warning("linear auto: torch's F.linear, not oneDNN (%s)", why_not)
     return LinearImpl("torch", f"auto: {why_not}", F.linear)
 

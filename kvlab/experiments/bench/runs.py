@@ -51,9 +51,9 @@ def bench_backend(name: str, plan: BenchPlan, model: Any, tokenizer: Any, label:
     from kvlab.common.capacity import warn_capacity
     from kvlab.common.engine import Engine
     config = plan.configs[name]
-    built = time.perf_counter()
+    started = time.perf_counter()
     engine = Engine.from_model(config, model, tokenizer)
-    built = time.perf_counter() - built         # the KV store's memory is allocated here (not in the steps)
+    build_seconds = time.perf_counter() - started   # the KV store's memory is allocated here (not in the steps)
     if warn:
         warn_capacity(config, engine.cache)
     try:
@@ -70,7 +70,7 @@ def bench_backend(name: str, plan: BenchPlan, model: Any, tokenizer: Any, label:
     finally:
         engine.close()
     row = {k: getattr(m, k) for k in RUN_KEYS}
-    row["build_seconds"] = built
+    row["build_seconds"] = build_seconds
     row["linear"] = engine.runner.model.linear.name      # the Linear layers' GEMM (common/linear.py)
     row["cache"] = {k: v for k, v in stats.to_dict().items() if k != "extra"}
     row["cache_extra"] = stats.extra

@@ -1,6 +1,6 @@
 """The simulator's worker processes: a pool whose workers leave Ctrl-C to the parent and die with it, and whose
 parent stops waiting when a worker dies (multiprocessing's pool replaces a dead worker but loses its task: the wait
-for that result would never end), and when the pool's own terminate hangs (`_terminated`)."""
+for that result would never end), and when the pool's own terminate hangs (`_stop`)."""
 from __future__ import annotations
 
 import multiprocessing
@@ -92,15 +92,14 @@ def worker_pool(processes: int) -> Iterator[LivePool]:
         yield LivePool(pool, workers)
         pool.close()
     except BaseException:
-        if _terminated(pool):
-            pool.join()
+        _stop(pool)
         raise
     pool.join()
 
 
-def _terminated(pool: Any) -> bool:
-    """Terminate the pool, waiting at most TERMINATE_WAIT_S; then kill any child left. False: the pool's own
-    terminate is still stuck, and nobody waits for it. It can wait forever: a worker it kills while that worker
+def _stop(pool: Any) -> None:
+    """Terminate the pool, waiting at most TERMINATE_WAIT_S; kill any child left; join the pool unless its own
+    terminate is still stuck, which nobody then waits for. It can wait forever: a worker it kills while that worker
     sends a result holds the result queue's write lock for good, and the pool's task handler, which sends that
     queue a last message, then blocks on the lock (CPython's multiprocessing.Pool). The pool's threads are
     daemons, so a stuck one does not keep the process alive."""
@@ -108,7 +107,8 @@ def _terminated(pool: Any) -> bool:
     stopping.start()
     stopping.join(TERMINATE_WAIT_S)
     _kill_stragglers()
-    return not stopping.is_alive()
+    if not stopping.is_alive():
+        pool.join()
 
 
 def _kill_stragglers() -> None:

@@ -89,9 +89,12 @@ class HostMemory:
         return self.mmap_at("reserve", None, nbytes, PROT_NONE, RESERVED, -1, 0)
 
     def release(self, region: Region) -> None:
-        if self.libc.munmap(region.base, region.nbytes) != 0:
+        self.munmap_at(f"the range at {region.base:#x}", region.base, region.nbytes)
+
+    def munmap_at(self, what: str, addr: int, nbytes: int) -> None:
+        if self.libc.munmap(addr, nbytes) != 0:
             err = ctypes.get_errno()
-            raise DriverError(f"munmap of the range at {region.base:#x} failed: {os.strerror(err)}")
+            raise DriverError(f"munmap of {what} failed: {os.strerror(err)}")
 
     def resize_store(self, old_pages: int, new_pages: int) -> None:
         if new_pages > self._file_pages:
@@ -107,9 +110,7 @@ class HostMemory:
         nbytes = num_pages * self.page_size
         addr = self.mmap_at("fault in store pages", None, nbytes, PROT_RW, MAP_SHARED | MAP_POPULATE, self.fd,
                             first_page * self.page_size)
-        if self.libc.munmap(addr, nbytes) != 0:
-            err = ctypes.get_errno()
-            raise DriverError(f"munmap of the passing mapping of store pages failed: {os.strerror(err)}")
+        self.munmap_at("the passing mapping of store pages", addr, nbytes)
 
     def map(self, addr: int, first_page: int, num_pages: int) -> int:
         flags = MAP_SHARED | MAP_FIXED | (MAP_POPULATE if self.populate else 0)

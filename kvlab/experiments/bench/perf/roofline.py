@@ -62,8 +62,9 @@ def paired_share(llm, model, batch: int, short: int, long: int, repeats: int) ->
     step's matmuls, 5 calls) and then the decode rate (the extra tokens of a long generate over its extra
     seconds) back to back, so a machine whose speed drifts during the run moves both halves of a round alike."""
     step, generate = matmul_step(model, batch), generate_seconds(llm, batch)
-    generate(2)                                               # warm-up
-    measure(step, 1, warmup=2)
+    generate(2)                                               # warm-ups
+    step()
+    step()
     rounds = []
     for _ in range(repeats):
         limit = batch / measure(step, 1, warmup=0, inner=5).median
