@@ -95,6 +95,20 @@ class PagedAllocator(Allocator):
         self._grow(seq, entry, num_tokens)
         return 0
 
+    @timed
+    def hold_in_place(self, seqs: list[Sequence], targets: list[int], i: int) -> int:
+        """allocate's decode path as one loop: each target within the blocks its sequence already has."""
+        if not self.plain or self.pool.num_shared:
+            return i
+        entries, block_size = self.seqs, self.block_size
+        for j in range(i, len(seqs)):
+            entry, tokens = entries.get(seqs[j].seq_id), targets[j]
+            if entry is None or tokens > len(entry.table) * block_size:
+                return j
+            if tokens > entry.num_tokens:
+                entry.num_tokens = tokens
+        return len(seqs)
+
     def _admit(self, seq: Sequence, num_tokens: int) -> int:
         if seq.seq_id in self.swapped:
             raise BlockPoolError(f"sequence {seq.seq_id} is swapped out; call swap_in before allocate")

@@ -148,7 +148,7 @@ class VMMAllocator(Allocator):
                     return 0
         if not self._fits(seq, num_tokens, reserve_units):
             return None
-        self._fence(seq)
+        self.mapper.fence_slot(self.table.slot_of.get(seq.seq_id))
         with self._lock:
             if seq.seq_id in self.swap.swapped:
                 raise RequestError(f"sequence {seq.seq_id} is swapped out; swap_in before allocate")
@@ -158,9 +158,18 @@ class VMMAllocator(Allocator):
             return hit
 
     @timed
+    def hold_in_place(self, seqs: list[Sequence], targets: list[int], i: int) -> int:
+        """The step's decode tokens that stay in their slot's last held page, as one loop (SlotTable.hold_each). With
+        background mapping every call fences its slot and may ask for pages ahead, so each goes to `allocate`."""
+        if not self.plain or self.mapper.enabled:
+            return i
+        with self._lock:
+            return i if self.free_pages.num_shared else self.table.hold_each(seqs, targets, i)
+
+    @timed
     def free(self, seq: Sequence) -> None:
         try:
-            self._fence(seq, drop=True)
+            self.mapper.fence_slot(self.table.slot_of.get(seq.seq_id), drop=True)
         finally:   # a background error surfaces here, but the sequence is freed all the same
             with self._lock:
                 self.swap.drop(seq.seq_id, self.emit)
@@ -170,7 +179,7 @@ class VMMAllocator(Allocator):
 
     @timed
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        self._fence(parent)
+        self.mapper.fence_slot(self.table.slot_of.get(parent.seq_id))
         with self._lock:
             source = self.table.owned(parent.seq_id, "cannot fork sequence")
             self.table.unowned(child.seq_id, "cannot fork into sequence")
@@ -183,7 +192,7 @@ class VMMAllocator(Allocator):
 
     @timed
     def swap_out(self, seq: Sequence) -> None:
-        self._fence(seq, drop=True)
+        self.mapper.fence_slot(self.table.slot_of.get(seq.seq_id), drop=True)
         with self._lock:
             slot = self.table.owned(seq.seq_id, "cannot swap out sequence")
             self.swap.save(seq, slot, self.emit)   # the storage copies the K/V out before the pages go
@@ -202,13 +211,6 @@ class VMMAllocator(Allocator):
             if self.prefix is not None:
                 self.prefix.track(seq)
             return True
-
-    def _fence(self, seq: Sequence, drop: bool = False) -> None:
-        """Wait for the sequence's map-ahead job (`drop`: the slot is given up, so a job not launched is not)."""
-        index = self.table.slot_of.get(seq.seq_id)
-        if drop:
-            self.mapper.cancel(index)
-        self.mapper.fence([index])
 
     # -- what the storage asks each step --------------------------------------------------------------------
     def rows(self, items: list[BatchItem], check: bool) -> tuple[list[int], list[int]]:

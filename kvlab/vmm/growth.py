@@ -95,6 +95,13 @@ class BackgroundMapper:
         if future is not None:
             future.result()
 
+    def fence_slot(self, index: int | None, drop: bool = False) -> None:
+        """Wait for a slot's job before the cache changes the slot (`drop`: the slot is given up, so a job not
+        launched yet is forgotten instead)."""
+        if drop:
+            self.cancel(index)
+        self.fence([index])
+
     def fence(self, indices: list[int | None]) -> None:
         """Wait for these slots' jobs, then re-raise any finished job's error here, in the caller."""
         for index in indices:

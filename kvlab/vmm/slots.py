@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 from kvlab.common.errors import RequestError
 
 if TYPE_CHECKING:
+    from kvlab.common.sequence import Sequence
     from kvlab.vmm.drivers.types import DriverStats, Mirror, Region
     from kvlab.vmm.geometry import Geometry
 
@@ -183,6 +184,28 @@ class SlotTable:
             slot.seq_id, slot.held = None, 0
             self._clock += 1
             slot.freed_at = self._clock
+
+    def hold_each(self, seqs: list[Sequence], targets: list[int], i: int) -> int:
+        """`hold` for seqs[i:] in turn while each target stays within the last page its slot holds (the per-step
+        decode path: only the live count moves); returns the index of the first that needs more (no slot, or
+        a page past its held ones)."""
+        slot_of, slots, tpp = self.slot_of, self.slots, self.geo.tokens_per_page
+        live = 0
+        for j in range(i, len(seqs)):
+            index = slot_of.get(seqs[j].seq_id)
+            if index is None:
+                break
+            slot = slots[index]
+            held, tokens = slot.held, targets[j]
+            if tokens > held:
+                if not held or (held - 1) // tpp != (tokens - 1) // tpp:
+                    break
+                live += tokens - held
+                slot.held = tokens
+        else:
+            j = len(seqs)
+        self.live_tokens += live
+        return j
 
     def hold(self, slot: Slot, tokens: int) -> None:
         """A live slot's owner may now write `tokens` tokens (the per-step path: no context manager)."""

@@ -97,6 +97,24 @@ class Allocator(ABC):
         None when there is no room (nothing changed), else how many leading tokens a prefix-cache hit
         already holds (only on a sequence's first allocation; 0 without prefix caching)."""
 
+    def allocate_each(self, seqs: list[Sequence], targets: list[int]) -> int:
+        """`allocate(seq, target)` for each pair in turn, stopping at the first that finds no room; returns how many
+        succeeded. The scheduler's per-step call for its running sequences: one call a step rather than one a
+        sequence, so that the common case (`hold_in_place`) runs as one loop under one timer."""
+        done = 0
+        while done < len(seqs):
+            done = self.hold_in_place(seqs, targets, done)
+            if done == len(seqs) or self.allocate(seqs[done], targets[done]) is None:
+                break
+            done += 1
+        return done
+
+    def hold_in_place(self, seqs: list[Sequence], targets: list[int], i: int) -> int:
+        """From seqs[i] on, let each sequence hold its target where that moves nothing but counts (a decode
+        token in a unit it already holds); returns the index of the first that needs `allocate`. Backends
+        override it (timed); this default leaves every sequence to `allocate`."""
+        return i
+
     @abstractmethod
     def free(self, seq: Sequence) -> None: ...
 

@@ -186,30 +186,52 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        """Running sequences, oldest admission first, get their next tokens; one that cannot grow makes room."""
-        running, allocate, req_of = self.queues.running, self.cache.allocate, self.queues.req_of
-        items, specs = out.items, out.specs
+        """Running sequences, oldest admission first, get their next tokens; one that cannot grow makes room. The
+        cache takes the allocations in runs (allocate_each: one call a step unless a sequence finds no room)."""
+        running = self.queues.running
         i = 0
-        while i < len(running) and budget > 0:       # once per running sequence per step: add_item inlined
-            seq = running[i]
-            length, start = len(seq.token_ids), seq.num_computed_tokens
-            n = length - start
-            if n == 0:                       # a beam waiting for its siblings
-                i += 1
+        while i < len(running) and budget > 0:
+            seqs, sizes, places, end = self._next_run(i, budget)
+            done = self.cache.allocate_each(seqs, [s.num_computed_tokens + n for s, n in zip(seqs, sizes)])
+            budget = self._add_items(out, seqs[:done], sizes, budget)
+            if done == len(seqs):
+                i = end
                 continue
-            if n > budget:
-                n = budget
-            if allocate(seq, start + n) is None:
-                i -= self.preemption.make_room(seq, start + n, i, out)
-                if seq.status is not RUNNING:
-                    continue
-                start = seq.num_computed_tokens
-            logits = start + n == length
+            seq, n, i = seqs[done], sizes[done], places[done]      # no room for it: make room, one at a time
+            i -= self.preemption.make_room(seq, seq.num_computed_tokens + n, i, out)
+            if seq.status is RUNNING:
+                budget = self._add_items(out, [seq], [n], budget)
+                i += 1
+        return budget
+
+    def _next_run(self, i: int, budget: int) -> tuple[list[Sequence], list[int], list[int], int]:
+        """From running[i] on, within `budget`: the sequences with tokens to compute, how many each (a decode token,
+        or a prefill or recompute chunk), their places in the running list, and where the run ends."""
+        running = self.queues.running
+        seqs, sizes, places = [], [], []
+        while i < len(running) and budget > 0:       # once per running sequence per step: kept flat
+            seq = running[i]
+            n = len(seq.token_ids) - seq.num_computed_tokens
+            if n:                                    # 0: a beam waiting for its siblings
+                if n > budget:
+                    n = budget
+                seqs.append(seq)
+                sizes.append(n)
+                places.append(i)
+                budget -= n
+            i += 1
+        return seqs, sizes, places, i
+
+    def _add_items(self, out: SchedulerOutput, seqs: list[Sequence], sizes: list[int], budget: int) -> int:
+        """Schedule each sequence's next `size` tokens (group.add_item, inlined: once per sequence per step)."""
+        items, specs, req_of = out.items, out.specs, self.queues.req_of
+        for seq, n in zip(seqs, sizes):
+            start = seq.num_computed_tokens
+            logits = start + n == len(seq.token_ids)
             items.append(BatchItem(seq, start, n, logits))
             if logits:
                 specs[seq.seq_id] = req_of[seq.seq_id].group.spec(seq)
             budget -= n
-            i += 1
         return budget
 
     # -- update ---------------------------------------------------------------------------------------------
