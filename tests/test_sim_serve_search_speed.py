@@ -33,6 +33,38 @@ def test_a_warm_start_near_the_answer_takes_fewer_runs_than_doubling():
     assert warm.rate == pytest.approx(cold.rate, rel=0.021)
 
 
+@pytest.mark.parametrize("hint", [0.985, 1.0, 1.015])
+def test_a_warm_start_within_one_tolerance_of_the_answer_takes_two_runs(hint):
+    knee = 23.7
+    found = slo.search(planted(knee), TARGET, start=knee * hint, rel_tol=0.02, step=slo.warm_step(0.02))
+    assert len(found.evaluations) == 2 and [ok for _, ok in found.evaluations].count(True) == 1
+    hi = max(r for r, _ in found.evaluations)
+    assert found.rate <= knee < hi and hi / found.rate - 1 == pytest.approx(0.02)
+
+
+def test_a_bracket_exactly_one_tolerance_wide_is_not_bisected_for_rounding():
+    # 16.6 * 1.02 / 16.6 - 1 is 0.020000000000000018 in floating point: without slack it would take a third run
+    found = slo.search(planted(16.8), TARGET, start=16.6, rel_tol=0.02, step=1.02)
+    assert [ok for _, ok in found.evaluations] == [True, False]
+
+
+def test_the_rate_search_starts_above_the_knee_by_default():
+    """A run past the knee stops early and one below it runs to its end, so the default start is high; the
+    concurrency axis keeps its own."""
+    from kvlab.experiments.cli import flags
+    from kvlab.experiments.sim.serve import cli
+
+    def jobs(*extra):
+        parser = flags.KvlabParser(prog="kvlab")
+        cli.add_parser(parser.add_subparsers(dest="command").add_parser("simulate").add_subparsers(dest="sim"))
+        s = cli.settings_from(parser.parse_args(["simulate", "serve", "--backends", "paged-16", "--slo",
+                                                 "p99_ttft_ms<=2000", "--no-save", *extra]))
+        return [job[4] for job in cli.slo_jobs(s, s.cases())[1]]
+    assert jobs() == [cli.RATE_START]
+    assert jobs("--slo-start", "3") == [3.0]
+    assert jobs("--search", "max-concurrency") == [cli.CONCURRENCY_START]
+
+
 def test_the_default_step_is_the_old_doubling():
     evaluated = [r for r, _ in slo.search(planted(100.0), TARGET, start=4.0).evaluations]
     assert evaluated[:6] == [4.0, 8.0, 16.0, 32.0, 64.0, 128.0]

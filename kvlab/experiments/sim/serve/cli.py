@@ -38,7 +38,11 @@ from kvlab.experiments.sim.serve.run import (
 )
 from kvlab.experiments.sim.serve.tables import grid_table, slo_table
 
-WARM_STEP = 1.05  # a later seed's first bracket factor around the first seed's SLO rate; accounting-only paged
+# Where a search starts. On the rate axis above most knees: a run past the knee stops as soon as its SLO is
+# certainly missed (early_stop.py), one below it runs to its end, so bracketing down costs fewer simulated steps
+# than bracketing up (and the same bisection follows once the knee is bracketed)
+RATE_START = 64.0
+CONCURRENCY_START = 4
 STEADY_REQUESTS = 1000           # fewer: the start and the drain weigh on the rates (reporting/verdict.py)
 PAGED_BYTES_PER_BLOCK = 160      # blocks keep ~160 B of books each (as `kvlab simulate`)
 SLO_KEYS = {f"{stat}_{metric}_ms" for metric in latency.METRICS
@@ -78,7 +82,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--search", choices=("request-rate", "max-concurrency"), default="request-rate",
                    help="the SLO search's axis: the request rate, or the client's max concurrency (integer, at "
                         "the one rate of --request-rates, default inf)")
-    p.add_argument("--slo-start", type=float, default=4.0, help="first rate (or concurrency) the search tries")
+    p.add_argument("--slo-start", type=float, help=f"first rate (default {RATE_START:g} req/s) or concurrency "
+                                                    f"(default {CONCURRENCY_START}) the search tries")
     p.add_argument("--slo-tolerance", type=float, default=0.02, help="relative width at which bisection stops")
     p.add_argument("--independent-seeds", action="store_true",
                    help="rate search: every seed brackets from --slo-start (default: later seeds start at the "
@@ -131,7 +136,7 @@ class ServeSettings:
     request_rates: tuple[str, ...]
     slo: dict[str, float] | None = None     # None: the grid of rates; else the search's target
     search: str = "request-rate"            # the SLO search's axis: request-rate | max-concurrency
-    slo_start: float = 4.0
+    slo_start: float | None = None          # None: RATE_START or CONCURRENCY_START, by the axis
     slo_tolerance: float = 0.02
     independent_seeds: bool = False
     early_stop: bool = True
@@ -213,7 +218,8 @@ def check_run_flags(args: argparse.Namespace) -> None:
     check_number("--watermark", args.watermark, high=0.999)
     check_number("--mfu", args.mfu, strict=True, high=1.0)
     check_int("--jobs", args.jobs, 1, machine.max_threads(), " (at most 4 per CPU)")
-    check_number("--slo-start", args.slo_start, strict=True, high=1e9)
+    if args.slo_start is not None:
+        check_number("--slo-start", args.slo_start, strict=True, high=1e9)
     check_number("--slo-tolerance", args.slo_tolerance, strict=True, high=1.0)
     for key in args.slo or {}:
         if key not in SLO_KEYS:
@@ -255,16 +261,19 @@ def slo_jobs(s: ServeSettings, cases: list[SimCase]) -> tuple:
         rates = parse_rates(list(s.request_rates))
         if len(rates) != 1:
             raise ConfigError("--search max-concurrency runs at one rate: give one --request-rates value (or inf)")
-        return (search_pool.concurrency_search, [(c, s.spec, seed, s.slo, s.slo_start, rates[0], s.early_stop)
+        start = CONCURRENCY_START if s.slo_start is None else s.slo_start
+        return (search_pool.concurrency_search, [(c, s.spec, seed, s.slo, start, rates[0], s.early_stop)
                                                  for c in cases for seed in s.seeds], "slo_max_concurrency")
-    return (search_pool.rate_search, [(c, s.spec, seed, s.slo, s.slo_start, s.slo_tolerance, s.early_stop, 2.0)
+    start = RATE_START if s.slo_start is None else s.slo_start
+    return (search_pool.rate_search, [(c, s.spec, seed, s.slo, start, s.slo_tolerance, s.early_stop, 2.0)
                                       for c in cases for seed in s.seeds], "slo_rate")
 
 
 def run_searches(s: ServeSettings, cases: list[SimCase], saved: Saved | None = None) -> tuple[list[dict], str]:
     """Every (backend, seed) search, point by point over the workers (search_pool.py). On the rate axis, unless
     --independent-seeds: each backend's first seed searches from --slo-start; its other seeds then start at that
-    answer with 5% brackets (WARM_STEP), as soon as it is known, which takes about half the runs. Every answer is
+    answer with brackets one tolerance wide (slo.warm_step), as soon as it is known, which takes about a third of
+    the runs. Every answer is
     still verified on its own seed: it passed at lo and missed at hi."""
     make, jobs, key = slo_jobs(s, cases)
     seeds = s.seeds
@@ -275,7 +284,8 @@ def run_searches(s: ServeSettings, cases: list[SimCase], saved: Saved | None = N
         if first["seed"] != seeds[0]:
             return []
         mine = [j for j in jobs if j[2] != seeds[0] and backend_label(j[0]) == first["backend"]]
-        return [make((*j[:4], first[key], *j[5:7], WARM_STEP) if first[key] > 0 else j) for j in mine]
+        return [make((*j[:4], first[key], *j[5:7], slo.warm_step(s.slo_tolerance)) if first[key] > 0 else j)
+                for j in mine]
 
     if s.search != "request-rate" or len(seeds) == 1 or s.independent_seeds:
         first, follow = [make(j) for j in jobs], lambda found: []

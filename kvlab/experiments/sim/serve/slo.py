@@ -66,6 +66,12 @@ def evaluated(steps: Generator[Any, dict[str, Any], SearchResult], evaluate: Cal
         return done.value
 
 
+def warm_step(rel_tol: float) -> float:
+    """The first bracket factor of a search started at a neighbour's answer (another seed's): one tolerance, so an
+    answer that close takes two runs; the factor squares after each try, so a far answer is still reached."""
+    return 1.0 + rel_tol
+
+
 def search(evaluate: Callable[[float], dict[str, Any]], slo: dict[str, float], start: float = 1.0,
            rel_tol: float = 0.02, low_limit: float = 1e-3, high_limit: float = 1e5, step: float = 2.0
            ) -> SearchResult:
@@ -96,7 +102,7 @@ def search_steps(slo: dict[str, float], start: float = 1.0, rel_tol: float = 0.0
                 break
         else:
             return out
-    while hi / lo - 1 > rel_tol:
+    while hi / lo - 1 > rel_tol * (1 + 1e-9):       # a bracket exactly one tolerance wide, less rounding, is done
         mid = math.sqrt(lo * hi)
         lo, hi = (mid, hi) if (yield from _judged(mid, slo, out)) else (lo, mid)
     out.rate = lo

@@ -8,7 +8,7 @@ from typing import Any
 
 from kvlab.experiments.sim.core import SimCase
 from kvlab.experiments.sim.kernels import kernel_profile
-from kvlab.experiments.sim.serve.cli import WARM_STEP
+from kvlab.experiments.sim.serve.slo import warm_step
 from kvlab.experiments.studies.page_size.executor import Executor
 from kvlab.experiments.studies.page_size.journal import Journal, search_key
 from kvlab.experiments.studies.page_size.point import Costs, SearchJob, search
@@ -21,7 +21,8 @@ def job(s: StudySettings, cell: Cell, case: SimCase, seed: int, costs: Costs, st
     """A search from `start` (near the answer: narrow brackets), or from --slo-start when none is known."""
     warm = start > 0
     return SearchJob(cell, cell.spec(s.spec), kernel_profile(cell.kernel), case, seed, costs, s.slo,
-                     start if warm else s.slo_start, s.slo_tolerance, WARM_STEP if warm else 2.0)
+                     start if warm else s.slo_start, s.slo_tolerance,
+                     warm_step(s.slo_tolerance) if warm else 2.0)
 
 
 def job_key(j: SearchJob) -> str:
