@@ -21,6 +21,19 @@ def test_a_record_names_the_commit_of_this_checkout_and_holds_json_only():
     assert jsonable({1: {3}}) == {"1": [3]}
 
 
+def test_a_run_that_never_loaded_torch_records_it_without_loading_it():
+    """The simulators never use torch: their record reads the installed version instead of paying its import."""
+    import subprocess
+    import sys
+    code = ("import json, sys; from kvlab.experiments.reporting.provenance import provenance; "
+            "r = provenance({'command': 'x'}); print(json.dumps([r, 'torch' in sys.modules]))")
+    record, loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                               check=True, timeout=60).stdout)
+    import torch
+    assert not loaded and record["torch"] == torch.__version__      # the package's version is the module's
+    assert record["machine"]["torch_threads"] is None and check_provenance(record, "x") == {"command": "x"}
+
+
 def test_read_provenance_from_a_directory_or_a_results_file(tmp_path):
     record = provenance({"command": "x"})
     (tmp_path / "provenance.json").write_text(json.dumps(record))

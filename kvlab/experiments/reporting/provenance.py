@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -17,9 +18,21 @@ FILE = "provenance.json"
 
 def provenance(config: dict[str, Any]) -> dict[str, Any]:
     """`config`: the run's resolved configuration as plain JSON values (what `kvlab compare` diffs first)."""
-    import torch
     return {"config": jsonable(config), "kvlab": {"version": kvlab_version(), "commit": source_revision()},
-            "torch": torch.__version__, "machine": machine_info(), "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            "torch": torch_version(), "machine": machine_info(), "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def torch_version() -> str:
+    """The loaded torch's version; for a run that never loaded torch (the simulators), the installed one's,
+    read without the second of importing it."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return torch.__version__
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return "not installed"
 
 
 def write_provenance(out: Path, record: dict[str, Any]) -> None:
@@ -87,10 +100,12 @@ def kvlab_version() -> str:
 
 
 def machine_info() -> dict[str, Any]:
-    import torch
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    """The machine, and what torch sees of it when the run loaded torch (None where it did not: a simulator's
+    record names no GPU and no thread count because it used neither)."""
+    torch = sys.modules.get("torch")
+    gpu = torch.cuda.get_device_name(0) if torch is not None and torch.cuda.is_available() else None
     return {"cpu": cpu_model(), "logical_cpus": os.cpu_count(), "gpu": gpu, "python": platform.python_version(),
-            "platform": platform.platform(), "torch_threads": torch.get_num_threads(),
+            "platform": platform.platform(), "torch_threads": torch.get_num_threads() if torch is not None else None,
             "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
 
 
