@@ -22,7 +22,7 @@ def test_a_warm_start_finds_the_knee_from_near_and_far(hint):
     found = slo.search(planted(knee), TARGET, start=knee * hint, rel_tol=0.02, step=1.05)
     lo_passed = [r for r, ok in found.evaluations if ok]
     hi_missed = [r for r, ok in found.evaluations if not ok]
-    assert found.rate <= knee and min(hi_missed) / found.rate - 1 <= 0.02 and found.rate == max(lo_passed)
+    assert found.rate <= knee and min(hi_missed) / found.rate - 1 <= 0.02 * (1 + 1e-9) and found.rate == max(lo_passed)
 
 
 def test_a_warm_start_near_the_answer_takes_fewer_runs_than_doubling():
@@ -65,9 +65,18 @@ def test_the_rate_search_starts_above_the_knee_by_default():
     assert jobs("--search", "max-concurrency") == [cli.CONCURRENCY_START]
 
 
-def test_the_default_step_is_the_old_doubling():
-    evaluated = [r for r, _ in slo.search(planted(100.0), TARGET, start=4.0).evaluations]
-    assert evaluated[:6] == [4.0, 8.0, 16.0, 32.0, 64.0, 128.0]
+def test_the_default_bracket_is_bisected_to_the_tolerance_in_one_try_fewer_than_doubling():
+    """bracket_step(0.02) = 1.02^32: five bisections end at exactly 2%, where a doubled bracket needs six."""
+    def bisections(found):      # the tries after the first miss above a pass
+        first_miss = next(i for i, (_, ok) in enumerate(found.evaluations) if not ok)
+        return len(found.evaluations) - first_miss - 1
+    default = slo.search(planted(23.7), TARGET, start=4.0, rel_tol=0.02)
+    doubling = slo.search(planted(23.7), TARGET, start=4.0, rel_tol=0.02, step=2.0)
+    assert [r for r, _ in doubling.evaluations][:4] == [4.0, 8.0, 16.0, 32.0]
+    assert slo.bracket_step(0.02) == pytest.approx(1.02 ** 32)
+    assert default.evaluations[1][0] == pytest.approx(4 * 1.02 ** 32)
+    assert bisections(default) == 5 and bisections(doubling) == 6
+    assert default.rate == pytest.approx(doubling.rate, rel=0.021) and default.rate <= 23.7
 
 
 @pytest.mark.slow     # ~14 s: three seeds of a real search, twice; the tests above check the warm start's parts

@@ -265,7 +265,7 @@ def slo_jobs(s: ServeSettings, cases: list[SimCase]) -> tuple:
         return (search_pool.concurrency_search, [(c, s.spec, seed, s.slo, start, rates[0], s.early_stop)
                                                  for c in cases for seed in s.seeds], "slo_max_concurrency")
     start = RATE_START if s.slo_start is None else s.slo_start
-    return (search_pool.rate_search, [(c, s.spec, seed, s.slo, start, s.slo_tolerance, s.early_stop, 2.0)
+    return (search_pool.rate_search, [(c, s.spec, seed, s.slo, start, s.slo_tolerance, s.early_stop, None)
                                       for c in cases for seed in s.seeds], "slo_rate")
 
 

@@ -133,7 +133,8 @@ def run_one(a: tuple[SimCase, ServeSpec, float, int, int | None, dict[str, float
     return run_point(case, spec, rate, seed, max_concurrency=max_concurrency, stop_on_miss=stop)
 
 
-def rate_search(job: tuple[SimCase, ServeSpec, int, dict[str, float], float, float, bool, float]) -> Search:
+def rate_search(job: tuple[SimCase, ServeSpec, int, dict[str, float], float, float, bool, float | None]
+                ) -> Search:
     case, spec, seed, target, start, tol, early_stop, step = job
     stop = target if early_stop else None
     return Search(job, slo.search_steps(target, start, tol, step=step),

@@ -66,6 +66,15 @@ def evaluated(steps: Generator[Any, dict[str, Any], SearchResult], evaluate: Cal
         return done.value
 
 
+def bracket_step(rel_tol: float) -> float:
+    """The largest (1 + rel_tol)^(2^k) up to 2: a bracket that wide is bisected to exactly the tolerance in k tries,
+    where doubling brackets (a factor of 2, a sliver wider) take k + 1."""
+    step = 1.0 + rel_tol
+    while step * step <= 2.0:
+        step *= step
+    return step
+
+
 def warm_step(rel_tol: float) -> float:
     """The first bracket factor of a search started at a neighbour's answer (another seed's): one tolerance, so an
     answer that close takes two runs; the factor squares after each try, so a far answer is still reached."""
@@ -73,23 +82,26 @@ def warm_step(rel_tol: float) -> float:
 
 
 def search(evaluate: Callable[[float], dict[str, Any]], slo: dict[str, float], start: float = 1.0,
-           rel_tol: float = 0.02, low_limit: float = 1e-3, high_limit: float = 1e5, step: float = 2.0
+           rel_tol: float = 0.02, low_limit: float = 1e-3, high_limit: float = 1e5, step: float | None = None
            ) -> SearchResult:
     """search_steps, evaluating each rate with `evaluate` in turn."""
     return evaluated(search_steps(slo, start, rel_tol, low_limit, high_limit, step), evaluate)
 
 
 def search_steps(slo: dict[str, float], start: float = 1.0, rel_tol: float = 0.02, low_limit: float = 1e-3,
-                 high_limit: float = 1e5, step: float = 2.0) -> Generator[float, dict[str, Any], SearchResult]:
+                 high_limit: float = 1e5, step: float | None = None
+                 ) -> Generator[float, dict[str, Any], SearchResult]:
     """Yields each rate to try and takes its result back (send): a caller may evaluate many searches' points
-    at once. Bracket from `start` by factors of `step` (a step below 2, for a start near the answer, squares
-    after each try, up to 2), then bisect geometrically until hi / lo - 1 <= rel_tol. The answer passed at lo
-    and missed at hi, whatever the start."""
+    at once. Bracket from `start` by factors of `step` (default bracket_step(rel_tol); a smaller step, for a
+    start near the answer, squares after each try, up to that), then bisect geometrically until
+    hi / lo - 1 <= rel_tol. The answer passed at lo and missed at hi, whatever the start."""
     out = SearchResult(0.0)
+    most = bracket_step(rel_tol) if step is None else max(step, bracket_step(rel_tol))
+    step = most if step is None else step
     lo = hi = start
     if (yield from _judged(start, slo, out)):
         while hi < high_limit:
-            lo, hi, step = hi, hi * step, min(step * step, 2.0)
+            lo, hi, step = hi, hi * step, min(step * step, most)
             if not (yield from _judged(hi, slo, out)):
                 break
         else:                                     # passed up to the limit
@@ -97,7 +109,7 @@ def search_steps(slo: dict[str, float], start: float = 1.0, rel_tol: float = 0.0
             return out
     else:
         while lo > low_limit:
-            hi, lo, step = lo, lo / step, min(step * step, 2.0)
+            hi, lo, step = lo, lo / step, min(step * step, most)
             if (yield from _judged(lo, slo, out)):
                 break
         else:

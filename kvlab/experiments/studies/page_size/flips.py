@@ -27,7 +27,7 @@ def driver_flip(probe: CellProbe, case: SimCase) -> list[float]:
     ([0, 1/1024]: it trails even with driver calls 1,024x faster)."""
     target = probe.best_paged()
     found = slo.search(lambda s: {"failed": 0, "lead": target - probe.vmm(case, s)}, LEAD, SCALE_START, SCALE_TOL,
-                       low_limit=SCALE_LOW, high_limit=SCALE_LIMIT)
+                       low_limit=SCALE_LOW, high_limit=SCALE_LIMIT, step=2.0)     # powers of two to the limits
     return bracket(found)
 
 

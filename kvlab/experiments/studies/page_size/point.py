@@ -108,7 +108,7 @@ class SearchJob:
     slo: dict[str, float]
     start: float
     tolerance: float
-    step: float = 2.0
+    step: float | None = None       # the first bracket factor (None: slo.bracket_step of the tolerance)
 
 
 def search(job: SearchJob) -> dict[str, Any]:

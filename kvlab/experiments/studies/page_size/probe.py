@@ -22,7 +22,7 @@ def job(s: StudySettings, cell: Cell, case: SimCase, seed: int, costs: Costs, st
     warm = start > 0
     return SearchJob(cell, cell.spec(s.spec), kernel_profile(cell.kernel), case, seed, costs, s.slo,
                      start if warm else s.slo_start, s.slo_tolerance,
-                     warm_step(s.slo_tolerance) if warm else 2.0)
+                     warm_step(s.slo_tolerance) if warm else None)
 
 
 def job_key(j: SearchJob) -> str:
