@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 
@@ -57,12 +58,12 @@ def meets(r: RequestRecord, slos: dict[str, float]) -> bool:
     return all(values[k] * 1000 <= ms for k, ms in slos.items())
 
 
-def stats(name: str, values_s: list[float], percentiles: tuple[float, ...]) -> dict[str, float]:
-    ms = np.asarray(values_s, dtype=float) * 1000 if values_s else np.zeros(1)
+def stats(name: str, values_s: list[float] | np.ndarray, percentiles: tuple[float, ...]) -> dict[str, float]:
+    ms = np.asarray(values_s, dtype=float) * 1000 if len(values_s) else np.zeros(1)
     out = {f"mean_{name}_ms": float(ms.mean()), f"median_{name}_ms": float(np.median(ms)),
            f"std_{name}_ms": float(ms.std())}
-    for p in percentiles:
-        out[f"p{p:g}_{name}_ms"] = float(np.percentile(ms, p))
+    for p, value in zip(percentiles, np.percentile(ms, percentiles).tolist()):   # one partition for them all
+        out[f"p{p:g}_{name}_ms"] = value
     return out
 
 
@@ -93,7 +94,8 @@ def summarize(records: list[RequestRecord], duration: float, slos: dict[str, flo
     result["request_goodput"] = sum(meets(r, slos) for r in ok) / d if slos else None
     result["max_output_tokens_per_s"] = peak_tokens_per_s(ok)
     values = {"ttft": [r.ttft for r in ok], "tpot": [r.tpot for r in ok if r.tpot is not None],
-              "itl": [x for r in ok for x in r.itl], "e2el": [r.latency for r in ok]}
+              "itl": np.fromiter(chain.from_iterable(r.itl for r in ok), float, sum(len(r.itl) for r in ok)),
+              "e2el": [r.latency for r in ok]}
     for name in metrics:
         if name not in values:
             raise ConfigError(f"unknown percentile metric {name!r}; choose from {', '.join(METRICS)}")

@@ -8,6 +8,7 @@ evenly over the requests of the sequences holding KV in that step, the engine's 
 from __future__ import annotations
 
 from collections import defaultdict
+from operator import sub
 from typing import Any
 
 from kvlab.common.kv.registry import get_backend
@@ -122,7 +123,7 @@ class ServeTap:
                                 kvlab=self.attribution(request_id, m))
             if times:
                 rec.ttft = times[0] - sent
-                rec.itl = [b - a for a, b in zip(times, times[1:])]
+                rec.itl = list(map(sub, times[1:], times))
                 rec.latency = times[-1] - sent
             out.append(rec)
         return out
