@@ -18,6 +18,7 @@ from kvlab.common.config import EngineConfig, make_config
 from kvlab.common.errors import ConfigError
 from kvlab.common.kv.registry import backend_names, get_backend
 from kvlab.common.metrics import RunMetrics
+from kvlab.experiments.sim.collector import collector_paused
 from kvlab.experiments.sim.kernels import KernelTerm, kernel_profile
 from kvlab.experiments.sim.layouts import (
     CROSS_LAYER,
@@ -323,7 +324,8 @@ def simulate(case: SimCase, settings: SimSettings, requests: list[Request], tap:
         tap.bind(engine)
     try:
         engine.reset_metrics()
-        added, finished = drive(engine, runner, requests, settings.max_concurrency)
+        with collector_paused():
+            added, finished = drive(engine, runner, requests, settings.max_concurrency)
         m, stats = engine.metrics(), engine.cache_stats()
         if tap is not None:
             tap.added, tap.finished = added, finished

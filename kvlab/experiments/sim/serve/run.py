@@ -15,6 +15,7 @@ from kvlab.experiments.loadgen import latency
 from kvlab.experiments.loadgen.arrivals import arrival_times
 from kvlab.experiments.loadgen.datasets import draw_lengths
 from kvlab.experiments.loadgen.rows import attribution_totals, request_log
+from kvlab.experiments.sim.collector import collector_paused
 from kvlab.experiments.sim.core import SimCase, SimSettings, format_page, run_case
 from kvlab.experiments.sim.serve.costs import CostLedger, DriverProfile, profile
 from kvlab.experiments.sim.serve.early_stop import SloMissed, SloWatch, stopped_result
@@ -101,13 +102,20 @@ def run_point(case: SimCase, spec: ServeSpec, rate: float, seed: int, max_concur
               stop_on_miss: dict[str, float] | None = None) -> dict[str, Any]:
     """One run; `max_concurrency` overrides the spec's (the concurrency search's axis). `stop_on_miss` (an SLO):
     stop as soon as the run certainly misses it (early_stop.py) and return only that verdict, `stopped_early`."""
-    requests = plan(spec, rate, seed)
-    prof = profile(spec.driver_profile, spec.calibration, case.options.get("page_size"))
     settings = spec.settings(seed, max_concurrency)
-    factory = TapFactory(spec.ledger(prof), watch(stop_on_miss, requests, settings))
     point = {"backend": backend_label(case), "request_rate": rate, "burstiness": spec.burstiness,
              "max_concurrency": settings.max_concurrency or None, "num_prompts": spec.num_requests,
              "dataset": spec.dataset, "seed": seed}
+    with collector_paused():
+        requests = plan(spec, rate, seed)
+        prof = profile(spec.driver_profile, spec.calibration, case.options.get("page_size"))
+        factory = TapFactory(spec.ledger(prof), watch(stop_on_miss, requests, settings))
+        return measured(case, spec, settings, requests, factory, point)
+
+
+def measured(case: SimCase, spec: ServeSpec, settings: SimSettings, requests: list[Request], factory: TapFactory,
+             point: dict[str, Any]) -> dict[str, Any]:
+    """The run's figures and `point` (what it was), or only its verdict when it stopped early."""
     try:
         row = run_case(case, settings, requests, tap=factory)
     except SloMissed as missed:
@@ -121,7 +129,7 @@ def run_point(case: SimCase, spec: ServeSpec, rate: float, seed: int, max_concur
     driver = factory.ledger.to_json() | {"driver_unattributed_seconds": factory.tap.unattributed_s}
     result.update({key: getattr(row, key) for key in SHARE_KEYS})
     result.update({**point, "server_preemptions": row.preemptions, "sim": row.to_json(), "driver": driver,
-                   "pool_create_seconds": prof.create_s * pool_pages(case, spec),
+                   "pool_create_seconds": factory.ledger.profile.create_s * pool_pages(case, spec),
                    "requests": [request_log(r) for r in records]})
     return result
 
