@@ -13,6 +13,8 @@ from kvlab.common.kv.seam import Allocator, create_cache
 from kvlab.common.sequence import Sequence
 
 BACKENDS = ("paged", "vmm", "reserve", "elastic")
+# every backend plain, and each with a prefix cache with one (reserve has none)
+CASES = [(b, False) for b in BACKENDS] + [(b, True) for b in BACKENDS if b != "reserve"]
 MAX_LEN = 256
 
 
@@ -43,11 +45,9 @@ def grow(cache: Allocator, live: list[Sequence], plan: list[int], take) -> int:
     return done
 
 
-@pytest.mark.parametrize("prefix", [False, True], ids=["plain", "prefix-caching"])
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("backend", "prefix"), CASES,
+                         ids=[f"{b}-{'prefix-caching' if p else 'plain'}" for b, p in CASES])
 def test_allocate_each_is_allocate_for_each_in_turn(backend, prefix):
-    if prefix and backend == "reserve":
-        pytest.skip("reserve has no prefix cache")
     rng = random.Random(backend)
     each, single = allocator(backend, enable_prefix_caching=prefix), allocator(backend, enable_prefix_caching=prefix)
     twins: list[tuple[Sequence, Sequence]] = []

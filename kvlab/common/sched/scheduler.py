@@ -191,36 +191,40 @@ class Scheduler:
         running = self.queues.running
         i = 0
         while i < len(running) and budget > 0:
-            seqs, sizes, places, end = self._next_run(i, budget)
-            done = self.cache.allocate_each(seqs, [s.num_computed_tokens + n for s, n in zip(seqs, sizes)])
+            seqs, sizes, targets, places, end = self._next_tokens(i, budget)
+            done = self.cache.allocate_each(seqs, targets)
             budget = self._add_items(out, seqs[:done], sizes, budget)
             if done == len(seqs):
                 i = end
                 continue
             seq, n, i = seqs[done], sizes[done], places[done]      # no room for it: make room, one at a time
-            i -= self.preemption.make_room(seq, seq.num_computed_tokens + n, i, out)
+            i -= self.preemption.make_room(seq, targets[done], i, out)
             if seq.status is RUNNING:
                 budget = self._add_items(out, [seq], [n], budget)
                 i += 1
         return budget
 
-    def _next_run(self, i: int, budget: int) -> tuple[list[Sequence], list[int], list[int], int]:
+    def _next_tokens(self, i: int, budget: int
+                     ) -> tuple[list[Sequence], list[int], list[int], list[int], int]:
         """From running[i] on, within `budget`: the sequences with tokens to compute, how many each (a decode token,
-        or a prefill or recompute chunk), their places in the running list, and where the run ends."""
+        or a prefill or recompute chunk), the token count each must then hold, their places in the running list,
+        and where the list was left."""
         running = self.queues.running
-        seqs, sizes, places = [], [], []
+        seqs, sizes, targets, places = [], [], [], []
         while i < len(running) and budget > 0:       # once per running sequence per step: kept flat
             seq = running[i]
-            n = len(seq.token_ids) - seq.num_computed_tokens
+            start = seq.num_computed_tokens
+            n = len(seq.token_ids) - start
             if n:                                    # 0: a beam waiting for its siblings
                 if n > budget:
                     n = budget
                 seqs.append(seq)
                 sizes.append(n)
+                targets.append(start + n)
                 places.append(i)
                 budget -= n
             i += 1
-        return seqs, sizes, places, i
+        return seqs, sizes, targets, places, i
 
     def _add_items(self, out: SchedulerOutput, seqs: list[Sequence], sizes: list[int], budget: int) -> int:
         """Schedule each sequence's next `size` tokens (group.add_item, inlined: once per sequence per step)."""

@@ -1,10 +1,10 @@
 """The cyclic garbage collector paused while a simulation runs.
 
 A simulated run holds millions of live objects (every request's token list, its sequences, the step's items) and
-allocates fast, so the collector's generational passes keep re-walking them: about a fifth of a serving run's
-time at 2,000 requests. Reference counting frees almost all of a run's garbage anyway; the few thousand cyclic
-objects a run leaves (requests and their groups refer to each other) are collected after it, once the collector
-is back on."""
+allocates fast, so the collector's generational passes keep re-walking them: 0.05-0.1 s of a 1.4 s serving run at
+2,000 requests (measured with gc.callbacks). Reference counting frees almost all of a run's garbage anyway; the
+few thousand cyclic objects a run leaves (requests and their groups refer to each other) are collected after it,
+in the one pass that follows once the collector is back on."""
 from __future__ import annotations
 
 import gc

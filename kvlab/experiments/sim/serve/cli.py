@@ -273,8 +273,7 @@ def run_searches(s: ServeSettings, cases: list[SimCase], saved: Saved | None = N
     """Every (backend, seed) search, point by point over the workers (search_pool.py). On the rate axis, unless
     --independent-seeds: each backend's first seed searches from --slo-start; its other seeds then start at that
     answer with brackets one tolerance wide (slo.warm_step), as soon as it is known, which takes about a third of
-    the runs. Every answer is
-    still verified on its own seed: it passed at lo and missed at hi."""
+    the runs. Every answer is still verified on its own seed: it passed at lo and missed at hi."""
     make, jobs, key = slo_jobs(s, cases)
     seeds = s.seeds
     order = {label: i for i, label in enumerate(backend_label(c) for c in cases)}

@@ -96,8 +96,9 @@ def search_steps(slo: dict[str, float], start: float = 1.0, rel_tol: float = 0.0
     start near the answer, squares after each try, up to that), then bisect geometrically until
     hi / lo - 1 <= rel_tol. The answer passed at lo and missed at hi, whatever the start."""
     out = SearchResult(0.0)
-    most = bracket_step(rel_tol) if step is None else max(step, bracket_step(rel_tol))
+    most = bracket_step(rel_tol)
     step = most if step is None else step
+    most = max(most, step)                        # a wider step asked for (doubling) stays that wide
     lo = hi = start
     if (yield from _judged(start, slo, out)):
         while hi < high_limit:
