@@ -1,9 +1,11 @@
 """Allocator.allocate_each, the scheduler's one call a step for its running sequences, does exactly what `allocate`
 for each sequence in turn does: the same count (stopping at the first sequence that finds no room), the same books
-and the same stats, on every backend, with and without the decode path that vmm and paged take in one loop."""
+and the same stats, on every backend, with and without the decode path that vmm and paged take in one loop, and
+with vmm's background mapping (its loop stops at slots with a job and asks for pages ahead as `allocate` does)."""
 from __future__ import annotations
 
 import random
+from concurrent.futures import wait
 
 import pytest
 from helpers.invariants import PAGE, SHAPE
@@ -13,12 +15,14 @@ from kvlab.common.kv.seam import Allocator, create_cache
 from kvlab.common.sequence import Sequence
 
 BACKENDS = ("paged", "vmm", "reserve", "elastic")
-# every backend plain, and each with a prefix cache with one (reserve has none)
-CASES = [(b, False) for b in BACKENDS] + [(b, True) for b in BACKENDS if b != "reserve"]
+# every backend plain, each with a prefix cache with one (reserve has none), and vmm mapping in the background
+CASES = [(b, False) for b in BACKENDS] + [(b, True) for b in BACKENDS if b != "reserve"] + [("vmm-background", False)]
 MAX_LEN = 256
 
 
 def allocator(backend: str, **extra) -> Allocator:
+    if backend == "vmm-background":
+        backend, extra["background_mapping"] = "vmm", True
     config = make_config(backend=backend, block_size=16, page_size=PAGE, elastic_block_size=16,
                          kv_cache_bytes=40 * 16 * SHAPE.bytes_per_token, max_num_seqs=8, max_model_len=MAX_LEN,
                          **extra)
@@ -34,9 +38,11 @@ def one_at_a_time(cache: Allocator, seqs: list[Sequence], targets: list[int]) ->
 
 def grow(cache: Allocator, live: list[Sequence], plan: list[int], take) -> int:
     """One step: each live sequence asks for plan[i] more tokens; the ones granted have computed them; the first
-    refused (if any) is freed, as a preemption would."""
+    refused (if any) is freed, as a preemption would. The background mapper's jobs of the step run to their end
+    before the next (as if the forward pass ran), so both caches' books are compared at the same point."""
     targets = [seq.num_computed_tokens + n for seq, n in zip(live, plan)]
     done = take(cache, live, targets)
+    settle(cache)
     for seq, target in zip(live[:done], targets):
         seq.token_ids += [7] * (target - seq.num_tokens)
         seq.num_computed_tokens = target
@@ -45,13 +51,22 @@ def grow(cache: Allocator, live: list[Sequence], plan: list[int], take) -> int:
     return done
 
 
+def settle(cache: Allocator) -> None:
+    """Launch the step's map-ahead jobs and wait for them; their slots stay to be fenced by the next step's calls
+    (as after a forward pass)."""
+    mapper = getattr(cache, "mapper", None)
+    if mapper is not None and mapper.enabled:
+        mapper.launch()
+        wait(list(mapper.pending.values()))
+
+
 @pytest.mark.parametrize(("backend", "prefix"), CASES,
                          ids=[f"{b}-{'prefix-caching' if p else 'plain'}" for b, p in CASES])
 def test_allocate_each_is_allocate_for_each_in_turn(backend, prefix):
     rng = random.Random(backend)
     each, single = allocator(backend, enable_prefix_caching=prefix), allocator(backend, enable_prefix_caching=prefix)
     twins: list[tuple[Sequence, Sequence]] = []
-    refused = next_id = 0
+    refused = next_id = busy = 0
     for _ in range(300):
         while len(twins) < 6:
             prompt = [rng.randint(3, 9) for _ in range(rng.randint(1, 40))]
@@ -70,6 +85,7 @@ def test_allocate_each_is_allocate_for_each_in_turn(backend, prefix):
         done = grow(each, live_each, plan, Allocator.allocate_each)
         assert grow(single, live_single, plan, one_at_a_time) == done
         refused += done < len(twins)
+        busy += bool(getattr(each, "mapper", None) and each.mapper.pending)
         twins = [pair for pair in twins if pair[0] in live_each]
         for seq, _ in twins[:1]:
             if seq.num_computed_tokens >= MAX_LEN - 16:      # make room for new ones now and then
@@ -81,6 +97,8 @@ def test_allocate_each_is_allocate_for_each_in_turn(backend, prefix):
         each.check_invariants()
     # reserve holds max_model_len from admission on, so its growth never finds no room
     assert refused or backend == "reserve", "the budget never ran out: the stop at a refusal went untested"
+    if backend == "vmm-background":   # jobs mapped ahead, and the loop met slots whose job was still to be fenced
+        assert each.stats().extra["lookahead_pages"] > 0 and busy
 
 
 def test_allocate_each_stops_at_the_first_refusal_and_changes_nothing_after_it():
@@ -93,3 +111,21 @@ def test_allocate_each_stops_at_the_first_refusal_and_changes_nothing_after_it()
     assert cache.allocate_each(seqs, [17, 16 * (free + 3), 17]) == 1     # the second asks for more than is left
     assert cache.num_free_units() == free - 1 and not cache.units_needed(seqs[0], 17)
     assert cache.units_needed(seqs[2], 17) == 1                            # the third was never asked
+
+
+def test_a_background_job_error_reaches_the_step_that_next_grows_its_slot():
+    """The one-loop decode path stops at a slot whose job is not fenced yet, so `allocate` fences it and a job's
+    error is raised there, as one allocate at a time would."""
+    cache = allocator("vmm-background")
+    seqs = [Sequence(i, str(i), [5] * 14, MAX_LEN) for i in range(2)]
+    for seq in seqs:
+        assert cache.allocate(seq, 14) == 0
+        seq.num_computed_tokens = 14
+
+    def broken(index: int, seq_id: int, target: int) -> bool:
+        raise RuntimeError(f"map-ahead failed for slot {index}")
+    cache.mapper._map_ahead = broken
+    assert cache.allocate_each(seqs, [15, 15]) == 2     # 15 of 16 tokens: both ask for their next page
+    settle(cache)
+    with pytest.raises(RuntimeError, match="map-ahead failed"):
+        cache.allocate_each(seqs, [16, 16])

@@ -38,7 +38,7 @@ from kvlab.vmm.growth import BackgroundMapper, PrefixAliases, SlotGrowth
 from kvlab.vmm.pages import SlotPages
 from kvlab.vmm.prefix import KeptGroups, PagePrefixCache
 from kvlab.vmm.sharing import GiveBack, PageExports
-from kvlab.vmm.slots import Ranges, SlotTable
+from kvlab.vmm.slots import Ranges, Slot, SlotTable
 from kvlab.vmm.swap import SwapSpace
 
 if TYPE_CHECKING:
@@ -159,12 +159,22 @@ class VMMAllocator(Allocator):
 
     @timed
     def hold_in_place(self, seqs: list[Sequence], targets: list[int], i: int) -> int:
-        """The step's decode tokens that stay in their slot's last held page, as one loop (SlotTable.hold_each). With
-        background mapping every call fences its slot and may ask for pages ahead, so each goes to `allocate`."""
-        if not self.plain or self.mapper.enabled:
+        """The step's decode tokens that stay in their slot's last held page, as one loop (SlotTable.hold_each).
+        With background mapping the loop stops at a slot with a job (`allocate` fences it) and asks for pages
+        ahead of the slots it held near their next page, as `allocate` does."""
+        if not self.plain:
             return i
+        mapper = self.mapper
         with self._lock:
-            return i if self.free_pages.num_shared else self.table.hold_each(seqs, targets, i)
+            if self.free_pages.num_shared:
+                return i
+            if not mapper.enabled:
+                return self.table.hold_each(seqs, targets, i)
+            near: list[tuple[Slot, int]] = []
+            done = self.table.hold_each(seqs, targets, i, mapper.busy(), mapper.ahead, near)
+            for slot, tokens in near:
+                mapper.request(slot, tokens)
+            return done
 
     @timed
     def free(self, seq: Sequence) -> None:

@@ -46,6 +46,7 @@ class BackgroundMapper:
     def __init__(self, geo: Geometry, lock: threading.RLock, map_ahead: MapAhead, enabled: bool) -> None:
         self.geo = geo
         self.lock = lock
+        self.ahead = max(1, geo.tokens_per_page // LOOKAHEAD_FRACTION)   # tokens before a page that ask for it
         self.seconds = 0.0                      # worker time spent mapping
         self.pending: dict[int, Future] = {}    # slot index -> its launched job (one job maps a whole step's)
         self.wanted: dict[int, tuple[int, int]] = {}   # slot index -> (owner, target pages): not launched yet
@@ -56,8 +57,7 @@ class BackgroundMapper:
 
     def request(self, slot: Slot, tokens: int) -> None:
         """Map ahead of a slot that now holds `tokens` tokens, if it is near its next page (at the next launch)."""
-        ahead = max(1, self.geo.tokens_per_page // LOOKAHEAD_FRACTION)
-        target = min(self.geo.pages_for(tokens + ahead), self.geo.pages_per_slot)
+        target = min(self.geo.pages_for(tokens + self.ahead), self.geo.pages_per_slot)
         if target > len(slot.groups) and slot.index not in self.pending:
             self.wanted[slot.index] = (slot.seq_id, target)
 
@@ -81,6 +81,10 @@ class BackgroundMapper:
             mapped = [self._map_ahead(index, seq_id, target) for index, (seq_id, target) in jobs]
             if unmaps is not None or any(mapped):
                 self.seconds += time.perf_counter() - t0
+
+    def busy(self) -> set[int]:
+        """The slots with a job wanted or launched: a change to one fences it first."""
+        return self.pending.keys() | self.wanted.keys()
 
     def cancel(self, index: int | None) -> None:
         """Forget a slot's job that has not started (its slot is being given up)."""

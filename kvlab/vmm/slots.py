@@ -12,7 +12,7 @@ pages, live tokens, stale slots oldest first, free slots by parked pages) so tha
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -185,15 +185,17 @@ class SlotTable:
             self._clock += 1
             slot.freed_at = self._clock
 
-    def hold_each(self, seqs: list[Sequence], targets: list[int], i: int) -> int:
+    def hold_each(self, seqs: list[Sequence], targets: list[int], i: int, busy: Container[int] = (),
+                  ahead: int = 0, near: list[tuple[Slot, int]] | None = None) -> int:
         """`hold` for seqs[i:] in turn while each target stays within the last page its slot holds (the per-step
-        decode path: only the live count moves); returns the index of the first that needs more (no slot, or
-        a page past its held ones)."""
+        decode path: only the live count moves); returns the index of the first that needs more (no slot, a slot
+        in `busy`, or a page past its held ones). `ahead` > 0 (background mapping): each slot held whose next
+        unmapped page starts within `ahead` tokens of its target goes into `near` with that target."""
         slot_of, slots, tpp = self.slot_of, self.slots, self.geo.tokens_per_page
         live = 0
         for j in range(i, len(seqs)):
             index = slot_of.get(seqs[j].seq_id)
-            if index is None:
+            if index is None or index in busy:
                 break
             slot = slots[index]
             held, tokens = slot.held, targets[j]
@@ -202,6 +204,8 @@ class SlotTable:
                     break
                 live += tokens - held
                 slot.held = tokens
+            if ahead and (tokens + ahead - 1) // tpp >= len(slot.groups):
+                near.append((slot, tokens))
         else:
             j = len(seqs)
         self.live_tokens += live
