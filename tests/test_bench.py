@@ -128,3 +128,11 @@ def test_the_report_counts_the_drivers_os_calls_beside_the_allocator_share():
     vmm = {"cache": {"map_calls": 9624, "unmap_calls": 6704, "map_seconds": 0.1, "unmap_seconds": 0.11}}
     assert os_calls(vmm) == "16,328 (0.21)"
     assert os_calls({"cache": {"map_calls": 0, "unmap_calls": 0}}) == "-"    # paged, reserve: no OS calls
+
+
+def test_the_report_splits_the_os_calls_by_what_made_them():
+    from kvlab.experiments.bench.report import os_calls_by_cause
+    vmm = {"cache": {"map_calls": 9624, "unmap_calls": 6704},
+           "cache_extra": {"admission_calls": 4536, "growth_calls": 2744, "mapper_calls": 9000}}
+    assert os_calls_by_cause(vmm) == "4,536 / 2,744 / 9,000 / 48"          # the rest: frees, swaps, forks
+    assert os_calls_by_cause({"cache": {"map_calls": 0, "unmap_calls": 0}, "cache_extra": {}}) == "-"   # paged

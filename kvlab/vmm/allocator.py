@@ -230,8 +230,8 @@ class VMMAllocator(Allocator):
         waited for (only finished ones' errors raised): they map pages past the held tokens, which no row reads."""
         self.mapper.fence([])
         with self._lock:
-            calls = self.pages.calls   # this step's map-ahead jobs and put-off unmaps run while the model does
-            self.mapper.launch(calls.flush_all if calls.put_off else None)
+            put_off = self.pages.calls.put_off   # the step's map-ahead jobs and put-off unmaps run while the model does
+            self.mapper.launch(self.growth.run_put_off if put_off else None)
             if check:
                 self.check_invariants()
             slots = [self.table.covering(it.seq.seq_id, it.context_len) for it in items]

@@ -204,9 +204,22 @@ class SlotGrowth:
         return True
 
     def grow(self, seq: Sequence, num_tokens: int, emit: MoveSink) -> int | None:
-        """Make the sequence hold `num_tokens`; returns the prefix-hit tokens, or None when out of OS mappings."""
+        """Make the sequence hold `num_tokens`; returns the prefix-hit tokens, or None when out of OS mappings. Its OS
+        calls count as an admission's (no slot yet) or a growth's."""
         index = self.table.slot_of.get(seq.seq_id)
         slot = None if index is None else self.table.slots[index]
+        stats, counters = self.pages.driver.stats, self.pages.counters   # read inline: no call back up the walk
+        calls = stats.map_calls + stats.unmap_calls
+        try:
+            return self._grow_slot(seq, slot, num_tokens, emit)
+        finally:
+            made = stats.map_calls + stats.unmap_calls - calls
+            if slot is None:
+                counters.admission_calls += made
+            else:
+                counters.growth_calls += made
+
+    def _grow_slot(self, seq: Sequence, slot: Slot | None, num_tokens: int, emit: MoveSink) -> int | None:
         if slot is not None and self.prefix is not None:
             self.prefix.register(seq, slot)
         if slot is not None and self.window is not None:
@@ -272,11 +285,24 @@ class SlotGrowth:
 
     def map_ahead(self, index: int, seq_id: int, target: int) -> bool:
         """The background mapper's job: mapping ahead is skipped, not failed, when the OS mappings are spent."""
+        stats, counters = self.pages.driver.stats, self.pages.counters
+        calls = stats.map_calls + stats.unmap_calls
         try:
             return self.pages.map_ahead(index, seq_id, target)
         except MapBudgetExhausted:
-            self.pages.counters.lookahead_skipped += 1
+            counters.lookahead_skipped += 1
             return False
+        finally:
+            counters.mapper_calls += stats.map_calls + stats.unmap_calls - calls
+
+    def run_put_off(self) -> None:
+        """The mapper's job runs the unmaps the step's growths put off (counted as the mapper's calls)."""
+        stats = self.pages.driver.stats
+        calls = stats.map_calls + stats.unmap_calls
+        try:
+            self.pages.calls.flush_all()
+        finally:
+            self.pages.counters.mapper_calls += stats.map_calls + stats.unmap_calls - calls
 
 
 class PrefixAliases:

@@ -29,6 +29,7 @@ def side_by_side(runs: list[dict[str, Any]]) -> str:
         ("allocator share", timed("allocator_share", pct)),
         ("  bg mapper s (not in share)", lambda r: f"{(r.get('cache_extra') or {}).get('background_seconds', 0):.2f}"),
         ("  OS map+unmap calls (s)", os_calls),
+        ("    admit / grow / mapper / rest", os_calls_by_cause),
         ("scheduler s", timed("scheduler_seconds", lambda v: f"{v:.2f}")),
         ("wall s", timed("wall_seconds", lambda v: f"{v:.1f}")),
         ("engine build s (KV memory)", timed("build_seconds", lambda v: f"{v:.2f}")),
@@ -57,6 +58,17 @@ def os_calls(run: dict[str, Any]) -> str:
     calls = cache.get("map_calls", 0) + cache.get("unmap_calls", 0)
     seconds = cache.get("map_seconds", 0.0) + cache.get("unmap_seconds", 0.0)
     return f"{calls:,} ({seconds:.2f})" if calls else "-"
+
+
+def os_calls_by_cause(run: dict[str, Any]) -> str:
+    """Those calls by what made them (vmm's counters): first allocations and growths on the step, the background
+    mapper's jobs, and the rest (frees, swaps, forks)."""
+    cache, extra = run.get("cache") or {}, run.get("cache_extra") or {}
+    causes = [extra.get(k) for k in ("admission_calls", "growth_calls", "mapper_calls")]
+    if None in causes:
+        return "-"
+    rest = cache.get("map_calls", 0) + cache.get("unmap_calls", 0) - sum(causes)
+    return " / ".join(f"{n:,}" for n in (*causes, rest))
 
 
 def kernels_of(run: dict[str, Any]) -> str:
