@@ -11,6 +11,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 import pytest
+import torch
 from helpers.invariants import (
     SHAPE,
     CheapRunner,
@@ -106,6 +107,20 @@ def real_engine(backend: str, seed: int) -> Engine:
     return Engine.from_config(config, timeline_every=100)
 
 
+def warm_gemm_row_counts(engine: Engine) -> None:
+    """oneDNN JIT-compiles and keeps a primitive for each row count a Linear layer meets (~0.65 MiB each, in caches
+    of 1,024 entries: docs/performance.md, "oneDNN's memory per row count"). That is a first use, paid here for every
+    row count a step can have, so that the soak measures what kvlab itself holds. No model (accounting): nothing."""
+    model = getattr(engine.runner, "model", None)
+    if model is None:
+        return
+    layers = {tuple(m.weight.shape): m for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    with torch.inference_mode():
+        for layer in layers.values():
+            for rows in range(1, engine.config.max_num_batched_tokens + 1):
+                layer(torch.zeros(rows, layer.in_features))
+
+
 def soak(make, backend: str, num_requests: int, warmup: int, margin: int, capsys, **limits) -> SoakResult:
     """A throw-away warm-up engine (first-use costs), then: baseline; a new engine warmed up; the soak on it;
     close. Resident memory must come back near the warmed-up engine's level during the run and near the
@@ -113,6 +128,7 @@ def soak(make, backend: str, num_requests: int, warmup: int, margin: int, capsys
     threads, memfd = kvlab_threads(), memfd_mappings()
     engine = make(backend, 1)
     drive(engine, warmup, seed=1, **limits)
+    warm_gemm_row_counts(engine)
     engine.close()
     del engine
     base = settled_rss()
