@@ -264,18 +264,18 @@ def test_the_os_calls_are_counted_by_what_made_them():
     cache, c = put_off_growth(memory)
     alloc, counters = cache.allocator, cache.allocator.pages.counters
     made = lambda: memory.calls["map"] + memory.calls["unmap"]
-    assert counters.admission_calls == made() > 0 and counters.growth_calls == counters.mapper_calls == 0
+    assert counters.admission_calls == made() > 0 and counters.growth_calls == alloc.mapper.calls == 0
     d = Sequence(3, "3", list(range(2 * TPP - 4)), 8)             # put_off_growth's d, 2 tokens from its third page
     d.num_computed_tokens = d.num_tokens
     assert alloc.allocate(d, 2 * TPP - 1) == 0 and alloc.mapper.wanted
     before = made()
     run_put_off(cache)                                             # the job maps d's next page from the free list
-    assert counters.mapper_calls == made() - before == 4 and counters.lookahead_pages == 1
+    assert alloc.mapper.calls == made() - before == 4 and counters.lookahead_pages == 1
     before = made()
     alloc.allocate(c, 4 * TPP)                                     # maps on the step; the unmaps are put off
     assert counters.growth_calls == made() - before > 0
-    before, mapper = made(), counters.mapper_calls
+    before, mapper = made(), alloc.mapper.calls
     run_put_off(cache)
-    assert counters.mapper_calls - mapper == made() - before > 0 and alloc.snapshot()["put_off"] == []
-    assert counters.admission_calls + counters.growth_calls + counters.mapper_calls == made()
+    assert alloc.mapper.calls - mapper == made() - before > 0 and alloc.snapshot()["put_off"] == []
+    assert counters.admission_calls + counters.growth_calls + alloc.mapper.calls == made()
     cache.close()

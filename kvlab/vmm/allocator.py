@@ -38,7 +38,7 @@ from kvlab.vmm.growth import BackgroundMapper, PrefixAliases, SlotGrowth
 from kvlab.vmm.pages import SlotPages
 from kvlab.vmm.prefix import KeptGroups, PagePrefixCache
 from kvlab.vmm.sharing import GiveBack, PageExports
-from kvlab.vmm.slots import Ranges, Slot, SlotTable
+from kvlab.vmm.slots import Ranges, SlotTable
 from kvlab.vmm.swap import SwapSpace
 
 if TYPE_CHECKING:
@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from kvlab.common.config import EngineConfig
     from kvlab.common.sequence import Sequence
     from kvlab.vmm.drivers.base import VirtualMemory
+    from kvlab.vmm.slots import Slot
 
 log = logging.getLogger("kvlab.vmm")
 # The page counters stats() reports in `extra` (the rest have CacheStats fields of their own); read by name, not
@@ -85,7 +86,9 @@ class VMMAllocator(Allocator):
         self.prefix = PrefixAliases(cache, self.table, self.pages) if cache is not None else None
         self.swap = SwapSpace(self.pages, shape.bytes_per_token)
         self.growth = SlotGrowth(self.pages, self.prefix, self.swap, window, pool)
-        self.mapper = BackgroundMapper(geo, self._lock, self.growth.map_ahead, opts.background_mapping)
+        counts = driver.stats   # the mapper counts the OS calls its jobs make
+        self.mapper = BackgroundMapper(geo, self._lock, self.growth.map_ahead, opts.background_mapping,
+                                       lambda: counts.map_calls + counts.unmap_calls)
         self.closed = False
         self.plain = cache is None and window is None    # allocate's in-place path applies
         self.also_fits: Callable[[int], bool] = _any_units  # a further limit on the units a growth takes (what-ifs)
@@ -230,8 +233,8 @@ class VMMAllocator(Allocator):
         waited for (only finished ones' errors raised): they map pages past the held tokens, which no row reads."""
         self.mapper.fence([])
         with self._lock:
-            put_off = self.pages.calls.put_off   # the step's map-ahead jobs and put-off unmaps run while the model does
-            self.mapper.launch(self.growth.run_put_off if put_off else None)
+            calls = self.pages.calls   # this step's map-ahead jobs and put-off unmaps run while the model does
+            self.mapper.launch(calls.flush_all if calls.put_off else None)
             if check:
                 self.check_invariants()
             slots = [self.table.covering(it.seq.seq_id, it.context_len) for it in items]
@@ -260,6 +263,7 @@ class VMMAllocator(Allocator):
                        "pages_unmapped": d.pages_unmapped, "mapping_limit": self.driver.mapping_limit,
                        "reclaimable_units": table.excess, "live_slots": len(table.slot_of),
                        "stale_slots": len(table.stale), "background_seconds": self.mapper.seconds,
+                       "mapper_calls": self.mapper.calls,
                        "per_place_fallbacks": d.per_place_fallbacks, "torn_pages": len(self.pages.calls.torn),
                        "map_refusals": d.map_refusals, "deferred_releases": d.deferred_releases,
                        **(self.prefix.stats() if self.prefix is not None else {"prefix_caching": "off"}),

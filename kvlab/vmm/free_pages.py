@@ -29,11 +29,10 @@ class PageCounters:
     lookahead_skipped: int = 0     # background jobs that found no free group
     window_dropped_pages: int = 0  # page groups unmapped below a sliding window (back to the free list)
     evicted_for_pool: int = 0      # idle cached groups evicted to give their pages to other engines on the pool
-    # OS map and unmap calls (one per tensor and run) by what made them: first allocations and growths on the step,
-    # the background mapper's jobs (map-ahead, put-off unmaps); the driver's totals hold the rest (frees, swaps)
+    # OS map and unmap calls (one per tensor and run) made by first allocations and by growths, on the step (the
+    # background mapper counts its own jobs')
     admission_calls: int = 0
     growth_calls: int = 0
-    mapper_calls: int = 0
 
 
 class FreePages:

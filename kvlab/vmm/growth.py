@@ -43,15 +43,17 @@ class BackgroundMapper:
     right before the forward pass), so the worker never competes for the lock with the scheduler's allocate calls;
     a slot's job is fenced (waited for) before its next allocate."""
 
-    def __init__(self, geo: Geometry, lock: threading.RLock, map_ahead: MapAhead, enabled: bool) -> None:
+    def __init__(self, geo: Geometry, lock: threading.RLock, map_ahead: MapAhead, enabled: bool,
+                 os_calls: Callable[[], int]) -> None:
         self.geo = geo
         self.lock = lock
         self.ahead = max(1, geo.tokens_per_page // LOOKAHEAD_FRACTION)   # tokens before a page that ask for it
         self.seconds = 0.0                      # worker time spent mapping
+        self.calls = 0                          # the driver's OS calls the worker's jobs made (os_calls: the total)
         self.pending: dict[int, Future] = {}    # slot index -> its launched job (one job maps a whole step's)
         self.wanted: dict[int, tuple[int, int]] = {}   # slot index -> (owner, target pages): not launched yet
         self.unmapping: Future | None = None    # the last job that runs unmaps growths put off
-        self._map_ahead = map_ahead
+        self._map_ahead, self._os_calls = map_ahead, os_calls
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvlab-vmm-mapper") if enabled else None
         self.enabled = enabled
 
@@ -75,10 +77,13 @@ class BackgroundMapper:
 
     def _run(self, jobs: list[tuple[int, tuple[int, int]]], unmaps: Callable[[], None] | None) -> None:
         with self.lock:
-            t0 = time.perf_counter()
-            if unmaps is not None:
-                unmaps()
-            mapped = [self._map_ahead(index, seq_id, target) for index, (seq_id, target) in jobs]
+            t0, calls = time.perf_counter(), self._os_calls()
+            try:
+                if unmaps is not None:
+                    unmaps()
+                mapped = [self._map_ahead(index, seq_id, target) for index, (seq_id, target) in jobs]
+            finally:
+                self.calls += self._os_calls() - calls
             if unmaps is not None or any(mapped):
                 self.seconds += time.perf_counter() - t0
 
@@ -285,24 +290,11 @@ class SlotGrowth:
 
     def map_ahead(self, index: int, seq_id: int, target: int) -> bool:
         """The background mapper's job: mapping ahead is skipped, not failed, when the OS mappings are spent."""
-        stats, counters = self.pages.driver.stats, self.pages.counters
-        calls = stats.map_calls + stats.unmap_calls
         try:
             return self.pages.map_ahead(index, seq_id, target)
         except MapBudgetExhausted:
-            counters.lookahead_skipped += 1
+            self.pages.counters.lookahead_skipped += 1
             return False
-        finally:
-            counters.mapper_calls += stats.map_calls + stats.unmap_calls - calls
-
-    def run_put_off(self) -> None:
-        """The mapper's job runs the unmaps the step's growths put off (counted as the mapper's calls)."""
-        stats = self.pages.driver.stats
-        calls = stats.map_calls + stats.unmap_calls
-        try:
-            self.pages.calls.flush_all()
-        finally:
-            self.pages.counters.mapper_calls += stats.map_calls + stats.unmap_calls - calls
 
 
 class PrefixAliases:
