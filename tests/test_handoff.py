@@ -247,12 +247,41 @@ def test_a_vmm_import_whose_mapping_fails_gives_the_pages_back(engines, monkeypa
         backed = {}
         for role, e in (("prefill", prefill), ("decode", decode)):
             memory = e.cache.allocator.driver.os
-            backed[role] = list(memory.backing.values())
-            assert memory.member.record().held == len(backed[role])
+            with memory.retire_lock:
+                backed[role] = [*memory.backing.values(), *memory.loose, *memory.retiring]
+                assert memory.member.record().held == len(backed[role])
             assert not backed[role] or memory.member.still_holds(backed[role])
         assert backed["prefill"] == [] and backed["decode"]       # the pages moved; the decode keeps them as spares
         expected = run(engines("colocated")).outputs[0].token_ids
         assert run(decode, kv=run(prefill, kv=REMOTE).kv_transfer_params).outputs[0].token_ids == expected
+
+
+def test_a_vmm_import_gives_the_backing_it_replaces_back_off_the_engines_thread(engines):
+    """A received page replaces the idle pool page behind a local page: that one goes back to the pool from the
+    steward's thread, not inside the import. A transfer the ceiling allows only once those are given back gives
+    them back first."""
+    with pool.create(f"handoff-{os.getpid()}-{uuid.uuid4().hex[:8]}", 8 << 20, page_size=4096) as holder:
+        vmm = {"backend": "vmm", "page_size": 4096, "kv_pool": holder.name, "max_num_seqs": 2}
+        prefill, decode = engines("prefill", **vmm), engines("decode", **vmm)
+        memory, expected = decode.cache.allocator.driver.os, run(engines("colocated")).outputs[0].token_ids
+        for _ in range(2):                            # both slots' pages now idle: the next imports replace them
+            assert run(decode, kv=run(prefill, kv=REMOTE).kv_transfer_params).outputs[0].token_ids == expected
+        steward_round, memory.member._steward.on_round = memory.member._steward.on_round, None   # hold it still
+        before = memory.member.record()
+        assert run(decode, kv=run(prefill, kv=REMOTE).kv_transfer_params).outputs[0].token_ids == expected
+        replaced, after = len(memory.retiring), memory.member.record()
+        assert replaced > 0 and after.given == before.given and after.held == before.held + replaced
+        pool.set_limits(holder.name, memory.member.engine, ceiling=(after.held + replaced - 1) * 4096)
+        assert run(decode, kv=run(prefill, kv=REMOTE).kv_transfer_params).outputs[0].token_ids == expected
+        assert memory.member.record().given == after.given + replaced      # given back before the transfer
+        memory.member._steward.on_round = steward_round
+        deadline = time.monotonic() + 5
+        while memory.retiring:
+            assert time.monotonic() < deadline, "the steward did not give the replaced pages back"
+            time.sleep(0.01)
+        with memory.retire_lock:
+            held = [*memory.backing.values(), *memory.loose, *memory.retiring]
+            assert memory.member.record().held == len(held) and memory.member.still_holds(held)
 
 
 # -- the ledger's transfer step -----------------------------------------------------------------------------------

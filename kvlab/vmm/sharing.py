@@ -97,6 +97,7 @@ class PageExports:
         with self.lock:
             if not self.table.has_free():
                 raise HandoffRefused("no free vmm slot for the imported KV")
+            handoff.make_room(len(pool_pages))
             transfer()
             fill = partial(self._fill, groups, pool_pages, num_tokens)
             try:

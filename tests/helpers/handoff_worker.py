@@ -48,13 +48,15 @@ def _target(path: Path) -> str:
 
 
 def pool_audit(engine: Engine) -> dict:
-    """vmm on a pool: every pool page this engine maps or keeps is its own in the ledger."""
+    """vmm on a pool: every pool page this engine maps, keeps, holds loose or is giving back is its own in the
+    ledger."""
     if engine.config.kv_pool is None:
         return {}
     memory = engine.cache.allocator.driver.os
-    backed = sorted(memory.backing.values())
-    return {"backed": len(backed), "all_own": memory.member.still_holds(backed) if backed else True,
-            "held": memory.member.record().held}
+    with memory.retire_lock:            # the steward gives the retiring pages back from its own thread
+        backed = sorted([*memory.backing.values(), *memory.loose, *memory.retiring])
+        held = memory.member.record().held
+    return {"backed": len(backed), "all_own": memory.member.still_holds(backed) if backed else True, "held": held}
 
 
 def state(engine: Engine) -> dict:

@@ -125,13 +125,20 @@ class PoolMember:
         with self._usable().locked() as ledger:
             ledger.publish(self.index, givable)
 
-    def serve(self, answer: Callable[[int], None], givable: Callable[[], int] | None = None) -> None:
+    def serve(self, answer: Callable[[int], None], givable: Callable[[], int] | None = None,
+              every_round: Callable[[], None] | None = None) -> None:
         """Call `answer(pages)` from the steward thread, about every 0.1 s, while refused engines want pages; then,
-        each round, publish `givable()` (the pages this engine could give), if given."""
+        each round, `every_round()` (the engine's own chores), then publish `givable()` (the pages this engine could
+        give), if given."""
         self._usable()
         self._steward.on_wanted = answer
-        if givable is not None:
-            self._steward.on_round = lambda: self.publish(givable())
+
+        def round_() -> None:
+            if every_round is not None:
+                every_round()
+            if givable is not None:
+                self.publish(givable())
+        self._steward.on_round = round_
 
     def record(self) -> EngineRecord:
         with self._usable().locked() as ledger:
