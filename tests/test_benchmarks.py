@@ -241,3 +241,19 @@ def test_engine_loop_overhead_runs_both_loops_to_the_end():
     d = engine_loop_overhead.measure("paged", repeats=2, reqs=serving_overhead.workload(4, 8, 8))
     assert len(d["bare_cpu_s"]) == len(d["loop_cpu_s"]) == 2
     assert all(x > 0 for x in d["bare_cpu_s"] + d["loop_cpu_s"]) and math.isfinite(d["loop_extra_cpu_share"])
+
+
+def test_the_served_run_ignores_eos_as_the_offline_run_does(monkeypatch):
+    """Both runs must make every request's output_len tokens: a served request stopping at EOS would make the
+    served run shorter, not faster (the offline run passes ignore_eos; 256 x 128 tokens showed 123 fewer)."""
+    from kvlab.experiments.bench import serving_overhead
+    from kvlab.experiments.loadgen.latency import RequestRecord
+    seen = []
+
+    async def fake_load(target, reqs, arrivals):
+        seen.append(target)
+        return [RequestRecord(prompt_len=r.prompt_len, output_tokens=r.output_len, success=True) for r in reqs], 1.0, 1
+    monkeypatch.setattr(serving_overhead, "run_load", fake_load)
+    reqs, tokens = serving_overhead.workload(2, 4, 3), []
+    assert serving_overhead.served_run("http://127.0.0.1:1", reqs, tokens)() == 1.0
+    assert seen[0].ignore_eos and seen[0].base_url == "http://127.0.0.1:1" and tokens == [6]

@@ -18,7 +18,7 @@ from typing import Any
 from kvlab.common.llm import LLM
 from kvlab.common.sampling_params import SamplingParams
 from kvlab.experiments.bench.perf.harness import interleaved, paired_ratios
-from kvlab.experiments.loadgen.client import run_load
+from kvlab.experiments.loadgen.client import Target, run_load
 from kvlab.experiments.loadgen.datasets import LoadRequest, build
 from kvlab.experiments.loadgen.sweep import kvlab_server
 
@@ -41,7 +41,8 @@ def offline_run(llm: LLM, reqs: list[LoadRequest], tokens: list[int]):
 
 def served_run(url: str, reqs: list[LoadRequest], tokens: list[int]):
     def run() -> float:
-        records, duration, _ = asyncio.run(run_load(url, reqs, [0.0] * len(reqs)))
+        target = Target(url, ignore_eos=True)       # as offline: every request makes all its tokens
+        records, duration, _ = asyncio.run(run_load(target, reqs, [0.0] * len(reqs)))
         failed = [r.error for r in records if not r.success]
         if failed:
             raise RuntimeError(f"{len(failed)} served requests failed, e.g. {failed[0]}")
