@@ -129,3 +129,18 @@ def test_a_background_job_error_reaches_the_step_that_next_grows_its_slot():
     settle(cache)
     with pytest.raises(RuntimeError, match="map-ahead failed"):
         cache.allocate_each(seqs, [16, 16])
+
+
+def test_reserve_allocate_each_refuses_a_target_past_the_region_as_allocate_does():
+    """The oracle reserve sizes a region to the sequence's final length; a region never grows, so a target past it
+    is refused by the one-loop path exactly as by `allocate` (nothing changed, the sequences after it not asked)."""
+    cache = allocator("reserve", reserve_mode="oracle")
+    seqs = [Sequence(i, str(i), [5] * 8, 4) for i in range(3)]          # regions of 12 tokens each
+    assert cache.allocate_each(seqs, [8, 8, 8]) == 3
+    for seq in seqs:
+        seq.num_computed_tokens = 8
+    live = cache.stats().live_tokens
+    assert cache.allocate_each(seqs, [12, 13, 9]) == 1                      # the second asks past its region
+    assert cache.allocate(seqs[1], 13) is None
+    assert cache.stats().live_tokens == live + 4
+    cache.check_invariants()
