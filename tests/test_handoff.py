@@ -256,7 +256,7 @@ def test_a_vmm_import_whose_mapping_fails_gives_the_pages_back(engines, monkeypa
         assert run(decode, kv=run(prefill, kv=REMOTE).kv_transfer_params).outputs[0].token_ids == expected
 
 
-def test_a_vmm_import_gives_the_backing_it_replaces_back_off_the_engines_thread(engines):
+def test_a_vmm_import_gives_the_backing_it_replaces_back_off_the_engines_thread(engines, monkeypatch):
     """A received page replaces the idle pool page behind a local page: that one goes back to the pool from the
     steward's thread, not inside the import. A transfer the ceiling allows only once those are given back gives
     them back first."""
@@ -274,6 +274,12 @@ def test_a_vmm_import_gives_the_backing_it_replaces_back_off_the_engines_thread(
         pool.set_limits(holder.name, memory.member.engine, ceiling=(after.held + replaced - 1) * 4096)
         assert run(decode, kv=run(prefill, kv=REMOTE).kv_transfer_params).outputs[0].token_ids == expected
         assert memory.member.record().given == after.given + replaced      # given back before the transfer
+        pending = list(memory.retiring)
+        with monkeypatch.context() as patch:                                 # a give that fails keeps them
+            patch.setattr(memory.member, "give", lambda pages: (_ for _ in ()).throw(PoolError("pool gone")))
+            with pytest.raises(PoolError, match="pool gone"):
+                memory.retire()
+        assert pending and memory.retiring == pending
         memory.member._steward.on_round = steward_round
         deadline = time.monotonic() + 5
         while memory.retiring:

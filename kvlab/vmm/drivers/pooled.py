@@ -213,11 +213,17 @@ class PooledMemory:
     def retire(self) -> None:
         """Give back the pages handoffs replaced. The steward thread calls it each round: the punch (about 10 µs a
         page on the host) runs beside the engine's steps, not in a handoff's latency. `member.give` takes its own
-        locks; the pages are in none of this class's books any more."""
+        locks; the pages are in none of this class's books any more. A failed give keeps them for the next round."""
         with self.retire_lock:
             pages, self.retiring = self.retiring, []
-        if pages:
+        if not pages:
+            return
+        try:
             self.member.give(pages)
+        except BaseException:
+            with self.retire_lock:
+                self.retiring.extend(pages)
+            raise
 
     def give(self, pool_pages: list[int]) -> None:
         if pool_pages:
