@@ -267,6 +267,7 @@ def test_a_vmm_import_gives_the_backing_it_replaces_back_off_the_engines_thread(
         for _ in range(2):                            # both slots' pages now idle: the next imports replace them
             assert run(decode, kv=run(prefill, kv=REMOTE).kv_transfer_params).outputs[0].token_ids == expected
         steward_round, memory.member._steward.on_round = memory.member._steward.on_round, None   # hold it still
+        time.sleep(0.15)                              # past a round already under way (0.1 s apart)
         before = memory.member.record()
         assert run(decode, kv=run(prefill, kv=REMOTE).kv_transfer_params).outputs[0].token_ids == expected
         replaced, after = len(memory.retiring), memory.member.record()
@@ -275,8 +276,10 @@ def test_a_vmm_import_gives_the_backing_it_replaces_back_off_the_engines_thread(
         assert run(decode, kv=run(prefill, kv=REMOTE).kv_transfer_params).outputs[0].token_ids == expected
         assert memory.member.record().given == after.given + replaced      # given back before the transfer
         pending = list(memory.retiring)
+        def refuse(pages):
+            raise PoolError("pool gone")
         with monkeypatch.context() as patch:                                 # a give that fails keeps them
-            patch.setattr(memory.member, "give", lambda pages: (_ for _ in ()).throw(PoolError("pool gone")))
+            patch.setattr(memory.member, "give", refuse)
             with pytest.raises(PoolError, match="pool gone"):
                 memory.retire()
         assert pending and memory.retiring == pending
