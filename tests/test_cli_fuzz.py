@@ -84,7 +84,9 @@ HOSTILE = ["nan", "-nan", "NaN", "inf", "-inf", "Infinity", "1e309", "-1e309", "
            # round 4: bad engine URLs, duplicate or zero-sized units, study-owned server flags, metadata pairs,
            # devices as files, sizes beyond the machine
            "http://[::1", "http://127.0.0.1:1 x", "http://127.0.0.1:1\n", "64KiB,64KiB", "shared:vmm-0",
-           "split:paged-0", "measured:/dev/zero", "--kv-pool x", "a=b", "=v", "k=", "100TiB", "/dev/zero"]
+           "split:paged-0", "measured:/dev/zero", "--kv-pool x", "a=b", "=v", "k=", "100TiB", "/dev/zero",
+           # digits to str.isdigit() that int() refuses (the slow fuzz drew '²' for study page-size's TP sizes)
+           "²", "①", "paged-²", "1,²", "host:²"]
 # round 4: the commands and flags added or hardened since round 3 (test_round4_flags_every_listed_hostile_value)
 ROUND4_FLAGS = {
     ("bench", "serve"): ("--save-detailed", "--append-result", "--metadata", "--label", "--result-dir",
@@ -284,3 +286,20 @@ def test_round4_flags_every_listed_hostile_value(stubbed, capsys):
     with capsys.disabled():
         print(f"\nround 4 flag fuzz: {total} inputs, {total - len(failures)} handled")
     assert not failures, "\n".join(failures[:20])
+
+
+@pytest.mark.parametrize("argv", [
+    ["study", "page-size", "--tensor-parallel-sizes", "1,²"],
+    ["simulate", "serve", "--backends", "paged-²"],
+    ["calibrate", "--kernels", "--contexts", "①"],
+], ids=["study-tp-sizes", "simulate-backends", "calibrate-contexts"])
+def test_a_digit_that_int_refuses_is_a_one_line_error(stubbed, argv):
+    """str.isdigit() passes '²' and '①', int() refuses them: where kvlab reads a count it asks for ASCII digits."""
+    rc, out, err = run_cli(argv)
+    check_outcome(argv, rc, out, err)
+    assert rc == 2 and ("²" in err or "①" in err)
+
+
+def test_is_digits_takes_ascii_digits_only():
+    from kvlab.common.validate import is_digits
+    assert is_digits("0123") and not any(is_digits(t) for t in ("²", "①", "٣", "", "1.0", "-1", " 1"))

@@ -22,6 +22,11 @@ def shown(value: Any) -> str:
     return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "..."
 
 
+def is_digits(text: str) -> bool:
+    """ASCII digits only: `str.isdigit` also passes characters such as '²' and '①', which `int` refuses."""
+    return text.isascii() and text.isdigit()
+
+
 def as_int(value: Any) -> int | None:
     """An int, or a float without a fraction (JSON writes 1e3 as a float); None for anything else. A bool is not
     an int, and neither is a float beyond 2**53, where floats no longer hold every integer."""

@@ -16,7 +16,7 @@ from typing import Any
 
 from kvlab.common.errors import ConfigError
 from kvlab.common.machine import check_fits_in_ram, fmt_bytes
-from kvlab.common.validate import check_int
+from kvlab.common.validate import check_int, is_digits
 from kvlab.experiments.bench.kernel_costs import Grid, measure_profile
 from kvlab.experiments.cli import flags
 from kvlab.experiments.sim.kernels import DEFAULT_KERNEL_PROFILE
@@ -124,7 +124,7 @@ def kernel_grid(args: argparse.Namespace) -> Grid:
 
 
 def positive_int(flag: str, text: str) -> int:
-    if not str(text).isdigit() or int(text) < 1:
+    if not is_digits(str(text)) or int(text) < 1:
         raise ConfigError(f"{flag} takes positive integers, got {text!r}")
     return int(text)
 

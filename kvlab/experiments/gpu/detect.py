@@ -7,6 +7,8 @@ import subprocess
 import sys
 from typing import Any
 
+from kvlab.common.validate import is_digits
+
 NVIDIA_SMI_SECONDS = 30
 TORCH_PROBE_SECONDS = 180    # a cold torch import plus the first CUDA init on a fresh machine
 
@@ -36,7 +38,7 @@ def torch_probe(timeout: float = TORCH_PROBE_SECONDS) -> tuple[int | None, str]:
     except subprocess.TimeoutExpired:
         return None, f"the torch probe did not finish in {timeout:.0f} s"
     lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines or not lines[-1].isdigit():
+    if proc.returncode != 0 or not lines or not is_digits(lines[-1]):
         tail = proc.stderr.strip().splitlines()
         return None, f"the torch probe failed: {tail[-1] if tail else proc.returncode}"
     return int(lines[-1]), f"torch.cuda.device_count() = {lines[-1]}"

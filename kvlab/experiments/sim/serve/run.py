@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab.common.errors import ConfigError
-from kvlab.common.validate import shown
+from kvlab.common.validate import is_digits, shown
 from kvlab.experiments.loadgen import latency
 from kvlab.experiments.loadgen.arrivals import arrival_times
 from kvlab.experiments.loadgen.datasets import draw_lengths
@@ -166,7 +166,7 @@ def parse_backends(items: list[str], budget_gb: float, watermark: float,
         name, _, size = item.partition("-")
         if name in ("reserve", "oracle") and not size:
             cases.append(SimCase(name, budget_gb))
-        elif name == "paged" and size.isdigit() and 0 < int(size) <= MAX_UNIT_TOKENS:
+        elif name == "paged" and is_digits(size) and 0 < int(size) <= MAX_UNIT_TOKENS:
             cases.append(SimCase("paged", budget_gb, block_size=int(size), watermark=watermark))
         elif name == "elastic" and size:
             cases.append(elastic_case(item, size, budget_gb, watermark))

@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from kvlab.common.errors import ConfigError
-from kvlab.common.validate import check_int
+from kvlab.common.validate import check_int, is_digits
 from kvlab.experiments.cli import flags
 from kvlab.experiments.limits import MAX_REQUESTS
 from kvlab.experiments.sim.kernels import CHOICES, kernel_profile
@@ -92,7 +92,7 @@ def parse_pages(text: str) -> list[int]:
 
 
 def positive_ints(flag: str, items: list[str]) -> tuple[int, ...]:
-    if not all(i.isdigit() and int(i) > 0 for i in items) or len(set(map(int, items))) < len(items):
+    if not all(is_digits(i) and int(i) > 0 for i in items) or len(set(map(int, items))) < len(items):
         raise ConfigError(f"{flag} takes distinct positive integers, got {','.join(items)[:80]}")
     return tuple(int(i) for i in items)
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvlab.common.errors import ConfigError
+from kvlab.common.validate import is_digits
 from kvlab.experiments.sim.core import worker_pool
 
 CONNECT_TIMEOUT_S = 5.0
@@ -63,7 +64,7 @@ def pool_map(fn: Callable[[Any], Any], jobs: list[Any], processes: int, progress
 def check_reachable(address: str) -> None:
     """A HOST:PORT that refuses connections is one line now, not Ray's minutes of retries."""
     host, _, port = address.rpartition(":")
-    if address in ("local", "auto") or "://" in address or not port.isdigit():
+    if address in ("local", "auto") or "://" in address or not is_digits(port):
         return
     try:
         socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
