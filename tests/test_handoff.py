@@ -246,11 +246,10 @@ def test_a_vmm_import_whose_mapping_fails_gives_the_pages_back(engines, monkeypa
         settle(prefill, lambda s: s["failed"] == 1)
         backed = {}
         for role, e in (("prefill", prefill), ("decode", decode)):
-            memory = e.cache.allocator.driver.os
-            with memory.retire_lock:
-                backed[role] = [*memory.backing.values(), *memory.loose, *memory.retiring]
-                assert memory.member.record().held == len(backed[role])
-            assert not backed[role] or memory.member.still_holds(backed[role])
+            account = e.cache.allocator.driver.pool
+            backed[role], held = account.holdings()
+            assert held == len(backed[role])
+            assert not backed[role] or account.member.still_holds(backed[role])
         assert backed["prefill"] == [] and backed["decode"]       # the pages moved; the decode keeps them as spares
         expected = run(engines("colocated")).outputs[0].token_ids
         assert run(decode, kv=run(prefill, kv=REMOTE).kv_transfer_params).outputs[0].token_ids == expected
@@ -288,9 +287,8 @@ def test_a_vmm_import_gives_the_backing_it_replaces_back_off_the_engines_thread(
         while memory.retiring:
             assert time.monotonic() < deadline, "the steward did not give the replaced pages back"
             time.sleep(0.01)
-        with memory.retire_lock:
-            held = [*memory.backing.values(), *memory.loose, *memory.retiring]
-            assert memory.member.record().held == len(held) and memory.member.still_holds(held)
+        own, held = decode.cache.allocator.driver.pool.holdings()
+        assert held == len(own) and memory.member.still_holds(own)
 
 
 # -- the ledger's transfer step -----------------------------------------------------------------------------------

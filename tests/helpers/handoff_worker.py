@@ -52,11 +52,9 @@ def pool_audit(engine: Engine) -> dict:
     ledger."""
     if engine.config.kv_pool is None:
         return {}
-    memory = engine.cache.allocator.driver.os
-    with memory.retire_lock:            # the steward gives the retiring pages back from its own thread
-        backed = sorted([*memory.backing.values(), *memory.loose, *memory.retiring])
-        held = memory.member.record().held
-    return {"backed": len(backed), "all_own": memory.member.still_holds(backed) if backed else True, "held": held}
+    account = engine.cache.allocator.driver.pool
+    backed, held = account.holdings()
+    return {"backed": len(backed), "all_own": account.member.still_holds(backed) if backed else True, "held": held}
 
 
 def state(engine: Engine) -> dict:

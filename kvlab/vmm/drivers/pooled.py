@@ -74,8 +74,9 @@ class PooledMemory:
         self.mapped: dict[int, int] = {}      # address -> local page mapped there
         self.refs: dict[int, int] = {}        # local page -> mappings of it
         self.may_wait = True                  # no wait for others' pages yet this engine step
-        self.retiring: list[int] = []         # held pool pages a handoff replaced, to give back off the step
+        self.retiring: list[int] = []         # held pool pages a handoff replaced, listed until given back
         self.retire_lock = threading.Lock()   # `retiring` is filled on the engine's thread, given on the steward's
+        self.give_lock = threading.Lock()     # one give of the retiring pages at a time
 
     @property
     def fd(self) -> int:
@@ -213,17 +214,15 @@ class PooledMemory:
     def retire(self) -> None:
         """Give back the pages handoffs replaced. The steward thread calls it each round: the punch (about 10 µs a
         page on the host) runs beside the engine's steps, not in a handoff's latency. `member.give` takes its own
-        locks; the pages are in none of this class's books any more. A failed give keeps them for the next round."""
-        with self.retire_lock:
-            pages, self.retiring = self.retiring, []
-        if not pages:
-            return
-        try:
-            self.member.give(pages)
-        except BaseException:
+        locks; the pages are in no other book of this class. They stay listed until given, so a failed give keeps
+        them for the next round and `PoolAccount.holdings` never misses a give under way."""
+        with self.give_lock:
             with self.retire_lock:
-                self.retiring.extend(pages)
-            raise
+                pages = list(self.retiring)
+            if pages:
+                self.member.give(pages)
+                with self.retire_lock:
+                    del self.retiring[:len(pages)]      # handoffs since have appended theirs
 
     def give(self, pool_pages: list[int]) -> None:
         if pool_pages:
@@ -310,6 +309,14 @@ class PoolAccount:
     def pool_page(self, local: int) -> int:
         """The pool page behind a mapped local page."""
         return self.memory.backing[local]
+
+    def holdings(self) -> tuple[list[int], int]:
+        """The pool pages this engine's books hold (backing, loose, retiring) and how many the ledger says it holds,
+        read with no give of retiring pages under way: the two agree whenever the engine's thread is between
+        calls (tests and audits compare them)."""
+        memory = self.memory
+        with memory.give_lock, memory.retire_lock:
+            return [*memory.backing.values(), *memory.loose, *memory.retiring], self.member.record().held
 
     def make_room(self, count: int) -> None:
         """Before receiving `count` pages: if the engine's ceiling would refuse them, give back now what earlier
