@@ -40,8 +40,9 @@ def offline_run(llm: LLM, reqs: list[LoadRequest], tokens: list[int]):
 
 
 def served_run(url: str, reqs: list[LoadRequest], tokens: list[int]):
+    target = Target(url, ignore_eos=True)           # as offline: every request makes all its tokens
+
     def run() -> float:
-        target = Target(url, ignore_eos=True)       # as offline: every request makes all its tokens
         records, duration, _ = asyncio.run(run_load(target, reqs, [0.0] * len(reqs)))
         failed = [r.error for r in records if not r.success]
         if failed:
