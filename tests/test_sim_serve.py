@@ -172,7 +172,7 @@ def test_cross_layer_layout_maps_one_page_for_every_layer():
 
 def test_cross_layer_attention_penalty_is_an_option():
     cross = parse_backends(["vmm-2MiB-crosslayer"], 6.0, 0.05)[0]
-    base = ServeSpec(num_requests=30, kernel_costs="published")
+    base = ServeSpec(num_requests=30, kernel_costs="vattention-vs-vllm")
     plain, slowed = (run_point(cross, dataclasses.replace(base, layout_penalty=k), 8.0, 0)
                      for k in ("none", "kvcached"))
     assert slowed["sim"]["attention_seconds"] == pytest.approx(1.56 * plain["sim"]["attention_seconds"], rel=0.05)
