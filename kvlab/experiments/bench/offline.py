@@ -13,6 +13,7 @@ import importlib
 from typing import Any
 
 from kvlab.common.errors import ConfigError
+from kvlab.common.kv.registry import backend_names
 from kvlab.common.limits import check_seed
 from kvlab.common.machine import max_threads
 from kvlab.common.validate import check_int
@@ -33,7 +34,8 @@ DEFAULT_REPEATS = 3              # CPU timings are noisy (docs/experiments.md): 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("bench", help="A/B: one workload through several backends, side by side",
                               description="Run one workload through several backends in one process.")
-    p.add_argument("--backends", type=flags.parse_list, default=DEFAULT_BACKENDS, help="comma list (vmm,paged,reserve)")
+    p.add_argument("--backends", type=flags.parse_list, default=DEFAULT_BACKENDS,
+                   help=f"comma list of {', '.join(backend_names())} (default: {','.join(DEFAULT_BACKENDS)})")
     p.add_argument("--num-requests", type=int, default=DEFAULT_REQUESTS)
     p.add_argument("--workload", type=flags.arg_type(parse_workload), default=parse_workload("seed"),
                    help="seed | fixed:P:O | uniform:PLO-PHI:OLO-OHI | trace:FILE.jsonl")

@@ -96,9 +96,10 @@ def engine_flag_names() -> tuple[str, ...]:
 
 def add_engine_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
     """The EngineConfig flags (all default to None = take the TOML file's or the built-in value)."""
+    tables = ", ".join(f"[{name}]" for name in backend_names())
     flags: dict[str, dict[str, Any]] = {
         "config": {"metavar": "FILE", "help": "TOML engine config ([engine] table or top level; backend options "
-                                              "flat or in [paged]/[vmm]/[reserve] tables)"},
+                                              f"flat or in a table per backend: {tables})"},
         "model": {"help": "preset (tiny, smollm2-135m), HF directory or .gguf file"},
         "backend": {"help": " | ".join(backend_names())},
         **backend_flags(),

@@ -19,6 +19,7 @@ from collections.abc import Collection
 from typing import Any
 
 from kvlab.common.errors import ConfigError, KvlabError
+from kvlab.common.kv.registry import BUILTIN
 from kvlab.experiments.cli.commands import COMMANDS, chosen_command
 from kvlab.experiments.cli.parser import KvlabParser, first_line
 from kvlab.experiments.cli.startup import end_startup
@@ -50,7 +51,7 @@ def register(subparsers: Any, name: str) -> None:
 def build_parser(full: Collection[str] = tuple(COMMANDS)) -> KvlabParser:
     """The parser with the subcommands in `full` complete (all by default); the others appear by name and
     summary only, so their modules are not imported."""
-    parser = KvlabParser(prog="kvlab", description="Compare KV-cache memory managers: vmm, paged, reserve.")
+    parser = KvlabParser(prog="kvlab", description=f"Compare KV-cache memory managers: {', '.join(BUILTIN)}.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, entry in COMMANDS.items():
