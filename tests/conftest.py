@@ -4,7 +4,7 @@ import signal
 import torch
 
 # One process cannot both interpret and compile Triton (the choice is read at each @triton.jit): without CUDA
-# the suite runs the interpreter (cpu-facts.md §3); on a GPU machine it compiles, and the tests marked
+# the suite runs the interpreter (docs/gpu-contracts.md §4); on a GPU machine it compiles, and the tests marked
 # `triton_cpu` (they hand CPU tensors to the Triton kernel) are skipped: tests/test_gpu.py checks the compiled
 # kernel against SDPA on cuda tensors instead. TRITON_INTERPRET=0 on a CPU machine shows the GPU selection.
 if not torch.cuda.is_available():

@@ -40,7 +40,7 @@ def reasons(kernel: str, s: AttentionSpec, phase: str = "decode", env: Environme
 
 # (kernel, spec overrides, phase, expected: None = accepted, else a substring of one reason)
 RULES = [
-    # upstream flash-attn 2, paged (gpu-apis.md §3)
+    # upstream flash-attn 2, paged (docs/gpu-contracts.md §2)
     ("flash_attn_paged", {}, "decode", None),
     ("flash_attn_paged", {"block": 512}, "decode", None),
     ("flash_attn_paged", {"block": 16}, "decode",

@@ -135,7 +135,7 @@ def test_inverse_block_tables_maps_physical_to_logical():
     assert inverse[1].tolist() == [-1, 2, 0, -1, -1, -1, -1, 1]
 
 
-# -- measurement: the torch gather kernel against dense SDPA on a contiguous cache (cpu-facts.md §7) -----------
+# -- measurement: the torch gather kernel against dense SDPA on a contiguous cache (docs/gpu-contracts.md §5) ---
 def _median_ms(fn, repeats: int = 7) -> float:
     fn()
     times = []
@@ -152,12 +152,20 @@ def test_measure_gather_decode_vs_dense_sdpa(context, capsys):
     torch.set_num_threads(1)
     batch, heads, head_dim, block_size = 16, 8, 64, 16
     case = paged_case([1] * batch, [context] * batch, block_size, heads, heads, head_dim, spare_blocks=0)
-    k_dense = torch.randn(batch, heads, context, head_dim)
-    v_dense = torch.randn(batch, heads, context, head_dim)
+    # the same keys and values, laid out densely ([B, H, context, D]) as a contiguous cache holds them
+    k_dense, v_dense = (c[case.meta.block_tables.long()].flatten(1, 2).transpose(1, 2).contiguous()
+                        for c in (case.k_cache, case.v_cache))
     q = case.q
-    paged = _median_ms(lambda: paged_attention_torch(q, case.k_cache, case.v_cache, case.meta, case.scale))
-    dense = _median_ms(lambda: F.scaled_dot_product_attention(q.unsqueeze(2), k_dense, v_dense, scale=case.scale))
+
+    def run_paged() -> torch.Tensor:
+        return paged_attention_torch(q, case.k_cache, case.v_cache, case.meta, case.scale)
+
+    def run_dense() -> torch.Tensor:
+        return F.scaled_dot_product_attention(q.unsqueeze(2), k_dense, v_dense, scale=case.scale).squeeze(2)
+
+    for out in (run_paged(), run_dense()):   # the two timed calls compute the same attention
+        torch.testing.assert_close(out.double(), case.expected, atol=1e-5, rtol=1e-5)
+    paged, dense = _median_ms(run_paged), _median_ms(run_dense)
     with capsys.disabled():
         print(f"\n[decode B={batch} H=H_kv={heads} D={head_dim} block={block_size} ctx={context} fp32 1 thread] "
               f"paged gather+SDPA {paged:.2f} ms, dense SDPA {dense:.2f} ms, ratio {paged / dense:.2f}")
-    assert paged > 0 and dense > 0

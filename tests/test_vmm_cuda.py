@@ -299,7 +299,7 @@ def test_a_page_that_never_unmaps_keeps_only_itself_and_its_range(fake):
 
 
 def test_close_releases_no_mapped_handle_without_a_synchronise(fake):
-    """gpu-apis.md §1.7: a handle still mapped (its unmap failed twice) is released only after a successful
+    """docs/gpu-contracts.md §1.5: a handle still mapped (its unmap failed twice) is released only after a successful
     cuCtxSynchronize; when that fails too it stays, and the error says so."""
     vm = CudaVirtualMemory(0, driver=fake)
     region = vm.reserve(2 * GRAN)

@@ -1,5 +1,6 @@
-"""A recording fake of `cuda.bindings.driver` for the VMM calls (gpu-apis.md §1.2-1.5), for machines without a GPU: the
-tests drive vmm/drivers/cuda.py against it, and so does the GPU check's CPU dry run (experiments/gpu/).
+"""A recording fake of `cuda.bindings.driver` for the VMM calls (docs/gpu-contracts.md §1.1-1.3), for machines
+without a GPU: the tests drive vmm/drivers/cuda.py against it, and so does the GPU check's CPU dry run
+(experiments/gpu/).
 
 Like the real module every cuXxx returns a tuple `(CUresult, *values)`; structs and enums are the real ones from
 cuda.bindings (they work without a driver). It enforces the documented rules: cuInit first; a current context on the
@@ -14,8 +15,8 @@ a cuCtxSynchronize since access was granted) raises AssertionError.
 Physical memory is never zeroed (cuMemCreate memory is not): each handle's bytes are garbage, drawn from the
 handle's number, and `read(ptr, n)` returns what a mapped address holds (`write(ptr, data)`: a kernel's write).
 `cuPointerGetAttribute` fails on an address no mapping covers, as the real one does on an unmapped reservation;
-`torch_interop` makes torch's CUDA tensor factories behave as they do on a GPU (gpu-apis.md §1.6), so a view over a
-reservation built through a pointer query fails here as it would there.
+`torch_interop` makes torch's CUDA tensor factories behave as they do on a GPU (docs/gpu-contracts.md §1.4), so a
+view over a reservation built through a pointer query fails here as it would there.
 
 `calls` records (name, thread id) in order; `fail(name, ...)` injects a CUresult or an exception; `leaks()` lists
 what was acquired and not given back."""

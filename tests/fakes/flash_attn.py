@@ -1,5 +1,5 @@
 """Fake `flash_attn` (2.8.x): the two entry points kvlab calls, with the checks of the real library
-(gpu-apis.md §3, csrc/flash_attn/flash_api.cpp) and reference attention instead of CUDA. Accepts CPU tensors.
+(docs/gpu-contracts.md §2) and reference attention instead of CUDA. Accepts CPU tensors.
 Every call is appended to `calls` as (function name, keyword summary)."""
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Fake `flashinfer` (0.6/0.7): the paged decode and prefill wrappers with the real plan/run contract
-(gpu-apis.md §5, anchors.md §4) and reference attention instead of JIT-compiled CUDA. Accepts CPU tensors.
+(docs/gpu-contracts.md §3) and reference attention instead of JIT-compiled CUDA. Accepts CPU tensors.
 Every plan/run is appended to `calls`."""
 from __future__ import annotations
 
