@@ -31,3 +31,10 @@ def test_progress_in_a_log_writes_rarely(monkeypatch):
         bar.update(1)
     bar.close()
     assert log.getvalue().count("\r") < 5
+
+
+def test_a_bar_that_erases_itself_on_a_terminal_ends_with_its_last_line_in_a_log():
+    log = io.StringIO()
+    for _ in progress_bar(range(40), file=log, desc="deciding", leave=False):
+        pass
+    assert log.getvalue().endswith("\n") and log.getvalue().rstrip().rsplit("\r", 1)[-1].startswith("deciding: 100%")

@@ -124,12 +124,15 @@ LOG_INTERVAL_S = 30.0     # a log that is not a terminal gets one progress line 
 
 def progress_bar(iterable: Any = None, **kwargs: Any):
     """tqdm that redraws in place on a terminal and writes a line at most every LOG_INTERVAL_S into a log
-    (a redirected stderr), so long runs are never silent and never flood a file."""
+    (a redirected stderr), so long runs are never silent and never flood a file. In a log the bar always ends
+    with its final line: a bar that would erase itself on a terminal (leave=False) can only blank its line there,
+    which runs its last update into whatever is printed next."""
     import sys
 
     from tqdm import tqdm
     if not sys.stderr.isatty():
-        kwargs = {"mininterval": LOG_INTERVAL_S, "maxinterval": LOG_INTERVAL_S * 2, "ascii": True, **kwargs}
+        kwargs = {"mininterval": LOG_INTERVAL_S, "maxinterval": LOG_INTERVAL_S * 2, "ascii": True, **kwargs,
+                  "leave": True}
     return tqdm(iterable, **kwargs)
 
 
