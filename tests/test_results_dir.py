@@ -38,3 +38,14 @@ def test_a_bar_that_erases_itself_on_a_terminal_ends_with_its_last_line_in_a_log
     for _ in progress_bar(range(40), file=log, desc="deciding", leave=False):
         pass
     assert log.getvalue().endswith("\n") and log.getvalue().rstrip().rsplit("\r", 1)[-1].startswith("deciding: 100%")
+
+
+def test_a_bar_in_a_log_does_not_write_a_line_for_each_new_label():
+    log = io.StringIO()
+    bar = progress_bar(total=200, file=log, desc="sharing")
+    for i in range(200):
+        bar.set_postfix_str(f"run {i}")
+        bar.set_description(f"repeat {i}")
+        bar.update(1)
+    bar.close()
+    assert log.getvalue().count("\r") < 5 and "run 199" in log.getvalue()

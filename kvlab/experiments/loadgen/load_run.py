@@ -3,11 +3,8 @@ seed only) and the vLLM-named result. Shared by `kvlab bench serve` and the pair
 from __future__ import annotations
 
 import asyncio
-import sys
 from dataclasses import dataclass, replace
 from typing import Any
-
-from tqdm import tqdm
 
 from kvlab.common.errors import ConfigError
 from kvlab.common.validate import check_number
@@ -16,6 +13,7 @@ from kvlab.experiments.loadgen import datasets, latency, prompts
 from kvlab.experiments.loadgen.arrivals import arrival_times
 from kvlab.experiments.loadgen.client import Target, run_load
 from kvlab.experiments.loadgen.rows import attribution_totals, request_log
+from kvlab.experiments.reporting.tables import progress_bar
 
 
 @dataclass(frozen=True)
@@ -73,7 +71,7 @@ def bench_once(spec: LoadSpec, target: Target | str, rate: float, model: str | N
     slos = latency.parse_goodput(list(spec.goodput) if spec.goodput is not None else None)
     reqs, arrivals = load_plan(spec, rate)
     target = replace(target, ignore_eos=spec.ignore_eos)
-    with tqdm(total=len(reqs), disable=not progress, unit="req", file=sys.stderr) as bar:
+    with progress_bar(total=len(reqs), disable=not progress, unit="req") as bar:
         records, duration, peak = asyncio.run(run_load(target, reqs, arrivals, spec.max_concurrency,
                                                        model if model is not None else spec.model,
                                                        on_done=lambda _: bar.update()))

@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import sys
 import time
 from dataclasses import dataclass, replace
 from typing import Any
-
-from tqdm import tqdm
 
 from kvlab.common.errors import ConfigError
 from kvlab.experiments.loadgen import latency
@@ -21,6 +18,7 @@ from kvlab.experiments.loadgen.load_run import LoadSpec, load_requests
 from kvlab.experiments.loadgen.phases import Phases
 from kvlab.experiments.loadgen.rows import attribution_totals, request_log
 from kvlab.experiments.loadgen.sampler import StatsSampler
+from kvlab.experiments.reporting.tables import progress_bar
 
 LEAD_S = 0.5          # from setting the shared clock to arrival 0.0: every stream's client is ready by then
 
@@ -66,8 +64,8 @@ def run_multi(multi: MultiSpec, targets: list[Target], progress: bool = False, t
     t0 = start_clock() if t0 is None else t0
     samplers = [StatsSampler(t.base_url, t0=t0) for t in targets]
     with contextlib.ExitStack() as stack:
-        bar = stack.enter_context(tqdm(total=sum(len(r) for r, _ in plans), disable=not progress, unit="req",
-                                       file=sys.stderr))
+        bar = stack.enter_context(progress_bar(total=sum(len(r) for r, _ in plans), disable=not progress,
+                                               unit="req"))
         for sampler in samplers:
             stack.enter_context(sampler)
         runs = asyncio.run(all_streams(targets, plans, multi.load.max_concurrency, t0, lambda _: bar.update()))

@@ -130,10 +130,20 @@ def progress_bar(iterable: Any = None, **kwargs: Any):
     import sys
 
     from tqdm import tqdm
-    if not sys.stderr.isatty():
-        kwargs = {"mininterval": LOG_INTERVAL_S, "maxinterval": LOG_INTERVAL_S * 2, "ascii": True, **kwargs,
-                  "leave": True}
-    return tqdm(iterable, **kwargs)
+    if sys.stderr.isatty():
+        return tqdm(iterable, **kwargs)
+
+    class LogBar(tqdm):
+        """A new description or postfix waits for the next timed line instead of forcing one."""
+
+        def set_description(self, desc: str | None = None, refresh: bool = True) -> None:
+            super().set_description(desc, refresh=False)
+
+        def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+            super().set_postfix_str(s, refresh=False)
+
+    return LogBar(iterable, **{"mininterval": LOG_INTERVAL_S, "maxinterval": LOG_INTERVAL_S * 2, "ascii": True,
+                               **kwargs, "leave": True})
 
 
 def results_dir(out: str | Path | None, suffix: str = "") -> Path:

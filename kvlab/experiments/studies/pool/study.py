@@ -5,18 +5,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import sys
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from kvlab.experiments.loadgen.client import Target, Timeouts, run_load
 from kvlab.experiments.loadgen.datasets import LoadRequest
 from kvlab.experiments.loadgen.multi import run_multi, start_clock
 from kvlab.experiments.loadgen.shares import share_timeline
+from kvlab.experiments.reporting.tables import progress_bar
 from kvlab.experiments.studies.pool.ledger_sampler import LedgerSampler
 from kvlab.experiments.studies.pool.servers import Launched, check_pool_gone, servers
 from kvlab.experiments.studies.pool.settings import Configuration, PoolStudySettings
@@ -48,7 +46,7 @@ def run_study(s: PoolStudySettings, out: Path) -> list[dict[str, Any]]:
     """One record per (repeat, configuration), in the order run."""
     runs = [(r, c) for r in range(s.repeats) for c in s.order(r)]
     records = []
-    with tqdm(runs, disable=not s.progress, unit="run", file=sys.stderr) as bar:
+    with progress_bar(runs, disable=not s.progress, unit="run") as bar:
         for repeat, config in bar:
             bar.set_description(f"repeat {repeat + 1}/{s.repeats} {config.label}")
             records.append(run_configuration(s, config, repeat, out))
