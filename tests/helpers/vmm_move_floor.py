@@ -5,14 +5,21 @@ maps it into another, in every tensor (tiny: 8 tensors of 8 KiB pages, `make run
     PYTHONPATH=.:tests python tests/helpers/vmm_move_floor.py
 
 Prints the median per move over 200 rounds of 64 moves each, pinned to one core, for the bare libc calls (ctypes,
-the same flags) and for `HostVirtualMemory.unmap_mirrored` + `map_mirrored` (checks, books, mapping counts).
+the same flags) and for `HostVirtualMemory.unmap_mirrored` + `map_mirrored` (checks, books, mapping counts). Then
+the bare calls again with a second core busy multiplying matrices, in another process and in a thread of this one:
+a thread shares the address space, so every unmap or replacing map must also flush that core's TLB (an
+inter-processor interrupt, costly in a VM); another process's core needs no flush. That is the price of page moves
+while torch runs two threads, or while the background mapper moves pages beside the forward pass.
 """
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
 import os
 import statistics
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from kvlab.vmm.drivers.host import HostVirtualMemory
 from kvlab.vmm.libc import LIBC, MAP_FIXED, MAP_POPULATE, MAP_SHARED, PROT_NONE, PROT_RW, RESERVED
@@ -77,8 +84,53 @@ def driver_calls() -> float:
         driver.close()
 
 
+def spin(stop: Callable[[], bool], core: int) -> None:
+    """Keep `core` busy in torch (which releases the GIL) until `stop()`."""
+    import torch
+    torch.set_num_threads(1)
+    os.sched_setaffinity(threading.get_native_id(), {core})
+    a = torch.randn(256, 256)
+    while not stop():
+        a @ a
+
+
+def spin_forever(core: int) -> None:
+    spin(lambda: False, core)
+
+
+@contextlib.contextmanager
+def other_core_busy(core: int, kind: str) -> Iterator[None]:
+    """`core` busy for the block: in another process ('process') or in a thread of this one ('thread')."""
+    if kind == "process":
+        proc = multiprocessing.get_context("spawn").Process(target=spin_forever, args=(core,), daemon=True)
+        proc.start()
+        time.sleep(2.0)                         # the child imports torch before it spins
+        try:
+            yield
+        finally:
+            proc.kill()
+            proc.join()
+        return
+    done = threading.Event()
+    thread = threading.Thread(target=spin, args=(done.is_set, core), daemon=True)
+    thread.start()
+    time.sleep(0.5)
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
 if __name__ == "__main__":
-    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    mine, *others = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {mine})
     bare, ours = bare_calls(), driver_calls()
     print(f"one page move, {TENSORS} tensors of {PAGE // 1024} KiB pages ({2 * TENSORS} mmap calls): "
           f"bare libc {bare * 1e6:.1f} us, HostVirtualMemory {ours * 1e6:.1f} us ({ours / bare:.2f}x)")
+    if not others:
+        print("one core only: no second core to keep busy")
+    for kind in ("process", "thread") if others else ():
+        with other_core_busy(others[0], kind):
+            busy = bare_calls()
+        print(f"bare libc with core {others[0]} busy in another {kind}: {busy * 1e6:.1f} us ({busy / bare:.2f}x)")
