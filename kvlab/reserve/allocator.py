@@ -80,18 +80,8 @@ class ReserveAllocator(Allocator):
 
     @timed
     def hold_in_place(self, seqs: list[Sequence], targets: list[int], i: int) -> int:
-        """allocate's path for sequences already in their regions, as one loop (regions.hold, inlined)."""
-        regions = self.regions
-        spans, held = regions.spans, regions.held
-        for j in range(i, len(seqs)):
-            seq_id, tokens = seqs[j].seq_id, targets[j]
-            span = spans.get(seq_id)
-            if span is None or tokens > span[1]:
-                return j
-            if tokens > held[seq_id]:
-                regions.live += tokens - held[seq_id]
-                held[seq_id] = tokens
-        return len(seqs)
+        """allocate's path for sequences already in their regions, as one loop."""
+        return self.regions.hold_each(seqs, targets, i)
 
     @timed
     def free(self, seq: Sequence) -> None:

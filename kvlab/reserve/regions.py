@@ -43,6 +43,20 @@ class Regions:
         self.live += num_tokens - self.held[seq_id]
         self.held[seq_id] = num_tokens
 
+    def hold_each(self, seqs: list[Sequence], targets: list[int], i: int) -> int:
+        """`hold` for seqs[i:] in turn while each target fits the region it has; returns the index of the first
+        that has none or asks past its end. The scheduler's per-step loop, so `hold` is inlined."""
+        spans, held = self.spans, self.held
+        for j in range(i, len(seqs)):
+            seq_id, tokens = seqs[j].seq_id, targets[j]
+            span = spans.get(seq_id)
+            if span is None or tokens > span[1]:
+                return j
+            if tokens > held[seq_id]:
+                self.live += tokens - held[seq_id]
+                held[seq_id] = tokens
+        return len(seqs)
+
     def check(self, capacity: int, alignment: int) -> None:
         """Regions lie apart, outside free space, inside the capacity and start at multiples of `alignment`;
         every token is either free or in a region; the totals match."""
