@@ -7,10 +7,12 @@ import dataclasses
 import json
 import re
 
+import pytest
+
 from helpers.provenance_check import check_provenance, read_back
 
 from kvlab.experiments.cli.main import main
-from kvlab.experiments.reporting.provenance import jsonable, provenance, read_provenance, source_revision
+from kvlab.experiments.reporting.provenance import jsonable, provenance, read_provenance, rows_json, source_revision
 
 
 def test_a_record_names_the_commit_of_this_checkout_and_holds_json_only():
@@ -19,6 +21,14 @@ def test_a_record_names_the_commit_of_this_checkout_and_holds_json_only():
     assert re.fullmatch(r"[0-9a-f]{7,}(\+dirty)?", source_revision() or ""), source_revision()
     assert json.loads(json.dumps(record)) == record
     assert jsonable({1: {3}}) == {"1": [3]}
+
+
+@pytest.mark.parametrize("doc", [{"meta": {"a": [1, 2]}, "runs": [{"x": [1, 2.5]}, {"y": None}]},
+                                 {"runs": []}, {"runs": ["one"]}, {"meta": {}, "runs": []}])
+def test_a_results_file_with_rows_reads_back_whole_one_row_per_line(doc):
+    text = rows_json(doc, "runs")
+    assert json.loads(text) == doc
+    assert [json.loads(line.rstrip(",")) for line in text.splitlines()[-2 - len(doc["runs"]):-2]] == doc["runs"]
 
 
 def test_a_run_that_never_loaded_torch_records_it_without_loading_it():

@@ -361,15 +361,15 @@ RUN_ONLY = ("jobs", "progress", "out", "save", "plots", "resume", "argv")   # ho
 
 
 def save(s: ServeSettings, meta: dict, result: dict, rows: list[dict], text: str) -> Path:
-    from kvlab.experiments.reporting.provenance import jsonable, provenance, write_provenance
+    from kvlab.experiments.reporting.provenance import jsonable, provenance, rows_json, write_provenance
     from kvlab.experiments.reporting.tables import results_dir
     out = results_dir(s.out)
     options = {k: v for k, v in dataclasses.asdict(s).items() if k not in RUN_ONLY}
     record = provenance({"command": "simulate serve", **options, "cases": meta["backends"]})
     write_provenance(out, record)
     (out / "report.txt").write_text(text + "\n")
-    (out / "sim_serve.json").write_text(json.dumps(jsonable({"provenance": record, "meta": meta, "result": result,
-                                                             "runs": rows}), indent=1))
+    (out / "sim_serve.json").write_text(rows_json(jsonable({"provenance": record, "meta": meta, "result": result,
+                                                            "runs": rows}), "runs"))
     with open(out / "sim_serve.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=CSV_KEYS, extrasaction="ignore")
         w.writeheader()
