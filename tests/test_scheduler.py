@@ -408,3 +408,23 @@ def test_holds_means_kv_resident_in_the_cache(backend, accounting_only):
         cache.check_invariants()
     finally:
         cache.close()
+
+
+@pytest.mark.parametrize("kind", [{}, {"n": 2}, {"n": 2, "beam_width": 2}])
+def test_a_finished_request_is_freed_without_the_cyclic_collector(kind):
+    """A simulated search holds millions of objects: a request that cycled with its group waited for a full
+    collection, which walked them all, where refcounting frees it as soon as the engine lets go."""
+    import gc
+
+    from kvlab.common.request import Request
+    eng = engine(max_num_seqs=8)
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        ids = [eng.add_request(list(range(8)), params(6, **kind)) for _ in range(3)]
+        assert len([o for o in gc.get_objects() if type(o) is Request and o.request_id in ids]) == 3
+        assert set(run(eng)) == set(ids)
+        assert [o for o in gc.get_objects() if type(o) is Request and o.request_id in ids] == []
+    finally:
+        if was_on:
+            gc.enable()

@@ -149,5 +149,6 @@ class Lifecycle:
         for s in req.seqs:
             queues.req_of.pop(s.seq_id, None)
             queues.held.pop(s.seq_id, None)
+        req.group = None         # its rules are spent; without the cycle (group.req) refcounting frees the request
         if emit:
             queues.finished.append(req)
