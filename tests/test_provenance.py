@@ -8,7 +8,6 @@ import json
 import re
 
 import pytest
-
 from helpers.provenance_check import check_provenance, read_back
 
 from kvlab.experiments.cli.main import main

@@ -98,19 +98,25 @@ def spin_forever(core: int) -> None:
     spin(lambda: False, core)
 
 
-@contextlib.contextmanager
-def other_core_busy(core: int, kind: str) -> Iterator[None]:
+def other_core_busy(core: int, kind: str) -> contextlib.AbstractContextManager[None]:
     """`core` busy for the block: in another process ('process') or in a thread of this one ('thread')."""
-    if kind == "process":
-        proc = multiprocessing.get_context("spawn").Process(target=spin_forever, args=(core,), daemon=True)
-        proc.start()
-        time.sleep(2.0)                         # the child imports torch before it spins
-        try:
-            yield
-        finally:
-            proc.kill()
-            proc.join()
-        return
+    return busy_in_process(core) if kind == "process" else busy_in_thread(core)
+
+
+@contextlib.contextmanager
+def busy_in_process(core: int) -> Iterator[None]:
+    proc = multiprocessing.get_context("spawn").Process(target=spin_forever, args=(core,), daemon=True)
+    proc.start()
+    time.sleep(2.0)                             # the child imports torch before it spins
+    try:
+        yield
+    finally:
+        proc.kill()
+        proc.join()
+
+
+@contextlib.contextmanager
+def busy_in_thread(core: int) -> Iterator[None]:
     done = threading.Event()
     thread = threading.Thread(target=spin, args=(done.is_set, core), daemon=True)
     thread.start()

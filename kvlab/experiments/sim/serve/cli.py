@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
