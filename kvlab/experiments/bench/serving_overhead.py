@@ -4,7 +4,7 @@ runs alternate `--repeats` times (perf/harness.py's `interleaved`), and medians 
 noisy). The perf suite's `serving` family runs the same measurement.
 
     python -m kvlab.experiments.bench.serving_overhead [--backend vmm] [--num-prompts 64] [--input-len 32]
-        [--output-len 64] [--repeats 5] [--engine-thread] [--threads 1]
+        [--output-len 64] [--repeats 5] [--engine-thread] [--threads 1] [--no-pin]
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from typing import Any
 
 from kvlab.common.llm import LLM
 from kvlab.common.sampling_params import SamplingParams
+from kvlab.experiments.bench.core_split import core_split, on_cpus, pin_servers
 from kvlab.experiments.bench.perf.harness import interleaved, paired_ratios
 from kvlab.experiments.loadgen.client import Target, run_load
 from kvlab.experiments.loadgen.datasets import LoadRequest, build
@@ -53,13 +54,20 @@ def served_run(url: str, reqs: list[LoadRequest], tokens: list[int]):
 
 
 def measure(backend: str, reqs: list[LoadRequest], repeats: int, engine_thread: bool = False,
-            threads: int = 1) -> dict[str, Any]:
+            threads: int = 1, pin: bool = True) -> dict[str, Any]:
+    """`pin`: the engine on a CPU of its own, offline and served alike (bench/core_split.py)."""
     flags = ["--threads", str(threads)] + (["--engine-thread"] if engine_thread else [])
     tokens: dict[str, list[int]] = {"offline": [], "served": []}
+    split, placement = core_split() if pin else (None, "not pinned: --no-pin")
     with LLM(model="tiny", backend=backend, threads=threads) as llm, kvlab_server(backend, "tiny", flags) as url:
         offline_run(llm, reqs[:4], [])()                                 # warm-up, both sides
         served_run(url, reqs[:4], [])()
         fns = {"offline": offline_run(llm, reqs, tokens["offline"]), "served": served_run(url, reqs, tokens["served"])}
+        if split is not None and pin_servers(split, engine_thread) == 1:
+            fns = {"offline": on_cpus(fns["offline"], split.engine, split.everything),
+                   "served": on_cpus(fns["served"], split.front, split.everything)}
+        elif split is not None:
+            placement = "not pinned: the benchmark's server was not found among this process's children"
         timings = interleaved(fns, repeats)
     counts = set(tokens["offline"]) | set(tokens["served"])
     if len(counts) != 1:
@@ -67,7 +75,8 @@ def measure(backend: str, reqs: list[LoadRequest], repeats: int, engine_thread: 
     n = counts.pop()
     t_off, t_srv = timings["offline"].median, timings["served"].median
     shares = paired_ratios(timings["offline"], timings["served"])["per_repeat"]     # offline s / served s
-    return {"backend": backend, "engine": "thread" if engine_thread else "process", "output_tokens": n,
+    return {"backend": backend, "engine": "thread" if engine_thread else "process", "placement": placement,
+            "output_tokens": n,
             "repeats": repeats, "offline_s": t_off, "served_s": t_srv, "offline_tok_s": n / t_off,
             "served_tok_s": n / t_srv, "served_share": t_off / t_srv,
             "served_share_per_repeat": shares, "served_share_median_of_pairs": statistics.median(shares),
@@ -83,9 +92,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="torch threads, offline and in the server")
     p.add_argument("--engine-thread", action="store_true", help="serve with the engine in a thread")
+    p.add_argument("--no-pin", dest="pin", action="store_false",
+                   help="leave every process on every CPU (default: the engine on a CPU of its own)")
     a = p.parse_args()
     reqs = workload(a.num_prompts, a.input_len, a.output_len)
-    print(json.dumps(measure(a.backend, reqs, a.repeats, a.engine_thread, a.threads), indent=1))
+    print(json.dumps(measure(a.backend, reqs, a.repeats, a.engine_thread, a.threads, a.pin), indent=1))
 
 
 if __name__ == "__main__":

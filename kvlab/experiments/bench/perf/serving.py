@@ -1,7 +1,8 @@
 """Served against offline at saturation (tiny model): `kvlab serve` output tok/s over offline `LLM.generate` on the
 same 64 requests (32 prompt + 64 output tokens, all at t = 0), the load generator on the same machine. The goal
 is issue 39's: HTTP and streaming cost at most 5% (issue 13's was 15%). The engine-in-a-thread row is a
-reference, held to nothing.
+reference, held to nothing. Where there are two CPUs or more, the engine (offline, and the server's engine process)
+runs on one of its own and the HTTP server and load generator on the others (bench/core_split.py); the note says so.
 The measurement itself is experiments/bench/serving_overhead.py.
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ def run(settings: Settings) -> list[Result]:
         d = overhead.measure(backend, reqs, repeats, threads=settings.threads)
         rows.append(Result(FAMILY, f"{backend}: served / offline output tok/s at saturation", d["served_share"], "x",
                            GOAL, note=f"{d['overhead_us_per_token']:.1f} us of wall time per streamed token; "
-                                      f"{d['served_tok_s']:.0f} vs {d['offline_tok_s']:.0f} tok/s",
+                                      f"{d['served_tok_s']:.0f} vs {d['offline_tok_s']:.0f} tok/s; {d['placement']}",
                            detail=d | {"per_repeat": d["served_share_per_repeat"]}))
     if settings.quick:                       # the same measurement with one flag changed: nothing new to smoke
         return rows
