@@ -21,10 +21,16 @@ FAKE_SERVER = ("import subprocess, sys, time\n"
                "time.sleep(30)\n")
 
 
-def test_one_cpu_is_not_split_and_says_why(monkeypatch):
+def test_no_cpu_left_beside_the_engine_is_not_split_and_says_why(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3})
     split, why = cs.core_split()
-    assert split is None and why == "not pinned: this process may use 1 CPU"
+    assert split is None
+    assert why == "not pinned: this process may use 1 CPU(s), none left beside the engine's 1 thread(s)"
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {2, 5, 7})
+    assert cs.core_split(engine_threads=3)[0] is None
+    split, why = cs.core_split(engine_threads=2)
+    assert split.engine == {2, 5} and split.front == {7}
+    assert why == "engine on CPU 2,5, HTTP server and load generator on CPU 7"
 
 
 @two_cpus

@@ -1,9 +1,10 @@
 """Which CPUs the served-against-offline benchmark gives to whom: the engine (the server's engine process, and the
-offline `LLM` in the benchmark's own process) gets the first allowed CPU to itself; the HTTP server and the load
+offline `LLM` in the benchmark's own process) gets the first allowed CPUs to itself, one per torch thread; the HTTP
+server and the load
 generator share the others, as a client on another machine and a front end beside the engine would. Left to the OS
 on a two-core machine, the load generator and the HTTP server run on the engine's core part of the time, and the
-served run pays for the client's work as well as for serving. Linux only (`sched_setaffinity`, /proc); with one
-CPU, or no /proc, nothing is pinned and the reason is returned instead.
+served run pays for the client's work as well as for serving. Linux only (`sched_setaffinity`, /proc); with no CPU
+left beside the engine's, or no /proc, nothing is pinned and the reason is returned instead.
 """
 from __future__ import annotations
 
@@ -25,14 +26,15 @@ class CoreSplit:
         return f"engine on CPU {_cpus(self.engine)}, HTTP server and load generator on CPU {_cpus(self.front)}"
 
 
-def core_split() -> tuple[CoreSplit | None, str]:
-    """The split, or None and why not."""
+def core_split(engine_threads: int = 1) -> tuple[CoreSplit | None, str]:
+    """The split (the engine's torch threads get a CPU each), or None and why not."""
     if not hasattr(os, "sched_setaffinity") or not Path("/proc/self/task").is_dir():
         return None, "not pinned: no sched_setaffinity or /proc here"
     allowed = frozenset(os.sched_getaffinity(0))
-    if len(allowed) < 2:
-        return None, f"not pinned: this process may use {len(allowed)} CPU"
-    engine = frozenset({min(allowed)})
+    if len(allowed) <= engine_threads:
+        return None, (f"not pinned: this process may use {len(allowed)} CPU(s), none left beside the engine's "
+                      f"{engine_threads} thread(s)")
+    engine = frozenset(sorted(allowed)[:engine_threads])
     split = CoreSplit(engine, allowed - engine, allowed)
     return split, split.describe()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import statistics
 import time
 from typing import Any
@@ -22,6 +23,8 @@ from kvlab.experiments.bench.perf.harness import interleaved, paired_ratios
 from kvlab.experiments.loadgen.client import Target, run_load
 from kvlab.experiments.loadgen.datasets import LoadRequest, build
 from kvlab.experiments.loadgen.sweep import kvlab_server
+
+log = logging.getLogger("kvlab.bench")
 
 
 def workload(num_prompts: int = 64, input_len: int = 32, output_len: int = 64, seed: int = 0) -> list[LoadRequest]:
@@ -58,7 +61,7 @@ def measure(backend: str, reqs: list[LoadRequest], repeats: int, engine_thread: 
     """`pin`: the engine on a CPU of its own, offline and served alike (bench/core_split.py)."""
     flags = ["--threads", str(threads)] + (["--engine-thread"] if engine_thread else [])
     tokens: dict[str, list[int]] = {"offline": [], "served": []}
-    split, placement = core_split() if pin else (None, "not pinned: --no-pin")
+    split, placement = core_split(threads) if pin else (None, "not pinned: --no-pin")
     with LLM(model="tiny", backend=backend, threads=threads) as llm, kvlab_server(backend, "tiny", flags) as url:
         offline_run(llm, reqs[:4], [])()                                 # warm-up, both sides
         served_run(url, reqs[:4], [])()
@@ -68,6 +71,8 @@ def measure(backend: str, reqs: list[LoadRequest], repeats: int, engine_thread: 
                    "served": on_cpus(fns["served"], split.front, split.everything)}
         elif split is not None:
             placement = "not pinned: the benchmark's server was not found among this process's children"
+        if pin and placement.startswith("not pinned"):
+            log.warning("serving_overhead: %s", placement)
         timings = interleaved(fns, repeats)
     counts = set(tokens["offline"]) | set(tokens["served"])
     if len(counts) != 1:
@@ -76,8 +81,7 @@ def measure(backend: str, reqs: list[LoadRequest], repeats: int, engine_thread: 
     t_off, t_srv = timings["offline"].median, timings["served"].median
     shares = paired_ratios(timings["offline"], timings["served"])["per_repeat"]     # offline s / served s
     return {"backend": backend, "engine": "thread" if engine_thread else "process", "placement": placement,
-            "output_tokens": n,
-            "repeats": repeats, "offline_s": t_off, "served_s": t_srv, "offline_tok_s": n / t_off,
+            "output_tokens": n, "repeats": repeats, "offline_s": t_off, "served_s": t_srv, "offline_tok_s": n / t_off,
             "served_tok_s": n / t_srv, "served_share": t_off / t_srv,
             "served_share_per_repeat": shares, "served_share_median_of_pairs": statistics.median(shares),
             "overhead_us_per_token": (t_srv - t_off) / n * 1e6}
