@@ -2,6 +2,7 @@
 its own, the HTTP server and the load generator on the others."""
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -70,3 +71,14 @@ def test_a_server_goes_to_the_front_cpus_and_its_engine_to_the_engine_cpu():
             os.kill(engine, 9)
         server.kill()
         server.wait(timeout=10)
+
+
+def test_runs_stay_unpinned_and_say_why_when_there_is_no_server_to_pin(caplog):
+    offline, served = (lambda: 1.0), (lambda: 2.0)
+    with caplog.at_level(logging.WARNING, logger="kvlab.bench"):
+        got_offline, got_served, placement = cs.placed(offline, served, engine_threads=1, engine_thread=False)
+    if len(ALLOWED) < 2:
+        assert placement.startswith("not pinned: this process may use")
+    else:
+        assert placement == "not pinned: the benchmark's server was not found among this process's children"
+    assert (got_offline, got_served) == (offline, served) and placement in caplog.text

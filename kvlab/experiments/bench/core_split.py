@@ -1,18 +1,20 @@
 """Which CPUs the served-against-offline benchmark gives to whom: the engine (the server's engine process, and the
 offline `LLM` in the benchmark's own process) gets the first allowed CPUs to itself, one per torch thread; the HTTP
-server and the load
-generator share the others, as a client on another machine and a front end beside the engine would. Left to the OS
-on a two-core machine, the load generator and the HTTP server run on the engine's core part of the time, and the
-served run pays for the client's work as well as for serving. Linux only (`sched_setaffinity`, /proc); with no CPU
-left beside the engine's, or no /proc, nothing is pinned and the reason is returned instead.
+server and the load generator share the others, as a client on another machine and a front end beside the engine
+would. Left to the OS on a two-core machine, the load generator and the HTTP server run on the engine's core part of
+the time, and the served run pays for the client's work as well as for serving. Linux only (`sched_setaffinity`,
+/proc); with no CPU left beside the engine's, or no /proc, nothing is pinned and the reason is given instead.
 """
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+log = logging.getLogger("kvlab.bench")
+Runner = Callable[[], float]       # one timed run, returning its seconds
 SERVE_ARGV = b"kvlab.experiments.cli.main\0serve\0"   # how experiments/serve/process.py starts a server
 
 
@@ -73,7 +75,20 @@ def pin_servers(split: CoreSplit, engine_thread: bool = False) -> int:
     return len(servers)
 
 
-def on_cpus(fn: Callable[[], float], cpus: frozenset[int], everything: frozenset[int]) -> Callable[[], float]:
+def placed(offline: Runner, served: Runner, engine_threads: int, engine_thread: bool) -> tuple[Runner, Runner, str]:
+    """The two runs with their CPUs (this process's `kvlab serve` pinned now), and where they run; unpinned runs,
+    the reason logged, when there is no split or no server to pin."""
+    split, placement = core_split(engine_threads)
+    if split is not None and pin_servers(split, engine_thread) != 1:
+        split, placement = None, "not pinned: the benchmark's server was not found among this process's children"
+    if split is None:
+        log.warning("serving bench: %s", placement)
+        return offline, served, placement
+    return (on_cpus(offline, split.engine, split.everything), on_cpus(served, split.front, split.everything),
+            placement)
+
+
+def on_cpus(fn: Runner, cpus: frozenset[int], everything: frozenset[int]) -> Runner:
     """`fn` run with this whole process on `cpus`, then back on `everything`."""
     def run() -> float:
         pin_process(os.getpid(), cpus)

@@ -11,20 +11,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import statistics
 import time
 from typing import Any
 
 from kvlab.common.llm import LLM
 from kvlab.common.sampling_params import SamplingParams
-from kvlab.experiments.bench.core_split import core_split, on_cpus, pin_servers
+from kvlab.experiments.bench.core_split import placed
 from kvlab.experiments.bench.perf.harness import interleaved, paired_ratios
 from kvlab.experiments.loadgen.client import Target, run_load
 from kvlab.experiments.loadgen.datasets import LoadRequest, build
 from kvlab.experiments.loadgen.sweep import kvlab_server
-
-log = logging.getLogger("kvlab.bench")
 
 
 def workload(num_prompts: int = 64, input_len: int = 32, output_len: int = 64, seed: int = 0) -> list[LoadRequest]:
@@ -61,19 +58,14 @@ def measure(backend: str, reqs: list[LoadRequest], repeats: int, engine_thread: 
     """`pin`: the engine on a CPU of its own, offline and served alike (bench/core_split.py)."""
     flags = ["--threads", str(threads)] + (["--engine-thread"] if engine_thread else [])
     tokens: dict[str, list[int]] = {"offline": [], "served": []}
-    split, placement = core_split(threads) if pin else (None, "not pinned: --no-pin")
     with LLM(model="tiny", backend=backend, threads=threads) as llm, kvlab_server(backend, "tiny", flags) as url:
         offline_run(llm, reqs[:4], [])()                                 # warm-up, both sides
         served_run(url, reqs[:4], [])()
-        fns = {"offline": offline_run(llm, reqs, tokens["offline"]), "served": served_run(url, reqs, tokens["served"])}
-        if split is not None and pin_servers(split, engine_thread) == 1:
-            fns = {"offline": on_cpus(fns["offline"], split.engine, split.everything),
-                   "served": on_cpus(fns["served"], split.front, split.everything)}
-        elif split is not None:
-            placement = "not pinned: the benchmark's server was not found among this process's children"
-        if pin and placement.startswith("not pinned"):
-            log.warning("serving_overhead: %s", placement)
-        timings = interleaved(fns, repeats)
+        offline, served = offline_run(llm, reqs, tokens["offline"]), served_run(url, reqs, tokens["served"])
+        placement = "not pinned: --no-pin"
+        if pin:
+            offline, served, placement = placed(offline, served, threads, engine_thread)
+        timings = interleaved({"offline": offline, "served": served}, repeats)
     counts = set(tokens["offline"]) | set(tokens["served"])
     if len(counts) != 1:
         raise RuntimeError(f"offline and served runs made different token counts: {tokens}")

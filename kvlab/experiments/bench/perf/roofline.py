@@ -25,7 +25,6 @@ FAMILY = "roofline"
 GOAL = Goal(">=", 0.6)
 GOAL_BATCH = 16
 PROMPT_LEN = 16
-BLOCK_TOKENS = 16     # paged's default block
 
 
 def matmul_weights(model) -> list[torch.Tensor]:
@@ -96,15 +95,11 @@ def plan(settings: Settings) -> list[tuple[str, tuple[int, ...]]]:
     return [("paged", (1, GOAL_BATCH, 32)), ("vmm", (GOAL_BATCH,))]
 
 
-def unit_options(backend: str, model) -> dict[str, int]:
-    """The backend's unit sized to hold what a paged block holds (as `kvlab bench` sizes them), not vmm's 64 KiB
+def fair_units(llm) -> dict[str, int]:
+    """Every backend's unit holding what this LLM's paged block holds (as `kvlab bench` sizes them), not vmm's 64 KiB
     default: a page of tiny's would hold 128 tokens, more than a whole sequence here."""
-    from kvlab.common.kv.registry import fair_units, get_backend
-    spec = get_backend(backend)
-    c = model.config
-    token_bytes = c.num_kv_heads * c.head_dim * model.dtype.itemsize
-    field = spec.unit_field()
-    return {} if field is None else {field.name: fair_units([spec], BLOCK_TOKENS, token_bytes)[field.name]}
+    from kvlab.experiments.bench.units import fair_unit_defaults
+    return fair_unit_defaults(llm.config, llm.engine.runner.model.kv_shape().bytes_per_token_per_layer)
 
 
 def run(settings: Settings) -> list[Result]:
@@ -113,13 +108,12 @@ def run(settings: Settings) -> list[Result]:
     short, long = (2, 6) if settings.quick else (8, 40)
     repeats = min(settings.repeats, 5)
     for name in models(settings):
-        model = None                                  # the first LLM's, to size the next one's unit
+        units: dict[str, int] = {}                    # from the first LLM on (paged's own block is the unit)
         for backend, batches in plan(settings):
-            units = {} if model is None else unit_options(backend, model)
             llm = LLM(name, backend=backend, max_num_seqs=max(batches), max_model_len=PROMPT_LEN + long + 8,
                       threads=settings.threads, seed=settings.seed, **units)
             try:
-                model = llm.engine.runner.model
+                units = units or fair_units(llm)
                 rows += [row(llm, name, backend, batch, short, long, repeats, settings.threads) for batch in batches]
             finally:
                 llm.close()
